@@ -1,0 +1,19 @@
+"""Pure-Python schedule core. Imports no torch, numpy or matplotlib (plots import
+matplotlib lazily)."""
+
+from .costs import CostModel
+from .ir import (BW, B, F, W, Op, OpKind, Schedule, ScheduleError, loop_placement, op_kind,
+                 register_op_kind, v_placement)
+from .passes import insert_comm
+from .registry import (ScheduleInfo, ScheduleRequest, build_schedule, parse_memory_budget,
+                       register_schedule, schedule_info, schedule_names)
+from .simulate import DeadlockError, SimResult, simulate
+from .validate import ValidationError, register_check, validate
+
+__all__ = [
+    "BW", "B", "F", "W", "Op", "OpKind", "Schedule", "ScheduleError", "loop_placement", "op_kind",
+    "register_op_kind", "v_placement", "insert_comm", "ScheduleInfo", "ScheduleRequest",
+    "build_schedule", "parse_memory_budget", "register_schedule", "schedule_info", "schedule_names",
+    "DeadlockError", "SimResult", "simulate", "ValidationError", "register_check", "validate",
+    "CostModel",
+]

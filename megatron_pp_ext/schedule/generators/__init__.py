@@ -1,0 +1,3 @@
+"""Built-in schedule generators; importing this package registers them all."""
+
+from . import loop, vshape, dualpipev  # noqa: F401

@@ -1,0 +1,1 @@
+"""DualPipeV (placeholder until its generator lands)."""

@@ -1,0 +1,273 @@
+"""Schedule intermediate representation: op kinds, ops, placements and schedules.
+
+The IR is deliberately small and torch-free. A schedule is an ordered list of ops per
+pipeline rank plus a placement (stage -> rank). What an op *means* (what it needs, what it
+produces, how long it takes, how much memory it holds) is not hard-coded here: it lives in
+the :class:`OpKind` registered for it, so feature packages (offload, vocabulary
+parallelism, BPipe) add kinds without touching the simulator or the validator.
+
+Data keys: an op consumes and produces *keys* ``(tag, stage, microbatch)``:
+``("act", s, m)`` is the output activation of stage ``s``; ``("grad", s, m)`` is the
+gradient w.r.t. the input of stage ``s``; ``("wgrad", s, m)`` marks the weight gradient as
+accumulated. A key produced on another rank than the consumer's crosses the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+Key = tuple  # (tag: str, stage: int, microbatch: int)
+
+
+class ScheduleError(ValueError):
+    """A schedule or a request for one is invalid; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One action of one rank: ``kind`` on ``stage`` for ``microbatch``.
+
+    ``peer`` is the other rank of a communication op (None for compute ops).
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    rank: int
+    peer: int | None = None
+
+    def __str__(self) -> str:  # e.g. "3F7", "0SEND_F2->1"
+        s = f"{self.stage}{self.kind}{self.microbatch}"
+        return s if self.peer is None else f"{s}{'->' if self.kind.startswith('SEND') else '<-'}{self.peer}"
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "stage": self.stage, "microbatch": self.microbatch, "rank": self.rank}
+        if self.peer is not None:
+            d["peer"] = self.peer
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Op":
+        return Op(d["kind"], int(d["stage"]), int(d["microbatch"]), int(d["rank"]), d.get("peer"))
+
+
+def _no_keys(op: Op, sched: "Schedule") -> tuple:
+    return ()
+
+
+def _zero(cost, op: Op) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """Semantics of an op kind, looked up by name from the registry.
+
+    category: "compute" (occupies the rank's compute stream), "comm" (point-to-point,
+    matched between ranks), or any stream name a feature defines (e.g. "d2h").
+    requires/produces: data keys (see module doc). duration/memory: from the cost model.
+    """
+
+    name: str
+    category: str
+    description: str
+    requires: Callable[[Op, "Schedule"], tuple] = _no_keys
+    produces: Callable[[Op, "Schedule"], tuple] = _no_keys
+    duration: Callable[[object, Op], float] = _zero
+    memory: Callable[[object, Op], float] = _zero
+
+
+_KINDS: dict[str, OpKind] = {}
+
+
+def register_op_kind(kind: OpKind, *, replace: bool = False) -> OpKind:
+    """Add an op kind to the registry (features call this at import time)."""
+    if kind.name in _KINDS and not replace and _KINDS[kind.name] != kind:
+        raise ScheduleError(f"op kind {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def op_kind(name: str) -> OpKind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ScheduleError(f"unknown op kind {name!r}; registered: {', '.join(sorted(_KINDS))}") from None
+
+
+def op_kinds() -> dict[str, OpKind]:
+    return dict(_KINDS)
+
+
+# --- the built-in compute kinds -------------------------------------------------------
+
+def _fwd_requires(op: Op, sched: "Schedule") -> tuple:
+    return (("act", op.stage - 1, op.microbatch),) if op.stage > 0 else ()
+
+
+def _bwd_requires(op: Op, sched: "Schedule") -> tuple:
+    own = ("act", op.stage, op.microbatch)
+    if op.stage < sched.num_stages - 1:
+        return (own, ("grad", op.stage + 1, op.microbatch))
+    return (own,)
+
+
+F = register_op_kind(OpKind(
+    "F", "compute", "forward of one stage for one microbatch",
+    requires=_fwd_requires,
+    produces=lambda op, s: (("act", op.stage, op.microbatch),),
+    duration=lambda c, op: c.t_f[op.stage],
+    memory=lambda c, op: c.act[op.stage],
+))
+B = register_op_kind(OpKind(
+    "B", "compute", "backward for inputs (activation gradient) only",
+    requires=_bwd_requires,
+    produces=lambda op, s: (("grad", op.stage, op.microbatch),),
+    duration=lambda c, op: c.t_b[op.stage],
+    memory=lambda c, op: -c.act[op.stage] * (1.0 - c.w_fraction),
+))
+W = register_op_kind(OpKind(
+    "W", "compute", "backward for weights, deferred from its B",
+    requires=lambda op, s: (("grad", op.stage, op.microbatch),),
+    produces=lambda op, s: (("wgrad", op.stage, op.microbatch),),
+    duration=lambda c, op: c.t_w[op.stage],
+    memory=lambda c, op: -c.act[op.stage] * c.w_fraction,
+))
+BW = register_op_kind(OpKind(
+    "BW", "compute", "full backward (inputs and weights together)",
+    requires=_bwd_requires,
+    produces=lambda op, s: (("grad", op.stage, op.microbatch), ("wgrad", op.stage, op.microbatch)),
+    duration=lambda c, op: c.t_b[op.stage] + c.t_w[op.stage],
+    memory=lambda c, op: -c.act[op.stage],
+))
+
+# Communication kinds. SEND_F(s, m) sends the output of F(s, m) to the rank of stage s+1;
+# RECV_F(s, m) receives the input of F(s, m) from the rank of stage s-1. SEND_B(s, m) sends
+# the input gradient made by B(s, m) to stage s-1; RECV_B(s, m) receives the gradient that
+# B(s, m) needs from stage s+1.
+SEND_F = register_op_kind(OpKind(
+    "SEND_F", "comm", "send a forward activation to the next stage",
+    requires=lambda op, s: (("act", op.stage, op.microbatch),),
+))
+RECV_F = register_op_kind(OpKind(
+    "RECV_F", "comm", "receive a forward activation from the previous stage",
+    produces=lambda op, s: (("act", op.stage - 1, op.microbatch),),
+))
+SEND_B = register_op_kind(OpKind(
+    "SEND_B", "comm", "send an input gradient to the previous stage",
+    requires=lambda op, s: (("grad", op.stage, op.microbatch),),
+))
+RECV_B = register_op_kind(OpKind(
+    "RECV_B", "comm", "receive an output gradient from the next stage",
+    produces=lambda op, s: (("grad", op.stage + 1, op.microbatch),),
+))
+
+#: send kind -> (matching receive kind, stage offset of the receiver)
+COMM_PAIRS: dict[str, tuple[str, int]] = {"SEND_F": ("RECV_F", +1), "SEND_B": ("RECV_B", -1)}
+
+
+def register_comm_pair(send: str, recv: str, stage_offset: int) -> None:
+    """Declare that ``send`` on stage s is received by ``recv`` on stage s+offset."""
+    COMM_PAIRS[send] = (recv, stage_offset)
+
+
+def matching_recv(op: Op) -> tuple[str, int, int]:
+    """(kind, stage, microbatch) of the receive that matches send ``op``."""
+    recv, off = COMM_PAIRS[op.kind]
+    return recv, op.stage + off, op.microbatch
+
+
+# --- placements ------------------------------------------------------------------------
+
+def loop_placement(p: int, v: int = 1) -> tuple[int, ...]:
+    """Stage s on rank s mod p (1F1B, interleaved 1F1B, ZB-H1/H2)."""
+    return tuple(s % p for s in range(p * v))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: rank r holds stages r and 2p-1-r."""
+    return tuple(range(p)) + tuple(reversed(range(p)))
+
+
+def placement_kind(placement: Sequence[int]) -> str:
+    p = max(placement) + 1
+    if tuple(placement) == v_placement(p):
+        return "v"
+    if tuple(placement) == loop_placement(p, len(placement) // p):
+        return "loop"
+    return "custom"
+
+
+# --- schedule --------------------------------------------------------------------------
+
+@dataclass
+class Schedule:
+    """Ordered op lists per rank plus a placement. ``meta`` holds generator details."""
+
+    name: str
+    num_microbatches: int
+    placement: tuple[int, ...]
+    ops: list[list[Op]]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.placement = tuple(int(r) for r in self.placement)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ops)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Stages held by ``rank`` in chunk order (chunk 0 first)."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def chunk_of(self, stage: int) -> int:
+        return self.stages_of(self.placement[stage]).index(stage)
+
+    def rank_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def all_ops(self) -> Iterator[Op]:
+        for rank_ops in self.ops:
+            yield from rank_ops
+
+    def compute_ops(self, rank: int) -> list[Op]:
+        return [op for op in self.ops[rank] if op_kind(op.kind).category == "compute"]
+
+    def has_comm(self) -> bool:
+        return any(op_kind(op.kind).category == "comm" for op in self.all_ops())
+
+    def without(self, categories: Iterable[str]) -> "Schedule":
+        """A copy without the ops of the given categories (e.g. drop comm for plotting)."""
+        cats = set(categories)
+        ops = [[op for op in r if op_kind(op.kind).category not in cats] for r in self.ops]
+        return Schedule(self.name, self.num_microbatches, self.placement, ops, dict(self.meta))
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "megatron_pp_ext.schedule/1",
+            "name": self.name,
+            "num_microbatches": self.num_microbatches,
+            "placement": list(self.placement),
+            "meta": self.meta,
+            "ops": [[op.to_dict() for op in r] for r in self.ops],
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "Schedule":
+        if d.get("format", "").split("/")[0] != "megatron_pp_ext.schedule":
+            raise ScheduleError("not a megatron_pp_ext schedule JSON (missing 'format' field)")
+        return Schedule(d["name"], int(d["num_microbatches"]), tuple(d["placement"]),
+                        [[Op.from_dict(o) for o in r] for r in d["ops"]], dict(d.get("meta", {})))
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(str(o) for o in ops) for r, ops in enumerate(self.ops))

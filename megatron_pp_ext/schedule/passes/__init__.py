@@ -1,0 +1,6 @@
+"""Schedule passes: functions Schedule -> Schedule that add ops (communication, and the
+offload / vocabulary / BPipe ops of the feature packages)."""
+
+from .comm import insert_comm
+
+__all__ = ["insert_comm"]

@@ -1,0 +1,148 @@
+"""Registry of schedule generators, looked up by name (``--schedule NAME``).
+
+A generator is a function ``ScheduleRequest -> Schedule`` registered with
+:func:`register_schedule`. Later features and users add their own the same way; nothing
+dispatches on names elsewhere. :func:`build_schedule` is the one entry point: it resolves the
+request, runs the generator, inserts communication (optionally) and validates the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .costs import CostModel
+from .ir import Schedule, ScheduleError
+from .passes.comm import insert_comm
+from .validate import validate
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """What the user asked for, independent of the generator.
+
+    ``costs`` is either per-rank ``(F, B, W, COMM)`` times (spread evenly over the chunks of a
+    rank) or a full per-stage :class:`CostModel` for the generator's stage count.
+    ``memory_budget`` is in activation units per rank (see costs.py), or None for the
+    schedule's natural memory.
+    """
+
+    pp: int
+    microbatches: int
+    chunks: int = 1
+    costs: tuple[float, float, float, float] | CostModel = (1.0, 1.0, 1.0, 0.0)
+    memory_budget: float | None = None
+    options: dict = field(default_factory=dict)
+
+    def cost_model(self, num_stages: int, chunks_per_rank: int) -> CostModel:
+        if isinstance(self.costs, CostModel):
+            if self.costs.num_stages != num_stages:
+                raise ScheduleError(f"the cost model has {self.costs.num_stages} stages but this schedule has "
+                                    f"{num_stages} ({chunks_per_rank} chunks x {self.pp} ranks); "
+                                    "give per-stage costs for that many stages")
+            return self.costs
+        return CostModel.from_spec(list(self.costs), num_stages, chunks_per_rank)
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    name: str
+    generate: Callable[[ScheduleRequest], Schedule]
+    description: str
+    placement: str                  # "loop" or "v"
+    chunks: int | None = None       # fixed chunk count (V family: 2); None: request.chunks
+    split_backward: bool = False    # uses B/W split
+    uses_budget: bool = False       # honours --memory-budget
+
+    def chunks_for(self, request: ScheduleRequest) -> int:
+        return self.chunks if self.chunks is not None else request.chunks
+
+
+_SCHEDULES: dict[str, ScheduleInfo] = {}
+
+
+def register_schedule(name: str, *, description: str, placement: str = "loop", chunks: int | None = None,
+                      split_backward: bool = False, uses_budget: bool = False) -> Callable:
+    """Decorator registering a generator under ``name``."""
+    def deco(fn: Callable[[ScheduleRequest], Schedule]) -> Callable:
+        if name in _SCHEDULES and _SCHEDULES[name].generate is not fn:
+            raise ScheduleError(f"schedule {name!r} is already registered")
+        _SCHEDULES[name] = ScheduleInfo(name, fn, description, placement, chunks, split_backward, uses_budget)
+        return fn
+    return deco
+
+
+def schedule_names() -> list[str]:
+    _load_builtin()
+    return list(_SCHEDULES)
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    _load_builtin()
+    try:
+        return _SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r} (--schedule); available: {', '.join(_SCHEDULES)}") from None
+
+
+def _load_builtin() -> None:
+    from . import generators  # noqa: F401  (registers the built-in schedules)
+
+
+def parse_memory_budget(value: str | float | None, pp: int) -> float | None:
+    """``--memory-budget``: units of one microbatch's activation on one rank (``4``, ``2.5``),
+    or a fraction of 1F1B's peak of ``pp`` units (``0.5x`` or ``50%``)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        units = float(value)
+    else:
+        text = value.strip().lower()
+        try:
+            if text.endswith("x"):
+                units = float(text[:-1]) * pp
+            elif text.endswith("%"):
+                units = float(text[:-1]) / 100.0 * pp
+            else:
+                units = float(text)
+        except ValueError:
+            raise ScheduleError(f"--memory-budget {value!r}: give units (e.g. 4) or a fraction of 1F1B "
+                                "(e.g. 0.5x or 50%)") from None
+    if units <= 0:
+        raise ScheduleError(f"--memory-budget {value!r} must be positive")
+    return units
+
+
+def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
+                   costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0),
+                   memory_budget: float | str | None = None, with_comm: bool = False,
+                   options: dict | None = None) -> tuple[Schedule, CostModel]:
+    """Generate, (optionally) insert send/recv, validate. Returns the schedule and its cost model."""
+    info = schedule_info(name)
+    if pp < 1:
+        raise ScheduleError(f"--pp {pp}: need at least one pipeline rank")
+    if microbatches < 1:
+        raise ScheduleError(f"--microbatches {microbatches}: need at least one microbatch")
+    if chunks < 1:
+        raise ScheduleError(f"--chunks {chunks}: need at least one chunk per rank")
+    if info.chunks is not None and chunks not in (1, info.chunks):
+        raise ScheduleError(f"schedule {name!r} always uses {info.chunks} chunks per rank; drop --chunks {chunks}")
+    budget = parse_memory_budget(memory_budget, pp)
+    if budget is not None and not info.uses_budget:
+        raise ScheduleError(f"schedule {name!r} has a fixed memory footprint and ignores --memory-budget; "
+                            "use v-budget (or zb-h1/zbv, whose budgets are automatic) for a memory target")
+    costs_t: Sequence[float] | CostModel = costs if isinstance(costs, CostModel) else tuple(float(c) for c in costs)
+    if not isinstance(costs_t, CostModel) and len(costs_t) == 3:
+        costs_t = tuple(costs_t) + (0.0,)
+    request = ScheduleRequest(pp, microbatches, info.chunks_for(ScheduleRequest(pp, microbatches, chunks)),
+                              costs_t, budget, dict(options or {}))
+    v = request.chunks
+    cost = request.cost_model(pp * v, v)
+    sched = info.generate(request)
+    sched.meta.setdefault("schedule", name)
+    if budget is not None:
+        sched.meta["memory_budget"] = budget
+    if with_comm:
+        sched = insert_comm(sched, cost)
+    validate(sched, cost, memory_budget=budget)
+    return sched, cost

@@ -1,0 +1,262 @@
+"""Event simulation of a schedule under a cost model.
+
+One simulator serves the generators, the validator, the tests, the planner and the
+reports. Each rank executes its op list in order. Ops run on per-rank streams named by
+their kind's category ("compute", or a feature's stream such as "d2h"); an op starts when
+its stream is free, the op before it in the list has started, and the data keys it needs
+are available on its rank.
+
+Two models of communication:
+- *Compute-only schedules* (no comm ops): a key produced on another rank arrives
+  ``comm`` time units after its producer ends (recvs are assumed to be posted early).
+- *Schedules with send/recv ops*: consecutive comm ops of a rank form one batch (as
+  ``batch_isend_irecv`` issues them); the batch blocks the rank's compute stream until every
+  op in it is matched by its partner *posted* on the peer rank, then ``comm`` more. A rank
+  that can never proceed is a deadlock, reported with what every rank waits for.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .costs import CostModel
+from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, matching_recv, op_kind
+
+
+class DeadlockError(ScheduleError):
+    """The schedule cannot run to the end: some rank waits forever."""
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]                      # compute time per rank
+    peak_memory: list[float]               # activation units per rank
+    memory_timeline: list[list[tuple[float, float]]]  # per rank: (time, units after change)
+    times: dict[Op, tuple[float, float]]   # op -> (start, end)
+    messages: list[int]                    # p2p messages sent per rank
+    comm_wait: list[float] = field(default_factory=list)  # compute-stream time blocked in comm batches
+    bytes_per_unit: float | None = None
+    bytes_per_message: float | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.busy)
+
+    @property
+    def bubble_rates(self) -> list[float]:
+        return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
+
+    @property
+    def bubble_rate(self) -> float:
+        """Bubble of the busiest rank (REFERENCE §1)."""
+        return 1.0 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
+
+    @property
+    def max_peak_memory(self) -> float:
+        return max(self.peak_memory)
+
+    @property
+    def peak_memory_bytes(self) -> list[float] | None:
+        if self.bytes_per_unit is None:
+            return None
+        return [m * self.bytes_per_unit for m in self.peak_memory]
+
+    @property
+    def comm_bytes(self) -> list[float] | None:
+        if self.bytes_per_message is None:
+            return None
+        return [n * self.bytes_per_message for n in self.messages]
+
+    def to_dict(self) -> dict:
+        d = {
+            "makespan": self.makespan,
+            "bubble_rate": self.bubble_rate,
+            "bubble_rate_per_rank": self.bubble_rates,
+            "busy_per_rank": self.busy,
+            "peak_memory": self.peak_memory,
+            "max_peak_memory": self.max_peak_memory,
+            "messages_per_rank": self.messages,
+        }
+        if self.peak_memory_bytes is not None:
+            d["peak_memory_bytes"] = self.peak_memory_bytes
+        if self.comm_bytes is not None:
+            d["comm_bytes_per_rank"] = self.comm_bytes
+        if self.comm_wait:
+            d["comm_wait_per_rank"] = self.comm_wait
+        return d
+
+
+def _round(x: float) -> float:
+    # Keep float noise from deciding orderings or peaks.
+    return round(x, 9)
+
+
+def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
+    """Run ``schedule`` under ``cost``. Raises DeadlockError / ScheduleError when it cannot run."""
+    if cost.num_stages != schedule.num_stages:
+        raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
+    p = schedule.num_ranks
+    with_comm = schedule.has_comm()
+    placement = schedule.placement
+
+    # Pre-resolve kinds once: (op, spec, requires, produces, duration, memory).
+    plans = []
+    for r, rank_ops in enumerate(schedule.ops):
+        lst = []
+        for op in rank_ops:
+            spec = op_kind(op.kind)
+            lst.append((op, spec.category, spec.requires(op, schedule), spec.produces(op, schedule),
+                        spec.duration(cost, op), spec.memory(cost, op)))
+        plans.append(lst)
+
+    # ready[(key, rank)] -> time the key is available on that rank
+    ready: dict[tuple, float] = {}
+    # For compute-only schedules: where each key is produced, to add latency on other ranks.
+    produced_at: dict[tuple, tuple[int, float]] = {}
+    ptr = [0] * p
+    last_start = [0.0] * p
+    stream_free: list[dict[str, float]] = [defaultdict(float) for _ in range(p)]
+    busy = [0.0] * p
+    messages = [0] * p
+    comm_wait = [0.0] * p
+    times: dict[Op, tuple[float, float]] = {}
+    mem_events: list[list[tuple[float, int, float]]] = [[] for _ in range(p)]
+    # Comm batches: posted[(rank, kind, stage, mb)] = post time, for matching.
+    posted: dict[tuple, float] = {}
+    current_batch: list[tuple[int, int, float] | None] = [None] * p  # (start, end, post time)
+
+    def key_time(key: tuple, rank: int) -> float | None:
+        t = ready.get((key, rank))
+        if t is not None or with_comm:
+            return t
+        src = produced_at.get(key)
+        if src is None:
+            return None
+        return src[1] + (cost.comm if src[0] != rank else 0.0)
+
+    def step_compute(r: int) -> bool:
+        op, cat, req, prod, dur, mem = plans[r][ptr[r]]
+        t = max(stream_free[r][cat], last_start[r])
+        for key in req:
+            kt = key_time(key, r)
+            if kt is None:
+                return False
+            if kt > t:
+                t = kt
+        t = _round(t)
+        end = _round(t + dur)
+        times[op] = (t, end)
+        stream_free[r][cat] = end
+        last_start[r] = t
+        if cat == "compute":
+            busy[r] += dur
+        for key in prod:
+            ready[(key, r)] = end
+            if not with_comm:
+                produced_at[key] = (r, end)
+                if key[0] in ("act", "grad"):
+                    consumer = key[1] + 1 if key[0] == "act" else key[1] - 1
+                    if 0 <= consumer < len(placement) and placement[consumer] != r:
+                        messages[r] += 1
+        if mem:
+            mem_events[r].append((t if mem > 0 else end, 0 if mem < 0 else 1, mem))
+        ptr[r] += 1
+        return True
+
+    def step_comm(r: int) -> bool:
+        if current_batch[r] is None:
+            start = ptr[r]
+            end = start
+            while end < len(plans[r]) and plans[r][end][1] == "comm":
+                end += 1
+            t_post = max(stream_free[r]["compute"], last_start[r])
+            for i in range(start, end):
+                op, _, req, _, _, _ = plans[r][i]
+                for key in req:  # a send needs its data made on this rank first
+                    kt = ready.get((key, r))
+                    if kt is None:
+                        return False
+                    t_post = max(t_post, kt)
+            t_post = _round(t_post)
+            current_batch[r] = (start, end, t_post)
+            for i in range(start, end):
+                op = plans[r][i][0]
+                posted[(r, op.kind, op.stage, op.microbatch)] = t_post
+        start, end, t_post = current_batch[r]
+        t_done = t_post
+        for i in range(start, end):
+            op = plans[r][i][0]
+            if op.peer is None:
+                raise ScheduleError(f"rank {r}: comm op {op} has no peer")
+            if op.kind in COMM_PAIRS:
+                pk, ps, pm = matching_recv(op)
+            else:
+                pk, ps, pm = _matching_send(op)
+            pt = posted.get((op.peer, pk, ps, pm))
+            if pt is None:
+                return False
+            t_done = max(t_done, pt)
+        t_done = _round(t_done + cost.comm)
+        for i in range(start, end):
+            op, _, _, prod, _, _ = plans[r][i]
+            times[op] = (t_post, t_done)
+            for key in prod:
+                ready[(key, r)] = t_done
+            if op.kind in COMM_PAIRS:
+                messages[r] += 1
+        comm_wait[r] += t_done - t_post
+        stream_free[r]["compute"] = t_done
+        last_start[r] = t_post
+        ptr[r] = end
+        current_batch[r] = None
+        return True
+
+    remaining = sum(len(x) for x in plans)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while ptr[r] < len(plans[r]):
+                before = ptr[r]
+                ok = step_comm(r) if plans[r][ptr[r]][1] == "comm" else step_compute(r)
+                if not ok:
+                    break
+                remaining -= ptr[r] - before
+                progressed = True
+        if not progressed:
+            raise DeadlockError(_deadlock_message(schedule, plans, ptr))
+
+    makespan = max((e for _, e in times.values()), default=0.0)
+    peaks, timelines = [], []
+    for r in range(p):
+        cur, peak, tl = 0.0, 0.0, [(0.0, 0.0)]
+        for t, _, delta in sorted(mem_events[r]):
+            cur = _round(cur + delta)
+            peak = max(peak, cur)
+            tl.append((t, cur))
+        peaks.append(peak)
+        timelines.append(tl)
+    return SimResult(makespan, busy, peaks, timelines, times, messages, comm_wait,
+                     cost.bytes_per_unit, cost.bytes_per_message)
+
+
+def _matching_send(op: Op) -> tuple[str, int, int]:
+    for send, (recv, off) in COMM_PAIRS.items():
+        if recv == op.kind:
+            return send, op.stage - off, op.microbatch
+    raise ScheduleError(f"comm op kind {op.kind!r} is neither a registered send nor a receive")
+
+
+def _deadlock_message(schedule: Schedule, plans, ptr) -> str:
+    lines = [f"schedule {schedule.name!r} deadlocks; each rank waits at:"]
+    for r in range(schedule.num_ranks):
+        if ptr[r] >= len(plans[r]):
+            lines.append(f"  rank {r}: finished")
+            continue
+        op, cat, req, _, _, _ = plans[r][ptr[r]]
+        if cat == "comm":
+            lines.append(f"  rank {r}: comm batch starting with {op} (partner not posted)")
+        else:
+            lines.append(f"  rank {r}: {op} waiting for {', '.join(map(str, req)) or 'nothing'}")
+    return "\n".join(lines)

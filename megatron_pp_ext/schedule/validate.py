@@ -1,0 +1,155 @@
+"""Validator: proves a schedule is complete, causal, deadlock-free and within its budget.
+
+Every generated schedule passes through :func:`validate` before anything runs. Checks:
+1. structure: op ranks agree with the placement; stages and microbatches in range; no
+   duplicates;
+2. completeness: each (stage, microbatch) has one F and either one BW or one B and one W
+   (forward-only schedules: F alone);
+3. communication (when send/recv ops are present): each send has exactly one matching
+   receive on the right peer, every cross-rank input of a compute op is received earlier on
+   its rank, and sends and receives between two ranks come in the same order (NCCL matches
+   them in order);
+4. deadlock: the schedule is executed by the simulator with blocking batches, as a real
+   runtime would block; a rank that can never proceed is reported;
+5. memory: the peak activation of every rank is within ``memory_budget`` (units).
+
+Feature packages register extra checks with :func:`register_check`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Callable
+
+from .costs import CostModel
+from .ir import COMM_PAIRS, Schedule, ScheduleError, matching_recv, op_kind
+from .simulate import SimResult, simulate
+
+_EPS = 1e-9
+_CHECKS: list[Callable[[Schedule, CostModel], None]] = []
+
+
+class ValidationError(ScheduleError):
+    """The schedule breaks a rule; the message lists the first problems found."""
+
+
+def register_check(check: Callable[[Schedule, CostModel], None]) -> Callable:
+    """Add a check run by every :func:`validate` call (raise ValidationError to refuse)."""
+    _CHECKS.append(check)
+    return check
+
+
+def _fail(schedule: Schedule, problems: list[str]) -> None:
+    if problems:
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ValidationError(f"schedule {schedule.name!r} is invalid:\n  " + "\n  ".join(problems[:8]) + more)
+
+
+def check_structure(schedule: Schedule) -> None:
+    problems: list[str] = []
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    if p < 1 or m < 1:
+        _fail(schedule, [f"need at least one rank and one microbatch (ranks={p}, microbatches={m})"])
+    if sorted(set(schedule.placement)) != list(range(p)):
+        problems.append(f"placement {schedule.placement} must use every rank 0..{p - 1}")
+    seen: Counter = Counter()
+    for r, rank_ops in enumerate(schedule.ops):
+        for op in rank_ops:
+            op_kind(op.kind)  # unknown kinds raise
+            if op.rank != r:
+                problems.append(f"op {op} is listed on rank {r} but says rank {op.rank}")
+            if not 0 <= op.stage < S:
+                problems.append(f"op {op}: stage out of range 0..{S - 1}")
+                continue
+            if not 0 <= op.microbatch < m:
+                problems.append(f"op {op}: microbatch out of range 0..{m - 1}")
+            if op_kind(op.kind).category == "compute" and schedule.placement[op.stage] != r:
+                problems.append(f"op {op} runs on rank {r} but stage {op.stage} is placed on rank "
+                                f"{schedule.placement[op.stage]}")
+            seen[(op.kind, op.stage, op.microbatch, op.rank, op.peer)] += 1
+    problems += [f"op {k[1]}{k[0]}{k[2]} appears {n} times on rank {k[3]}" for k, n in seen.items() if n > 1]
+    _fail(schedule, problems)
+
+
+def check_complete(schedule: Schedule) -> None:
+    forward_only = bool(schedule.meta.get("forward_only"))
+    count: Counter = Counter((op.kind, op.stage, op.microbatch) for op in schedule.all_ops())
+    problems = []
+    for s in range(schedule.num_stages):
+        for mb in range(schedule.num_microbatches):
+            if count[("F", s, mb)] != 1:
+                problems.append(f"stage {s} microbatch {mb}: {count[('F', s, mb)]} F ops, need exactly 1")
+            if forward_only:
+                continue
+            nb, nw, nbw = count[("B", s, mb)], count[("W", s, mb)], count[("BW", s, mb)]
+            if not ((nbw == 1 and nb == nw == 0) or (nbw == 0 and nb == nw == 1)):
+                problems.append(f"stage {s} microbatch {mb}: B={nb} W={nw} BW={nbw}; need one BW, "
+                                "or one B and one W")
+    _fail(schedule, problems)
+
+
+def check_comm(schedule: Schedule) -> None:
+    if not schedule.has_comm():
+        return
+    problems: list[str] = []
+    placement = schedule.placement
+    sends: dict[tuple, list] = defaultdict(list)     # (src, dst) -> [(kind, stage, mb) of recv]
+    recvs: dict[tuple, list] = defaultdict(list)
+    recv_set = set()
+    for r, rank_ops in enumerate(schedule.ops):
+        received = set()
+        for op in rank_ops:
+            spec = op_kind(op.kind)
+            if spec.category == "comm":
+                if op.kind in COMM_PAIRS:
+                    rk, rs, rm = matching_recv(op)
+                    if not 0 <= rs < schedule.num_stages:
+                        problems.append(f"rank {r}: {op} sends to a stage that does not exist")
+                        continue
+                    if op.peer != placement[rs]:
+                        problems.append(f"rank {r}: {op} must go to rank {placement[rs]} (stage {rs})")
+                    sends[(r, op.peer)].append((rk, rs, rm))
+                else:
+                    recvs[(op.peer, r)].append((op.kind, op.stage, op.microbatch))
+                    recv_set.add((op.kind, op.stage, op.microbatch, r))
+                    received.update(spec.produces(op, schedule))
+            elif spec.category == "compute":
+                for key in spec.requires(op, schedule):
+                    tag, ks, _ = key
+                    if 0 <= ks < schedule.num_stages and placement[ks] != r and key not in received:
+                        problems.append(f"rank {r}: {op} needs {key} from rank {placement[ks]} "
+                                        "but no receive for it comes earlier on this rank")
+    for chan in set(sends) | set(recvs):
+        if sends[chan] != recvs[chan]:
+            s, d = chan
+            extra_s = set(sends[chan]) - set(recvs[chan])
+            extra_r = set(recvs[chan]) - set(sends[chan])
+            if extra_s or extra_r:
+                problems.append(f"ranks {s}->{d}: unmatched sends {sorted(extra_s)[:3]} / "
+                                f"unmatched receives {sorted(extra_r)[:3]}")
+            else:
+                problems.append(f"ranks {s}->{d}: sends and receives are in different orders "
+                                "(point-to-point matches in order)")
+    _fail(schedule, problems)
+
+
+def validate(schedule: Schedule, cost: CostModel | None = None, *,
+             memory_budget: float | None = None) -> SimResult:
+    """Run every check; return the simulation result (under ``cost``, default uniform)."""
+    check_structure(schedule)
+    check_complete(schedule)
+    check_comm(schedule)
+    if cost is None:
+        cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
+    for check in _CHECKS:
+        check(schedule, cost)
+    result = simulate(schedule, cost)
+    if memory_budget is not None:
+        over = [(r, pk) for r, pk in enumerate(result.peak_memory) if pk > memory_budget + _EPS]
+        if over:
+            r, pk = max(over, key=lambda x: x[1])
+            raise ValidationError(
+                f"schedule {schedule.name!r} needs {pk:g} activation units on rank {r}, over the memory "
+                f"budget of {memory_budget:g} (--memory-budget); raise the budget or pick a schedule with "
+                "less memory (v-half, v-min, v-budget)")
+    return result
