@@ -9,10 +9,16 @@ are available on its rank.
 Two models of communication:
 - *Compute-only schedules* (no comm ops): a key produced on another rank arrives
   ``comm`` time units after its producer ends (recvs are assumed to be posted early).
-- *Schedules with send/recv ops*: consecutive comm ops of a rank form one batch (as
-  ``batch_isend_irecv`` issues them); the batch blocks the rank's compute stream until every
-  op in it is matched by its partner *posted* on the peer rank, then ``comm`` more. A rank
-  that can never proceed is a deadlock, reported with what every rank waits for.
+- *Schedules with send/recv ops*, two models:
+  ``comm_model="eager"`` (timing, the default): a send is posted and the rank goes on; a
+  receive's data arrives ``comm`` after both it and its send are posted, and only the op
+  that consumes it waits. This is how the runtime runs (receives posted early, sends waited
+  for lazily).
+  ``comm_model="blocking"`` (the validator's deadlock proof): consecutive comm ops of a rank
+  form one batch (as ``batch_isend_irecv`` issues them) that blocks the rank until every op
+  in it is matched by its partner *posted* on the peer rank. A schedule that runs under this
+  model runs under any more relaxed one (NCCL or gloo, batched or not).
+A rank that can never proceed is a deadlock, reported with what every rank waits for.
 """
 
 from __future__ import annotations
@@ -93,8 +99,11 @@ def _round(x: float) -> float:
     return round(x, 9)
 
 
-def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
+def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") -> SimResult:
     """Run ``schedule`` under ``cost``. Raises DeadlockError / ScheduleError when it cannot run."""
+    if comm_model not in ("eager", "blocking"):
+        raise ScheduleError(f"comm_model must be 'eager' or 'blocking', got {comm_model!r}")
+    eager = comm_model == "eager"
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
     p = schedule.num_ranks
@@ -126,6 +135,9 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
     # Comm batches: posted[(rank, kind, stage, mb)] = post time, for matching.
     posted: dict[tuple, float] = {}
     current_batch: list[tuple[int, int, float] | None] = [None] * p  # (start, end, post time)
+    # Eager model: a receive and its send, whichever is posted second, fixes the arrival time.
+    waiting_recv: dict[tuple, tuple[int, tuple, float]] = {}   # send id -> (rank, keys, recv post time)
+    posted_send: dict[tuple, float] = {}                       # send id -> send post time
 
     def key_time(key: tuple, rank: int) -> float | None:
         t = ready.get((key, rank))
@@ -165,7 +177,45 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
         ptr[r] += 1
         return True
 
+    def step_comm_eager(r: int) -> bool:
+        op, _, req, prod, _, _ = plans[r][ptr[r]]
+        if op.peer is None:
+            raise ScheduleError(f"rank {r}: comm op {op} has no peer")
+        t_post = max(stream_free[r]["compute"], last_start[r])
+        for key in req:
+            kt = ready.get((key, r))
+            if kt is None:
+                return False
+            t_post = max(t_post, kt)
+        t_post = _round(t_post)
+        if op.kind in COMM_PAIRS:
+            sid = (r, op.kind, op.stage, op.microbatch)
+            messages[r] += 1
+            times[op] = (t_post, t_post)
+            got = waiting_recv.pop(sid, None)
+            if got is not None:
+                rr, keys, t_recv = got
+                for key in keys:
+                    ready[(key, rr)] = _round(max(t_post, t_recv) + cost.comm)
+            else:
+                posted_send[sid] = t_post
+        else:
+            sk, ss, sm = _matching_send(op)
+            sid = (op.peer, sk, ss, sm)
+            t_send = posted_send.pop(sid, None)
+            if t_send is None:
+                waiting_recv[sid] = (r, prod, t_post)
+            else:
+                for key in prod:
+                    ready[(key, r)] = _round(max(t_post, t_send) + cost.comm)
+            times[op] = (t_post, t_post)
+        last_start[r] = t_post
+        ptr[r] += 1
+        return True
+
     def step_comm(r: int) -> bool:
+        if eager:
+            return step_comm_eager(r)
         if current_batch[r] is None:
             start = ptr[r]
             end = start
@@ -227,6 +277,11 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
         if not progressed:
             raise DeadlockError(_deadlock_message(schedule, plans, ptr))
 
+    if eager:  # receive ops end when their data arrives
+        for r in range(p):
+            for op, cat, _, prod, _, _ in plans[r]:
+                if cat == "comm" and prod:
+                    times[op] = (times[op][0], ready[(prod[0], r)])
     makespan = max((e for _, e in times.values()), default=0.0)
     peaks, timelines = [], []
     for r in range(p):

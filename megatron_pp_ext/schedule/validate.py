@@ -9,8 +9,9 @@ Every generated schedule passes through :func:`validate` before anything runs. C
    receive on the right peer, every cross-rank input of a compute op is received earlier on
    its rank, and sends and receives between two ranks come in the same order (NCCL matches
    them in order);
-4. deadlock: the schedule is executed by the simulator with blocking batches, as a real
-   runtime would block; a rank that can never proceed is reported;
+4. deadlock: the schedule is executed by the simulator with blocking batches (each batch
+   waits until its partners are posted: the strictest way a runtime can block); a rank
+   that can never proceed is reported;
 5. memory: the peak activation of every rank is within ``memory_budget`` (units).
 
 Feature packages register extra checks with :func:`register_check`.
@@ -135,7 +136,7 @@ def check_comm(schedule: Schedule) -> None:
 
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
              memory_budget: float | None = None) -> SimResult:
-    """Run every check; return the simulation result (under ``cost``, default uniform)."""
+    """Run every check; return the (eager-communication) simulation under ``cost``, default uniform."""
     check_structure(schedule)
     check_complete(schedule)
     check_comm(schedule)
@@ -143,6 +144,8 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     for check in _CHECKS:
         check(schedule, cost)
+    if schedule.has_comm():
+        simulate(schedule, cost, comm_model="blocking")  # the deadlock proof
     result = simulate(schedule, cost)
     if memory_budget is not None:
         over = [(r, pk) for r, pk in enumerate(result.peak_memory) if pk > memory_budget + _EPS]

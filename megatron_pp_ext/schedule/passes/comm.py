@@ -1,16 +1,20 @@
 """Pass: insert send/recv ops in an order that cannot deadlock.
 
-Placement rule, from the compute-only timeline of the schedule (simulated under the cost
-model):
-- a send goes right after the op that produces its tensor;
-- the matching receive goes on the consumer's rank right before the first compute op that
-  starts at or after the send (so receives are posted early, when the data is sent, and
-  always before the consumer);
-- comm ops that fall into the same gap between two compute ops form one batch, ordered by
-  send time (then kind, stage, microbatch), so the sends and receives of every pair of
-  ranks appear in the same order on both sides.
+Placement rules, from the compute-only timeline of the schedule (simulated under the cost
+model). A send goes right after the op that produces its tensor. Its receive goes on the
+consumer's rank, never after the consumer, and:
+- ``early`` (tried first): in the last gap between compute ops that opens no later than the
+  send, so the receive is already posted when the data leaves (point-to-point transfers
+  start only once both sides are posted);
+- ``safe`` (the fallback, with the proof below): right before the first compute op that
+  starts at or after the send.
+The ``early`` order is kept only if the blocking-batch simulation proves it deadlock-free.
+In both,
+comm ops that fall into the same gap between two compute ops form one batch, ordered by
+send time (then kind, stage, microbatch), so the sends and receives of every pair of ranks
+appear in the same order on both sides.
 
-Why this cannot deadlock, even when every batch blocks until all its partners are posted:
+Why ``safe`` cannot deadlock, even when every batch blocks until all its partners are posted:
 take the stuck rank whose next compute op has the earliest start time s in the compute-only
 timeline. If it waits to send, the receiver's batch lies before a compute op that started
 before the send time <= s, so the receiver is not stuck past it; if it waits to receive,
@@ -26,52 +30,77 @@ from collections import defaultdict
 
 from ..costs import CostModel
 from ..ir import Op, Schedule, op_kind
-from ..simulate import simulate
+from ..simulate import DeadlockError, simulate
 
 # key tag -> (send kind, stage offset from the producer stage to the consumer stage)
 _SENDS = {"act": ("SEND_F", +1), "grad": ("SEND_B", -1)}
 _RECV_OF = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
 
 
-def insert_comm(schedule: Schedule, cost: CostModel | None = None) -> Schedule:
-    """Return a copy of compute-only ``schedule`` with send/recv ops inserted."""
+def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_placement: str = "auto") -> Schedule:
+    """Return a copy of compute-only ``schedule`` with send/recv ops inserted.
+
+    ``recv_placement``: "early", "safe", or "auto" (early if it is proven deadlock-free, else safe).
+    """
     if schedule.has_comm():
         return schedule
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
+    if recv_placement == "auto":
+        early = _insert(schedule, cost, early=True)
+        try:
+            simulate(early, cost, comm_model="blocking")
+            return early
+        except DeadlockError:
+            return _insert(schedule, cost, early=False)
+    if recv_placement not in ("early", "safe"):
+        raise ValueError(f"recv_placement must be auto, early or safe, got {recv_placement!r}")
+    return _insert(schedule, cost, early=recv_placement == "early")
+
+
+def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
     times = simulate(schedule, cost).times
     placement = schedule.placement
     S = schedule.num_stages
     # gap index -> list of (sort key, op); gap k sits before compute op k of the rank.
     gaps: list[dict[int, list]] = [defaultdict(list) for _ in range(schedule.num_ranks)]
-    starts = []  # per rank, list-order start times made monotone (feature streams may overlap)
+    # Per rank, in list order (made monotone: feature streams may overlap): when op k starts,
+    # and when gap k (before op k) opens, i.e. op k-1 ends.
+    starts, opens = [], []
     for rank_ops in schedule.ops:
-        cur, lst = 0.0, []
+        st, op_end, s_list, o_list = 0.0, 0.0, [], [0.0]
         for op in rank_ops:
-            cur = max(cur, times[op][0])
-            lst.append(cur)
-        starts.append(lst)
-    consumers_needed = {}  # (key) -> whether some op consumes it (forward-only has no grads)
-    for rank_ops in schedule.ops:
-        for op in rank_ops:
+            st, op_end = max(st, times[op][0]), max(op_end, times[op][1])
+            s_list.append(st)
+            o_list.append(op_end)
+        starts.append(s_list)
+        opens.append(o_list)
+    first_use: dict[tuple, int] = {}  # (rank, key) -> index of the first op needing it there
+    for r, rank_ops in enumerate(schedule.ops):
+        for i, op in enumerate(rank_ops):
             for key in op_kind(op.kind).requires(op, schedule):
-                consumers_needed[key] = True
+                first_use.setdefault((r, key), i)
 
     for r, rank_ops in enumerate(schedule.ops):
         for i, op in enumerate(rank_ops):
             for key in op_kind(op.kind).produces(op, schedule):
                 tag, stage, mb = key
-                if tag not in _SENDS or key not in consumers_needed:
+                if tag not in _SENDS:
                     continue
                 send_kind, off = _SENDS[tag]
                 dst_stage = stage + off
                 if not 0 <= dst_stage < S or placement[dst_stage] == r:
                     continue
                 dst = placement[dst_stage]
+                if (dst, key) not in first_use:
+                    continue  # nobody consumes it (e.g. gradients of a forward-only schedule)
                 t = times[op][1]
                 sort_key = (t, send_kind, stage, mb)
                 gaps[r][i + 1].append((sort_key, Op(send_kind, stage, mb, r, dst)))
-                k = bisect.bisect_left(starts[dst], t)
+                if early:
+                    k = min(first_use[(dst, key)], bisect.bisect_right(opens[dst], t) - 1)
+                else:
+                    k = bisect.bisect_left(starts[dst], t)
                 gaps[dst][k].append((sort_key, Op(_RECV_OF[send_kind], dst_stage, mb, dst, r)))
 
     new_ops = []
@@ -84,3 +113,4 @@ def insert_comm(schedule: Schedule, cost: CostModel | None = None) -> Schedule:
         new_ops.append(out)
     meta = dict(schedule.meta, comm_inserted=True)
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
+
