@@ -1,0 +1,92 @@
+"""``mppx simulate``: build one schedule, validate it and report its simulated figures."""
+
+from __future__ import annotations
+
+import json
+
+from ..core import add_schedule_arguments, build_from_args, format_table, parse_bytes, parse_costs, register_command
+
+
+def configure(parser):
+    add_schedule_arguments(parser)
+    parser.add_argument("--bytes-per-unit", default=None, metavar="SIZE",
+                        help="bytes of one activation unit (one microbatch on one rank), e.g. 2GiB; "
+                             "adds peak memory in bytes")
+    parser.add_argument("--bytes-per-message", default=None, metavar="SIZE",
+                        help="bytes of one p2p message, e.g. 16MiB; adds traffic in bytes")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def simulate_report(args) -> dict:
+    """The JSON document of ``mppx simulate --json``."""
+    from ...schedule import simulate
+
+    sched, cost = build_from_args(args)
+    changes = {}
+    if args.bytes_per_unit is not None:
+        changes["bytes_per_unit"] = parse_bytes(args.bytes_per_unit, "--bytes-per-unit")
+    if args.bytes_per_message is not None:
+        changes["bytes_per_message"] = parse_bytes(args.bytes_per_message, "--bytes-per-message")
+    if changes:
+        cost = cost.with_(**changes)
+    res = simulate(sched, cost)
+    f, b, w, comm = parse_costs(args.costs)
+    doc = {
+        "schedule": sched.meta.get("schedule", sched.name),
+        "pp": sched.num_ranks,
+        "microbatches": sched.num_microbatches,
+        "chunks": sched.chunks_per_rank,
+        "placement": list(sched.placement),
+        "costs": {"F": f, "B": b, "W": w, "comm": comm},
+        "memory_budget": sched.meta.get("memory_budget"),
+        "with_comm": sched.has_comm(),
+    }
+    doc.update(res.to_dict())
+    doc["messages"] = sum(res.messages)
+    doc["ops_per_rank"] = [len(ops) for ops in sched.ops]
+    return doc
+
+
+def run(args) -> int:
+    doc = simulate_report(args)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    c = doc["costs"]
+    print(f"schedule  {doc['schedule']}  (pp={doc['pp']}, microbatches={doc['microbatches']}, "
+          f"chunks={doc['chunks']}, costs F={c['F']:g} B={c['B']:g} W={c['W']:g} comm={c['comm']:g}"
+          + (f", budget {doc['memory_budget']:g} units" if doc["memory_budget"] is not None else "")
+          + (", with send/recv" if doc["with_comm"] else "") + ")")
+    print(f"makespan  {doc['makespan']:g}")
+    print(f"bubble    {doc['bubble_rate']:.2%} (busiest rank)")
+    print(f"peak mem  {doc['max_peak_memory']:g} units (busiest rank)"
+          + (f" = {_size(max(doc['peak_memory_bytes']))}" if "peak_memory_bytes" in doc else ""))
+    print(f"messages  {doc['messages']} p2p messages per iteration")
+    headers = ["rank", "busy", "bubble", "peak mem (units)"]
+    if "peak_memory_bytes" in doc:
+        headers.append("peak mem")
+    headers.append("messages")
+    rows = []
+    for r in range(doc["pp"]):
+        row = [r, f"{doc['busy_per_rank'][r]:g}", f"{doc['bubble_rate_per_rank'][r]:.2%}",
+               f"{doc['peak_memory'][r]:g}"]
+        if "peak_memory_bytes" in doc:
+            row.append(_size(doc["peak_memory_bytes"][r]))
+        row.append(doc["messages_per_rank"][r])
+        rows.append(row)
+    print()
+    print(format_table(headers, rows))
+    return 0
+
+
+def _size(n: float) -> str:
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+register_command("simulate", "simulate one schedule: makespan, bubble, peak memory per rank", order=20,
+                 description="Build one schedule, validate it (complete, causal, deadlock-free, within "
+                             "--memory-budget) and print its simulated makespan, bubble rate and peak "
+                             "activation memory per rank.")(configure, run)

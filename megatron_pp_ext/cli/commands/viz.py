@@ -1,0 +1,29 @@
+"""``mppx viz``: draw one schedule (timeline per rank, activation memory beneath)."""
+
+from __future__ import annotations
+
+from ..core import add_schedule_arguments, build_from_args, register_command
+
+
+def configure(parser):
+    add_schedule_arguments(parser, microbatches=8)
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png|svg",
+                        help="figure file; the format follows the extension (.png, .svg, .pdf)")
+    parser.add_argument("--title", default=None, help="figure title (default: schedule, config and figures)")
+
+
+def run(args) -> int:
+    from ...schedule.plots import check_figure_path, plot_timeline
+
+    check_figure_path(args.output)
+    sched, cost = build_from_args(args)
+    res = plot_timeline(sched, cost, args.output, title=args.title)
+    print(f"wrote {args.output} ({sched.name}: pp={sched.num_ranks}, microbatches={sched.num_microbatches}, "
+          f"bubble {res.bubble_rate:.1%}, peak {res.max_peak_memory:g} units, makespan {res.makespan:g})")
+    return 0
+
+
+register_command("viz", "draw one schedule's timeline and memory curve to a PNG/SVG file", order=40,
+                 description="Draw a timeline per rank like the papers' figures (F, B, W, BW coloured, the "
+                             "model chunk by shade, the microbatch number in each box) with each rank's "
+                             "activation memory beneath.")(configure, run)
