@@ -139,12 +139,20 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
     waiting_recv: dict[tuple, tuple[int, tuple, float]] = {}   # send id -> (rank, keys, recv post time)
     posted_send: dict[tuple, float] = {}                       # send id -> send post time
 
+    # What a rank that cannot proceed waits for: (dict, key); the sweep below skips it until the
+    # key appears (a performance shortcut only: the rank would fail the same way).
+    blocked_on: list[tuple[dict, tuple] | None] = [None] * p
+
     def key_time(key: tuple, rank: int) -> float | None:
         t = ready.get((key, rank))
-        if t is not None or with_comm:
+        if t is not None:
             return t
+        if with_comm:
+            blocked_on[rank] = (ready, (key, rank))
+            return None
         src = produced_at.get(key)
         if src is None:
+            blocked_on[rank] = (produced_at, key)
             return None
         return src[1] + (cost.comm if src[0] != rank else 0.0)
 
@@ -185,6 +193,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
         for key in req:
             kt = ready.get((key, r))
             if kt is None:
+                blocked_on[r] = (ready, (key, r))
                 return False
             t_post = max(t_post, kt)
         t_post = _round(t_post)
@@ -227,6 +236,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
                 for key in req:  # a send needs its data made on this rank first
                     kt = ready.get((key, r))
                     if kt is None:
+                        blocked_on[r] = (ready, (key, r))
                         return False
                     t_post = max(t_post, kt)
             t_post = _round(t_post)
@@ -246,6 +256,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
                 pk, ps, pm = _matching_send(op)
             pt = posted.get((op.peer, pk, ps, pm))
             if pt is None:
+                blocked_on[r] = (posted, (op.peer, pk, ps, pm))
                 return False
             t_done = max(t_done, pt)
         t_done = _round(t_done + cost.comm)
@@ -267,6 +278,11 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
     while remaining:
         progressed = False
         for r in range(p):
+            wait = blocked_on[r]
+            if wait is not None:
+                if wait[1] not in wait[0]:
+                    continue
+                blocked_on[r] = None
             while ptr[r] < len(plans[r]):
                 before = ptr[r]
                 ok = step_comm(r) if plans[r][ptr[r]][1] == "comm" else step_compute(r)

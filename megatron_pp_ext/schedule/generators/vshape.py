@@ -1,30 +1,65 @@
 """V-placement schedules: ZB-V, V-Half, V-Min and any budget in between (v-budget).
 
 Rank r holds stages r and 2p-1-r, so the forward turns around on the last rank and the
-first and last stage share rank 0. All of them come from the cost-aware list scheduler at
-the memory budget of the controllable-memory paper (REFERENCE §2-3), so they adapt to
-unbalanced F/B/W costs instead of following a fixed pattern.
+first and last stage share rank 0. Every one of them is a *search* at the memory budget of
+the controllable-memory paper (REFERENCE §2-3) over cost-aware candidates:
+
+- the list scheduler (:mod:`.greedy`) under several rules, and earliest-deadline-first
+  against the cost-aware building block (critical-path template);
+- building blocks laid out in the profiled costs (:mod:`.block`): the tight block and the
+  V-Half-spaced block, at the shortest period that fits the budget, run in block order or as
+  deadlines for the list scheduler (which squeezes more forwards into the warm-up when the
+  budget allows);
+- the fixed unit-slot patterns of the paper (:mod:`.patterns`) that fit the budget, so the
+  result is never worse than them.
+
+The winner is the least makespan under the request's costs (then the least memory).
 """
 
 from __future__ import annotations
 
+from ..costs import CostModel
 from ..ir import Schedule, ScheduleError, v_placement
 from ..registry import ScheduleRequest, register_schedule
-from .greedy import default_policies, list_schedule
-from .search import best_of
-
+from .bounds import makespan_lower_bound
+from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern
+from .search import FULL_SEARCH_OPS, search, standard_candidates
 
 def v_budget_units(kind: str, p: int) -> float:
     """Peak activation units of the named V schedule (REFERENCE §2)."""
     return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
 
 
+def v_min_units(p: int) -> float:
+    """Least budget a V schedule can run in: one microbatch's activation on a rank (1 unit)."""
+    return 1.0
+
+
+def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
+                 lean: bool = False) -> list[tuple[str, object]]:
+    """Candidate builders ``(label, m -> Schedule)`` for a V schedule within ``budget`` units:
+    :func:`.search.standard_candidates` on the V placement, and the paper's fixed patterns
+    (the search drops those over the budget). ``lean``: fewer, for large problems."""
+    cands = standard_candidates(name, v_placement(p), cost, budget, lean=lean)
+    for label, fn in (("pattern-v-min", v_min_pattern), ("pattern-v-half", v_half_pattern),
+                      ("pattern-v-zb", v_zb_pattern)):
+        cands.append((label, lambda mm, fn=fn: fn(p, mm)))
+    return cands
+
+
 def _v(req: ScheduleRequest, name: str, budget: float) -> Schedule:
     p, m = req.pp, req.microbatches
-    placement = v_placement(p)
+    if p < 1:
+        raise ScheduleError(f"{name}: need --pp >= 1")
+    if budget + 1e-9 < 1.0:
+        raise ScheduleError(f"{name}: memory budget {budget:g} units is below one microbatch's activation on a "
+                            "rank (1 unit: both of its chunks); raise --memory-budget to at least 1")
     cost = req.cost_model(2 * p, 2)
-    limits = [budget] * p
-    sched = best_of(lambda pol: list_schedule(name, placement, m, cost, limits, pol), default_policies(), cost)
+    lean = 2 * p * m * 3 > FULL_SEARCH_OPS
+    cands = v_candidates(name, p, cost, budget, lean=lean)
+    sched = search(cands, m, cost, budget=budget, keep=1 if lean else 2,
+                   lower_bound=lambda mm: makespan_lower_bound(v_placement(p), mm, cost, budget).makespan)
+    sched.name = name
     sched.meta["budget_units"] = budget
     return sched
 

@@ -1,0 +1,44 @@
+"""Torch runtime: execute schedules of :mod:`megatron_pp_ext.schedule` on Megatron-Core chunks.
+
+* :mod:`.executor` — :class:`ScheduleExecutor`, a drop-in for the function returned by
+  Megatron-Core's ``get_forward_backward_func()``;
+* :mod:`.p2p` — device-agnostic point-to-point batches (NCCL batched, gloo tagged);
+* :mod:`.wgrad` — the B/W split of Megatron-Core's linear layers;
+* :mod:`.model` — GPTModel chunks for loop / V placements with layout-independent weights;
+* :mod:`.harness` — a few-step training run that collects losses, gradients and parameters;
+* :mod:`.pool` — a pool of forked gloo workers (tests, CPU demo);
+* :mod:`.cpu_compat` — CPU/gloo support for tests and the demo (inactive with CUDA).
+
+Names are imported lazily, so ``import megatron_pp_ext.runtime`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ScheduleExecutor": "executor",
+    "OpTiming": "executor",
+    "ScheduleMismatchError": "executor",
+    "get_forward_backward_func": "executor",
+    "P2P": "p2p",
+    "WorkerPool": "pool",
+    "WorkerError": "pool",
+    "PoolTimeout": "pool",
+    "enable_cpu_compat": "cpu_compat",
+    "cpu_compat_active": "cpu_compat",
+    "ModelSpec": "model",
+    "build_model_chunks": "model",
+    "make_config": "model",
+    "RunConfig": "harness",
+    "run_training": "harness",
+    "setup_training": "harness",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

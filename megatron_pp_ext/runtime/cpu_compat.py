@@ -1,0 +1,200 @@
+"""CPU/gloo support for Megatron-Core: for the tests and the CPU demo only.
+
+Stock Megatron-Core hard-codes CUDA in a few places that a CPU run reaches: receive buffers
+and memory buffers on ``torch.cuda.current_device()``, literal ``device="cuda"`` for token
+counters, optimizer scalars and the default causal mask, ``torch.cuda.synchronize()`` after
+batched p2p, and the CUDA RNG tracker that local attention, activation recomputation and
+``model_parallel_cuda_manual_seed`` enter. :func:`enable_cpu_compat` redirects exactly those to
+the CPU, as scoped and reversible patches:
+
+* a :class:`torch.overrides.TorchFunctionMode` that rewrites every CUDA device argument of
+  a torch call (``device="cuda"``, ``device=0``, ``device=torch.device("cuda")``,
+  ``t.cuda()``, ``t.to("cuda")``) to the CPU (the mode is thread-local: it covers the
+  thread that enabled it, which is the thread that runs the schedule);
+* ``torch.cuda.current_device`` returns ``torch.device("cpu")``; ``torch.cuda.synchronize``
+  and ``torch.cuda.empty_cache`` are no-ops;
+* the "CUDA" RNG (``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
+  ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``) is the CPU default
+  generator, so forking the model-parallel RNG tracker really changes the RNG that CPU
+  dropout draws from, and recomputation restores it exactly.
+
+It is **inactive whenever CUDA is used**: with a CUDA device available it does nothing and
+returns an inactive handle (``handle.active is False``), and it refuses to start while a
+NCCL process group is initialised. GPU runs therefore never see these patches.
+
+Usage::
+
+    with enable_cpu_compat():            # or: h = enable_cpu_compat(); ...; h.close()
+        ...build Megatron-Core models, run schedules, step the optimizer...
+
+Patches nest: an inner ``enable_cpu_compat()`` while one is active is a cheap no-op handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CpuCompat", "enable_cpu_compat", "cpu_compat_active"]
+
+_LOCK = threading.Lock()
+_ACTIVE: "CpuCompat | None" = None
+_CPU = torch.device("cpu")
+
+
+def cpu_compat_active() -> bool:
+    """Whether the CPU compatibility layer is currently enabled in this process."""
+    return _ACTIVE is not None
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # A bare int means a CUDA ordinal for torch factories and Tensor.to/.cuda.
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+_TENSOR_TO = torch.Tensor.to
+_TENSOR_CUDA = torch.Tensor.cuda
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _TENSOR_CUDA:
+            # t.cuda(device=None, non_blocking=False, memory_format=...) -> t on the CPU
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs)
+            kwargs["device"] = _CPU
+        if func is _TENSOR_TO and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _RngWarningFilter(logging.Filter):
+    # Megatron's tracker warns when the CPU RNG moves inside a fork of the "CUDA" RNG; here
+    # the CUDA RNG *is* the CPU RNG, so that is expected (dropout inside the fork).
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+class CpuCompat:
+    """Handle of an enabled (or inactive) CPU compatibility layer; see the module doc."""
+
+    def __init__(self, active: bool, reason: str = ""):
+        self.active = active
+        self.reason = reason
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._mode: _CudaToCpuMode | None = None
+        self._filter: _RngWarningFilter | None = None
+        self._logger: logging.Logger | None = None
+        self._owner = False
+
+    # -- patching helpers ------------------------------------------------------------
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        self._saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def _start(self) -> None:
+        cuda = torch.cuda
+
+        def _cpu_get_rng_state(device: Any = "cuda", *a: Any, **k: Any) -> torch.Tensor:
+            return torch.get_rng_state()
+
+        def _cpu_set_rng_state(new_state: torch.Tensor, *a: Any, **k: Any) -> None:
+            if isinstance(new_state, torch.Tensor):
+                torch.set_rng_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
+            else:  # a graph-safe generator object: not supported on CPU
+                raise RuntimeError("CPU compat: graph-safe (cudagraphable) RNG states are CUDA only")
+
+        def _cpu_manual_seed(seed: int) -> None:
+            # (not torch.manual_seed: that calls torch.cuda.manual_seed_all)
+            torch.default_generator.manual_seed(int(seed))
+
+        self._patch(cuda, "current_device", lambda: _CPU)
+        self._patch(cuda, "synchronize", lambda *a, **k: None)
+        self._patch(cuda, "empty_cache", lambda *a, **k: None)
+        self._patch(cuda, "get_rng_state", _cpu_get_rng_state)
+        self._patch(cuda, "set_rng_state", _cpu_set_rng_state)
+        self._patch(cuda, "manual_seed", _cpu_manual_seed)
+        try:
+            from megatron.core.tensor_parallel import random as mrandom
+        except ImportError:  # pragma: no cover - megatron-core is a hard dependency
+            mrandom = None
+        if mrandom is not None:
+            if hasattr(mrandom, "_get_cuda_rng_state"):
+                self._patch(mrandom, "_get_cuda_rng_state",
+                            lambda device="cuda", clone=False, graph_safe=False:
+                            (torch.get_rng_state().clone() if clone else torch.get_rng_state()))
+            if hasattr(mrandom, "_set_cuda_rng_state"):
+                self._patch(mrandom, "_set_cuda_rng_state",
+                            lambda new_state, device=-1, graph_safe=False: _cpu_set_rng_state(new_state))
+            self._logger = logging.getLogger(mrandom.__name__)
+            self._filter = _RngWarningFilter()
+            self._logger.addFilter(self._filter)
+        self._mode = _CudaToCpuMode()
+        self._mode.__enter__()
+
+    def close(self) -> None:
+        """Undo every patch (idempotent). Must run on the thread that enabled it."""
+        global _ACTIVE
+        if not self._owner:
+            return
+        self._owner = False
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+        finally:
+            for obj, name, old in reversed(self._saved):
+                setattr(obj, name, old)
+            self._saved.clear()
+            if self._logger is not None and self._filter is not None:
+                self._logger.removeFilter(self._filter)
+            with _LOCK:
+                _ACTIVE = None
+
+    def __enter__(self) -> "CpuCompat":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CpuCompat(active={self.active}{', ' + self.reason if self.reason else ''})"
+
+
+def enable_cpu_compat() -> CpuCompat:
+    """Enable the CPU/gloo compatibility layer (see the module doc); returns its handle.
+
+    A no-op (``handle.active is False``) when CUDA is available; nested calls return a no-op
+    handle while one is active. Raises RuntimeError if a NCCL process group is initialised.
+    """
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return CpuCompat(False, "CUDA is available: the CPU compatibility layer stays off")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise RuntimeError("enable_cpu_compat(): refusing to redirect CUDA to the CPU under a NCCL "
+                           "process group; the CPU compatibility layer is for gloo runs only")
+    with _LOCK:
+        if _ACTIVE is not None:
+            return CpuCompat(True, "nested: already enabled")
+        handle = CpuCompat(True)
+        _ACTIVE = handle
+    handle._owner = True
+    try:
+        handle._start()
+    except BaseException:
+        handle.close()
+        raise
+    return handle
