@@ -1,0 +1,173 @@
+"""``mppx plan``: choose tp/pp/dp, schedule, microbatch, recomputation and features for a
+model on a cluster (a thin wrapper around :mod:`megatron_pp_ext.planner`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..core import CLIError, int_at_least, register_command, write_text
+
+_ARCH = {
+    "gpt": dict(gated_mlp=False, norm="layernorm", bias=True, position="learned", tied_embeddings=True, dropout=True),
+    "llama": dict(gated_mlp=True, norm="rmsnorm", bias=False, position="rope", tied_embeddings=False, dropout=False),
+}
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
+        if not vals or min(vals) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give positive whole numbers, e.g. 1,2,4")
+        return vals
+    parse.__name__ = "list"
+    return parse
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from ...planner import model_names
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(model_names())}; the flags below override "
+                                                   "its fields, or describe a custom model without --model")
+    g.add_argument("--arch", choices=sorted(_ARCH), help="architecture family of a custom model: gpt (LayerNorm, "
+                   "GeLU, biases, learned positions, tied embeddings) or llama (RMSNorm, SwiGLU, RoPE, no biases)")
+    for flag, what in (("layers", "transformer layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads (GQA)"), ("ffn", "FFN hidden size"), ("vocab", "vocabulary"),
+                       ("seq", "sequence length")):
+        g.add_argument(f"--{flag}", type=int_at_least(1, 8), metavar="N", help=what)
+    g.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused (flash) attention, no s^2 activations (default: on)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int_at_least(1, 64), metavar="N", help="number of GPUs")
+    c.add_argument("--nodes", type=int_at_least(1, 8), metavar="N", help="number of nodes (instead of --gpus)")
+    c.add_argument("--gpus-per-node", type=int_at_least(1, 8), default=8, metavar="N", help="default: 8")
+    c.add_argument("--gpu", default="h100", metavar="{a100,h100}", help="GPU preset (default: h100)")
+    c.add_argument("--memory", type=float, metavar="GiB", help="GPU memory in GiB (overrides the preset)")
+    c.add_argument("--peak-tflops", type=float, metavar="TF", help="dense bf16 peak (overrides the preset)")
+    c.add_argument("--nvlink-gbps", type=float, metavar="GB/s", help="intra-node collective bandwidth")
+    c.add_argument("--net-gbps", type=float, metavar="GB/s", help="inter-node bandwidth per GPU")
+    c.add_argument("--host-gbps", type=float, metavar="GB/s", help="device-to-host copy bandwidth (offload)")
+    c.add_argument("--calibration", metavar="FILE", help="JSON of measured efficiencies/timings (docs/planner.md)")
+    s = p.add_argument_group("search")
+    s.add_argument("--global-batch-size", type=int_at_least(1, 1024), required=True, metavar="G",
+                   help="sequences per iteration")
+    s.add_argument("--schedules", type=_names, metavar="A,B", help="schedules to consider (default: all registered)")
+    s.add_argument("--features", type=_names, metavar="A,B",
+                   help="features to consider: offload, vocab-parallel, bpipe (default: all; 'none' for none)")
+    s.add_argument("--require-features", type=_names, default=(), metavar="A,B",
+                   help="only plans using all of these features")
+    s.add_argument("--tp", type=_int_list("--tp"), metavar="1,2,..", help="tensor-parallel sizes to try")
+    s.add_argument("--pp", type=_int_list("--pp"), metavar="1,2,..", help="pipeline-parallel sizes to try")
+    s.add_argument("--mbs", type=_int_list("--mbs"), metavar="1,2,..", help="microbatch sizes to try")
+    s.add_argument("--max-vp", type=int_at_least(1, 4), default=4, metavar="V",
+                   help="largest interleaved chunk count tried (default: 4)")
+    s.add_argument("--recompute", type=_names, default=("none", "selective", "full"), metavar="A,B",
+                   help="recomputation modes to try (default: none,selective,full)")
+    s.add_argument("--budgets", type=_names, default=("fit",), metavar="fit,0.5x",
+                   help="v-budget memory budgets: 'fit' (largest that fits) and/or units or fractions of 1F1B")
+    s.add_argument("--no-distributed-optimizer", action="store_true", help="plan without the distributed optimizer")
+    s.add_argument("--top", type=int_at_least(1, 10), default=10, metavar="K", help="plans to list (default: 10)")
+    s.add_argument("--time-limit", type=float, default=120.0, metavar="S",
+                   help="CPU seconds of search before it stops and reports what it has (default: 120)")
+    s.add_argument("--no-cache", action="store_true", help="do not read or write the simulation cache")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as JSON (flags and SLURM script inside)")
+    o.add_argument("--emit-flags", metavar="FILE", help="write the best plan's pretrain_gpt.py flags ('-': stdout)")
+    o.add_argument("--emit-slurm", metavar="FILE", help="write a SLURM batch script for the best plan ('-': stdout)")
+    o.add_argument("--explain-bpipe", action="store_true",
+                   help="also predict whether BPipe (or offload) with a larger microbatch beats 1F1B, and why")
+    o.add_argument("--no-baseline", action="store_true",
+                   help="skip the comparison with the best Megatron 1F1B/interleaved plan")
+
+
+def build_request(args):
+    """The :class:`PlanRequest` of the parsed flags (errors name the flag)."""
+    from ...planner import PlanRequest, PlannerError, get_model, load_calibration, make_cluster, default_efficiency
+    from ...planner.presets import ModelSpec
+
+    explicit = {k: getattr(args, k.replace("-", "_")) for k in ("layers", "hidden", "heads", "kv-heads", "ffn",
+                                                                 "vocab", "seq")}
+    try:
+        if args.model:
+            model = get_model(args.model)
+            changes = {f: v for f, v in (("num_layers", explicit["layers"]), ("hidden", explicit["hidden"]),
+                                         ("heads", explicit["heads"]), ("kv_heads", explicit["kv-heads"]),
+                                         ("ffn", explicit["ffn"]), ("vocab", explicit["vocab"]),
+                                         ("seq", explicit["seq"])) if v is not None}
+            if explicit["heads"] is not None and explicit["kv-heads"] is None and model.kv_heads == model.heads:
+                changes["kv_heads"] = explicit["heads"]
+            if args.arch:
+                changes.update(_ARCH[args.arch])
+            if changes:
+                model = model.with_(name=f"{model.name}*", **changes)
+        else:
+            missing = [f"--{k}" for k in ("layers", "hidden", "heads") if explicit[k] is None]
+            if missing:
+                raise CLIError(f"give --model NAME or a custom model ({', '.join(missing)} missing)")
+            arch = _ARCH[args.arch or "gpt"]
+            h = explicit["hidden"]
+            ffn = explicit["ffn"] or (4 * h if not arch["gated_mlp"] else int(8 * h / 3 + 255) // 256 * 256)
+            model = ModelSpec("custom", explicit["layers"], h, explicit["heads"],
+                              explicit["kv-heads"] or explicit["heads"], ffn, explicit["vocab"] or 50257,
+                              explicit["seq"] or 2048, **arch)
+        if args.flash_attention is not None:
+            model = model.with_(flash_attention=args.flash_attention)
+        if args.gpus is None and args.nodes is None:
+            raise CLIError("give --gpus N (or --nodes N)")
+        cluster = make_cluster(args.gpu, args.gpus, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                               memory_gib=args.memory, peak_tflops=args.peak_tflops, nvlink_gbps=args.nvlink_gbps,
+                               net_gbps=args.net_gbps, host_gbps=args.host_gbps)
+        eff = default_efficiency(cluster.gpu)
+        if args.calibration:
+            eff = load_calibration(args.calibration, eff, model, cluster)
+        features = None
+        if args.features is not None:
+            features = () if args.features == ("none",) else args.features
+        return PlanRequest(model, cluster, args.global_batch_size, efficiency=eff, schedules=args.schedules,
+                           features=features, require_features=args.require_features, tp=args.tp, pp=args.pp,
+                           mbs=args.mbs, max_vp=args.max_vp, recompute=args.recompute, budgets=args.budgets,
+                           distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
+                           time_limit=args.time_limit)
+    except PlannerError as e:
+        raise CLIError(str(e)) from None
+
+
+def run(args) -> int:
+    from ...planner import PlannerError, SimCache, bpipe_estimate, format_report, plan, result_to_dict
+    from ...planner.emit import flags_text, slurm_script
+
+    req = build_request(args)
+    bad = [r for r in req.recompute if r not in ("none", "selective", "full")]
+    if bad:
+        raise CLIError(f"--recompute {','.join(bad)}: use none, selective and/or full")
+    cache = SimCache(disk=False if args.no_cache else None)
+    try:
+        result = plan(req, cache=cache, baseline=not args.no_baseline)
+        verdict = bpipe_estimate(req, cache=cache) if args.explain_bpipe else None
+    except PlannerError as e:
+        raise CLIError(str(e)) from None
+    if args.emit_flags:
+        write_text(args.emit_flags, flags_text(result.best, req), "--emit-flags")
+    if args.emit_slurm:
+        write_text(args.emit_slurm, slurm_script(result.best, req), "--emit-slurm")
+    if args.json:
+        print(json.dumps(result_to_dict(result, bpipe=verdict), indent=2))
+    elif "-" not in (args.emit_flags, args.emit_slurm):
+        print(format_report(result, bpipe=verdict))
+    return 0
+
+
+register_command("plan", "plan tp/pp/dp, schedule, microbatch, recomputation and features for a model", order=60,
+                 description="Search tensor/pipeline/data parallelism, pipeline schedule (with chunks and memory "
+                             "budget), microbatch size, recomputation and features (offload, vocabulary "
+                             "parallelism, BPipe) for a model on a cluster; print the ranked plans (model "
+                             "predictions), why the others were rejected, and the matching Megatron-LM flags "
+                             "and SLURM script.")(configure, run)

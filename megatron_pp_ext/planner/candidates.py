@@ -1,0 +1,222 @@
+"""The planner's data: the request, one candidate configuration, its per-stage costs and its
+estimate (memory per rank, time breakdown). Kept apart so that feature estimators
+(:mod:`.features`) and the search (:mod:`.search`) share them without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from .memory import RECOMPUTE_MODES, StagePart, StaticMemory
+from .presets import ClusterSpec, ModelSpec
+from .simcache import PipeResult
+from .timing import Efficiency, default_efficiency
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan. ``None`` search ranges mean "everything that makes sense"."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    global_batch: int
+    efficiency: Efficiency | None = None            # default: the GPU's preset curve
+    schedules: tuple[str, ...] | None = None         # default: every registered schedule
+    features: tuple[str, ...] | None = None          # default: every registered feature
+    require_features: tuple[str, ...] = ()           # only plans using all of these
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    mbs: tuple[int, ...] | None = None
+    max_vp: int = 4                                   # interleaved chunks per rank tried: 2..max_vp
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
+    distributed_optimizer: bool = True
+    precision: str = "bf16"
+    top: int = 10
+    time_limit: float = 120.0                         # CPU seconds of search before it stops
+
+    def __post_init__(self) -> None:
+        if self.efficiency is None:
+            object.__setattr__(self, "efficiency", default_efficiency(self.cluster.gpu))
+
+    def with_(self, **changes) -> "PlanRequest":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space (before feature variants: ``features`` is empty)."""
+
+    tp: int
+    pp: int
+    dp: int
+    vp: int                       # model chunks per rank (1, interleaved v, or 2 for V schedules)
+    schedule: str
+    mbs: int
+    m: int                        # microbatches per iteration
+    recompute: str
+    budget: float | None = None   # v-budget: activation units per rank
+    distributed_optimizer: bool = True
+    features: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vp
+
+    def schedule_placement(self) -> str:
+        from ..schedule import schedule_info
+        return schedule_info(self.schedule).placement
+
+    def feature(self, name: str) -> str | None:
+        for n, opt in self.features:
+            if n == name:
+                return opt
+        return None
+
+    def with_feature(self, name: str, option: str) -> "Candidate":
+        return replace(self, features=tuple(sorted(self.features + ((name, option),))))
+
+    def label(self) -> str:
+        s = self.schedule + (f"(v={self.vp})" if self.vp > 1 and self.schedule_placement() == "loop" else "")
+        if self.budget is not None:
+            s += f"@{self.budget:g}" if isinstance(self.budget, (int, float)) else f"@{self.budget}"
+        return s
+
+    def features_label(self) -> str:
+        return ",".join(f"{n}={o}" if o not in ("on", "") else n for n, o in self.features) or "-"
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp, "schedule": self.schedule,
+                "memory_budget_units": self.budget, "micro_batch_size": self.mbs, "microbatches": self.m,
+                "recompute": self.recompute, "distributed_optimizer": self.distributed_optimizer,
+                "sequence_parallel": self.tp > 1, "features": dict(self.features)}
+
+
+@dataclass
+class StageCosts:
+    """Per-stage seconds and activation shares (units) for the simulator, plus what the
+    memory model needs per stage (placement, parts, extra activation bytes)."""
+
+    placement: tuple[int, ...]          # stage -> rank
+    parts: tuple[StagePart, ...]        # stage -> layers / embedding / output layer
+    t_f: list[float]
+    t_b: list[float]
+    t_w: list[float]
+    comm: float
+    act: list[float]                    # activation units per stage and microbatch
+    unit_bytes: float                   # bytes of one unit
+    transient: list[float]              # per rank: bytes alive only during a backward
+
+    def __post_init__(self) -> None:
+        by_rank: dict[int, list[int]] = {}
+        for s, r in enumerate(self.placement):
+            by_rank.setdefault(r, []).append(s)
+        self._by_rank = by_rank
+
+    def copy(self) -> "StageCosts":
+        return StageCosts(self.placement, self.parts, list(self.t_f), list(self.t_b), list(self.t_w),
+                          self.comm, list(self.act), self.unit_bytes, list(self.transient))
+
+    def stages_of(self, rank: int) -> list[int]:
+        return self._by_rank.get(rank, [])
+
+    def rank_work(self, rank: int) -> float:
+        """F+B+W seconds of one microbatch on ``rank``."""
+        tf, tb, tw = self.t_f, self.t_b, self.t_w
+        return sum(tf[s] + tb[s] + tw[s] for s in self._by_rank.get(rank, ()))
+
+    def rank_units(self, rank: int) -> float:
+        """Activation units one microbatch leaves on ``rank`` (all its chunks)."""
+        return sum(self.act[s] for s in self._by_rank.get(rank, ()))
+
+    def lower_bound(self, m: int) -> float:
+        """No schedule can beat this makespan: a rank's work for m microbatches plus the
+        forwards that must run before its first stage can start."""
+        best = 0.0
+        for r in set(self.placement):
+            first = min(self.stages_of(r))
+            head = sum(self.t_f[:first]) + first * self.comm
+            best = max(best, m * self.rank_work(r) + head)
+        return best
+
+
+@dataclass
+class RankMemory:
+    """Bytes of one rank at its peak."""
+
+    static: StaticMemory
+    activations: float
+    transient: float
+    extra: float = 0.0                  # features' buffers (vocab-parallel logits, staging)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.static.total + self.activations + self.transient + self.extra
+
+    def to_dict(self) -> dict:
+        d = self.static.to_dict()
+        d.update(activations=self.activations, transient=self.transient, feature_buffers=self.extra,
+                 total=self.total)
+        return d
+
+
+@dataclass
+class Estimate:
+    """A candidate's predicted iteration: time breakdown (seconds) and memory per rank."""
+
+    candidate: Candidate
+    costs: StageCosts
+    pipe: PipeResult
+    memory: list[RankMemory]
+    time: dict[str, float]
+    usable_bytes: float
+    model_flops: float                  # per iteration
+    peak_flops: float                   # cluster peak FLOP/s
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def iteration_time(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.iteration_time * self.peak_flops)
+
+    @property
+    def peak_rank(self) -> int:
+        return max(range(len(self.memory)), key=lambda r: self.memory[r].total)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total for m in self.memory)
+
+    @property
+    def overflow(self) -> float:
+        """Bytes over the usable memory on the fullest rank (<= 0: fits)."""
+        return self.peak_bytes - self.usable_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.overflow <= 0
+
+    def copy(self) -> "Estimate":
+        mem = [RankMemory(m.static, m.activations, m.transient, m.extra, list(m.notes)) for m in self.memory]
+        return Estimate(self.candidate, self.costs, self.pipe, mem, dict(self.time), self.usable_bytes,
+                        self.model_flops, self.peak_flops, list(self.notes))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def powers_of_two_upto(n: int) -> list[int]:
+    return [2 ** k for k in range(int(math.log2(max(n, 1))) + 1)]
+
+
+__all__ = ["PlanRequest", "Candidate", "StageCosts", "RankMemory", "Estimate", "ceil_div", "divisors",
+           "powers_of_two_upto"]

@@ -1,0 +1,194 @@
+"""Turn a plan into Megatron-LM ``pretrain_gpt.py`` arguments and a SLURM batch script.
+
+Flags of stock Megatron-LM are used wherever the plan is expressible with them, so a plan on
+1F1B or interleaved 1F1B without features runs on an unmodified Megatron-LM. Our plugin's
+flags appear only when the plan needs them: ``--pipeline-schedule NAME``,
+``--pipeline-memory-budget UNITS``, ``--enable-vocab-parallel``, ``--activation-offload
+POLICY``, ``--bpipe`` (the last three come from the feature estimators' ``flags()``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from .candidates import Estimate, PlanRequest
+from .features import get_feature
+from .presets import ModelSpec
+
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+def model_flags(model: ModelSpec) -> list[str]:
+    """Architecture flags of ``model``."""
+    f = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden),
+         "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn),
+         "--seq-length", str(model.seq), "--max-position-embeddings", str(model.seq),
+         "--make-vocab-size-divisible-by", str(model.vocab_divisible_by)]
+    if model.kv_heads != model.heads:
+        f += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    if model.gated_mlp:
+        f.append("--swiglu")
+    if model.norm == "rmsnorm":
+        f += ["--normalization", "RMSNorm"]
+    if model.position == "rope":
+        f += ["--position-embedding-type", "rope"]
+    if not model.bias:
+        f.append("--disable-bias-linear")
+    if not model.tied_embeddings:
+        f.append("--untie-embeddings-and-output-weights")
+    if not model.dropout:
+        f += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    f += ["--attention-backend", "flash" if model.flash_attention else "unfused"]
+    return f
+
+
+def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
+    """Parallelism, batch, memory and schedule flags of the plan ``est``."""
+    c = est.candidate
+    f = ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp)]
+    if c.tp > 1:
+        f.append("--sequence-parallel")
+    if c.vp > 1 and c.schedule_placement() == "loop":  # interleaved-style chunks (V schedules imply 2)
+        f += ["--num-layers-per-virtual-pipeline-stage", str(req.model.num_layers // (c.pp * c.vp))]
+    f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]
+    if req.precision == "bf16":  # bf16 params, fp32 gradient buffers: what the memory model counts
+        f += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+    if c.distributed_optimizer:
+        f.append("--use-distributed-optimizer")
+    if c.dp > 1 and req.efficiency.dp_overlap:
+        f.append("--overlap-grad-reduce")
+        if c.distributed_optimizer:
+            f.append("--overlap-param-gather")
+    if c.recompute == "selective":
+        f += ["--recompute-granularity", "selective"]
+    elif c.recompute == "full":
+        f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or c.features):
+        f += ["--pipeline-schedule", c.schedule]
+    if isinstance(c.budget, (int, float)):
+        f += ["--pipeline-memory-budget", f"{c.budget:g}"]
+    for name, opt in c.features:
+        f += get_feature(name).flags(opt)
+    return f
+
+
+def megatron_flags(est: Estimate, req: PlanRequest) -> list[str]:
+    """All ``pretrain_gpt.py`` flags of the plan (model + parallelism); data, tokenizer and
+    training-length flags are left to the launcher (see :func:`slurm_script`)."""
+    return model_flags(req.model) + parallel_flags(est, req)
+
+
+def flags_text(est: Estimate, req: PlanRequest) -> str:
+    """The flags one per line, ready for ``$(cat FILE)`` or a bash array."""
+    c = est.candidate
+    head = [f"# mppx plan: {req.model.name} on {req.cluster.num_gpus} x {req.cluster.gpu.name}: tp={c.tp} pp={c.pp} "
+            f"dp={c.dp} {c.label()} mbs={c.mbs} recompute={c.recompute} features={c.features_label()}",
+            f"# predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak "
+            f"{est.peak_bytes / 2 ** 30:.1f} GiB on rank {est.peak_rank} (model predictions, not measurements)"]
+    flags = megatron_flags(est, req)
+    lines, i = [], 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            lines.append(f"{flags[i]} {shlex.quote(flags[i + 1])}")
+            i += 2
+        else:
+            lines.append(flags[i])
+            i += 1
+    return "\n".join(head + lines) + "\n"
+
+
+def _quote(v: str) -> str:
+    """Shell-quote a value; "$VAR" values stay expandable."""
+    return f'"{v}"' if v.startswith("$") else shlex.quote(v)
+
+
+def _bash_array(name: str, flags: list[str]) -> str:
+    out, i = [f"{name}=("], 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out.append(f"    {flags[i]} {_quote(flags[i + 1])}")
+            i += 2
+        else:
+            out.append(f"    {flags[i]}")
+            i += 1
+    out.append(")")
+    return "\n".join(out)
+
+
+def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None, time_limit: str = "04:00:00",
+                 partition: str | None = None) -> str:
+    """An ``sbatch`` script running the plan with torchrun on every node. Paths come from
+    environment variables (MEGATRON_LM_DIR, DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, ...);
+    the script stops with a clear message when a required one is unset."""
+    c, cl, model = est.candidate, req.cluster, req.model
+    name = job_name or f"mppx-{model.name}"
+    llama_tok = not model.tied_embeddings
+    hdr = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={cl.nodes}",
+           "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={cl.gpus_per_node}",
+           f"#SBATCH --cpus-per-task={max(8, 8 * cl.gpus_per_node)}", "#SBATCH --exclusive",
+           f"#SBATCH --time={time_limit}"]
+    if partition:
+        hdr.append(f"#SBATCH --partition={partition}")
+    hdr.append("#SBATCH --output=%x-%j.out")
+    notes = [
+        f"# Generated by mppx plan: {model.name} on {cl.nodes} x {cl.gpus_per_node} {cl.gpu.name}, global batch "
+        f"{req.global_batch}.",
+        f"# Plan: tp={c.tp} pp={c.pp} dp={c.dp} {c.label()} mbs={c.mbs} recompute={c.recompute} "
+        f"features={c.features_label()}",
+        f"# Predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak {est.peak_bytes / 2 ** 30:.1f} "
+        f"GiB/GPU: model predictions, not measurements.",
+    ]
+    if c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or c.features):
+        notes.append("# Needs megatron_pp_ext installed in the job's Python environment (pip install -e <repo>):")
+        notes.append("# its flags (--pipeline-schedule, ...) are not part of stock Megatron-LM.")
+    env = [
+        "set -euo pipefail",
+        ': "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout (it has pretrain_gpt.py)}"',
+        ': "${DATA_PATH:?set DATA_PATH to the preprocessed dataset prefix (Megatron --data-path)}"',
+    ]
+    if llama_tok:
+        env.append(': "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer (HF name or path)}"')
+    else:
+        env.append(': "${VOCAB_FILE:?set VOCAB_FILE to the GPT-2 vocab.json}"')
+        env.append(': "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges.txt}"')
+    env += [
+        'CHECKPOINT_DIR="${CHECKPOINT_DIR:-$PWD/checkpoints/$SLURM_JOB_NAME}"',
+        'TRAIN_ITERS="${TRAIN_ITERS:-1000}"',
+        "",
+        "# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
+        "# with the GEMMs it overlaps (Megatron-LM requires it for sequence parallelism).",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
+        'export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"',
+        'export NCCL_IB_QPS_PER_CONNECTION="${NCCL_IB_QPS_PER_CONNECTION:-4}"',
+        "# export NCCL_SOCKET_IFNAME=...   # site specific: the interface of the bootstrap network",
+        'export PYTHONPATH="$MEGATRON_LM_DIR${PYTHONPATH:+:$PYTHONPATH}"',
+        "",
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        'MASTER_PORT="${MASTER_PORT:-29500}"',
+        "",
+    ]
+    data = ["--data-path", "$DATA_PATH", "--split", "99,1,0"]
+    if llama_tok:
+        data += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "$TOKENIZER_MODEL"]
+    else:
+        data += ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE"]
+    train = ["--train-iters", "$TRAIN_ITERS", "--lr", "1.5e-4", "--min-lr", "1.5e-5", "--lr-decay-style", "cosine",
+             "--lr-warmup-iters", "100", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+             "--clip-grad", "1.0", "--init-method-std", "0.008", "--log-interval", "1", "--eval-iters", "0",
+             "--save", "$CHECKPOINT_DIR", "--load", "$CHECKPOINT_DIR", "--save-interval", "500"]
+    arrays = [_bash_array("MODEL_ARGS", model_flags(model)), _bash_array("PARALLEL_ARGS", parallel_flags(est, req)),
+              _bash_array("DATA_ARGS", data), _bash_array("TRAIN_ARGS", train)]
+    launch = [
+        "",
+        'srun --kill-on-bad-exit=1 torchrun \\',
+        '    --nnodes "$SLURM_NNODES" --nproc-per-node ' + str(cl.gpus_per_node) + ' \\',
+        '    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
+        '    "$MEGATRON_LM_DIR/pretrain_gpt.py" \\',
+        '    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}"',
+    ]
+    return "\n".join(hdr + [""] + notes + [""] + env + arrays + launch) + "\n"
+
+
+__all__ = ["MEGATRON_SCHEDULES", "model_flags", "parallel_flags", "megatron_flags", "flags_text", "slurm_script"]

@@ -1,0 +1,137 @@
+"""Text and JSON views of a :class:`~.search.PlanResult`."""
+
+from __future__ import annotations
+
+from .bpipe import BPipeVerdict
+from .candidates import Estimate
+from .emit import megatron_flags, slurm_script
+from .memory import fmt_bytes
+from .search import PlanResult
+
+DISCLAIMER = ("Model predictions: memory from a model of Megatron-Core's allocations, times from FLOPs x an "
+              "efficiency curve and the schedule simulator; not GPU measurements.")
+
+
+_LEFT = {"schedule", "recompute", "features"}
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    cells = [headers] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = []
+    for k, r in enumerate(cells):
+        out.append("  ".join(c.ljust(w) if h in _LEFT else c.rjust(w)
+                             for h, c, w in zip(headers, r, widths)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def plan_row(i: int, e: Estimate) -> list[str]:
+    c = e.candidate
+    return [str(i), f"{e.iteration_time:.3f}", f"{e.mfu:.1%}", f"{e.pipe.bubble_rate:.1%}",
+            f"{e.peak_bytes / 2 ** 30:.1f} (r{e.peak_rank})", str(c.tp), str(c.pp), str(c.dp), str(c.vp), c.label(),
+            str(c.mbs), str(c.m), c.recompute, c.features_label()]
+
+
+HEADERS = ["#", "s/iter", "MFU", "bubble", "peak GiB", "tp", "pp", "dp", "vp", "schedule", "mbs", "m", "recompute",
+           "features"]
+
+
+def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show_flags: bool = True) -> str:
+    """The ranked table, the best plan's breakdown and flags, the comparison with the best
+    Megatron 1F1B/interleaved plan, and the rejection summary."""
+    req = result.request
+    m, cl = req.model, req.cluster
+    out = [f"mppx plan: {m.name} (L={m.num_layers} h={m.hidden} a={m.heads} kv={m.kv_heads} ffn={m.ffn} "
+           f"V={m.vocab} s={m.seq}, {'flash' if m.flash_attention else 'no flash'} attention) on "
+           f"{cl.nodes} x {cl.gpus_per_node} {cl.gpu.name} ({fmt_bytes(cl.usable_bytes)} usable per GPU), "
+           f"global batch {req.global_batch}",
+           f"efficiency: {req.efficiency.source}", ""]
+    out.append(_table(HEADERS, [plan_row(i + 1, e) for i, e in enumerate(result.plans)]))
+    best = result.best
+    c = best.candidate
+    out += ["", f"Best plan: {best.iteration_time:.3f} s/iteration, MFU {best.mfu:.1%}, "
+            f"{req.global_batch * m.seq / best.iteration_time / cl.num_gpus:,.0f} tokens/s/GPU"]
+    out.append("  time:   " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.time.items() if v > 0))
+    worst = best.memory[best.peak_rank]
+    st = worst.static
+    out.append(f"  memory on rank {best.peak_rank} (of {c.pp}): params {fmt_bytes(st.params)}, grads "
+               f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}, activations "
+               f"{fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"
+               + (f", feature buffers {fmt_bytes(worst.extra)}" if worst.extra else "")
+               + f" = {fmt_bytes(worst.total)} of {fmt_bytes(best.usable_bytes)}")
+    out.append("  per rank (GiB): " + " ".join(f"{mm.total / 2 ** 30:.1f}" for mm in best.memory))
+    for n in best.notes:
+        out.append(f"  note: {n}")
+    if result.baseline is not None:
+        b = result.baseline.best
+        bc = b.candidate
+        gain = b.iteration_time / best.iteration_time - 1
+        out.append(f"  vs best Megatron 1F1B/interleaved plan without features (tp={bc.tp} pp={bc.pp} dp={bc.dp} "
+                   f"{bc.label()} mbs={bc.mbs} recompute={bc.recompute}: {b.iteration_time:.3f} s, MFU {b.mfu:.1%}): "
+                   f"{gain:+.1%} throughput")
+    if show_flags:
+        out += ["", "pretrain_gpt.py flags:", "  " + " ".join(megatron_flags(best, req))]
+    out += ["", _rejections(result)]
+    if bpipe is not None:
+        out += ["", "BPipe estimate:"] + [f"  {line}" for line in bpipe.explanation]
+    s = result.stats
+    out += ["", f"search: {s.get('points', 0)} candidates, {s.get('evaluated', 0)} simulated "
+            f"({s.get('builds', 0)} schedules built in {s.get('build_seconds', 0):.1f} s, "
+            f"{s.get('hits', 0)} cache hits), {s.get('seconds', 0):.1f} s of CPU"
+            + ("" if result.complete else " -- STOPPED AT THE TIME LIMIT: the ranking may miss better plans"),
+            DISCLAIMER]
+    return "\n".join(out)
+
+
+def _rejections(result: PlanResult, reasons: int = 8) -> str:
+    r = result.rejections
+    if not r.counts:
+        return "rejected: none"
+    out = ["rejected: " + ", ".join(f"{n} {cat}" for cat, n in r.counts.most_common())]
+    for (cat, reason), n in r.reasons.most_common(reasons):
+        out.append(f"  {n:6d}  {cat}: {reason}")
+        if cat != "pruned":
+            out.append(f"          e.g. {r.example[(cat, reason)]}")
+    return "\n".join(out)
+
+
+def estimate_to_dict(e: Estimate, req) -> dict:
+    d = e.candidate.to_dict()
+    d.update({
+        "iteration_time_s": e.iteration_time, "mfu": e.mfu, "bubble_rate": e.pipe.bubble_rate,
+        "tokens_per_s_per_gpu": req.global_batch * req.model.seq / e.iteration_time / req.cluster.num_gpus,
+        "peak_memory_bytes": e.peak_bytes, "peak_rank": e.peak_rank, "usable_bytes": e.usable_bytes,
+        "time_breakdown_s": dict(e.time), "memory_per_rank": [m.to_dict() for m in e.memory],
+        "simulated_microbatches": list(e.pipe.simulated), "extrapolated": e.pipe.extrapolated,
+        "notes": list(e.notes), "megatron_flags": megatron_flags(e, req),
+    })
+    return d
+
+
+def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slurm: bool = True) -> dict:
+    """JSON-ready document of ``mppx plan --json``."""
+    req = result.request
+    doc = {
+        "model": {k: getattr(req.model, k) for k in req.model.__dataclass_fields__},
+        "cluster": {"gpu": req.cluster.gpu.__dict__, "nodes": req.cluster.nodes,
+                    "gpus_per_node": req.cluster.gpus_per_node, "usable_bytes": req.cluster.usable_bytes},
+        "global_batch_size": req.global_batch,
+        "efficiency": req.efficiency.to_dict(),
+        "plans": [estimate_to_dict(e, req) for e in result.plans],
+        "rejections": result.rejections.to_dict(),
+        "search": dict(result.stats, complete=result.complete),
+        "disclaimer": DISCLAIMER,
+    }
+    if result.baseline is not None:
+        doc["baseline"] = estimate_to_dict(result.baseline.best, req)
+        doc["gain_vs_baseline"] = result.baseline.best.iteration_time / result.best.iteration_time - 1
+    if slurm:
+        doc["slurm_script"] = slurm_script(result.best, req)
+    if bpipe is not None:
+        doc["bpipe"] = bpipe.to_dict()
+    return doc
+
+
+__all__ = ["format_report", "result_to_dict", "estimate_to_dict", "plan_row", "HEADERS", "DISCLAIMER"]

@@ -1,0 +1,527 @@
+"""The search: enumerate tp x pp x dp x schedule (x chunks, budget) x microbatch size x
+recomputation x feature variants, estimate each with the memory and time models and the
+schedule simulator, and keep the fastest plans that fit.
+
+Speed comes from pruning, not from skipping the simulator:
+
+1. divisibility and static memory (parameters + gradients + optimizer states) reject most
+   points without any simulation;
+2. Megatron's own orders (1F1B, interleaved) have exact closed-form peaks (REFERENCE §2):
+   points clearly over memory (> 5 %) are rejected without simulation; for the generated
+   schedules the first simulation of a (schedule, pp, chunks, budget) group gives the peak in
+   microbatches per rank that rejects its clearly-OOM siblings;
+3. the rest are visited in order of a lower bound on their iteration time (each rank's work
+   for m microbatches + the forwards before its first stage + DP/optimizer time + the
+   cheapest way to fit); once the bound exceeds the k-th best plan found, nothing left can
+   enter the top k (branch and bound), so the top k is what an exhaustive search would give;
+4. simulations are quantised, extrapolated and memoised (:mod:`.simcache`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+
+from ..schedule import ScheduleError, parse_memory_budget, schedule_info, schedule_names
+from .candidates import Candidate, Estimate, PlanRequest, RankMemory, StageCosts, divisors, powers_of_two_upto
+from .features import feature_names, get_feature
+from .layout import placement_for, rank_static, stage_parts, takes_chunks
+from .memory import embedding_activation, fmt_bytes, layer_activation, output_layer_activation
+from .presets import PlannerError
+from .simcache import PipeResult, SimCache
+from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
+                     output_times, p2p_time)
+
+MAX_MBS = 16
+MAX_PP = 64
+PRECHECK_MARGIN = 0.05
+INTERLEAVED = "interleaved-1f1b"
+
+
+@dataclass
+class Rejections:
+    """Why candidates were dropped: counts per category and per reason, one example each."""
+
+    counts: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    example: dict = field(default_factory=dict)
+
+    def add(self, category: str, what: str, reason: str, n: int = 1) -> None:
+        key = (category, _generic(reason))
+        self.counts[category] += n
+        self.reasons[key] += n
+        self.example.setdefault(key, f"{what}: {reason}")
+
+    def examples(self, category: str) -> list[str]:
+        return [ex for (cat, _), ex in self.example.items() if cat == category]
+
+    def to_dict(self) -> dict:
+        return {"counts": dict(self.counts),
+                "reasons": [{"category": c, "reason": r, "count": n, "example": self.example[(c, r)]}
+                            for (c, r), n in self.reasons.most_common()]}
+
+
+def _generic(reason: str) -> str:
+    """Reason without its numbers, for grouping ('OOM on rank 3 by 2.1 GiB' -> 'OOM on rank N')."""
+    for cut in (" by ", " (", ":"):
+        if cut in reason:
+            reason = reason.split(cut)[0]
+    return re.sub(r"\d+(\.\d+)?", "N", reason)
+
+
+@dataclass
+class PlanResult:
+    """The ranked plans (fastest first), why the rest were rejected, and search statistics."""
+
+    request: PlanRequest
+    plans: list[Estimate]
+    rejections: Rejections
+    stats: dict
+    complete: bool = True
+    baseline: "PlanResult | None" = None
+
+    @property
+    def best(self) -> Estimate:
+        return self.plans[0]
+
+
+class Planner:
+    """One search over one request (see the module doc). Reuse a :class:`SimCache` across
+    searches to share simulations."""
+
+    def __init__(self, req: PlanRequest, cache: SimCache | None = None):
+        self.req = req
+        self.cache = cache if cache is not None else SimCache()
+        self.rej = Rejections()
+        self._costs: dict = {}
+        self.stats = Counter()
+        model, cl = req.model, req.cluster
+        self.N = cl.num_gpus
+        self.usable = cl.usable_bytes
+        if req.global_batch < 1:
+            raise PlannerError(f"--global-batch-size {req.global_batch}: must be >= 1")
+        names = schedule_names()
+        self.schedules = list(req.schedules) if req.schedules else names
+        for s in self.schedules:
+            schedule_info(s)  # raises with the list of names
+        self.features = list(req.features) if req.features is not None else feature_names()
+        for f in list(self.features) + list(req.require_features):
+            get_feature(f)
+        for f in req.require_features:
+            if f not in self.features:
+                self.features.append(f)
+        self.model_flops = req.global_batch * model_flops_per_sample(model)
+        self.peak_flops = self.N * cl.gpu.peak_tflops * 1e12
+
+    # -- enumeration ----------------------------------------------------------------------
+    def _tps(self) -> list[int]:
+        m, cl = self.req.model, self.req.cluster
+        out = []
+        for tp in (self.req.tp or powers_of_two_upto(min(cl.gpus_per_node, self.N, 8))):
+            bad = [f"{what} {n}" for what, n in (("heads", m.heads), ("kv-heads", m.kv_heads), ("ffn", m.ffn))
+                   if n % tp]
+            if self.N % tp:
+                bad.append(f"GPUs {self.N}")
+            if bad:
+                self.rej.add("divisibility", f"tp={tp}", f"tp does not divide {', '.join(bad)}")
+                continue
+            out.append(tp)
+        return out
+
+    def candidates(self):
+        """Yield every candidate (without feature variants) that passes divisibility; record
+        the rejected ones."""
+        req, model = self.req, self.req.model
+        L, G = model.num_layers, req.global_batch
+        for tp in self._tps():
+            pps = req.pp or [d for d in divisors(self.N // tp) if d <= MAX_PP]
+            for pp in pps:
+                if (self.N // tp) % pp:
+                    self.rej.add("divisibility", f"tp={tp} pp={pp}", f"tp*pp does not divide {self.N} GPUs")
+                    continue
+                if L % pp:
+                    self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
+                    continue
+                dp = self.N // (tp * pp)
+                if G % dp:
+                    self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp}",
+                                 f"dp does not divide the global batch {G}")
+                    continue
+                per_dp = G // dp
+                for mbs in (req.mbs or [b for b in powers_of_two_upto(MAX_MBS) if b <= per_dp]):
+                    if per_dp % mbs:
+                        self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp} mbs={mbs}",
+                                     f"mbs does not divide the batch per replica {per_dp}")
+                        continue
+                    m = per_dp // mbs
+                    for rc in req.recompute:
+                        if rc == "selective" and model.flash_attention:
+                            self.rej.add("dominated", "recompute=selective",
+                                         "selective recomputation drops nothing with flash attention")
+                            continue
+                        yield from self._schedules(tp, pp, dp, mbs, m, rc)
+
+    def _schedules(self, tp, pp, dp, mbs, m, rc):
+        L = self.req.model.num_layers
+        dist = self.req.distributed_optimizer and dp > 1
+        names = ["1f1b"] if pp == 1 else self.schedules  # no pipeline: the schedule does not matter
+        for name in names:
+            info = schedule_info(name)
+            what = f"tp={tp} pp={pp} dp={dp} mbs={mbs} {name}"
+            if info.placement == "v" or info.chunks:
+                vps = [info.chunks or 2]
+            elif takes_chunks(name):  # with one chunk it would be plain 1F1B
+                vps = [v for v in range(2, self.req.max_vp + 1)]
+            else:
+                vps = [1]
+            for vp in vps:
+                if L % (pp * vp):
+                    self.rej.add("divisibility", what, f"{pp * vp} stages do not divide {L} layers")
+                    continue
+                if name == INTERLEAVED and m % pp:
+                    self.rej.add("divisibility", what, f"interleaving needs microbatches ({m}) % pp == 0")
+                    continue
+                budgets: list = [None]
+                if info.uses_budget:
+                    budgets = []
+                    for spec in self.req.budgets:
+                        budgets.append("fit" if spec == "fit" else parse_memory_budget(spec, pp))
+                for budget in budgets:
+                    yield Candidate(tp, pp, dp, vp, name, mbs, m, rc, budget, dist)
+
+    # -- costs ----------------------------------------------------------------------------
+    def stage_costs(self, cand: Candidate) -> StageCosts:
+        placement = placement_for(cand.schedule, cand.pp, cand.vp)
+        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute)
+        got = self._costs.get(key)
+        if got is not None:
+            return got
+        req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
+        S = len(placement)
+        parts = stage_parts(model, S)
+        lt = layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute)
+        emb = embedding_times(model, cl, eff, cand.mbs, cand.tp)
+        out = output_times(model, cl, eff, cand.mbs, cand.tp)
+        la = layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute)
+        unit = model.num_layers // cand.pp * la.stored
+        t_f, t_b, t_w, act = [], [], [], []
+        for part in parts:
+            f, b, w = part.layers * lt.f, part.layers * lt.b, part.layers * lt.w
+            a = part.layers * la.stored
+            if part.pre:
+                f, b = f + emb.f, b + emb.b
+                a += embedding_activation(model, cand.mbs, cand.tp)
+            if part.post:
+                f, b, w = f + out.f, b + out.b, w + out.w
+                a += output_layer_activation(model, cand.mbs, cand.tp)
+            t_f.append(f)
+            t_b.append(b)
+            t_w.append(w)
+            act.append(a / unit)
+        logit_grad = 2.0 * model.seq * cand.mbs * model.padded_vocab(cand.tp) / cand.tp
+        transient = [la.transient + (logit_grad if placement[S - 1] == r else 0.0) for r in range(cand.pp)]
+        comm = p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp) if cand.pp > 1 else 0.0
+        sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient)
+        self._costs[key] = sc
+        return sc
+
+    # -- estimates ------------------------------------------------------------------------
+    def estimate(self, cand: Candidate, costs: StageCosts, pipe: PipeResult) -> Estimate:
+        """Memory and time of ``cand`` from its pipeline figures (before feature variants)."""
+        req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
+        statics = rank_static(model, cand.tp, cand.dp, costs.placement,
+                              distributed_optimizer=cand.distributed_optimizer, precision=req.precision)
+        memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r])
+                  for r in range(cand.pp)]
+        exposed = opt = 0.0
+        for r in range(cand.pp):
+            n = statics[r].num_params
+            rs, ag = dp_times(n, cl, cand.tp, cand.dp, distributed_optimizer=cand.distributed_optimizer)
+            if eff.dp_overlap:
+                st = costs.stages_of(r)
+                last_bw = sum(costs.t_b[s] + costs.t_w[s] for s in st)
+                first_fw = sum(costs.t_f[s] for s in st)
+                e = max(0.0, rs - last_bw) + max(0.0, ag - first_fw)
+            else:
+                e = rs + ag
+            exposed = max(exposed, e)
+            opt = max(opt, optimizer_time(n, cl, eff, cand.dp, distributed_optimizer=cand.distributed_optimizer))
+        t = {"pipeline": pipe.makespan, "dp_exposed": exposed, "optimizer": opt}
+        S = len(costs.placement)
+        if model.tied_embeddings and cand.pp > 1 and costs.placement[0] != costs.placement[S - 1]:
+            nbytes = 4.0 * model.padded_vocab(cand.tp) // cand.tp * model.hidden
+            g = cl.gpu
+            t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
+        return Estimate(cand, costs, pipe, memory, t, self.usable, self.model_flops, self.peak_flops)
+
+    def _variants(self, base: Estimate) -> list[Estimate]:
+        """``base`` and its memory-only feature variants that should be tried."""
+        req = self.req
+        out = [base]
+        need = set(req.require_features)
+        for fname in self.features:
+            f = get_feature(fname)
+            if not getattr(f, "memory_only", False):
+                continue
+            if base.fits and fname not in need:
+                continue
+            if any(base.candidate.feature(c) for c in getattr(f, "conflicts", ())):
+                continue
+            for opt in f.options(req, base.candidate):
+                cand = base.candidate.with_feature(fname, opt)
+                est = base.copy()
+                est.candidate = cand
+                f.apply(req, cand, opt, est)
+                out.append(est)
+        return out
+
+    def _keep(self, est: Estimate) -> bool:
+        names = {n for n, _ in est.candidate.features}
+        return all(f in names for f in self.req.require_features)
+
+    def _expected_pipe(self, cand: Candidate, costs: StageCosts) -> tuple[PipeResult | None, bool]:
+        """Closed-form peak activation units per rank (REFERENCE §2) and whether it is exact.
+
+        Exact for Megatron's own orders (1F1B, interleaved) and for pp=1; for the generated
+        schedules it is the memory the generator may use (a cap: ZB-V at p=16 often needs
+        less), good for ordering but not for rejecting. None for schedules it does not know."""
+        p, v, m = cand.pp, cand.vp, cand.m
+        per = [costs.rank_units(r) for r in range(p)]
+        name = cand.schedule
+        exact = p == 1 or name in ("1f1b", INTERLEAVED)
+        if p == 1:
+            counts = [1.0]
+        elif name in ("1f1b", "zb-h1"):
+            counts = [p - r for r in range(p)]
+        elif name == "zb-h2":
+            counts = [2 * (p - r) - 1 for r in range(p)]
+        elif name == INTERLEAVED:
+            counts = [((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p)]
+        elif name == "zbv":
+            counts = [p] * p
+        elif name == "v-half":
+            counts = [(p + 2) / 2] * p
+        elif name == "v-min":
+            counts = [float((p + 4) // 3)] * p
+        elif name == "dualpipev":
+            counts = [p + 0.5] * p
+        elif isinstance(cand.budget, float) and schedule_info(name).uses_budget:
+            return PipeResult(0.0, (0.0,) * p, tuple(min(cand.budget, m * x) for x in per), ()), False
+        else:
+            return None, False
+        return PipeResult(0.0, (0.0,) * p, tuple(min(c, m) * x for c, x in zip(counts, per)), ()), exact
+
+    def _group(self, cand: Candidate) -> tuple:
+        """Candidates whose schedules hold the same number of microbatches per rank."""
+        return (cand.schedule, cand.pp, cand.vp, cand.budget, min(cand.m, 2 * cand.pp))
+
+    def _clearly_oom(self, cand: Candidate, costs: StageCosts, feats, pipe: PipeResult) -> Estimate | None:
+        """The least-overflowing variant when every variant is > 5 % over memory with these
+        peaks, else None."""
+        est = self.estimate(cand, costs, pipe)
+        self._apply_sim_features(est, feats)
+        vs = [v for v in self._variants(est) if self._keep(v)]
+        if vs and all(v.overflow > PRECHECK_MARGIN * self.usable for v in vs):
+            return min(vs, key=lambda v: v.overflow)
+        return None
+
+    def _fit_budget(self, cand: Candidate, costs: StageCosts, sim_features) -> float | None:
+        """The largest v-budget (units, quarter steps) that fits every rank, or None."""
+        probe = self.estimate(cand, costs, PipeResult(0.0, (0.0,) * cand.pp, (0.0,) * cand.pp, ()))
+        for fname, opt in sim_features:
+            get_feature(fname).apply(self.req, probe.candidate, opt, probe)
+        free = min(self.usable - mem.total for mem in probe.memory)
+        units = math.floor(free / costs.unit_bytes * 4) / 4
+        return units if units > 0 else None
+
+    def _sim_variants(self, base: Candidate):
+        """(candidate with cost-changing features, their stage costs) pairs."""
+        req = self.req
+        costs = self.stage_costs(base)
+        axes = []
+        for fname in self.features:
+            f = get_feature(fname)
+            if getattr(f, "memory_only", False):
+                continue
+            axes.append([(fname, None)] + [(fname, o) for o in f.options(req, base)])
+        for combo in itertools.product(*axes) if axes else [()]:
+            cand, c = base, costs
+            for fname, opt in combo:
+                if opt is None:
+                    continue
+                cand = cand.with_feature(fname, opt)
+                c = get_feature(fname).stage_costs(req, cand, opt, c)
+            yield cand, c, tuple((n, o) for n, o in combo if o is not None)
+
+    def _apply_sim_features(self, est: Estimate, feats) -> None:
+        for fname, opt in feats:
+            get_feature(fname).apply(self.req, est.candidate, opt, est)
+
+    def _fixed_time(self, cand: Candidate, costs: StageCosts, feats) -> float:
+        probe = self.estimate(cand, costs, PipeResult(0.0, (0.0,) * cand.pp, (0.0,) * cand.pp, ()))
+        self._apply_sim_features(probe, feats)
+        return probe.iteration_time
+
+    # -- the search ---------------------------------------------------------------------------
+    def run(self) -> PlanResult:
+        req = self.req
+        t0 = time.process_time()
+        heap: list = []
+        seq = itertools.count()
+        n_points = 0
+        for base in self.candidates():
+            for cand, costs, feats in self._sim_variants(base):
+                n_points += 1
+                what = _describe(cand)
+                if cand.budget == "fit":
+                    budget = self._fit_budget(cand, costs, feats)
+                    floor_units = (cand.pp + 4) // 3 * costs.rank_units(0)
+                    if budget is None or budget < floor_units:
+                        self.rej.add("memory", what, "no activation budget fits (V-Min's is the floor)")
+                        continue
+                    if budget >= cand.pp * max(costs.rank_units(r)
+                                              for r in range(cand.pp)):
+                        self.rej.add("dominated", what, "the budget that fits is ZB-V's own: zbv covers it")
+                        continue
+                    cand = replace(cand, budget=budget)
+                    what = _describe(cand)
+                # static memory alone
+                statics = rank_static(req.model, cand.tp, cand.dp, costs.placement,
+                                      distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
+                                      vocab_shards=cand.pp if cand.feature("vocab-parallel") else 0)
+                worst = max(range(cand.pp), key=lambda r: statics[r].total)
+                if statics[worst].total > self.usable:
+                    self.rej.add("memory", what, f"OOM before activations on rank {worst} by "
+                                 f"{fmt_bytes(statics[worst].total - self.usable)} (parameters+gradients+"
+                                 f"optimizer {fmt_bytes(statics[worst].total)})")
+                    continue
+                # closed-form activation estimate
+                exp, exact = self._expected_pipe(cand, costs)
+                fixed = self._fixed_time(cand, costs, feats)
+                extra = 0.0
+                if exp is not None and exact:
+                    best = self._clearly_oom(cand, costs, feats, exp)
+                    if best is not None:
+                        self.rej.add("memory", what, f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)} "
+                                     "(closed-form peak of the schedule, not simulated)")
+                        continue
+                    est = self.estimate(cand, costs, exp)
+                    self._apply_sim_features(est, feats)
+                    fitting = [v.iteration_time - fixed for v in self._variants(est) if self._keep(v) and v.fits]
+                    if fitting:  # the cheapest way to fit adds at least this (offload/BPipe transfers)
+                        extra = min(fitting)
+                lb = costs.lower_bound(cand.m) + fixed + extra
+                heapq.heappush(heap, (lb, next(seq), cand, costs, feats))
+        self.stats["points"] = n_points
+        plans: list[Estimate] = []
+        observed: dict[tuple, tuple[float, ...]] = {}
+        complete = True
+        top = max(1, req.top)
+        while heap:
+            lb, _, cand, costs, feats = heapq.heappop(heap)
+            if len(plans) >= top and lb >= plans[top - 1].iteration_time:
+                self.rej.add("pruned", _describe(cand), "lower bound exceeds the k-th best plan (not simulated)",
+                             n=len(heap) + 1)
+                break
+            if time.process_time() - t0 > req.time_limit:
+                complete = False
+                self.rej.add("time limit", _describe(cand), f"search stopped after {req.time_limit:g} s of CPU",
+                             n=len(heap) + 1)
+                break
+            what = _describe(cand)
+            seen = observed.get(self._group(cand))
+            if seen is not None:  # the same schedule's peak, simulated for a similar configuration
+                per = [costs.rank_units(r) for r in range(cand.pp)]
+                guess = PipeResult(0.0, (0.0,) * cand.pp, tuple(c * x for c, x in zip(seen, per)), ())
+                best = self._clearly_oom(cand, costs, feats, guess)
+                if best is not None:
+                    self.rej.add("memory", what, f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)} "
+                                 "(peak of the same schedule simulated for a similar configuration)")
+                    continue
+            try:
+                pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
+                                           costs.comm, costs.act,
+                                           budget=cand.budget if isinstance(cand.budget, float) else None)
+            except ScheduleError as e:
+                self.rej.add("schedule", what, f"cannot be built: {e}")
+                continue
+            self.stats["evaluated"] += 1
+            observed[self._group(cand)] = tuple(pk / max(costs.rank_units(r), 1e-12)
+                                                for r, pk in enumerate(pipe.peak_units))
+            est = self.estimate(cand, costs, pipe)
+            self._apply_sim_features(est, feats)
+            variants = [v for v in self._variants(est) if self._keep(v)]
+            fitting = [v for v in variants if v.fits]
+            if not fitting:
+                best = min(variants or [est], key=lambda v: v.overflow)
+                self.rej.add("memory", _describe(best.candidate),
+                             f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)}")
+                continue
+            plans = _dedupe(plans + fitting)[:top * 4]
+        self.cache.save()
+        plans = _dedupe(plans)
+        self.stats.update({k: v for k, v in self.cache.stats.items()})
+        self.stats["seconds"] = round(time.process_time() - t0, 3)
+        if not plans:
+            raise PlannerError(self._nothing_fits())
+        return PlanResult(req, plans[:top], self.rej, dict(self.stats), complete)
+
+    def _nothing_fits(self) -> str:
+        req, model = self.req, self.req.model
+        c = self.rej.counts
+        n_params = model.num_params()
+        need = n_params * (6 + 12 / max(1, self.N)) if req.distributed_optimizer else n_params * 18
+        min_gpus = max(1, math.ceil(need / self.usable))
+        ex = (self.rej.examples("memory") or self.rej.examples("schedule")
+              or self.rej.examples("divisibility") or ["-"])[0]
+        return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
+                f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
+                f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "
+                f"{fmt_bytes(need)} in all (about {min_gpus}+ GPUs before activations): use more GPUs "
+                "(--gpus), GPUs with more memory (--memory), or allow full recomputation/offload")
+
+
+def _signature(c: Candidate) -> tuple:
+    return (c.tp, c.pp, c.dp, c.vp, c.schedule, c.budget, c.mbs, c.recompute, tuple(n for n, _ in c.features))
+
+
+def _dedupe(plans: list[Estimate]) -> list[Estimate]:
+    """Fastest first, one plan per configuration and feature set (the best option of each
+    feature, e.g. of offload ratios or vocabulary-parallel algorithms; ties: less memory)."""
+    best: dict = {}
+    for e in plans:
+        sig = _signature(e.candidate)
+        cur = best.get(sig)
+        if cur is None or (e.iteration_time, e.peak_bytes) < (cur.iteration_time, cur.peak_bytes):
+            best[sig] = e
+    return sorted(best.values(), key=lambda e: (e.iteration_time, e.peak_bytes))
+
+
+def _describe(c: Candidate) -> str:
+    s = f"tp={c.tp} pp={c.pp} dp={c.dp} {c.label()} mbs={c.mbs} rc={c.recompute}"
+    if c.features:
+        s += f" +{c.features_label()}"
+    return s
+
+
+def plan(req: PlanRequest, *, cache: SimCache | None = None, baseline: bool = False) -> PlanResult:
+    """Search ``req``; with ``baseline`` also the best plan using only Megatron-Core's own
+    schedules (1F1B, interleaved) and no features, for comparison (``result.baseline``)."""
+    cache = cache if cache is not None else SimCache()
+    result = Planner(req, cache).run()
+    if baseline:
+        base_req = req.with_(schedules=tuple(s for s in ("1f1b", INTERLEAVED) if s in schedule_names()),
+                             features=(), require_features=(), top=1)
+        try:
+            result.baseline = Planner(base_req, cache).run()
+        except PlannerError:
+            result.baseline = None
+    return result
+
+
+__all__ = ["Planner", "PlanResult", "Rejections", "plan"]

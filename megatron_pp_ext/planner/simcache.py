@@ -1,0 +1,281 @@
+"""Pipeline figures of a schedule for the planner: the schedule core's generators and
+simulator, made affordable for a search.
+
+Generating a zero-bubble or V schedule searches over many candidate orders (seconds to tens
+of seconds at p=16), while evaluating a given order is cheap. So this module
+
+* **builds** each schedule from *coarse* costs (per-stage F/B/W on a 10 % log grid, relative
+  to the largest forward; activation shares to 1/8 unit) -- nearby configurations reuse one
+  generated order -- and **evaluates** that order under the *fine* costs (3 % grid) with the
+  schedule core's exact compute-only evaluator (the simulator's timeline, linear time;
+  ``simulate`` is the fallback for other op kinds). The simulator is scale-free: results are
+  scaled back to seconds;
+* simulates at most 2p microbatches: with more, it extrapolates linearly from the run at 2p
+  (the steady state is reached by then; the slope is the busiest rank's work per microbatch).
+  Schedules that keep fewer than p microbatches in flight may have a slower steady state
+  (V-Min, V-Half, budgets): for them a second run at 3p measures the slope, used when it is
+  slower (by > 2 %). Peak memory is taken from the last run (saturated by 2p);
+* memoises built orders and results in memory and on disk (``$MPPX_CACHE_DIR`` or
+  ``~/.cache/mppx``; off with ``MPPX_NO_CACHE=1``), keyed by a fingerprint of the schedule
+  core's source, so a changed generator never reuses stale orders or numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..schedule import CostModel, Op, Schedule, ScheduleError, ScheduleRequest, schedule_info, simulate
+
+_FINE = math.log(1.03)
+_COARSE = math.log(1.10)
+_SLOWER = 1.02            # two-run slope used when this much slower than the busiest rank's work
+
+
+@dataclass(frozen=True)
+class PipeResult:
+    """One schedule's pipeline phase in seconds and activation units, per rank."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    peak_units: tuple[float, ...]
+    simulated: tuple[int, ...]          # microbatch counts actually simulated
+    extrapolated: bool = False
+
+    @property
+    def bubble_rate(self) -> float:
+        return 1.0 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
+
+
+def _q(x: float, ref: float, step: float) -> int | None:
+    if x <= 0:
+        return None
+    return int(round(math.log(x / ref) / step))
+
+
+def _dq(k: int | None, step: float) -> float:
+    return 0.0 if k is None else math.exp(k * step)
+
+
+def _compact(t: Sequence) -> tuple:
+    """Run-length encode a per-stage tuple (stages are mostly equal): shorter keys."""
+    out: list = []
+    for x in t:
+        if out and out[-1][0] == x:
+            out[-1] = (x, out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return tuple(out)
+
+
+def _fingerprint() -> str:
+    root = Path(__file__).resolve().parents[1] / "schedule"
+    h = hashlib.sha1()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_OP = re.compile(r"(BW|F|B|W)(\d+)\.(\d+)")
+
+
+def _encode(s: Schedule) -> dict:
+    return {"name": s.name, "m": s.num_microbatches, "placement": list(s.placement),
+            "ops": [" ".join(f"{o.kind}{o.stage}.{o.microbatch}" for o in rank) for rank in s.ops]}
+
+
+def _decode(d: dict) -> Schedule:
+    ops = [[Op(k, int(st), int(mb), r) for k, st, mb in _OP.findall(line)] for r, line in enumerate(d["ops"])]
+    return Schedule(d["name"], int(d["m"]), tuple(d["placement"]), ops)
+
+
+class SimCache:
+    """Memoised, quantised, extrapolated schedule evaluations (see the module doc)."""
+
+    def __init__(self, *, disk: bool | None = None, path: str | os.PathLike | None = None):
+        if disk is None:
+            disk = os.environ.get("MPPX_NO_CACHE", "") in ("", "0")
+        self.disk = disk
+        base = Path(path) if path else Path(os.environ.get("MPPX_CACHE_DIR") or Path.home() / ".cache" / "mppx")
+        self.fingerprint = _fingerprint()
+        self.files = {"results": base / f"planner-results-{self.fingerprint}.json",
+                      "orders": base / f"planner-orders-{self.fingerprint}.json"}
+        self._results: dict[str, dict | str] = {}
+        self._orders: dict[str, dict | str] = {}
+        self._built: dict[str, Schedule] = {}
+        self._dirty = {"results": False, "orders": False}
+        self.stats = {"hits": 0, "evaluations": 0, "builds": 0, "build_seconds": 0.0, "eval_seconds": 0.0}
+        if self.disk:
+            self._results.update(self._read("results"))
+            self._orders.update(self._read("orders"))
+
+    # -- persistence -------------------------------------------------------------------------
+    def _read(self, which: str) -> dict:
+        try:
+            with open(self.files[which], encoding="utf-8") as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def save(self) -> None:
+        """Write new entries to disk (merged with what other processes wrote meanwhile)."""
+        if not self.disk:
+            return
+        for which, mem in (("results", self._results), ("orders", self._orders)):
+            if not self._dirty[which]:
+                continue
+            try:
+                path = self.files[which]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                merged = self._read(which)
+                merged.update(mem)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(merged, f, separators=(",", ":"))
+                os.replace(tmp, path)
+                self._dirty[which] = False
+            except OSError:
+                pass  # a cache that cannot be written only costs time
+        self._prune()
+
+    def _prune(self, keep: int = 3) -> None:
+        """Delete the cache files of all but the ``keep`` most recent other generator versions."""
+        try:
+            base = self.files["results"].parent
+            groups: dict[str, float] = {}
+            for f in base.glob("planner-*-*.json"):
+                fp = f.stem.rsplit("-", 1)[-1]
+                if fp != self.fingerprint:
+                    groups[fp] = max(groups.get(fp, 0.0), f.stat().st_mtime)
+            for fp in sorted(groups, key=groups.get, reverse=True)[keep:]:
+                for f in base.glob(f"planner-*-{fp}.json"):
+                    f.unlink()
+        except OSError:
+            pass
+
+    # -- building and evaluating -------------------------------------------------------------
+    def _order(self, name: str, pp: int, m: int, chunks: int, coarse: CostModel, budget: float | None,
+               key: str) -> Schedule:
+        got = self._built.get(key)
+        if got is not None:
+            return got
+        enc = self._orders.get(key)
+        if isinstance(enc, str):
+            raise ScheduleError(enc)
+        if enc is not None:
+            sched = _decode(enc)
+        else:
+            t0 = time.process_time()
+            try:
+                info = schedule_info(name)
+                sched = info.generate(ScheduleRequest(pp, m, chunks, coarse, budget))
+            except ScheduleError as e:
+                self._orders[key] = " ".join(str(e).split())[:300]
+                self._dirty["orders"] = True
+                raise
+            finally:
+                self.stats["builds"] += 1
+                self.stats["build_seconds"] += time.process_time() - t0
+            self._orders[key] = _encode(sched)
+            self._dirty["orders"] = True
+        self._built[key] = sched
+        return sched
+
+    def _evaluate(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+        got = self._results.get(key)
+        if got is not None:
+            self.stats["hits"] += 1
+            if isinstance(got, str):
+                raise ScheduleError(got)
+            return got
+        t0 = time.process_time()
+        try:
+            try:
+                from ..schedule.generators.evaluate import evaluate
+                ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
+                out: dict | str = {"makespan": ev.makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
+            except (ImportError, ScheduleError):
+                res = simulate(sched, cost)
+                out = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+        except ScheduleError as e:
+            out = " ".join(str(e).split())[:300]
+        finally:
+            self.stats["evaluations"] += 1
+            self.stats["eval_seconds"] += time.process_time() - t0
+        self._results[key] = out
+        self._dirty["results"] = True
+        if isinstance(out, str):
+            raise ScheduleError(out)
+        return out
+
+    def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
+                 t_w: Sequence[float], comm: float, act: Sequence[float],
+                 budget: float | None = None) -> PipeResult:
+        """Makespan, busy time and peak activation units per rank of ``name`` with these
+        per-stage costs (seconds) and activation shares. Raises ScheduleError when the
+        schedule cannot be built for them (the generator's message)."""
+        ref = max(t_f)
+        if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
+            raise ScheduleError("F and B costs must be positive on every stage")
+
+        def model(step: float, act_grid: int) -> tuple[CostModel, tuple]:
+            qf = tuple(_q(x, ref, step) for x in t_f)
+            qb = tuple(_q(x, ref, step) for x in t_b)
+            qw = tuple(_q(x, ref, step) for x in t_w)
+            qc = _q(comm, ref, step)
+            qa = tuple(max(1, int(round(a * act_grid))) for a in act)
+            cm = CostModel(tuple(_dq(k, step) for k in qf), tuple(_dq(k, step) for k in qb),
+                           tuple(_dq(k, step) for k in qw), _dq(qc, step), tuple(a / act_grid for a in qa))
+            return cm, (_compact(qf), _compact(qb), _compact(qw), qc, _compact(qa))
+
+        coarse, ckey = model(_COARSE, 8)
+        fine, fkey = model(_FINE, 64)
+        qbudget = None if budget is None else round(budget, 2)
+        head = (name, pp, chunks, qbudget)
+
+        def run(mm: int) -> dict:
+            sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
+            return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
+
+        if m <= max(2 * pp, 8):
+            r = run(m)
+            return PipeResult(r["makespan"] * ref, tuple(b * ref for b in r["busy"]), tuple(r["peak"]), (m,))
+        m1 = 2 * pp
+        r1 = run(m1)
+        busy_slope = max(r1["busy"]) / m1
+        per_mb = [0.0] * pp
+        for s, a in enumerate(fine.act):
+            per_mb[_rank_of(s, pp, chunks, name)] += a
+        runs, last = (m1,), r1
+        slope = busy_slope
+        if max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
+            # fewer than p microbatches in flight somewhere: the steady state may be slower
+            m2 = 3 * pp
+            r2 = run(m2)
+            two_point = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
+            if two_point > _SLOWER * busy_slope:
+                slope = two_point
+            runs, last = (m1, m2), r2
+        m_last = runs[-1]
+        makespan = last["makespan"] + (m - m_last) * slope
+        busy = tuple(b / m_last * m * ref for b in last["busy"])
+        return PipeResult(makespan * ref, busy, tuple(last["peak"]), runs, True)
+
+
+def _rank_of(stage: int, pp: int, chunks: int, name: str) -> int:
+    if pp > 1 and schedule_info(name).placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+__all__ = ["PipeResult", "SimCache"]

@@ -1,0 +1,327 @@
+"""Time model: per-layer F/B/W times from FLOPs and an efficiency curve, plus communication.
+
+Per layer and microbatch (b = microbatch size, s = sequence, h = hidden, f = FFN size):
+
+* linear layers: forward 2*b*s*h*(h + 2*kv*d) (QKV) + 2*b*s*h^2 (proj) + 2*b*s*h*f*(3 with
+  SwiGLU, else 2); for GPT that is 24*b*s*h^2. B (input gradients) and W (weight gradients)
+  each cost the same as the forward.
+* attention core: 4*b*s^2*h model FLOPs (so a GPT layer is 24*b*s*h^2*(1 + s/(6h)) forward);
+  flash attention runs the causal half at its own efficiency (backward 2.5x forward); without
+  flash attention the score matrices are materialised (batched matmuls + memory-bound
+  softmax/dropout passes over b*a*s^2 scores), at an efficiency that rises with the number
+  of score matrices per GPU (b*a/tp) -- the attention-kernel effect the BPipe re-evaluation
+  measured. All attention work is in B (no weights).
+* GEMMs run at ``gemm_max * x / (x + gemm_half)`` of peak with x = b*s*h/tp: the MFU(b, h)
+  curve (:class:`Efficiency`), calibratable from measurements (:func:`load_calibration`).
+* element-wise kernels (norms, activation, residual, dropout) are HBM-bound; every pass has a
+  fixed launch/sync overhead.
+* tensor parallelism with sequence parallelism: 2 all-gathers + 2 reduce-scatters of
+  b*s*h*2 bytes per layer in F and again in B, on NVLink (``tp_overlap`` hides a share).
+* recomputation adds to B: the attention core forward (selective) or the whole layer forward
+  (full).
+
+All times are seconds. Nothing here knows about schedules; :mod:`.search` turns these into
+per-stage :class:`~megatron_pp_ext.schedule.CostModel` s for the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+from .presets import ClusterSpec, GPUSpec, ModelSpec, PlannerError
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak that kernels reach; the MFU(microbatch, hidden) curve of the planner.
+
+    ``gemm_half``: the x = b*s*h/tp at which GEMMs reach half of ``gemm_max``.
+    ``attn_half``: the number of score matrices per GPU (b*a/tp) at which non-flash attention
+    kernels reach half of ``attn_bmm``."""
+
+    gemm_max: float = 0.75
+    gemm_half: float = 2.0e5
+    flash_fwd: float = 0.55
+    flash_bwd: float = 0.42
+    attn_bmm: float = 0.55
+    attn_half: float = 8.0
+    hbm: float = 0.75
+    layer_overhead_us: float = 30.0     # per layer and pass (F, B or W): launches, syncs
+    tp_overlap: float = 0.0             # share of TP communication hidden behind GEMMs
+    dp_overlap: bool = True             # --overlap-grad-reduce / --overlap-param-gather
+    source: str = "default"
+
+    def gemm(self, x: float) -> float:
+        return self.gemm_max * x / (x + self.gemm_half)
+
+    def attn(self, y: float) -> float:
+        return self.attn_bmm * y / (y + self.attn_half)
+
+    def with_(self, **changes) -> "Efficiency":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
+    "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
+                       attn_half=8.0, hbm=0.75, layer_overhead_us=40.0),
+    "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
+                       attn_half=12.0, hbm=0.75, layer_overhead_us=30.0),
+}
+
+
+def default_efficiency(gpu: GPUSpec) -> Efficiency:
+    return DEFAULT_EFFICIENCY.get(gpu.name, Efficiency())
+
+
+# --- FLOPs ---------------------------------------------------------------------------------
+
+def linear_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of the linear layers of one transformer layer (whole layer, all tp ranks)."""
+    s, b, h, d = model.seq, mbs, model.hidden, model.head_dim
+    qkv = 2 * b * s * h * (model.heads + 2 * model.kv_heads) * d
+    proj = 2 * b * s * h * model.heads * d
+    mlp = 2 * b * s * h * model.ffn * (3 if model.gated_mlp else 2)
+    return qkv + proj + mlp
+
+
+def attention_flops(model: ModelSpec, mbs: int) -> float:
+    """Model FLOPs of the attention core forward (QK^T and AV over the full s x s matrix)."""
+    return 4.0 * mbs * model.seq ** 2 * model.hidden
+
+
+def output_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of the output layer (logits) with the real vocabulary."""
+    return 2.0 * mbs * model.seq * model.hidden * model.vocab
+
+
+def model_flops_per_sample(model: ModelSpec) -> float:
+    """Model FLOPs of forward + backward for one sequence (3x forward, no recomputation):
+    72*s*L*h^2*(1 + s/(6h) + V/(12hL)) for GPT, the figure MFU is quoted against."""
+    fwd = model.num_layers * (linear_flops(model, 1) + attention_flops(model, 1)) + output_flops(model, 1)
+    return 3.0 * fwd
+
+
+# --- per-layer times -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of F, B (input gradients, including recomputation) and W (weight gradients)."""
+
+    f: float
+    b: float
+    w: float
+    detail: dict
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+    def scaled(self, k: float) -> "PassTimes":
+        return PassTimes(self.f * k, self.b * k, self.w * k, {key: v * k for key, v in self.detail.items()})
+
+
+def _collective(nbytes: float, ranks: int, bw_gbps: float, latency_us: float, factor: float) -> float:
+    """Ring collective time: ``factor`` = 1 for all-gather/reduce-scatter, 2 for all-reduce."""
+    if ranks <= 1:
+        return 0.0
+    return factor * (ranks - 1) / ranks * nbytes / (bw_gbps * 1e9) + latency_us * 1e-6 * math.log2(ranks)
+
+
+def tp_bandwidth(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
+    g = cluster.gpu
+    if tp <= cluster.gpus_per_node:
+        return g.nvlink_gbps, g.nvlink_latency_us
+    return g.net_gbps, g.net_latency_us
+
+
+def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
+                recompute: str = "none", sequence_parallel: bool = True) -> PassTimes:
+    """F, B, W of one transformer layer for one microbatch on one tp rank."""
+    g = cluster.gpu
+    peak = g.peak_tflops * 1e12
+    hbm = g.hbm_gbps * 1e9 * eff.hbm
+    s, b, h, a = model.seq, mbs, model.hidden, model.heads
+    x = b * s * h / tp
+    t_lin = linear_flops(model, mbs) / tp / (peak * eff.gemm(x))
+    over = eff.layer_overhead_us * 1e-6
+    # element-wise traffic (bf16): norms, residual adds, dropouts, bias adds, activation function
+    act_elems = model.ffn * (3 if model.gated_mlp else 2)
+    tokens = b * s / (tp if sequence_parallel else 1)
+    ew_f = 2.0 * tokens * (16 * h) / hbm + 2.0 * b * s * act_elems / tp / hbm
+    ew_b = 2.0 * ew_f
+    if model.flash_attention:
+        af = attention_flops(model, mbs) / 2 / tp        # causal: half of the blocks
+        attn_f = af / (peak * eff.flash_fwd)
+        attn_b = 2.5 * af / (peak * eff.flash_bwd)
+    else:
+        y = b * a / tp
+        e = eff.attn(y)
+        scores = b * a * s * s / tp
+        drop = 1 if model.dropout else 0
+        attn_f = attention_flops(model, mbs) / tp / (peak * e) + (4 + 5 * drop) * scores / (hbm * e / eff.attn_bmm)
+        attn_b = 2 * attention_flops(model, mbs) / tp / (peak * e) + (6 + 4 * drop) * scores / (hbm * e / eff.attn_bmm)
+    bw, lat = tp_bandwidth(cluster, tp)
+    act_bytes = 2.0 * b * s * h
+    comm = _collective(act_bytes, tp, bw, lat, 1.0) * 4 * (1.0 - eff.tp_overlap)   # 2 AG + 2 RS
+    f = t_lin + attn_f + ew_f + comm + over
+    recomp = {"none": 0.0, "selective": 0.0 if model.flash_attention else attn_f, "full": f}[recompute]
+    bwd = t_lin + attn_b + ew_b + comm + over + recomp
+    w = t_lin + over
+    detail = {"gemm_f": t_lin, "attention_f": attn_f, "attention_b": attn_b, "elementwise_f": ew_f,
+              "tp_comm_f": comm, "recompute": recomp, "overhead": over}
+    return PassTimes(f, bwd, w, detail)
+
+
+def embedding_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int) -> PassTimes:
+    """The first stage's extra work: embedding lookup (+ its tp reduction) and the scatter-add
+    of its gradient into the fp32 gradient buffer."""
+    g = cluster.gpu
+    hbm = g.hbm_gbps * 1e9 * eff.hbm
+    nbytes = 2.0 * model.seq * mbs * model.hidden
+    bw, lat = tp_bandwidth(cluster, tp)
+    f = nbytes / hbm + _collective(nbytes, tp, bw, lat, 1.0) + eff.layer_overhead_us * 1e-6
+    b = 3.0 * nbytes / hbm + _collective(nbytes, tp, bw, lat, 1.0)
+    return PassTimes(f, b, 0.0, {})
+
+
+def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
+                 shards: int = 1) -> PassTimes:
+    """The last stage's extra work: final norm, output layer GEMMs and the vocab-parallel
+    cross entropy, for the whole vocabulary (``shards`` = 1) or one of ``shards`` slices."""
+    g = cluster.gpu
+    peak = g.peak_tflops * 1e12
+    hbm = g.hbm_gbps * 1e9 * eff.hbm
+    s, b, h = model.seq, mbs, model.hidden
+    vp = model.padded_vocab(tp) / tp / shards
+    x = b * s * h / tp
+    gemm = 2.0 * b * s * h * vp / (peak * eff.gemm(x))
+    logits = b * s * vp
+    ce_f = 20.0 * logits / hbm
+    ce_b = 12.0 * logits / hbm
+    bw, lat = tp_bandwidth(cluster, tp)
+    gather = _collective(2.0 * b * s * h, tp, bw, lat, 1.0)
+    over = eff.layer_overhead_us * 1e-6
+    return PassTimes(gemm + ce_f + gather + over, gemm + ce_b + gather + over, gemm + over,
+                     {"gemm": gemm, "cross_entropy_f": ce_f})
+
+
+def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int, pp: int, *,
+             sequence_parallel: bool = True) -> float:
+    """One pipeline message (activation or gradient of one microbatch), per tp rank. Pipeline
+    neighbours are tp*dp ranks apart (Megatron's tp-dp-pp order): NVLink only when the whole
+    model-parallel x data-parallel grid fits in one node."""
+    g = cluster.gpu
+    nbytes = 2.0 * model.seq * mbs * model.hidden / (tp if sequence_parallel else 1)
+    if tp * dp * pp <= cluster.gpus_per_node:
+        return nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
+    return nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
+
+
+def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
+             distributed_optimizer: bool) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds for ``num_params`` parameters of one
+    rank: reduce-scatter of fp32 grads + all-gather of bf16 params with the distributed
+    optimizer, one all-reduce of fp32 grads without it."""
+    if dp <= 1:
+        return 0.0, 0.0
+    g = cluster.gpu
+    if tp * dp <= cluster.gpus_per_node:
+        bw, lat = g.nvlink_gbps, g.nvlink_latency_us
+    else:
+        bw, lat = g.net_gbps, g.net_latency_us
+    grads = 4.0 * num_params
+    if distributed_optimizer:
+        return _collective(grads, dp, bw, lat, 1.0), _collective(2.0 * num_params, dp, bw, lat, 1.0)
+    return _collective(grads, dp, bw, lat, 2.0), 0.0
+
+
+def optimizer_time(num_params: float, cluster: ClusterSpec, eff: Efficiency, dp: int, *,
+                   distributed_optimizer: bool) -> float:
+    """Adam step (memory-bound): ~30 bytes of fp32 state traffic per parameter of the shard,
+    plus the gradient-norm pass."""
+    shard = num_params / (dp if distributed_optimizer else 1)
+    return (30.0 * shard + 4.0 * num_params) / (cluster.gpu.hbm_gbps * 1e9 * eff.hbm)
+
+
+# --- calibration -----------------------------------------------------------------------------
+
+_EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source"}
+
+
+def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Efficiency:
+    """Fit ``gemm_max`` and ``gemm_half`` to measured (x, efficiency) points: 1/e is linear in
+    1/x (least squares); with one point only ``gemm_max`` moves."""
+    pts = [(float(x), float(e)) for x, e in points if x > 0 and 0 < e <= 1]
+    if not pts:
+        raise PlannerError("calibration: no usable (x, efficiency) points (need x > 0, 0 < efficiency <= 1)")
+    if len(pts) == 1 or len({x for x, _ in pts}) == 1:
+        x, e = pts[0]
+        return base.with_(gemm_max=min(1.0, e * (x + base.gemm_half) / x))
+    us = [1.0 / x for x, _ in pts]
+    vs = [1.0 / e for _, e in pts]
+    n = len(pts)
+    mu, mv = sum(us) / n, sum(vs) / n
+    var = sum((u - mu) ** 2 for u in us)
+    slope = sum((u - mu) * (v - mv) for u, v in zip(us, vs)) / var
+    icpt = mv - slope * mu
+    if icpt <= 0 or slope < 0:
+        raise PlannerError("calibration: the GEMM points do not fit e = E*x/(x+X) (efficiency must rise "
+                           "with x); check the measurements")
+    gmax = min(1.0, 1.0 / icpt)
+    return base.with_(gemm_max=gmax, gemm_half=slope * gmax)
+
+
+def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None,
+                     cluster: ClusterSpec | None = None) -> Efficiency:
+    """Read a calibration JSON (format in docs/planner.md):
+
+    ``{"efficiency": {field: value}}`` overrides fields directly; ``"gemm_points": [{"x" |
+    "tokens" + "hidden_per_tp", "efficiency"}]`` fits the GEMM curve; ``"layer_points":
+    [{"mbs", "tp", "forward_ms"}]`` (measured forward time of one transformer layer of the
+    planned model) are turned into GEMM points by subtracting the modelled non-GEMM time."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise PlannerError(f"--calibration {path}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"--calibration {path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise PlannerError(f"--calibration {path}: expected a JSON object")
+    eff = base
+    over = doc.get("efficiency", {})
+    bad = set(over) - _EFF_FIELDS
+    if bad:
+        raise PlannerError(f"--calibration {path}: unknown efficiency fields {sorted(bad)}; known: "
+                           f"{sorted(_EFF_FIELDS)}")
+    if over:
+        eff = eff.with_(**over)
+    points: list[tuple[float, float]] = []
+    for p in doc.get("gemm_points", []):
+        x = p.get("x") or (p.get("tokens", 0) * p.get("hidden_per_tp", 0))
+        points.append((x, p["efficiency"]))
+    for p in doc.get("layer_points", []):
+        if model is None or cluster is None:
+            raise PlannerError("--calibration: layer_points need the planned model and cluster")
+        mbs, tp, ms = int(p["mbs"]), int(p.get("tp", 1)), float(p["forward_ms"])
+        lt = layer_times(model, cluster, eff, mbs, tp)
+        other = lt.f - lt.detail["gemm_f"]
+        t_gemm = ms * 1e-3 - other
+        if t_gemm <= 0:
+            raise PlannerError(f"--calibration: layer point {p} is faster than the modelled non-GEMM work")
+        e = linear_flops(model, mbs) / tp / (cluster.gpu.peak_tflops * 1e12 * t_gemm)
+        points.append((mbs * model.seq * model.hidden / tp, e))
+    if points:
+        eff = fit_gemm_curve(points, eff)
+    return eff.with_(source=f"calibrated from {path}")
+
+
+__all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_flops",
+           "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times",
+           "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
+           "load_calibration"]

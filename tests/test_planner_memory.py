@@ -1,0 +1,206 @@
+"""The planner's memory model against what Megatron-Core really allocates (CPU, one process).
+
+Builds small GPTModels with the local layer spec, wraps them in Megatron's DDP and builds the
+Megatron optimizer, then compares bytes of parameters, gradient buffers and optimizer states
+with :func:`megatron_pp_ext.planner.memory.static_memory` -- they must be equal, not close.
+Pipeline stages are built in one process with pre_process/post_process (Megatron allows it),
+so the per-stage parameter split is checked against Megatron too.
+
+CPU workarounds: ``megatron_pp_ext.runtime.cpu_compat.enable_cpu_compat`` when it exists (it
+does: CUDA device arguments, RNG tracker), plus one local shim: Megatron's fp16/bf16 and
+distributed optimizers and grad clipping check ``param.type()`` against the literal
+``'torch.cuda.*Tensor'`` names, which CPU tensors never match; ``_CudaTypeNames`` reports CPU
+tensor types under their CUDA names while the optimizer is built and stepped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from megatron_pp_ext.planner.memory import (StagePart, activation_bytes_per_microbatch, buffer_numel,  # noqa: E402
+                                            stage_param_numels, static_memory)
+from megatron_pp_ext.planner.presets import ModelSpec  # noqa: E402
+
+VOCAB, SEQ = 256, 32
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """``t.type()`` of a CPU tensor answers 'torch.cuda.<X>Tensor' (see the module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str) \
+                and out.startswith("torch.") and not out.startswith("torch.cuda."):
+            out = "torch.cuda." + out[len("torch."):]
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _cpu_compat():
+    try:
+        from megatron_pp_ext.runtime.cpu_compat import enable_cpu_compat
+    except ImportError:  # pragma: no cover - the runtime ships it; keep the test self-sufficient
+        yield
+        return
+    with enable_cpu_compat():
+        yield
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """gloo world of size 1 + Megatron parallel_state tp=1 pp=1 (+ CPU compatibility)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    with _cpu_compat():
+        own = not torch.distributed.is_initialized()
+        if own:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(1234)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if own:
+                torch.distributed.destroy_process_group()
+
+
+def _spec(arch: str, layers: int) -> ModelSpec:
+    if arch == "gpt":
+        return ModelSpec("tiny-gpt", layers, 64, 4, 4, 256, VOCAB, SEQ)
+    return ModelSpec("tiny-llama", layers, 64, 4, 2, 96, VOCAB, SEQ, gated_mlp=True, norm="rmsnorm", bias=False,
+                     position="rope", tied_embeddings=False, dropout=False)
+
+
+def _build(spec: ModelSpec, *, bf16: bool, pre: bool = True, post: bool = True):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    llama = spec.norm == "rmsnorm"
+    kw = dict(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+              ffn_hidden_size=spec.ffn, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+              bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    if llama:
+        kw.update(num_query_groups=spec.kv_heads, gated_linear_unit=True, add_bias_linear=False,
+                  normalization="RMSNorm", activation_func=torch.nn.functional.silu)
+    config = TransformerConfig(**kw)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         normalization="RMSNorm" if llama else None),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                     share_embeddings_and_output_weights=spec.tied_embeddings,
+                     position_embedding_type="rope" if llama else "learned_absolute")
+    if bf16:  # what Megatron-LM does for --bf16: every parameter in bf16
+        model = Float16Module(config, model)
+    return config, model
+
+
+def _megatron_bytes(config, model, *, bf16: bool, dist: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config=config, module=model,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, use_distributed_optimizer=dist))
+    with _CudaTypeNames():
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                            use_distributed_optimizer=dist, clip_grad=1.0), [ddp])
+        g = torch.Generator().manual_seed(0)
+        for p in ddp.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g))
+        opt.step()  # Adam creates its states on the first step
+    if dist:
+        params = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers)
+    else:
+        params = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
+    optimizer = 0
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        torch_opt = inner.optimizer
+        for state in torch_opt.state.values():
+            optimizer += sum(v.numel() * v.element_size() for k, v in state.items()
+                             if torch.is_tensor(v) and k != "step")
+        if bf16:  # fp32 master copies held by the optimizer
+            optimizer += sum(p.numel() * p.element_size() for grp in torch_opt.param_groups for p in grp["params"])
+    return {"params": params, "grads": grads, "optimizer": optimizer,
+            "numels": [p.numel() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dist", [False, True], ids=["ddp", "distopt"])
+def test_static_bytes_equal_megatron(megatron_world, arch, bf16, dist):
+    spec = _spec(arch, 2)
+    config, model = _build(spec, bf16=bf16)
+    got = _megatron_bytes(config, model, bf16=bf16, dist=dist)
+    sizes = stage_param_numels(spec, 1, StagePart(2, pre=True, post=True), pipelined=False)
+    assert sizes == got["numels"]
+    want = static_memory([sizes], dp=1, distributed_optimizer=dist, precision="bf16" if bf16 else "fp32",
+                         grad_reduce_in_fp32=bf16)
+    assert (want.params, want.grads, want.optimizer) == (got["params"], got["grads"], got["optimizer"])
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_pipeline_stage_split_equals_megatron(megatron_world, arch):
+    """pp=2: stage 0 (embedding + 2 layers) and stage 1 (2 layers + final norm + output layer,
+    a tied copy of the embedding for GPT) built with pre/post_process in one process."""
+    spec = _spec(arch, 4)
+    for pre, post in ((True, False), (False, True)):
+        config, model = _build(_spec(arch, 2), bf16=True, pre=pre, post=post)
+        got = _megatron_bytes(config, model, bf16=True, dist=True)
+        sizes = stage_param_numels(spec, 1, StagePart(2, pre=pre, post=post), pipelined=True)
+        assert sizes == got["numels"]
+        want = static_memory([sizes], dp=1, distributed_optimizer=True)
+        assert (want.params, want.grads, want.optimizer) == (got["params"], got["grads"], got["optimizer"])
+
+
+def test_buffer_padding_rules():
+    """Distributed-optimizer padding: param starts to 64 elements, bucket ends to lcm(dp, 128)."""
+    assert buffer_numel([10, 10], distributed_optimizer=False) == 20
+    assert buffer_numel([10, 10], distributed_optimizer=True) == 128          # 10 -> 64 + 10 = 74 -> 128
+    assert buffer_numel([100], dp=3, distributed_optimizer=True) == 384       # lcm(3, 128)
+    assert buffer_numel([100, 100, 100], distributed_optimizer=True, bucket_size=150) == 256 + 128
+
+
+def test_activation_formula_is_korthikanti():
+    """GPT without flash attention: s*b*h*(34 + 5*a*s/h) bytes per layer; flash/selective drop
+    the s^2 term; full recomputation keeps the layer input (2*s*b*h); tp divides all (SP)."""
+    from megatron_pp_ext.planner.memory import layer_activation
+
+    m = ModelSpec("g", 1, 1024, 16, 16, 4096, 50000, 2048, flash_attention=False)
+    s, b, h, a = 2048, 2, 1024, 16
+    korth = s * b * h * (34 + 5 * a * s / h)
+    la = layer_activation(m, b, 1)
+    assert la.stored == korth
+    assert layer_activation(m, b, 4).stored == korth / 4
+    assert layer_activation(m, b, 1, recompute="selective").stored == s * b * h * 34
+    assert layer_activation(m.with_(flash_attention=True), b, 1).stored == s * b * h * 34 + 4 * a * s * b
+    assert layer_activation(m, b, 1, recompute="full").stored == 2 * s * b * h
+    # the per-microbatch function the runtime's measurement will be compared with
+    part = StagePart(3)
+    assert activation_bytes_per_microbatch(m, b, 1, part) == 3 * korth
