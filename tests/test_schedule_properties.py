@@ -74,17 +74,21 @@ def _in_band(f: float, b: float, w: float) -> bool:
 
 
 @settings(max_examples=20, **SETTINGS)
-@given(sizes(), costs())
-def test_v_half_never_worse_than_1f1b(size, cs):
+@given(sizes(), costs(), st.floats(0.0, 1.0))
+def test_v_half_and_up_never_worse_than_1f1b(size, cs, frac):
     p, m = size
     f, b, w, c = cs
     hypothesis.assume(_in_band(f, b, w) and c <= 0.05 * (f + b))
     s1, c1 = build_schedule("1f1b", p, m, costs=cs)
-    sv, cv = build_schedule("v-half", p, m, costs=cs)
     ms_1f1b = simulate(s1, c1).makespan
-    ms_v = simulate(sv, cv).makespan
-    # the same work per rank in both, so makespan order = bubble order
-    assert ms_v <= ms_1f1b + EPS or schedule_lower_bound("v-half", p, m, cs).makespan > ms_1f1b
+    lo, hi = v_budget_units("v-half", p), v_budget_units("zbv", p)
+    for name, budget in (("v-half", None), ("v-budget", lo + frac * (hi - lo))):
+        sv, cv = build_schedule(name, p, m, costs=cs, memory_budget=budget)
+        ms_v = simulate(sv, cv).makespan
+        # the same work per rank in both, so makespan order = bubble order; where ours is
+        # behind, the lower bound must prove that no schedule at this budget does better
+        assert ms_v <= ms_1f1b + EPS or \
+            schedule_lower_bound(name, p, m, cs, memory_budget=budget).makespan > ms_1f1b
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -120,3 +124,27 @@ def test_fast_evaluator_matches_simulator(size, cs, name):
     res = simulate(pat, cost)
     assert ev.makespan == pytest.approx(res.makespan, abs=1e-6)
     assert ev.peak == pytest.approx(res.peak_memory, abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 4), (2, 1), (2, 2), (3, 2), (5, 7), (7, 3), (4, 13)])
+@pytest.mark.parametrize("name", ZB_AND_V + ["v-budget"])
+def test_edge_sizes_build(name, p, m):
+    # m < p, m not a multiple of p, odd p, p = 1 and 2: all handled
+    budget = "0.5x" if name == "v-budget" and p > 1 else (1 if name == "v-budget" else None)
+    sched, cost = build_schedule(name, p, m, costs=(1.0, 1.8, 0.4, 0.05), memory_budget=budget,
+                                 with_comm=True)
+    assert simulate(sched, cost).max_peak_memory <= (budget_of(name, p) if name != "v-budget"
+                                                     else (0.5 * p if p > 1 else 1.0)) + EPS
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(name="v-budget", pp=4, microbatches=8, memory_budget="0.1"), "below one microbatch"),
+    (dict(name="v-budget", pp=1, microbatches=2, memory_budget=0.5), "at least 1"),
+    (dict(name="zbv", pp=0, microbatches=2), "--pp"),
+    (dict(name="v-half", pp=4, microbatches=0), "--microbatches"),
+])
+def test_refusals_are_clear(kwargs, message):
+    from megatron_pp_ext.schedule import ScheduleError
+    name = kwargs.pop("name")
+    with pytest.raises(ScheduleError, match=message):
+        build_schedule(name, **kwargs)

@@ -242,10 +242,26 @@ def v_half_delays(placement: tuple[int, ...], cost: CostModel, period: float) ->
     return {k: max(0.0, v) for k, v in d.items()}
 
 
+def _turnarounds(placement: tuple[int, ...], period: float) -> list[dict]:
+    """Extra waits tried where the path turns around (which shifts every later op of the block
+    against the earlier ones, so it decides which ops of a rank collide): the forward's turn on
+    the last rank of a V, and the turn from forward to backward on the last stage."""
+    S = len(placement)
+    p = max(placement) + 1
+    out: list[dict] = [{}]
+    step = period / 12.0
+    for k in range(1, 6):
+        if S == 2 * p and p > 1:
+            out.append({("F", p): k * step})
+        out.append({("B", S - 1): k * step})
+    return out
+
+
 def fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | None, *,
                split: bool = True) -> list[tuple[str, Block]]:
     """Building blocks for ``budget`` units: for each spacing ("tight", and "half" on the V),
-    the shortest period whose block fits the budget, plus the tight block at the least period
+    the shortest period at which some turn-around wait (:func:`_turnarounds`) gives a block
+    within the budget (the least memory among them), plus the tight block at the least period
     (a template for the list scheduler, whose admission keeps any budget)."""
     base = min_period(placement, cost)
     out: list[tuple[str, Block]] = []
@@ -254,20 +270,27 @@ def fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | None
         for st in STRETCHES:
             P = base * st
             if spacing == "tight":
-                delays = None
+                delays: dict | None = {}
             else:
                 P = max(P, 4.0 * (max(max(cost.t_f), max(cost.t_b)) + cost.comm))
                 delays = v_half_delays(placement, cost, P)
                 if delays is None:
                     break
-            blk = layout(placement, cost, P, split=split, delays=delays)
-            if blk is None:
-                continue
-            if spacing == "tight" and first_tight is None:
-                first_tight = blk
-            pk = max(block_peak(blk, placement, cost))
-            if budget is None or pk <= budget + _EPS:
-                out.append((f"block-{spacing}-x{P / base:.2f}", blk))
+            best = None
+            for extra in _turnarounds(placement, P):
+                d = dict(delays)
+                for k, v in extra.items():
+                    d[k] = d.get(k, 0.0) + v
+                blk = layout(placement, cost, P, split=split, delays=d)
+                if blk is None:
+                    continue
+                if spacing == "tight" and first_tight is None:
+                    first_tight = blk
+                pk = max(block_peak(blk, placement, cost))
+                if best is None or pk < best[0] - _EPS:
+                    best = (pk, blk)
+            if best is not None and (budget is None or best[0] <= budget + _EPS):
+                out.append((f"block-{spacing}-x{P / base:.2f}", best[1]))
                 break
     if first_tight is not None and all(b is not first_tight for _, b in out):
         out.append((f"block-tight-x{first_tight.period / base:.2f}", first_tight))

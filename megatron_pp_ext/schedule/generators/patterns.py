@@ -175,9 +175,11 @@ def _squeeze(p: int, placement, m: int, slot: dict, occ: list[dict], cap: int | 
             # the slots an F can move to form a range [t*, cur): memory in it must stay below cap
             u = cur - 1
             while u >= lo and mi[u] < cap:
-                if u not in o:
-                    t = u
                 u -= 1
+            for v in range(u + 1, cur):   # the earliest free slot in that range
+                if v not in o:
+                    t = v
+                    break
         else:
             for u in range(lo, cur):
                 if u not in o:
@@ -189,11 +191,9 @@ def _squeeze(p: int, placement, m: int, slot: dict, occ: list[dict], cap: int | 
         o[t] = key
         slot[key] = t
         if kd == "F":
-            for u in range(t, cur):
-                mi[u] += 1
+            mi[t:cur] = [x + 1 for x in mi[t:cur]]
         elif kd == "W":
-            for u in range(t + 1, cur + 1):
-                mi[u] -= 1
+            mi[t + 1:cur + 1] = [x - 1 for x in mi[t + 1:cur + 1]]
 
 
 @functools.lru_cache(maxsize=64)

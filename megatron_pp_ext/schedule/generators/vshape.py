@@ -14,6 +14,12 @@ the controllable-memory paper (REFERENCE §2-3) over cost-aware candidates:
   result is never worse than them.
 
 The winner is the least makespan under the request's costs (then the least memory).
+
+Limits. The V-Half block keeps half of 1F1B's memory at full throughput only while a quarter
+period fits an F and a B hop (``T_W + T_F >= T_B`` and ``T_W + T_B >= T_F`` per chunk, close to
+the paper's band ``W + 2B >= 2F``, ``W + 2F >= 2B``); outside it the period has to stretch and
+V-Half can end up behind 1F1B. :mod:`.bounds` gives the lower bound any schedule at a budget
+must respect, to tell that apart from a miss of the search.
 """
 
 from __future__ import annotations
@@ -25,14 +31,10 @@ from .bounds import makespan_lower_bound
 from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern
 from .search import FULL_SEARCH_OPS, search, standard_candidates
 
+
 def v_budget_units(kind: str, p: int) -> float:
     """Peak activation units of the named V schedule (REFERENCE §2)."""
     return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
-
-
-def v_min_units(p: int) -> float:
-    """Least budget a V schedule can run in: one microbatch's activation on a rank (1 unit)."""
-    return 1.0
 
 
 def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
@@ -41,9 +43,13 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
     :func:`.search.standard_candidates` on the V placement, and the paper's fixed patterns
     (the search drops those over the budget). ``lean``: fewer, for large problems."""
     cands = standard_candidates(name, v_placement(p), cost, budget, lean=lean)
-    for label, fn in (("pattern-v-min", v_min_pattern), ("pattern-v-half", v_half_pattern),
-                      ("pattern-v-zb", v_zb_pattern)):
-        cands.append((label, lambda mm, fn=fn: fn(p, mm)))
+    for label, fn, units in (("pattern-v-min", v_min_pattern, v_budget_units("v-min", p)),
+                             ("pattern-v-half", v_half_pattern, v_budget_units("v-half", p)),
+                             ("pattern-v-zb", v_zb_pattern, v_budget_units("zbv", p))):
+        # the patterns' peaks are the formulas (tests/test_schedule_targets.py checks it):
+        # skip building those that cannot fit (with the default unit activations)
+        if units <= budget + 1e-9 or any(a != 0.5 for a in cost.act):
+            cands.append((label, lambda mm, fn=fn: fn(p, mm)))
     return cands
 
 
@@ -51,10 +57,11 @@ def _v(req: ScheduleRequest, name: str, budget: float) -> Schedule:
     p, m = req.pp, req.microbatches
     if p < 1:
         raise ScheduleError(f"{name}: need --pp >= 1")
-    if budget + 1e-9 < 1.0:
-        raise ScheduleError(f"{name}: memory budget {budget:g} units is below one microbatch's activation on a "
-                            "rank (1 unit: both of its chunks); raise --memory-budget to at least 1")
     cost = req.cost_model(2 * p, 2)
+    need = max(cost.act[r] + cost.act[2 * p - 1 - r] for r in range(p))
+    if budget + 1e-9 < need:
+        raise ScheduleError(f"{name}: memory budget {budget:g} units is below one microbatch's activation on a "
+                            f"rank ({need:g}, both of its chunks); raise --memory-budget to at least {need:g}")
     lean = 2 * p * m * 3 > FULL_SEARCH_OPS
     cands = v_candidates(name, p, cost, budget, lean=lean)
     sched = search(cands, m, cost, budget=budget, keep=1 if lean else 2,
