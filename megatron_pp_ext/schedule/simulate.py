@@ -110,6 +110,15 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
     with_comm = schedule.has_comm()
     placement = schedule.placement
 
+    recv_to_send = {recv: (send, off) for send, (recv, off) in COMM_PAIRS.items()}
+
+    def matching_send(op: Op) -> tuple[str, int, int]:
+        try:
+            send, off = recv_to_send[op.kind]
+        except KeyError:
+            raise ScheduleError(f"comm op kind {op.kind!r} is neither a registered send nor a receive") from None
+        return send, op.stage - off, op.microbatch
+
     # Pre-resolve kinds once: (op, spec, requires, produces, duration, memory).
     plans = []
     for r, rank_ops in enumerate(schedule.ops):
@@ -209,7 +218,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
             else:
                 posted_send[sid] = t_post
         else:
-            sk, ss, sm = _matching_send(op)
+            sk, ss, sm = matching_send(op)
             sid = (op.peer, sk, ss, sm)
             t_send = posted_send.pop(sid, None)
             if t_send is None:
@@ -253,7 +262,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
             if op.kind in COMM_PAIRS:
                 pk, ps, pm = matching_recv(op)
             else:
-                pk, ps, pm = _matching_send(op)
+                pk, ps, pm = matching_send(op)
             pt = posted.get((op.peer, pk, ps, pm))
             if pt is None:
                 blocked_on[r] = (posted, (op.peer, pk, ps, pm))
@@ -310,13 +319,6 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
         timelines.append(tl)
     return SimResult(makespan, busy, peaks, timelines, times, messages, comm_wait,
                      cost.bytes_per_unit, cost.bytes_per_message)
-
-
-def _matching_send(op: Op) -> tuple[str, int, int]:
-    for send, (recv, off) in COMM_PAIRS.items():
-        if recv == op.kind:
-            return send, op.stage - off, op.microbatch
-    raise ScheduleError(f"comm op kind {op.kind!r} is neither a registered send nor a receive")
 
 
 def _deadlock_message(schedule: Schedule, plans, ptr) -> str:

@@ -135,8 +135,11 @@ def check_comm(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
-             memory_budget: float | None = None) -> SimResult:
-    """Run every check; return the (eager-communication) simulation under ``cost``, default uniform."""
+             memory_budget: float | None = None, deadlock_proven: bool = False) -> SimResult:
+    """Run every check; return the (eager-communication) simulation under ``cost``, default uniform.
+
+    ``deadlock_proven``: the caller has just run the blocking-batch simulation of this very
+    schedule (insert_comm does), so it is not repeated."""
     check_structure(schedule)
     check_complete(schedule)
     check_comm(schedule)
@@ -144,7 +147,7 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     for check in _CHECKS:
         check(schedule, cost)
-    if schedule.has_comm():
+    if schedule.has_comm() and not deadlock_proven:
         simulate(schedule, cost, comm_model="blocking")  # the deadlock proof
     result = simulate(schedule, cost)
     if memory_budget is not None:

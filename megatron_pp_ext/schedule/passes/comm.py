@@ -37,6 +37,9 @@ _SENDS = {"act": ("SEND_F", +1), "grad": ("SEND_B", -1)}
 _RECV_OF = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
 
 
+PROVEN_EARLY = "early, proven deadlock-free"
+
+
 def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_placement: str = "auto") -> Schedule:
     """Return a copy of compute-only ``schedule`` with send/recv ops inserted.
 
@@ -50,9 +53,10 @@ def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_place
         early = _insert(schedule, cost, early=True)
         try:
             simulate(early, cost, comm_model="blocking")
-            return early
         except DeadlockError:
             return _insert(schedule, cost, early=False)
+        early.meta["comm_placement"] = PROVEN_EARLY
+        return early
     if recv_placement not in ("early", "safe"):
         raise ValueError(f"recv_placement must be auto, early or safe, got {recv_placement!r}")
     return _insert(schedule, cost, early=recv_placement == "early")
@@ -111,6 +115,6 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
             if i < len(rank_ops):
                 out.append(rank_ops[i])
         new_ops.append(out)
-    meta = dict(schedule.meta, comm_inserted=True)
+    meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
 
