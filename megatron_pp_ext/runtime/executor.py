@@ -1,0 +1,631 @@
+"""Run any validated schedule on Megatron-Core model chunks: a drop-in forward-backward function.
+
+:class:`ScheduleExecutor` is called exactly like the function returned by Megatron-Core's
+``get_forward_backward_func()`` (same keyword arguments, same return value: the list of
+loss-reduction dicts on the rank holding the last stage, ``[]`` elsewhere), so Megatron-LM's
+training loop can use it unchanged::
+
+    forward_backward_func = ScheduleExecutor("zbv")          # instead of get_forward_backward_func()
+    losses = forward_backward_func(forward_step_func=..., data_iterator=[it0, it1], model=chunks,
+                                   num_microbatches=m, seq_length=s, micro_batch_size=b)
+
+It walks this pipeline rank's op list of the schedule (built for the pipeline size and the
+number of microbatches of the call, validated, and checked to be the same on every pipeline
+rank before any op runs):
+
+* ``F(s, m)``: Megatron-Core's ``forward_step`` on chunk ``stages_of(rank).index(s)`` with that
+  chunk's data iterator; the output is handed to ``F(s+1, m)`` directly when stage s+1 is on
+  the same rank (the V turn-around), otherwise kept for ``SEND_F``; then
+  ``config.deallocate_pipeline_outputs`` frees its data as Megatron does.
+* ``B(s, m)``: input-gradient backward (Megatron-Core's ``backward_step``), with the weight
+  gradients of the linear layers queued by :mod:`.wgrad` under ``(s, m)``; ``W(s, m)`` runs
+  them. ``BW(s, m)`` is the full backward. Without the B/W split (``split_backward=False``,
+  or :mod:`.wgrad` unavailable) B is the full backward and W a no-op.
+* runs of consecutive comm ops are one batch for :class:`~megatron_pp_ext.runtime.p2p.P2P`
+  (batched on NCCL, tagged plain isend/irecv on gloo).
+
+Around the ops it does what Megatron-Core's schedules do: loss scaling and averaging inside
+``forward_step`` (``num_tokens`` / ``calculate_per_token_loss``), ``config.grad_scale_func`` on
+the last stage, DDP ``no_sync`` for the whole iteration, ``grad_sync_func`` (or
+``start_grad_sync`` with ``overlap_grad_reduce``) for each chunk right after its last
+weight-gradient op, and ``config.finalize_model_grads_func`` after the last W (with the token
+count broadcast from the rank that holds the loss, which is rank 0 under the V placement).
+``forward_only=True`` runs the forward ops of the same schedule (with communication placed
+again for them) for every schedule.
+
+Hooks for profiling and memory accounting: ``record_timings=True`` records the wall-clock
+interval of every op (``last_timings``; ``sync_timings`` makes them device times on CUDA);
+``op_hook(op, phase)`` is called with phase ``"before"`` / ``"after"`` around every op, and
+may look at ``executor.state`` (the activations, gradients and messages in flight on this
+rank); ``op_handlers`` executes extra op kinds that features register with the schedule core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
+from .p2p import P2P, Transfer, message_key
+
+__all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func"]
+
+_COMPUTE = {"F", "B", "W", "BW"}
+_COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+
+try:  # the B/W split is an optional module of this package
+    from . import wgrad as _wgrad
+except ImportError:  # pragma: no cover - present in this repository
+    _wgrad = None
+
+
+#: validated schedules built from a registered name, shared by the executors of this process
+_SCHEDULE_CACHE: dict = {}
+
+
+class ScheduleMismatchError(ScheduleError):
+    """The schedule does not fit the call (ranks, chunks, model) or differs between ranks."""
+
+
+@dataclass
+class OpTiming:
+    """Wall-clock interval of one op (seconds from the start of the iteration)."""
+
+    op: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class _State:
+    """Tensors in flight on this rank during one call."""
+
+    inputs: dict = field(default_factory=dict)       # (s, m) -> input of F(s, m), until F runs
+    saved_inputs: dict = field(default_factory=dict)  # (s, m) -> input of F(s, m), kept for B
+    outputs: dict = field(default_factory=dict)      # (s, m) -> output of F(s, m) (for B)
+    out_grads: dict = field(default_factory=dict)    # (s, m) -> gradient of F(s, m)'s output
+    sendable: dict = field(default_factory=dict)     # message key -> tensor waiting for its SEND
+    identity: set = field(default_factory=set)       # (s, m) whose F returned its input unchanged
+
+
+def _core(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
+        model = model.module
+    return model
+
+
+class ScheduleExecutor:
+    """A forward-backward function that executes a schedule of the registry (or your own).
+
+    Args:
+        schedule: a registered schedule name (``schedule_names()``), a :class:`Schedule`
+            (for one fixed pipeline size and microbatch count), or a factory
+            ``(pp, num_microbatches) -> Schedule``.
+        chunks, costs, memory_budget, options: passed to ``build_schedule`` with a name.
+        split_backward: run B and W separately (None: when the schedule has B/W ops and the
+            B/W split module is available; False: B is the full backward, W a no-op).
+        batch_p2p: None (batched on NCCL, plain on gloo), True or False.
+        record_timings: keep per-op wall-clock timings of the last call in ``last_timings``.
+        sync_timings: with CUDA, synchronise the device around every op while recording, so
+            that the timings are device times (slower; for profiling runs).
+        op_hook: ``hook(op, phase)`` with phase "before"/"after", around every op.
+        op_handlers: ``{kind: handler(executor, op, context)}`` for extra op kinds.
+        check_ranks_agree: all-gather a digest of the schedule over the pipeline group the
+            first time a schedule is used, and refuse to run if the ranks disagree.
+    """
+
+    def __init__(self, schedule: str | Schedule | Callable[[int, int], Schedule], *, chunks: int = 1,
+                 costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0), memory_budget: float | str | None = None,
+                 options: dict | None = None, split_backward: bool | None = None, batch_p2p: bool | None = None,
+                 record_timings: bool = False, sync_timings: bool = False,
+                 op_hook: Callable[[Op, str], None] | None = None,
+                 op_handlers: dict[str, Callable] | None = None, check_ranks_agree: bool = True):
+        if not (isinstance(schedule, (str, Schedule)) or callable(schedule)):
+            raise TypeError("schedule must be a name, a Schedule or a factory (pp, num_microbatches) -> Schedule")
+        self.schedule = schedule
+        self.chunks = chunks
+        self.costs = costs
+        self.memory_budget = memory_budget
+        self.options = dict(options or {})
+        self.split_backward = split_backward
+        self.batch_p2p = batch_p2p
+        self.record_timings = record_timings
+        self.sync_timings = sync_timings
+        self.op_hook = op_hook
+        self.op_handlers = dict(op_handlers or {})
+        self.check_ranks_agree = check_ranks_agree
+        self._cache: dict[tuple, Schedule] = {}
+        self._agreed: set = set()
+        self.last_timings: list[OpTiming] | None = None
+        self.last_schedule: Schedule | None = None
+        self.last_p2p_bytes: tuple[int, int] = (0, 0)
+        self.state: _State | None = None
+        self.__name__ = f"ScheduleExecutor[{schedule if isinstance(schedule, str) else getattr(schedule, 'name', 'custom')}]"
+        if isinstance(schedule, str):  # unknown names fail now, not at the first step
+            from ..schedule.registry import schedule_info
+            schedule_info(schedule)
+
+    # -- schedules -----------------------------------------------------------------------
+    def _compute_schedule(self, pp: int, m: int) -> tuple[Schedule, CostModel, float | None]:
+        if isinstance(self.schedule, str):
+            sched, cost = build_schedule(self.schedule, pp, m, chunks=self.chunks, costs=self.costs,
+                                         memory_budget=self.memory_budget, with_comm=True, options=self.options)
+            return sched, cost, sched.meta.get("memory_budget")
+        sched = self.schedule if isinstance(self.schedule, Schedule) else self.schedule(pp, m)
+        cost = None
+        if isinstance(sched, tuple):
+            sched, cost = sched
+        if not isinstance(sched, Schedule):
+            raise TypeError(f"the schedule factory returned {type(sched).__name__}, not a Schedule")
+        if sched.num_ranks != pp or sched.num_microbatches != m:
+            raise ScheduleMismatchError(
+                f"schedule {sched.name!r} is for {sched.num_ranks} pipeline ranks and {sched.num_microbatches} "
+                f"microbatches, but this call has pp={pp} and num_microbatches={m}")
+        if cost is None:
+            cost = CostModel.uniform(sched.num_stages, sched.chunks_per_rank)
+        if not sched.has_comm():
+            sched = insert_comm(sched, cost)
+        validate(sched, cost)
+        return sched, cost, None
+
+    def _global_key(self, pp: int, m: int, forward_only: bool):
+        if not isinstance(self.schedule, str):
+            return None
+        costs = self.costs if isinstance(self.costs, CostModel) else tuple(float(c) for c in self.costs)
+        try:
+            key = (self.schedule, pp, m, forward_only, self.chunks, costs, self.memory_budget,
+                   tuple(sorted(self.options.items())))
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def schedule_for(self, pp: int, num_microbatches: int, forward_only: bool = False) -> Schedule:
+        """The validated schedule (with communication) used for a call; cached (schedules built
+        from a name are shared by every executor of the process)."""
+        key = (pp, num_microbatches, forward_only)
+        if key in self._cache:
+            return self._cache[key]
+        gkey = self._global_key(pp, num_microbatches, forward_only)
+        if gkey is not None and gkey in _SCHEDULE_CACHE:
+            self._cache[key] = _SCHEDULE_CACHE[gkey]
+            return self._cache[key]
+        train, cost, budget = self._compute_schedule(pp, num_microbatches)
+        if not forward_only:
+            sched = train
+        else:
+            compute = train.without(["comm"])
+            fwd = [[op for op in ops if op.kind == "F"] for ops in compute.ops]
+            sched = Schedule(train.name, train.num_microbatches, train.placement, fwd,
+                             dict(train.meta, forward_only=True))
+            sched.meta.pop("comm_inserted", None)
+            sched = insert_comm(sched, cost)
+            validate(sched, cost)
+        self._check_executable(sched)
+        self._cache[key] = sched
+        if gkey is not None:
+            _SCHEDULE_CACHE[gkey] = sched
+        return sched
+
+    def _check_executable(self, sched: Schedule) -> None:
+        problems = []
+        for r, ops in enumerate(sched.ops):
+            last_f: dict[int, int] = {}
+            for op in ops:
+                if op.kind not in _COMPUTE and op.kind not in _COMM and op.kind not in self.op_handlers:
+                    problems.append(f"rank {r}: op kind {op.kind!r} has no handler in the executor "
+                                    "(pass op_handlers={kind: handler})")
+                if op.kind == "F":
+                    # data iterators are consumed in F order: it must be microbatch order per stage
+                    if op.microbatch <= last_f.get(op.stage, -1):
+                        problems.append(f"rank {r}: F ops of stage {op.stage} are not in microbatch order "
+                                        f"({op} after microbatch {last_f[op.stage]}); data iterators "
+                                        "would hand out the wrong microbatches")
+                    last_f[op.stage] = op.microbatch
+        if problems:
+            more = f"\n  ... and {len(problems) - 6} more" if len(problems) > 6 else ""
+            raise ScheduleMismatchError(f"schedule {sched.name!r} cannot be executed:\n  "
+                                        + "\n  ".join(problems[:6]) + more)
+
+    def _check_call(self, sched: Schedule, rank: int, pp: int, models: list, data_iterator, config) -> list:
+        """Refuse a call whose model chunks / data iterators do not fit the schedule."""
+        stages = sched.stages_of(rank)
+        S, last = sched.num_stages, sched.num_stages - 1
+        if len(models) != len(stages):
+            raise ScheduleMismatchError(
+                f"schedule {sched.name!r} puts {len(stages)} model chunk(s) (stages {stages}) on pipeline rank "
+                f"{rank}, but {len(models)} chunk(s) were passed")
+        for c, s in enumerate(stages):
+            core = _core(models[c])
+            want = getattr(core, "mppx_stage", None)
+            if want is not None and want != s:
+                raise ScheduleMismatchError(f"model chunk {c} on pipeline rank {rank} was built for stage {want}, "
+                                            f"but schedule {sched.name!r} runs stage {s} there")
+            for flag, expect in (("pre_process", s == 0), ("post_process", s == last)):
+                if hasattr(core, flag) and bool(getattr(core, flag)) != expect:
+                    raise ScheduleMismatchError(
+                        f"model chunk {c} (stage {s}) on pipeline rank {rank} has {flag}={getattr(core, flag)}, "
+                        f"but stage {s} of {S} needs {flag}={expect}")
+            if (S > 1 and sched.placement[0] == sched.placement[last] and pp > 1
+                    and getattr(core, "share_embeddings_and_output_weights", False)):
+                raise NotImplementedError("tied input/output embeddings with the first and last stage on the "
+                                          "same rank (V placement) are not supported yet; untie them")
+        if isinstance(data_iterator, (list, tuple)):
+            iters = list(data_iterator)
+            if len(iters) != len(models):
+                raise ScheduleMismatchError(f"{len(iters)} data iterators for {len(models)} model chunks")
+        else:
+            if len(models) > 1:
+                raise ScheduleMismatchError("with several model chunks per rank, pass one data iterator per chunk "
+                                            "(a list), as for Megatron-Core's interleaved schedule")
+            iters = [data_iterator]
+        if getattr(config, "variable_seq_lengths", False):
+            raise NotImplementedError("variable_seq_lengths is not supported by the schedule executor yet")
+        return iters
+
+    def _agree(self, sched: Schedule, pp_group, device, local_error: Exception | None = None) -> None:
+        """First use of a schedule: check that every pipeline rank has the same one and that
+        every rank accepts the call; all ranks raise together otherwise (none hangs)."""
+        key = id(sched)
+        if key in self._agreed or pp_group.size() == 1:
+            if local_error is not None:
+                raise local_error
+            return
+        if not self.check_ranks_agree:
+            if local_error is not None:
+                raise local_error
+            # NCCL: the first operation on a communicator must involve all of its ranks, which a
+            # batch of point-to-point transfers does not; a barrier does.
+            if dist.get_backend(pp_group) == "nccl" and ("barrier", id(pp_group)) not in self._agreed:
+                dist.barrier(group=pp_group)
+                self._agreed.add(("barrier", id(pp_group)))
+            return
+        digest = hashlib.sha256(repr((sched.placement, sched.num_microbatches,
+                                      [[str(o) for o in ops] for ops in sched.ops])).encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:7], "little"), int(local_error is not None)],
+                            dtype=torch.int64, device=device)
+        allv = [torch.zeros_like(mine) for _ in range(pp_group.size())]
+        dist.all_gather(allv, mine, group=pp_group)
+        vals = [t.tolist() for t in allv]
+        if local_error is not None:
+            raise local_error
+        refused = [r for r, v in enumerate(vals) if v[1]]
+        if refused:
+            raise ScheduleMismatchError(f"pipeline rank(s) {refused} refused this call of schedule {sched.name!r} "
+                                        "(see their error)")
+        if any(v[0] != vals[0][0] for v in vals):
+            raise ScheduleMismatchError(
+                f"schedule {sched.name!r} differs between pipeline ranks (digests "
+                f"{[hex(v[0]) for v in vals]}); every rank must build the same schedule")
+        self._agreed.add(key)
+
+    # -- the forward-backward function ------------------------------------------------------
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
+                 collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                 adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator=None, pg_collection=None,
+                 force_all_reduce: bool | None = False) -> list:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules as msched
+        from megatron.core.utils import get_model_config, get_model_type
+
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = get_model_config(models[0])
+        model_type = get_model_type(models[0])
+
+        # process groups, as Megatron-Core's schedules build them
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            pg_collection = ProcessGroupCollection()
+            pg_collection.tp = parallel_state.get_tensor_model_parallel_group()
+            pg_collection.cp = parallel_state.get_context_parallel_group()
+            pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
+            pg_collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+            pg_collection.pp = (p2p_communicator.pp_group if p2p_communicator is not None
+                                else parallel_state.get_pipeline_model_parallel_group())
+            pg_collection.dp_cp = parallel_state.get_data_parallel_group(
+                with_context_parallel=True, partial_data_parallel=False)
+        pp_group = pg_collection.pp
+        tp_group, cp_group = pg_collection.tp, pg_collection.cp
+        pp, rank = pp_group.size(), pp_group.rank()
+
+        # the schedule, checked against the call before anything runs
+        sched = self.schedule_for(pp, num_microbatches, forward_only)
+        stages = sched.stages_of(rank)
+        S, last = sched.num_stages, sched.num_stages - 1
+        local_error: Exception | None = None
+        try:
+            iters = self._check_call(sched, rank, pp, models, data_iterator, config)
+        except (ScheduleMismatchError, NotImplementedError) as e:
+            local_error = e
+        device = _device_of(models)
+        self._agree(sched, pp_group, device, local_error)  # all ranks refuse together, before any op
+
+        seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+        seq //= cp_group.size()
+        if config.sequence_parallel:
+            seq //= tp_group.size()
+        recv_shape = send_shape = (seq, micro_batch_size, config.hidden_size)
+        if adjust_tensor_shapes_fn is not None:
+            rs, ss = adjust_tensor_shapes_fn([recv_shape], [send_shape])
+            if len(rs) != 1 or len(ss) != 1:
+                raise NotImplementedError("the schedule executor sends one tensor per microbatch and stage")
+            recv_shape, send_shape = tuple(rs[0]), tuple(ss[0])
+        dtype = config.pipeline_dtype or config.params_dtype
+        split = (not forward_only and _wgrad is not None and self.split_backward is not False
+                 and any(op.kind in ("B", "W") for op in sched.ops[rank]))
+        # W ops exist only where B ops do; without the split B is the full backward, W a no-op.
+        if self.split_backward and _wgrad is None:
+            raise RuntimeError("split_backward=True but megatron_pp_ext.runtime.wgrad is not available")
+
+        p2p = P2P(pp_group, num_stages=S, num_microbatches=num_microbatches,
+                  batched=self.batch_p2p if self.batch_p2p is not None else (
+                      None if dist.get_backend(pp_group) != "nccl" else bool(config.batch_p2p_comm)),
+                  sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)))
+
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+        embedding_module = None
+        holds_last = sched.placement[last] == rank
+        if config.finalize_model_grads_func is not None and not forward_only:
+            embedding_module = msched.clear_embedding_activation_buffer(config, models, holds_last)
+
+        # Disable config.grad_sync_func / param_sync_func in forward-only mode, as Megatron does.
+        grad_sync_func = None if forward_only else config.grad_sync_func
+        param_sync_func = None if forward_only else config.param_sync_func
+
+        ops = sched.ops[rank]
+        chunk_of = {s: c for c, s in enumerate(stages)}
+        placement = sched.placement
+        # index of the last weight-gradient op of each chunk: its DP reduction can start after it
+        last_grad_op: dict[int, int] = {}
+        first_f_op: dict[int, int] = {}
+        for i, op in enumerate(ops):
+            if op.kind in ("B", "W", "BW"):
+                last_grad_op[chunk_of[op.stage]] = i
+            if op.kind == "F" and chunk_of[op.stage] not in first_f_op:
+                first_f_op[chunk_of[op.stage]] = i
+        first_mb = {}
+        for op in ops:
+            if op.kind == "F":
+                first_mb.setdefault(op.stage, op.microbatch)
+        partial_ckpt = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+        max_outstanding = None
+        if partial_ckpt is not None:
+            n_warm = 0
+            for op in ops:
+                if op.kind in ("B", "BW"):
+                    break
+                n_warm += op.kind == "F"
+            max_outstanding = max(1, n_warm)
+
+        st = _State()
+        self.state = st  # tensors in flight, for hooks (memory accounting); None between calls
+        forward_data_store: list = []
+        total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        timings: list[OpTiming] | None = [] if self.record_timings else None
+        t0 = time.perf_counter()
+        train = not forward_only
+        cp_size = cp_group.size()
+
+        sync = self.sync_timings and timings is not None and device.type == "cuda"
+
+        def now() -> float:
+            if sync:
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        def hook(op: Op, phase: str) -> None:
+            if self.op_hook is not None:
+                self.op_hook(op, phase)
+
+        def run_forward(op: Op) -> None:
+            nonlocal total_num_tokens
+            s, mb = op.stage, op.microbatch
+            c = chunk_of[s]
+            if isinstance(param_sync_func, (list, tuple)) and first_f_op.get(c) == idx:
+                param_sync_func[c](models[c].parameters())
+            inp = st.inputs.pop((s, mb), None)
+            if s > 0 and inp is None:
+                raise RuntimeError(f"rank {rank}: {op} has no input (missing receive or hand-over)")
+            ckpt = None
+            if max_outstanding is not None:
+                ckpt = (mb % max_outstanding) >= partial_ckpt
+            out, num_tokens = msched.forward_step(
+                forward_step_func, iters[c], models[c], num_microbatches, inp, forward_data_store, config,
+                cp_size, collect_non_loss_data, checkpoint_activations_microbatch=ckpt,
+                is_first_microbatch=msched.check_first_val_step(first_val_step, forward_only, mb == first_mb[s]),
+                current_microbatch=mb, vp_stage=c if len(stages) > 1 else None, is_last_stage=(s == last))
+            total_num_tokens += num_tokens  # (a 0-dim CPU tensor acts as a scalar, as in Megatron)
+            if s != last:
+                alias = out.detach()
+                if placement[s + 1] == rank:  # local hand-over (V turn-around, same-rank neighbours)
+                    st.inputs[(s + 1, mb)] = alias.requires_grad_(train)
+                else:
+                    st.sendable[("act", s, mb)] = alias if alias.is_contiguous() else alias.contiguous()
+            if train:
+                if out is inp:  # a stage without layers returns its input: B passes the gradient on
+                    st.identity.add((s, mb))
+                    return
+                st.saved_inputs[(s, mb)] = inp
+                st.outputs[(s, mb)] = out
+                if s != last:
+                    msched.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+
+        def run_backward(op: Op, collect: bool) -> None:
+            s, mb = op.stage, op.microbatch
+            grad = None
+            if s != last:
+                grad = st.out_grads.pop((s, mb), None)
+                if grad is None:
+                    raise RuntimeError(f"rank {rank}: {op} has no output gradient (missing receive or hand-over)")
+            if (s, mb) in st.identity:
+                st.identity.discard((s, mb))
+                in_grad = grad
+            else:
+                inp = st.saved_inputs.pop((s, mb))
+                out = st.outputs.pop((s, mb))
+                ctx = store.collect((s, mb)) if collect else contextlib.nullcontext()
+                with ctx:
+                    in_grad = msched.backward_step(inp, out, grad, model_type, config)
+            if s > 0:
+                if placement[s - 1] == rank:
+                    st.out_grads[(s - 1, mb)] = in_grad
+                else:
+                    st.sendable[("grad", s, mb)] = in_grad
+
+        def run_comm(batch: list[Op]) -> None:
+            transfers, recvs = [], []
+            for op in batch:
+                key = message_key(op.kind, op.stage, op.microbatch)
+                if op.kind.startswith("SEND"):
+                    t = st.sendable.pop(key, None)
+                    if t is None:
+                        raise RuntimeError(f"rank {rank}: {op}: nothing to send (its producer has not run)")
+                    transfers.append(Transfer(True, op.peer, key, t))
+                else:
+                    shape = recv_shape if op.kind == "RECV_F" else send_shape
+                    buf = torch.empty(shape, dtype=dtype, device=device)
+                    transfers.append(Transfer(False, op.peer, key, buf))
+                    recvs.append((op, buf))
+            p2p.run_batch(transfers)
+            for op, buf in recvs:
+                if op.kind == "RECV_F":
+                    st.inputs[(op.stage, op.microbatch)] = buf.requires_grad_(train)
+                else:
+                    st.out_grads[(op.stage, op.microbatch)] = buf
+
+        def start_chunk_grad_sync(c: int) -> None:
+            if isinstance(grad_sync_func, (list, tuple)):
+                grad_sync_func[c](models[c].parameters())
+            elif grad_sync_func is None:
+                ddp_config = getattr(models[c], "ddp_config", None)
+                if ddp_config is not None and ddp_config.overlap_grad_reduce and hasattr(models[c], "start_grad_sync"):
+                    models[c].start_grad_sync()
+
+        # no_sync for the whole iteration: DDP must not start reducing a bucket while later
+        # backward/W ops of this rank still add to it.
+        no_sync = config.no_sync_func
+        store = _wgrad.WeightGradStore(require_key=False) if split else None
+        idx = 0
+        with contextlib.ExitStack() as stack:
+            if train and no_sync is not None:
+                for fn in (no_sync if isinstance(no_sync, (list, tuple)) else [no_sync]):
+                    stack.enter_context(fn())
+            if split:
+                stack.enter_context(_wgrad.split_weight_grads(store, models))
+            n = len(ops)
+            while idx < n:
+                op = ops[idx]
+                if op.kind in _COMM:
+                    j = idx
+                    while j < n and ops[j].kind in _COMM:
+                        j += 1
+                    batch = ops[idx:j]
+                    for o in batch:
+                        hook(o, "before")
+                    ts = now()
+                    run_comm(batch)
+                    te = now()
+                    for o in batch:
+                        hook(o, "after")
+                        if timings is not None:
+                            timings.append(OpTiming(str(o), o.kind, o.stage, o.microbatch, ts - t0, te - t0))
+                    idx = j
+                    continue
+                hook(op, "before")
+                ts = now()
+                if op.kind == "F":
+                    run_forward(op)
+                elif op.kind == "B":
+                    run_backward(op, collect=split)
+                elif op.kind == "BW":
+                    run_backward(op, collect=False)
+                elif op.kind == "W":
+                    if split:
+                        store.run((op.stage, op.microbatch))
+                else:
+                    self.op_handlers[op.kind](self, op, {"state": st, "models": models, "rank": rank,
+                                                         "schedule": sched, "config": config})
+                te = now()
+                hook(op, "after")
+                if timings is not None:
+                    timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, ts - t0, te - t0))
+                if train and op.kind in ("B", "W", "BW"):
+                    c = chunk_of[op.stage]
+                    if last_grad_op.get(c) == idx:
+                        start_chunk_grad_sync(c)
+                idx += 1
+            if split:
+                _wgrad.check_no_pending_wgrad(store, "before gradient reduction")
+            p2p.drain()
+        # (no_sync exited: DDP's buckets are back to "last microbatch")
+        leftovers = [k for k in ("inputs", "saved_inputs", "outputs", "out_grads", "sendable", "identity")
+                     if getattr(st, k)]
+        if leftovers:
+            raise RuntimeError(f"rank {rank}: schedule {sched.name!r} left tensors behind in {leftovers}")
+
+        if train and grad_sync_func is not None and not isinstance(grad_sync_func, (list, tuple)):
+            grad_sync_func([p for m in models for p in m.parameters()])
+
+        if config.finalize_model_grads_func is not None and train:
+            msched.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
+            num_tokens_arg = None
+            if config.calculate_per_token_loss:
+                # finalize_model_grads broadcasts the token count from the *last pipeline rank*;
+                # the loss lives on the rank of the last stage (rank 0 with the V placement).
+                src = placement[last]
+                if src != pp - 1:
+                    dist.broadcast(total_num_tokens, src=dist.get_global_rank(pp_group, src), group=pp_group)
+                num_tokens_arg = total_num_tokens
+            kwargs = {"pg_collection": pg_collection}
+            if force_all_reduce and _accepts(config.finalize_model_grads_func, "force_all_reduce"):
+                kwargs["force_all_reduce"] = force_all_reduce
+            config.finalize_model_grads_func(models, num_tokens_arg, **kwargs)
+
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        self.state = None
+        self.last_timings = timings
+        self.last_schedule = sched
+        self.last_p2p_bytes = (p2p.bytes_sent, p2p.bytes_received)
+        return forward_data_store
+
+
+def _device_of(models: list) -> torch.device:
+    for m in models:  # (a chunk without layers may have no parameters)
+        for p in m.parameters():
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    return name in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def get_forward_backward_func(schedule: str | None = None, **kwargs: Any):
+    """Like Megatron-Core's ``get_forward_backward_func()``, with ``schedule`` a registered
+    name: returns a :class:`ScheduleExecutor` (Megatron-Core's own function when None)."""
+    if schedule is None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get
+        return mcore_get()
+    return ScheduleExecutor(schedule, **kwargs)

@@ -1,0 +1,413 @@
+"""Train a tiny Megatron-Core GPT for a few steps under any layout and schedule; collect
+losses, gradients and parameters by global name so layouts can be compared exactly.
+
+:func:`run_training` runs on every rank of an initialised ``torch.distributed`` world (for
+example inside a :class:`~megatron_pp_ext.runtime.pool.WorkerPool` configuration): it sets
+up Megatron's parallel state for ``tp x pp x dp``, builds the model chunks for the
+schedule's placement (:mod:`.model`), wraps them in Megatron-Core DDP, builds the Megatron
+optimizer and runs ``steps`` iterations of the forward-backward function — Megatron-Core's
+own (``schedule=None``: ``get_forward_backward_func()``) or ours
+(:class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`) — followed by
+``optimizer.step()``. :func:`merge_results` turns the per-rank results into one record
+(losses per step and microbatch, full unsharded gradients and parameters by global name)
+that can be compared with :func:`compare_records`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+
+from .model import (ModelSpec, build_model_chunks, global_named_parameters, make_config, param_meta,
+                    unshard, wrap_ddp)
+
+__all__ = ["RunConfig", "Training", "setup_training", "run_training", "merge_results", "compare_records", "rel_error", "make_batch",
+           "forward_step", "ParityMismatch"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run. ``num_microbatches`` is per data-parallel rank.
+
+    ``schedule``: None for Megatron-Core's own forward-backward function (1F1B, or
+    interleaved when ``chunks > 1``), a registered schedule name, or a picklable factory
+    ``(pp, num_microbatches) -> Schedule``.
+    ``loss``: "per_token" (3-tuple loss, Megatron's num_tokens path), "per_token_global"
+    (the same with ``calculate_per_token_loss``) or "legacy" (2-tuple, mean per microbatch).
+    """
+
+    spec: ModelSpec = field(default_factory=ModelSpec)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: Any = None
+    chunks: int = 1
+    memory_budget: float | str | None = None
+    costs: tuple = (1.0, 1.0, 1.0, 0.0)
+    num_microbatches: int = 4
+    micro_batch_size: int = 1
+    seq_length: int = 16
+    steps: int = 3
+    eval_iters: int = 1              # forward-only iterations after training (new data)
+    forward_only: bool = False
+    loss: str = "per_token"
+    seed: int = 1234
+    lr: float = 1e-2
+    optimizer: str = "adam"          # or "sgd" (no per-element normalisation: see the tests)
+    overlap_grad_reduce: bool = False
+    sequence_parallel: bool = False
+    recompute: bool = False
+    deallocate_pipeline_outputs: bool = True
+    record_timings: bool = False
+    config_overrides: dict = field(default_factory=dict, hash=False)
+    executor_options: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def replace(self, **kw) -> "RunConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# --- data ----------------------------------------------------------------------------------
+
+def make_batch(seed: int, step: int, microbatch: int, mbs: int, seq: int, vocab: int) -> dict:
+    """Deterministic microbatch ``microbatch`` (global index) of iteration ``step``."""
+    digest = hashlib.sha256(f"data:{seed}:{step}:{microbatch}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
+    loss_mask = (torch.rand(mbs, seq, generator=g) < 0.85).float()
+    loss_mask[:, 0] = 1.0  # never an all-masked microbatch
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(seq).unsqueeze(0).expand(mbs, seq).contiguous(),
+    }
+
+
+def _core(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _loss_per_token(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _loss_legacy(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.clone().detach()}
+
+
+def forward_step(data_iterator, model, *, loss: str = "per_token"):
+    """Megatron-style forward step: the first stage reads tokens, the last labels and mask."""
+    core = _core(model)
+    batch = next(data_iterator) if (core.pre_process or core.post_process) else None
+    tokens = batch["tokens"] if core.pre_process else None
+    position_ids = batch["position_ids"] if core.pre_process else None
+    labels = batch["labels"] if core.post_process else None
+    output = model(tokens, position_ids, None, labels=labels)
+    fn = _loss_legacy if loss == "legacy" else _loss_per_token
+    return output, partial(fn, batch["loss_mask"] if core.post_process else None)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+def _placement(cfg: RunConfig):
+    from ..schedule import loop_placement, v_placement
+    if cfg.schedule is None:
+        return loop_placement(cfg.pp, cfg.chunks)
+    if not isinstance(cfg.schedule, str):  # a factory (pp, m) -> Schedule: ask it
+        sched = cfg.schedule(cfg.pp, cfg.num_microbatches)
+        sched = sched[0] if isinstance(sched, tuple) else sched
+        return tuple(sched.placement)
+    from ..schedule.registry import schedule_info
+    info = schedule_info(cfg.schedule)
+    if info.placement == "v":
+        return v_placement(cfg.pp)
+    return loop_placement(cfg.pp, info.chunks if info.chunks is not None else cfg.chunks)
+
+
+@dataclass
+class Training:
+    """What :func:`setup_training` built on this rank."""
+
+    cfg: RunConfig
+    config: Any                 # TransformerConfig (shared by the chunks)
+    model: list                 # DDP-wrapped chunks, in chunk order
+    optimizer: Any
+    forward_backward: Any       # Megatron's function or a ScheduleExecutor
+    executor: Any               # the ScheduleExecutor, or None
+    placement: tuple
+    meta: dict                  # global name -> (tp partition dim, GLU fc1)
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+        return parallel_state.get_data_parallel_rank()
+
+    def batches(self, step: int) -> list[dict]:
+        c, m = self.cfg, self.cfg.num_microbatches
+        return [make_batch(c.seed, step, self.dp_rank * m + i, c.micro_batch_size, c.seq_length,
+                           c.spec.vocab_size) for i in range(m)]
+
+    def step(self, step: int, *, forward_only: bool | None = None, iters: list | None = None) -> list:
+        """One forward-backward (and nothing else); returns the forward-backward result."""
+        c = self.cfg
+        forward_only = c.forward_only if forward_only is None else forward_only
+        if iters is None:
+            batches = self.batches(step)
+            iters = [iter(batches) for _ in self.model]
+        if not forward_only:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        single = len(self.model) == 1 and self.executor is None
+        return self.forward_backward(
+            forward_step_func=partial(forward_step, loss=c.loss), data_iterator=iters[0] if single else iters,
+            model=self.model[0] if single else self.model, num_microbatches=c.num_microbatches,
+            seq_length=c.seq_length, micro_batch_size=c.micro_batch_size, forward_only=forward_only)
+
+
+def setup_training(cfg: RunConfig) -> Training:
+    """Parallel state, model chunks (DDP), Megatron optimizer and forward-backward function for
+    ``cfg`` on this rank (torch.distributed already initialised with tp*pp*dp ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if dist.get_world_size() != cfg.world_size:
+        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {cfg.world_size}")
+    placement = _placement(cfg)
+    v = len(placement) // cfg.pp
+    # (the default group is gloo already on CPU: no extra gloo copies of the dp groups)
+    gloo_default = dist.get_backend() == "gloo"
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None,
+        create_gloo_process_groups=not gloo_default)
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+
+    overrides = dict(cfg.config_overrides)
+    overrides.setdefault("sequence_parallel", cfg.sequence_parallel)
+    overrides.setdefault("deallocate_pipeline_outputs", cfg.deallocate_pipeline_outputs)
+    if cfg.schedule is None and v > 1:
+        # Megatron's interleaved schedule with batched p2p swaps messages on gloo when both
+        # neighbours are the same rank (pp=2): use its unbatched p2p there.
+        overrides.setdefault("batch_p2p_comm", False)
+    if cfg.loss == "per_token_global":
+        overrides.setdefault("calculate_per_token_loss", True)
+    if cfg.recompute:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = make_config(cfg.spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None,
+                         **overrides)
+    chunks = build_model_chunks(cfg.spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
+    meta = param_meta(chunks, cfg.spec)
+    model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                     average_in_collective=False)
+    opt_config = OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=0.0,
+                                 adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=False, fp16=False,
+                                 params_dtype=torch.float32, use_distributed_optimizer=False)
+    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=not gloo_default)
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if cfg.overlap_grad_reduce:
+        config.grad_sync_func = [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
+
+    executor = None
+    if cfg.schedule is None:
+        fb = get_forward_backward_func()
+    else:
+        from .executor import ScheduleExecutor
+        executor = ScheduleExecutor(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget,
+                                    costs=cfg.costs, record_timings=cfg.record_timings,
+                                    **cfg.executor_options)
+        fb = executor
+    return Training(cfg, config, model, optimizer, fb, executor, tuple(placement), meta)
+
+
+def run_training(cfg: RunConfig) -> dict:
+    """Run ``cfg`` on this rank; return its losses, gradients (every step) and final parameters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tr = setup_training(cfg)
+    losses: list = []
+    grads_per_step: list = []
+    for step in range(cfg.steps):
+        out = tr.step(step)
+        losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
+        if cfg.forward_only:
+            continue
+        grads_per_step.append({n: p.main_grad.detach().clone() for n, p in global_named_parameters(tr.model)})
+        tr.optimizer.step()
+    eval_losses: list = []
+    for e in range(cfg.eval_iters):  # evaluation, as Megatron-LM's evaluate() calls it
+        with torch.no_grad():
+            out = tr.step(cfg.steps + e, forward_only=True)
+        eval_losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
+    return {
+        "rank": dist.get_rank(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": tr.dp_rank,
+        "holds_loss": any(_core(c).post_process for c in tr.model),
+        "losses": losses,
+        "eval_losses": eval_losses,
+        "grads": None if cfg.forward_only else grads_per_step,
+        "params": {n: p.detach().clone() for n, p in global_named_parameters(tr.model)},
+        "meta": tr.meta,
+        "timings": tr.executor.last_timings if tr.executor is not None and cfg.record_timings else None,
+    }
+
+
+# --- merging and comparing -----------------------------------------------------------------
+
+def merge_results(results: Sequence[dict], cfg: RunConfig) -> dict:
+    """One record from per-rank results: losses[step][global microbatch] (dicts of tensors),
+    full gradients and parameters by global name (tp shards joined; dp/pp duplicates checked equal)."""
+    def gather_losses(key: str) -> list:
+        by_dp: dict[int, list] = {}
+        for r in results:
+            if r["holds_loss"] and r["tp_rank"] == 0:
+                by_dp[r["dp_rank"]] = r[key]
+        steps = len(next(iter(by_dp.values()))) if by_dp else 0
+        return [[d for dp in sorted(by_dp) for d in by_dp[dp][s]] for s in range(steps)]
+
+    losses = gather_losses("losses")
+    eval_losses = gather_losses("eval_losses")
+
+    def join(key: str, step: int | None = None) -> dict | None:
+        if results[0][key] is None:
+            return None
+        shards: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        meta: dict[str, tuple] = {}
+        for r in results:
+            meta.update(r["meta"])
+            items = r[key] if step is None else r[key][step]
+            for name, t in items.items():
+                shards.setdefault((name, r["dp_rank"]), {}).setdefault(r["tp_rank"], t)
+        out: dict[str, torch.Tensor] = {}
+        for (name, dp), by_tp in shards.items():
+            dim, glu = meta[name]
+            full = unshard([by_tp[i] for i in sorted(by_tp)], dim, glu)
+            if name in out:
+                if not torch.equal(out[name], full):
+                    raise AssertionError(f"{key} {name} differs between its copies (data-parallel replicas "
+                                         "or tied embedding copies)")
+                continue
+            out[name] = full
+        return out
+
+    grads = None
+    if results[0]["grads"] is not None:
+        grads = [join("grads", s) for s in range(len(results[0]["grads"]))]
+    return {"losses": losses, "eval_losses": eval_losses, "grads": grads, "params": join("params")}
+
+
+class ParityMismatch(AssertionError):
+    pass
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius, in float64); 0 when both are zero."""
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: float | None = None,
+                    what: str = "") -> dict:
+    """Compare two merged records (losses of every step and microbatch, evaluation losses,
+    gradients of every step, final parameters).
+
+    ``rtol == 0``: everything must be bit-exact. Otherwise: every microbatch loss within
+    ``rtol`` (relative), the gradients of every step and the final parameters within ``rtol``
+    as a whole (||got - ref|| / ||ref|| over all tensors) and each tensor within
+    ``tensor_rtol`` (default ``10 * rtol``). Returns the worst errors seen.
+    """
+    if tensor_rtol is None:
+        tensor_rtol = 10 * rtol
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "grad_tensor": 0.0, "param_tensor": 0.0}
+    problems: list[str] = []
+
+    def exact(kind: str, name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        if a.shape != b.shape:
+            problems.append(f"{kind} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            return False
+        if rtol == 0.0 and not torch.equal(a, b):
+            problems.append(f"{kind} {name}: not bit-exact (rel err {rel_error(a, b):.3e})")
+            return False
+        return True
+
+    loss_sets = [("step", got["losses"], ref["losses"])]
+    if got.get("eval_losses") is not None and ref.get("eval_losses") is not None:
+        loss_sets.append(("eval", got["eval_losses"], ref["eval_losses"]))
+    for label, gsteps, rsteps in loss_sets:
+        if len(gsteps) != len(rsteps):
+            problems.append(f"{len(gsteps)} {label} iterations vs {len(rsteps)}")
+        for s, (gl, rl) in enumerate(zip(gsteps, rsteps)):
+            if len(gl) != len(rl):
+                problems.append(f"{label} {s}: {len(gl)} microbatch losses vs {len(rl)}")
+                continue
+            for i, (a, b) in enumerate(zip(gl, rl)):
+                for k in b:
+                    name = f"{label} {s} microbatch {i} {k!r}"
+                    if exact("loss", name, a[k], b[k]) and rtol > 0:
+                        e = rel_error(a[k], b[k])
+                        worst["loss"] = max(worst["loss"], e)
+                        if e > rtol:
+                            problems.append(f"loss {name}: rel err {e:.3e} > {rtol:.1e}")
+    pairs = []
+    if got["grads"] is not None and ref["grads"] is not None:
+        if len(got["grads"]) != len(ref["grads"]):
+            problems.append(f"gradients of {len(got['grads'])} steps vs {len(ref['grads'])}")
+        pairs += [("grad", f"step {s}", g, r) for s, (g, r) in enumerate(zip(got["grads"], ref["grads"]))]
+    if got["params"] is not None and ref["params"] is not None:
+        pairs.append(("param", "final", got["params"], ref["params"]))
+    for kind, where, g, r in pairs:
+        if set(g) != set(r):
+            problems.append(f"{kind}s: names differ: only here {sorted(set(g) - set(r))[:5]}, "
+                            f"only in reference {sorted(set(r) - set(g))[:5]}")
+        num = den = 0.0
+        for name in sorted(set(g) & set(r)):
+            a, b = g[name], r[name]
+            if not exact(kind, f"{where} {name}", a, b) or rtol == 0:
+                continue
+            e = rel_error(a, b)
+            worst[kind + "_tensor"] = max(worst[kind + "_tensor"], e)
+            if e > tensor_rtol:
+                problems.append(f"{kind} {where} {name}: rel err {e:.3e} > {tensor_rtol:.1e}")
+            num += (a.double() - b.double()).norm().item() ** 2
+            den += b.double().norm().item() ** 2
+        if rtol > 0 and den > 0:
+            e = (num / den) ** 0.5
+            worst[kind] = max(worst[kind], e)
+            if e > rtol:
+                problems.append(f"{kind}s {where} (all tensors): rel err {e:.3e} > {rtol:.1e}")
+    if problems:
+        head = f"{what}: " if what else ""
+        raise ParityMismatch(head + f"{len(problems)} mismatches (rtol={rtol}):\n  " + "\n  ".join(problems[:20]))
+    return worst

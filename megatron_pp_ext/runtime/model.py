@@ -1,0 +1,423 @@
+"""Build Megatron-Core GPTModel chunks for any stage placement, with layout-independent weights.
+
+A *layout* is a stage -> rank placement (``loop_placement(p, v)`` or ``v_placement(p)`` from
+the schedule core) plus the number of transformer layers of every stage (uneven counts are
+fine). Rank ``r`` builds one :class:`GPTModel` per stage it holds, in chunk order
+(``stages_of(r)``, the order the executor indexes ``model[c]`` with). The first stage holds
+the embedding (``pre_process``) and the last one the output layer and loss
+(``post_process``): with the V placement both are on rank 0 (chunks 0 and 1).
+
+Megatron-Core places layers by (pipeline rank, virtual stage) assuming the loop placement;
+:class:`StageLayerLayout` is a :class:`PipelineParallelLayerLayout` that maps them through the
+actual placement instead, so every chunk gets its own layers *and their global layer
+numbers* (checkpoint names, ``layer_number``) whatever the placement.
+
+Two model variants (:class:`ModelSpec`): ``gpt`` (learned absolute positions, LayerNorm,
+GeLU, biases) and ``llama`` (RoPE, RMSNorm, SwiGLU, grouped-query attention with fewer
+key/value heads, no biases). Both use Megatron-Core's local layer spec
+(``get_gpt_layer_local_spec``), which needs neither Transformer Engine nor apex.
+
+Initial weights depend only on the seed and on each parameter's *global* name (the chunk's
+``decoder.layers.<i>`` renamed to the global layer index), and tensor-parallel shards are
+cut from the same full tensor (:func:`shard_of`), so every layout (pp=1, loop, V, tp=2)
+starts from the same model. :func:`global_named_parameters` and :func:`unshard` give the
+inverse mapping for comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = [
+    "ModelSpec", "StageLayerLayout", "split_layers", "make_config", "build_model_chunks",
+    "chunk_stages", "global_param_name", "global_named_parameters", "init_weights", "full_param",
+    "shard_of", "unshard", "param_meta", "wrap_ddp", "replace_config",
+]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A (tiny) GPT model. ``variant``: "gpt" or "llama"."""
+
+    variant: str = "gpt"
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None      # llama default: num_attention_heads // 2
+    ffn_hidden_size: int | None = None       # default 4h (gpt) / 2h with SwiGLU (llama)
+    vocab_size: int = 128
+    max_sequence_length: int = 16
+    tie_embeddings: bool = False
+    layers_per_stage: tuple[int, ...] | None = None  # default: split_layers(num_layers, stages)
+    config_overrides: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("gpt", "llama"):
+            raise ValueError(f"model variant {self.variant!r}: use 'gpt' or 'llama'")
+
+    @property
+    def query_groups(self) -> int:
+        if self.num_query_groups is not None:
+            return self.num_query_groups
+        return max(1, self.num_attention_heads // 2) if self.variant == "llama" else self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 2 * self.hidden_size if self.variant == "llama" else 4 * self.hidden_size
+
+    def stage_layers(self, num_stages: int) -> tuple[int, ...]:
+        """Layers of each of ``num_stages`` stages (``layers_per_stage`` is for its own stage
+        count; a single stage always holds every layer)."""
+        if num_stages == 1:
+            return (self.num_layers,)
+        if self.layers_per_stage is not None:
+            if len(self.layers_per_stage) != num_stages or sum(self.layers_per_stage) != self.num_layers:
+                raise ValueError(f"layers_per_stage {self.layers_per_stage} must have {num_stages} entries "
+                                 f"summing to num_layers={self.num_layers}")
+            return tuple(self.layers_per_stage)
+        return split_layers(self.num_layers, num_stages)
+
+
+def split_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage, as even as possible; when the count does not divide, the middle
+    stages get the extra layers first (the first and last also hold the embedding and loss)."""
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]  # middle stages first
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
+# --- Megatron layout for an arbitrary placement ---------------------------------------------
+
+def chunk_stages(placement: Sequence[int]) -> list[list[int]]:
+    """Per rank, its stages in chunk order (same as Schedule.stages_of)."""
+    p = max(placement) + 1
+    return [[s for s, r in enumerate(placement) if r == rank] for rank in range(p)]
+
+
+def _layout_base():
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    return PipelineParallelLayerLayout
+
+
+def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
+    """A Megatron ``PipelineParallelLayerLayout`` for ``placement`` (stage -> rank).
+
+    ``layout[pp_rank][vp_stage]`` is the layer list of the stage that rank holds as chunk
+    ``vp_stage``; offsets and layer ids follow the *stage* order, so layer numbers are global.
+    """
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core import parallel_state
+
+    base = _layout_base()
+    placement = tuple(int(r) for r in placement)
+    S = len(placement)
+    if len(layers_per_stage) != S:
+        raise ValueError(f"{len(layers_per_stage)} layer counts for {S} stages")
+    stages = chunk_stages(placement)
+    v = len(stages[0])
+    if any(len(st) != v for st in stages):
+        raise ValueError(f"placement {placement} gives ranks different numbers of stages")
+
+    def types(s: int) -> list:
+        t = [LayerType.decoder] * int(layers_per_stage[s])
+        if s == 0:
+            t = [LayerType.embedding] + t
+        if s == S - 1:
+            t = t + [LayerType.loss]
+        return t
+
+    offsets = [sum(layers_per_stage[:s]) for s in range(S)]
+
+    class _StageLayerLayout(base):
+        def __init__(self) -> None:  # noqa: D401 - no call to the loop-order parser
+            self.input_data = {"placement": placement, "layers_per_stage": tuple(layers_per_stage)}
+            self.pipeline_model_parallel_size = len(stages)
+            self.virtual_pipeline_model_parallel_size = v
+            self.placement = placement
+            self.layers_per_stage = tuple(int(n) for n in layers_per_stage)
+            self.layout = [[types(s) for s in st] for st in stages]
+            self.flatten_layout = [t for s in range(S) for t in types(s)]
+
+        def __repr__(self) -> str:
+            return f"StageLayerLayout(placement={placement}, layers_per_stage={tuple(layers_per_stage)})"
+
+        def _stage(self, vp_stage, pp_rank) -> int:
+            if pp_rank is None:
+                pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            if vp_stage is None:
+                if v > 1:
+                    raise AssertionError("vp_stage must be passed with more than one chunk per rank")
+                vp_stage = 0
+            return stages[pp_rank][vp_stage]
+
+        def stage_of(self, vp_stage=None, pp_rank=None) -> int:
+            return self._stage(vp_stage, pp_rank)
+
+        def get_num_layers_to_build(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            return types(self._stage(vp_stage, pp_rank)).count(layer_type)
+
+        def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            s = self._stage(vp_stage, pp_rank)
+            if layer_type == LayerType.decoder:
+                return offsets[s]
+            return sum(types(t).count(layer_type) for t in range(s))
+
+        def get_layer_id_list(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            off = self.get_layer_offset(layer_type, vp_stage, pp_rank)
+            return list(range(off, off + self.get_num_layers_to_build(layer_type, vp_stage, pp_rank)))
+
+    return _StageLayerLayout()
+
+
+# --- config and model ----------------------------------------------------------------------
+
+def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequence[int] | None = None,
+                **overrides: Any):
+    """A TransformerConfig for ``spec`` (fp32, no dropout, local kernels) on a tp x pp grid.
+
+    With ``pp > 1`` a ``placement`` (stage -> rank) is required; the layout follows it.
+    ``overrides`` (and ``spec.config_overrides``) are passed on to TransformerConfig.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.query_groups,
+        ffn_hidden_size=spec.ffn,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    if spec.variant == "llama":
+        kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, layernorm_epsilon=1e-5)
+    else:
+        kw.update(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
+                  add_bias_linear=True, layernorm_epsilon=1e-5)
+    if pp > 1:
+        if placement is None:
+            raise ValueError("make_config: pp > 1 needs the stage placement")
+        placement = tuple(placement)
+        if max(placement) + 1 != pp:
+            raise ValueError(f"placement {placement} is for {max(placement) + 1} ranks, not pp={pp}")
+        kw["pipeline_model_parallel_layout"] = StageLayerLayout(placement, spec.stage_layers(len(placement)))
+        v = len(placement) // pp
+        kw["virtual_pipeline_model_parallel_size"] = v if v > 1 else None
+    kw.update(spec.config_overrides)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _layer_spec(spec: ModelSpec):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return get_gpt_layer_local_spec(normalization="RMSNorm" if spec.variant == "llama" else "LayerNorm")
+
+
+def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None = None, *,
+                       pp_rank: int | None = None, seed: int = 1234, init: bool = True) -> list:
+    """This rank's GPTModel chunks (chunk order), weights set by :func:`init_weights`.
+
+    ``placement`` None means a single stage (pp=1). Parallel state must be initialised with
+    ``virtual_pipeline_model_parallel_size = chunks per rank`` (None for one chunk).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if placement is None:
+        placement = (0,)
+    placement = tuple(placement)
+    S = len(placement)
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if S > 1 else 0
+    stages = chunk_stages(placement)[pp_rank]
+    v = len(stages)
+    if spec.tie_embeddings and S > 1 and placement[0] == placement[-1]:
+        raise NotImplementedError("tied embeddings with the first and last stage on the same rank (V "
+                                  "placement) are not supported yet; use tie_embeddings=False")
+    layer_spec = _layer_spec(spec)
+    chunks = []
+    for c, s in enumerate(stages):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_sequence_length,
+            pre_process=(s == 0),
+            post_process=(s == S - 1),
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            position_embedding_type="rope" if spec.variant == "llama" else "learned_absolute",
+            vp_stage=c if v > 1 else None,
+        )
+        model.mppx_stage = s  # the global stage this chunk computes
+        chunks.append(model)
+    if init:
+        init_weights(chunks, seed, spec)
+    return chunks
+
+
+# --- names, deterministic init, tensor-parallel shards -------------------------------------
+
+_LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def global_param_name(chunk, local_name: str) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<global>.x`` (wrapper prefixes dropped)."""
+    core = _unwrap(chunk)
+    name = local_name
+    while name.startswith("module."):
+        name = name[len("module."):]
+    m = _LAYER_RE.search(name)
+    if m:
+        local = int(m.group(2))
+        layer_number = core.decoder.layers[local].layer_number  # 1-based, global
+        name = name[:m.start(2)] + str(layer_number - 1) + name[m.end(2):]
+    if name.startswith("output_layer.") and core.share_embeddings_and_output_weights and not core.pre_process:
+        name = "embedding.word_embeddings." + name[len("output_layer."):]
+    return name
+
+
+def global_named_parameters(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) over this rank's chunks."""
+    for chunk in chunks:
+        core = _unwrap(chunk)
+        for local, p in core.named_parameters():
+            yield global_param_name(core, local), p
+
+
+def _partition_dims(chunks) -> dict[int, int]:
+    """id(param) -> tensor-parallel partition dim, from the layer types (Megatron only tags
+    the weights with ``partition_dim`` when it initialises them itself)."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+    dims: dict[int, int] = {}
+    for chunk in chunks:
+        for mod in _unwrap(chunk).modules():
+            if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+                for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
+                    if isinstance(p, torch.Tensor):
+                        dims[id(p)] = 0
+            elif isinstance(mod, RowParallelLinear) and isinstance(getattr(mod, "weight", None), torch.Tensor):
+                dims[id(mod.weight)] = 1
+    return dims
+
+
+def _tp_info(param, dims: dict[int, int]) -> tuple[int | None, int]:
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    return dims.get(id(param)), int(getattr(param, "partition_stride", 1))
+
+
+def _is_glu_fc1(name: str, spec: ModelSpec | None) -> bool:
+    return spec is not None and spec.variant == "llama" and ".mlp.linear_fc1." in name
+
+
+def full_param(seed: int, name: str, shape: Sequence[int]) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: a function of seed and name only."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name or "layernorm" in name
+    if is_norm and leaf == "weight":
+        return 1.0 + 0.1 * torch.randn(*shape, generator=g)
+    if leaf == "bias":
+        return 0.02 * torch.randn(*shape, generator=g)
+    return 0.05 * torch.randn(*shape, generator=g)
+
+
+def shard_of(full: torch.Tensor, name: str, partition_dim: int | None, tp: int, tp_rank: int,
+             glu: bool = False) -> torch.Tensor:
+    """Tensor-parallel shard ``tp_rank`` of ``full`` as Megatron lays it out.
+
+    ``glu``: the fused SwiGLU fc1 holds [gate; up] per rank, so each half is cut separately.
+    """
+    if partition_dim is None or tp == 1:
+        return full
+    if glu:
+        gate, up = torch.chunk(full, 2, dim=partition_dim)
+        return torch.cat([torch.chunk(gate, tp, dim=partition_dim)[tp_rank],
+                          torch.chunk(up, tp, dim=partition_dim)[tp_rank]], dim=partition_dim)
+    return torch.chunk(full, tp, dim=partition_dim)[tp_rank].contiguous()
+
+
+def unshard(shards: Sequence[torch.Tensor], partition_dim: int | None, glu: bool = False) -> torch.Tensor:
+    """Inverse of :func:`shard_of` over all tp ranks (in rank order)."""
+    if partition_dim is None or len(shards) == 1:
+        return shards[0]
+    if glu:
+        gates = [torch.chunk(s, 2, dim=partition_dim)[0] for s in shards]
+        ups = [torch.chunk(s, 2, dim=partition_dim)[1] for s in shards]
+        return torch.cat([torch.cat(gates, dim=partition_dim), torch.cat(ups, dim=partition_dim)],
+                         dim=partition_dim)
+    return torch.cat(list(shards), dim=partition_dim)
+
+
+def param_meta(chunks, spec: ModelSpec | None = None) -> dict[str, tuple[int | None, bool]]:
+    """global name -> (tensor-parallel partition dim or None, is-GLU-fc1) for :func:`unshard`."""
+    dims = _partition_dims(chunks)
+    return {n: (_tp_info(p, dims)[0], _is_glu_fc1(n, spec)) for n, p in global_named_parameters(chunks)}
+
+
+@torch.no_grad()
+def init_weights(chunks, seed: int, spec: ModelSpec | None = None) -> None:
+    """Set every parameter from (seed, global name), cutting tp shards from the full tensor."""
+    from megatron.core import parallel_state
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    dims = _partition_dims(chunks)
+    for name, p in global_named_parameters(chunks):
+        dim, stride = _tp_info(p, dims)
+        if stride != 1:
+            raise NotImplementedError(f"{name}: partition_stride {stride} is not supported")
+        shape = list(p.shape)
+        if dim is not None:
+            shape[dim] *= tp
+        full = full_param(seed, name, shape)
+        p.copy_(shard_of(full, name, dim, tp, tp_rank, glu=_is_glu_fc1(name, spec)))
+
+
+def wrap_ddp(chunks, config, **ddp_kwargs) -> list:
+    """Wrap each chunk in Megatron-Core's DistributedDataParallel (bucketing only on chunk 0,
+    as Megatron-LM does with virtual pipelining)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": False, "overlap_grad_reduce": False,
+                                                  "use_distributed_optimizer": False, **ddp_kwargs})
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=(i > 0)) for i, chunk in enumerate(chunks)]
+
+
+def replace_config(config, **changes):
+    """dataclasses.replace for TransformerConfig (keeps the layout object)."""
+    return dataclasses.replace(config, **changes)

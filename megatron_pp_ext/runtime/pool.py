@@ -1,0 +1,317 @@
+"""A pool of forked gloo workers for multi-process tests and the CPU demo.
+
+Start-up dominates a multi-process run on a CPU (a torchrun launch costs seconds, a pipeline
+step of a tiny model a tenth of one), so the workers are forked once and reused: each
+submitted *configuration* is a picklable function plus keyword arguments, run SPMD on the
+first ``world_size`` workers under a fresh gloo process group (rank = worker index). The
+per-rank return values come back as a list; an exception on any rank is re-raised in the
+caller with the worker's traceback; a configuration that does not finish in time (a hang,
+a deadlock) raises :class:`PoolTimeout` and the workers are killed and forked again, so the
+next configuration starts clean.
+
+Between configurations every worker tears down Megatron-Core's ``parallel_state`` (and the
+RNG tracker and global buffers) and destroys the process group, so each configuration can
+use its own world size (1..size) and its own tp/pp/dp split.
+
+Example::
+
+    pool = WorkerPool(4)
+    per_rank = pool.run(my_module.train_fn, 2, timeout=60, pp=2, steps=3)
+    pool.close()
+
+The function must be importable by reference (defined at module level). Inside it,
+``torch.distributed`` is initialised (gloo) and, by default, the CPU compatibility layer
+(:mod:`megatron_pp_ext.runtime.cpu_compat`) is enabled when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable
+
+__all__ = ["WorkerPool", "WorkerError", "PoolTimeout", "reset_megatron_state"]
+
+
+#: Modules imported in the parent before forking (Megatron-Core imports take seconds).
+DEFAULT_PRELOAD = (
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+)
+
+
+class WorkerError(RuntimeError):
+    """A configuration raised on one or more ranks; the message holds their tracebacks."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str]):
+        super().__init__(message)
+        self.tracebacks = tracebacks
+
+
+class PoolTimeout(TimeoutError):
+    """A configuration did not finish in time on some ranks (the pool was restarted)."""
+
+
+def reset_megatron_state() -> None:
+    """Forget Megatron-Core's process-global state (groups, RNG tracker, global buffers)."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        parallel_state.destroy_model_parallel()
+    except Exception:  # groups may be half-built after a failure
+        pass
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+        mrandom.initialize_rng_tracker(force_reset=True)
+        mrandom._CUDA_RNG_STATE_TRACKER = None
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    except Exception:
+        pass
+    try:
+        from megatron.core import num_microbatches_calculator as nmc
+        nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    except Exception:
+        pass
+
+
+def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    for c in parent_ends:
+        c.close()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if msg is None:
+            break
+        task_id, fn, kwargs, world, store, timeout_s = msg
+        ok, payload = True, None
+        compat = None
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=index, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+            if cpu_compat:
+                from .cpu_compat import enable_cpu_compat
+                compat = enable_cpu_compat()
+            payload = fn(**kwargs)
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            ok, payload = False, traceback.format_exc()
+        finally:
+            if compat is not None:
+                compat.close()
+            reset_megatron_state()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:
+                pass
+            # Drop the configuration's objects (models, DDP buckets, optimizers hold process
+            # groups): gloo groups stop their threads only when the last reference goes.
+            del fn, kwargs
+            gc.collect()
+        try:
+            conn.send((task_id, ok, payload))
+        except Exception:  # unpicklable result
+            conn.send((task_id, False, "the result could not be sent back to the parent:\n"
+                       + traceback.format_exc()))
+    os._exit(0)
+
+
+def _describe(fn: Callable, kwargs: dict) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    if len(args) > 300:
+        args = args[:300] + "..."
+    return f"{getattr(fn, '__module__', '?')}.{name}({args})"
+
+
+class WorkerPool:
+    """``size`` forked worker processes that run configurations SPMD under gloo.
+
+    ``timeout`` (seconds) is the default limit per configuration; ``grace`` is how long the
+    other ranks get to finish once one rank has failed (they usually wait on it forever).
+    ``cpu_compat``: enable the CPU compatibility layer around each configuration (default:
+    when CUDA is not available). ``preload``: modules to import before forking.
+    """
+
+    def __init__(self, size: int = 4, *, timeout: float = 120.0, grace: float = 10.0, threads: int = 1,
+                 cpu_compat: bool | None = None, preload: tuple[str, ...] = DEFAULT_PRELOAD):
+        if size < 1:
+            raise ValueError("WorkerPool needs at least one worker")
+        import importlib
+        import torch
+        for name in preload:  # imported once here, inherited by every (re)forked worker
+            importlib.import_module(name)
+        self.size = size
+        self.timeout = float(timeout)
+        self.grace = float(grace)
+        self.threads = threads
+        self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
+        self._ctx = mp.get_context("fork")
+        self._tmp = tempfile.mkdtemp(prefix="mppx_pool_")
+        weakref.finalize(self, shutil.rmtree, self._tmp, True)  # also if close() is never called
+        self._ids = itertools.count()
+        self._procs: list = []
+        self._conns: list = []
+        self.restarts = 0
+        self._closed = False
+        self._start()
+
+    # -- life cycle --------------------------------------------------------------------
+    def _start(self) -> None:
+        # Objects that exist now live as long as the workers: keep them out of the workers'
+        # collections (the per-configuration gc.collect() then only scans new objects).
+        gc.freeze()
+        self._procs, self._conns = [], []
+        try:
+            for i in range(self.size):
+                parent, child = self._ctx.Pipe()
+                # The child closes its copies of the parent's ends, so that it sees EOF (and
+                # exits) when the parent goes away, however that happens.
+                p = self._ctx.Process(target=_worker_main,
+                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [parent]),
+                                      name=f"mppx-pool-{i}", daemon=True)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+        finally:
+            gc.unfreeze()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+    def restart(self) -> None:
+        """Kill every worker and fork fresh ones."""
+        self._kill()
+        self.restarts += 1
+        self._start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            try:
+                c.send(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- running -----------------------------------------------------------------------
+    def run(self, fn: Callable, world_size: int, /, *, timeout: float | None = None, **kwargs: Any) -> list:
+        """Run ``fn(**kwargs)`` on workers 0..world_size-1; returns the per-rank results."""
+        if self._closed:
+            raise RuntimeError("the worker pool is closed")
+        if not 1 <= world_size <= self.size:
+            raise ValueError(f"world_size {world_size} is outside 1..{self.size} (pool size)")
+        limit = self.timeout if timeout is None else float(timeout)
+        task_id = next(self._ids)
+        store = os.path.join(self._tmp, f"store_{task_id}")
+        what = _describe(fn, kwargs)
+        # The workers' gloo timeout is longer than ours: a hang is reported here as a timeout
+        # (and the workers are killed), not as a gloo error on the ranks that waited.
+        msg = (task_id, fn, kwargs, world_size, store, limit + 60.0)
+        for i in range(world_size):
+            self._conns[i].send(msg)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = {self._conns[i]: i for i in range(world_size)}
+        sentinels = {self._procs[i].sentinel: i for i in range(world_size)}
+        deadline = time.monotonic() + limit
+        try:
+            while pending:
+                now = time.monotonic()
+                if errors:
+                    deadline = min(deadline, now + self.grace)
+                left = deadline - now
+                if left <= 0:
+                    break
+                ready = mp_wait(list(pending) + list(sentinels), timeout=left)
+                for r in ready:
+                    if r in sentinels:
+                        i = sentinels.pop(r)
+                        if any(v == i for v in pending.values()):
+                            conn = self._conns[i]
+                            if conn.poll():  # its last word arrived before it died
+                                continue
+                            errors[i] = f"worker {i} died (exit code {self._procs[i].exitcode})"
+                            pending.pop(conn, None)
+                        continue
+                    i = pending.pop(r)
+                    got_id, ok, payload = r.recv()
+                    if got_id != task_id:  # a stale answer cannot happen after a restart
+                        raise RuntimeError(f"worker {i}: answer for task {got_id}, expected {task_id}")
+                    if ok:
+                        results[i] = payload
+                    else:
+                        errors[i] = payload
+        except BaseException:
+            self.restart()
+            raise
+        finally:
+            try:
+                os.unlink(store)
+            except OSError:
+                pass
+        if pending:
+            stuck = sorted(pending.values())
+            self.restart()
+            if errors:
+                raise WorkerError(self._error_text(what, errors, stuck), errors)
+            raise PoolTimeout(f"{what} did not finish within {limit:.0f} s on rank(s) {stuck} of "
+                              f"{world_size} (finished: {sorted(results)}); likely a hang or deadlock "
+                              "in the schedule or its communication. The worker pool was restarted.")
+        if errors:
+            raise WorkerError(self._error_text(what, errors, []), errors)
+        return [results[i] for i in range(world_size)]
+
+    @staticmethod
+    def _error_text(what: str, errors: dict[int, str], stuck: list[int]) -> str:
+        parts = [f"{what} failed on rank(s) {sorted(errors)}"
+                 + (f" (rank(s) {stuck} still running were killed; pool restarted)" if stuck else "") + ":"]
+        first = min(errors)
+        parts.append(f"--- rank {first} traceback ---\n{errors[first].rstrip()}")
+        others = [r for r in sorted(errors) if errors[r] != errors[first] and r != first]
+        for r in others[:3]:
+            parts.append(f"--- rank {r} traceback ---\n{errors[r].rstrip()}")
+        return "\n".join(parts)

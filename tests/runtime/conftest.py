@@ -1,0 +1,52 @@
+"""Fixtures of the runtime tests: one pool of forked gloo workers for the whole session.
+
+Every multi-process test submits configurations to the same :class:`WorkerPool` (started the
+first time a test asks for it, after collection, so the workers already hold every test
+module); references (the pp=1 runs) are computed once per session and cached.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from megatron_pp_ext.runtime.harness import merge_results, run_training
+from megatron_pp_ext.runtime.pool import WorkerPool
+
+# Megatron-Core warns at import time that Transformer Engine / apex are missing (expected on CPU).
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+
+
+@pytest.fixture(scope="session")
+def pool():
+    p = WorkerPool(4, timeout=180)
+    yield p
+    p.close()
+
+
+class Runs:
+    """Run configurations on the pool; memoise the merged records (references are shared)."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self._cache: dict = {}
+
+    def __call__(self, cfg, *, cache: bool = False) -> dict:
+        if cache and cfg in self._cache:
+            return self._cache[cfg]
+        rec = merge_results(self.pool.run(run_training, cfg.world_size, cfg=cfg), cfg)
+        if cache:
+            self._cache[cfg] = rec
+        return rec
+
+    def reference(self, cfg) -> dict:
+        """The pp=1 run of ``cfg`` (same model, data, tp, dp, loss and optimizer); cached."""
+        ref = cfg.replace(pp=1, schedule=None, chunks=1, memory_budget=None, executor_options={},
+                          record_timings=False)
+        return self(ref, cache=True)
+
+
+@pytest.fixture(scope="session")
+def runs(pool):
+    return Runs(pool)

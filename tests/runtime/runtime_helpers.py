@@ -1,0 +1,132 @@
+"""Shared settings of the runtime tests (tiny models, schedule arguments)."""
+
+from __future__ import annotations
+
+from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.model import ModelSpec
+from megatron_pp_ext.schedule import ScheduleError, build_schedule, schedule_names
+from megatron_pp_ext.schedule.registry import schedule_info
+
+# gpt: 7 layers (uneven over 2, 4 and 8 stages); llama: 6 layers, GQA (4 heads, 2 kv groups).
+SPECS = {
+    "gpt": ModelSpec("gpt", num_layers=7, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                     max_sequence_length=16),
+    "llama": ModelSpec("llama", num_layers=6, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       vocab_size=64, max_sequence_length=16),
+}
+VARIANTS = tuple(SPECS)
+SCHEDULES = tuple(schedule_names())
+
+
+def schedule_args(name: str, pp: int) -> dict:
+    """chunks / memory budget for a registered schedule (v-budget: between V-Min and ZB-V)."""
+    info = schedule_info(name)
+    args: dict = {"chunks": 2 if (info.placement == "loop" and name.startswith("interleaved")) else 1}
+    if info.uses_budget:
+        args["memory_budget"] = 0.75 * pp
+    return args
+
+
+def buildable(name: str, pp: int, m: int) -> str | None:
+    """None if the schedule builds for (pp, m), else the generator's error message."""
+    a = schedule_args(name, pp)
+    try:
+        build_schedule(name, pp, m, chunks=a["chunks"], memory_budget=a.get("memory_budget"), with_comm=True)
+    except ScheduleError as e:
+        return str(e)
+    return None
+
+
+def microbatches_for(name: str, pp: int, preferred: int) -> int:
+    """``preferred``, or the smallest larger count the schedule accepts (dualpipev: >= 2p)."""
+    for m in range(preferred, 4 * pp + preferred + 1):
+        if buildable(name, pp, m) is None:
+            return m
+    raise AssertionError(f"{name} builds for no microbatch count near {preferred} at pp={pp}")
+
+
+def config(variant: str, *, schedule=None, pp: int = 1, tp: int = 1, dp: int = 1, m: int = 4, **kw) -> RunConfig:
+    args = schedule_args(schedule, pp) if isinstance(schedule, str) else {}
+    args.update({k: kw.pop(k) for k in ("chunks", "memory_budget") if k in kw})
+    return RunConfig(spec=SPECS[variant], schedule=schedule, pp=pp, tp=tp, dp=dp, num_microbatches=m,
+                     seq_length=16, micro_batch_size=1, steps=kw.pop("steps", 3), **args, **kw)
+
+
+# --- schedule factories (picklable: module level) and worker functions ------------------------
+
+def _compute_only(name: str, pp: int, m: int):
+    a = schedule_args(name, pp)
+    sched, _ = build_schedule(name, pp, m, chunks=a["chunks"], memory_budget=a.get("memory_budget"))
+    return sched
+
+
+def broken_missing_w(pp: int, m: int):
+    """zb-h1 with the last W of rank 0 dropped: fails validation (incomplete)."""
+    from megatron_pp_ext.schedule import Schedule
+    s = _compute_only("zb-h1", pp, m)
+    ops = [list(r) for r in s.ops]
+    i = max(k for k, op in enumerate(ops[0]) if op.kind == "W")
+    del ops[0][i]
+    return Schedule("broken-missing-w", m, s.placement, ops, dict(s.meta))
+
+
+def broken_f_order(pp: int, m: int):
+    """1f1b with the first two forwards of rank 0 swapped: valid, but the data iterators would
+    hand microbatch 0's data to microbatch 1: the executor must refuse it."""
+    from megatron_pp_ext.schedule import Schedule
+    s = _compute_only("1f1b", pp, m)
+    ops = [list(r) for r in s.ops]
+    f = [k for k, op in enumerate(ops[0]) if op.kind == "F"][:2]
+    ops[0][f[0]], ops[0][f[1]] = ops[0][f[1]], ops[0][f[0]]
+    return Schedule("broken-f-order", m, s.placement, ops, dict(s.meta))
+
+
+def rank_dependent(pp: int, m: int):
+    """A different (valid) schedule on global rank 0 than elsewhere."""
+    import torch.distributed as dist
+    return _compute_only("zb-h1" if dist.get_rank() == 0 else "1f1b", pp, m)
+
+
+def refused_before_any_step(cfg) -> dict:
+    """Call the executor once; report the error and whether anything had run before it."""
+    import torch
+    from megatron_pp_ext.runtime.harness import setup_training
+
+    try:
+        tr = setup_training(cfg)
+    except Exception as e:  # refused while building (e.g. the factory / placement)
+        return {"error": type(e).__name__, "message": str(e), "stage": "setup"}
+    before = {n: p.detach().clone() for n, p in tr.model[0].named_parameters()}
+    consumed = []
+
+    def counting(batches):
+        for b in batches:
+            consumed.append(1)
+            yield b
+
+    iters = [counting(tr.batches(0)) for _ in tr.model]
+    try:
+        tr.step(0, iters=iters)
+        return {"error": None}
+    except Exception as e:
+        grads_zero = all(float(p.main_grad.abs().sum()) == 0.0 for c in tr.model for p in c.parameters())
+        same = all(torch.equal(before[n], p) for n, p in tr.model[0].named_parameters())
+        return {"error": type(e).__name__, "message": str(e), "stage": "step", "consumed": len(consumed),
+                "grads_zero": grads_zero, "params_unchanged": same}
+
+
+def op_trace(cfg) -> dict:
+    """Run one iteration with timings and an op hook; return what they saw."""
+    from megatron_pp_ext.runtime.harness import setup_training
+
+    tr = setup_training(cfg)
+    seen = []
+    tr.executor.op_hook = lambda op, phase: seen.append((str(op), phase))
+    tr.step(0)
+    sched = tr.executor.last_schedule
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return {"ops": [str(o) for o in sched.ops[rank]], "seen": seen,
+            "timings": [(t.op, t.kind, t.start, t.end) for t in tr.executor.last_timings],
+            "bytes": tr.executor.last_p2p_bytes, "rank": dist.get_rank()}

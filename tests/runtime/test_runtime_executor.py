@@ -1,0 +1,196 @@
+"""The schedule executor beyond the parity matrix: Megatron's own schedules, forward-only,
+odd and small microbatch counts, refusal of bad schedules, loss modes, DDP options, hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_pp_ext.runtime.executor import ScheduleExecutor
+from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.schedule import ScheduleError
+
+from runtime_helpers import (SCHEDULES, SPECS, broken_f_order, broken_missing_w, buildable, config,
+                             microbatches_for, op_trace, rank_dependent, refused_before_any_step)
+
+
+# -- our 1F1B / interleaved == Megatron-Core's own ------------------------------------------------
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_matches_megatron_own_schedule(runs, pp, name, chunks):
+    ours = runs(config("gpt", schedule=name, pp=pp, m=4))
+    megatron = runs(config("gpt", pp=pp, chunks=chunks, m=4), cache=True)  # schedule=None: Megatron's
+    compare_records(ours, megatron, what=f"ours {name} vs Megatron-Core pp={pp}")
+
+
+# -- forward-only --------------------------------------------------------------------------------
+# Every parity run (test_runtime_parity) ends with a forward-only evaluation iteration, so every
+# schedule x layout x variant is covered there; here forward-only is the *first* call (its
+# schedule is built before the training one) and the only thing run.
+
+@pytest.mark.parametrize("schedule,pp", [("zbv", 4), ("zb-h2", 2), ("interleaved-1f1b", 4), ("dualpipev", 2)])
+def test_forward_only_from_the_start(runs, schedule, pp):
+    m = microbatches_for(schedule, pp, 4)
+    cfg = config("gpt", schedule=schedule, pp=pp, m=m, steps=1, eval_iters=0, forward_only=True)
+    got = runs(cfg)
+    ref = runs.reference(cfg.replace(forward_only=False))  # step 0 of training: same weights
+    assert got["grads"] is None and len(got["losses"][0]) == m
+    compare_records({"losses": got["losses"], "grads": None, "params": got["params"]},
+                    {"losses": ref["losses"][:1], "grads": None, "params": None},
+                    what=f"forward-only {schedule} pp={pp}")
+
+
+# -- fewer microbatches than stages, odd counts (odd counts > p: the dp=2 parity layout) --------
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fewer_microbatches_than_stages(runs, pool, schedule):
+    pp, m = 4, 3
+    cfg = config("gpt", schedule=schedule, pp=pp, m=m)
+    why = buildable(schedule, pp, m)
+    if why is not None:
+        # The generator refuses this count: the executor must say so before any step.
+        res = pool.run(refused_before_any_step, cfg.world_size, cfg=cfg)
+        assert all(r["error"] == "ScheduleError" and "microbatches" in r["message"] for r in res), res
+        assert all(r.get("consumed", 0) == 0 for r in res)
+        return
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} pp={pp} m={m}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-min"])
+def test_single_microbatch(runs, schedule):
+    cfg = config("llama", schedule=schedule, pp=4, m=1)
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} pp=4 m=1")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
+def test_single_pipeline_stage(runs, schedule):
+    # pp=1: no communication at all, B/W split still applied
+    cfg = config("llama", schedule=schedule, pp=1, m=3)
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} pp=1")
+
+
+# -- refusals before any step ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("factory,error,text", [
+    (broken_missing_w, "ValidationError", "need one BW, or one B and one W"),
+    (broken_f_order, "ScheduleMismatchError", "not in microbatch order"),
+    (rank_dependent, "ScheduleMismatchError", "differs between pipeline ranks"),
+], ids=["incomplete", "forward-order", "ranks-disagree"])
+def test_invalid_schedule_refused_before_any_step(pool, factory, error, text):
+    cfg = config("gpt", schedule=factory, pp=2, m=4)
+    res = pool.run(refused_before_any_step, 2, cfg=cfg)
+    for r in res:
+        assert r["error"] == error and text in r["message"], r
+        assert r["consumed"] == 0 and r["grads_zero"] and r["params_unchanged"], r
+
+
+def test_unknown_schedule_name_refused_at_construction():
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        ScheduleExecutor("no-such-schedule")
+
+
+def test_model_layout_mismatch_refused(pool):
+    # a V schedule needs two chunks per rank; a loop-placed single-chunk model is refused
+    cfg = config("gpt", schedule="1f1b", pp=2, m=4)
+    res = pool.run(_run_with_other_schedule, 2, cfg=cfg, other="zbv")
+    assert all("model chunk" in r for r in res), res
+
+
+def _bad_iterators_on_rank1(cfg):
+    import torch.distributed as dist
+    from megatron_pp_ext.runtime.harness import setup_training
+    tr = setup_training(cfg)
+    iters = [iter(tr.batches(0)) for _ in tr.model]
+    try:
+        tr.step(0, iters=iters[:1] if dist.get_rank() == 1 else iters)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_refusal_on_one_rank_is_collective(pool):
+    # rank 1 alone passes one data iterator for its two chunks; rank 0 must not hang
+    res = pool.run(_bad_iterators_on_rank1, 2, cfg=config("gpt", schedule="zbv", pp=2, m=4), timeout=60)
+    assert res[1][0] == "ScheduleMismatchError" and "data iterators" in res[1][1]
+    assert res[0][0] == "ScheduleMismatchError" and "rank(s) [1] refused" in res[0][1]
+
+
+def _run_with_other_schedule(cfg, other):
+    from megatron_pp_ext.runtime.executor import ScheduleExecutor
+    from megatron_pp_ext.runtime.harness import setup_training
+    tr = setup_training(cfg)
+    tr.forward_backward = ScheduleExecutor(other)
+    tr.executor = tr.forward_backward
+    try:
+        tr.step(0)
+    except Exception as e:
+        return str(e)
+    return "ran"
+
+
+# -- loss modes, DDP options, recomputation, split on/off ----------------------------------------
+
+@pytest.mark.parametrize("schedule,pp,loss", [
+    ("zbv", 2, "per_token_global"),      # the loss (and token count) lives on rank 0 under V
+    ("zb-h1", 4, "per_token_global"),
+    ("v-min", 2, "legacy"),
+])
+def test_loss_modes(runs, schedule, pp, loss):
+    cfg = config("llama", schedule=schedule, pp=pp, m=4, loss=loss)
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} loss={loss}")
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "zb-h2"])
+def test_overlap_grad_reduce_dp2(runs, schedule):
+    cfg = config("gpt", schedule=schedule, pp=2, dp=2, m=4, overlap_grad_reduce=True)
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} overlap_grad_reduce")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "1f1b"])
+def test_activation_recomputation(runs, schedule):
+    cfg = config("gpt", schedule=schedule, pp=2, m=4, recompute=True)
+    # recomputation repeats the same forward: bit-exact with the plain pp=1 run (no recompute)
+    compare_records(runs(cfg), runs.reference(cfg.replace(recompute=False)), what=f"{schedule} recompute")
+
+
+def test_without_deallocating_pipeline_outputs(runs):
+    cfg = config("gpt", schedule="v-half", pp=2, m=4, deallocate_pipeline_outputs=False)
+    compare_records(runs(cfg), runs.reference(cfg), what="v-half deallocate_pipeline_outputs=False")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h2", "zbv"])
+def test_without_bw_split(runs, schedule):
+    # B as the full backward, W a no-op: same numbers (the split only changes *when* dW is added)
+    cfg = config("llama", schedule=schedule, pp=2, m=4, executor_options={"split_backward": False})
+    compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} without the B/W split")
+
+
+def test_tied_embeddings_loop_placement(runs):
+    # The two copies of the tied weight (first and last stage) get their gradients summed by
+    # finalize_model_grads' embedding all-reduce, while at pp=1 autograd adds both uses into
+    # one tensor: same terms, different float32 order -> tolerance (SGD: see test_runtime_parity).
+    spec = dataclasses.replace(SPECS["gpt"], tie_embeddings=True)
+    cfg = config("gpt", schedule="zb-h1", pp=2, m=4, optimizer="sgd", lr=0.05).replace(spec=spec)
+    compare_records(runs(cfg), runs.reference(cfg), rtol=1e-6, tensor_rtol=1e-5, what="tied embeddings")
+
+
+def test_tied_embeddings_v_placement_refused(pool):
+    spec = dataclasses.replace(SPECS["gpt"], tie_embeddings=True)
+    cfg = config("gpt", schedule="zbv", pp=2, m=4).replace(spec=spec)
+    res = pool.run(refused_before_any_step, 2, cfg=cfg)
+    assert all(r["error"] == "NotImplementedError" and "tied" in r["message"] for r in res), res
+
+
+# -- profiling hooks ------------------------------------------------------------------------------
+
+def test_timings_and_op_hook(pool):
+    cfg = config("gpt", schedule="zbv", pp=2, m=4, record_timings=True, steps=1)
+    for r in pool.run(op_trace, 2, cfg=cfg):
+        assert [s for s, ph in r["seen"] if ph == "before"] == r["ops"]
+        assert [s for s, ph in r["seen"] if ph == "after"] == r["ops"]
+        assert [t[0] for t in r["timings"]] == r["ops"]
+        assert all(0 <= t[2] <= t[3] for t in r["timings"])
+        assert {t[1] for t in r["timings"]} >= {"F", "B", "W"}
+        assert r["bytes"][0] > 0 and r["bytes"][1] > 0

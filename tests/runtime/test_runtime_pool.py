@@ -1,0 +1,120 @@
+"""The forked gloo worker pool: results per rank, errors, hangs, per-configuration worlds."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_pp_ext.runtime.pool import PoolTimeout, WorkerError
+
+
+def world_info(tag=None):
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(), "pid": os.getpid(),
+            "tag": tag, "backend": dist.get_backend()}
+
+
+def fail_on_rank(rank: int):
+    import torch.distributed as dist
+    if dist.get_rank() == rank:
+        raise ValueError(f"boom on rank {rank}")
+    return dist.get_rank()
+
+
+def hang_on_rank(rank: int):
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == rank:
+        time.sleep(60)
+    else:
+        dist.barrier()
+    return dist.get_rank()
+
+
+def megatron_groups(tp: int, pp: int):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return {"rank": dist.get_rank(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+
+def compat_state():
+    import torch
+    from megatron_pp_ext.runtime.cpu_compat import cpu_compat_active
+    return cpu_compat_active(), str(torch.zeros(1, device="cuda").device)
+
+
+def test_results_per_rank_and_world_sizes(pool):
+    for n in (1, 2, 4, 3):
+        res = pool.run(world_info, n, tag=n)
+        assert [r["rank"] for r in res] == list(range(n))
+        assert all(r["world"] == n and r["sum"] == n * (n + 1) / 2 and r["tag"] == n for r in res)
+        assert all(r["backend"] == "gloo" for r in res)
+    # the same forked processes serve every configuration (no launch per configuration)
+    pids = {r["pid"] for r in pool.run(world_info, 4)}
+    assert pids == {r["pid"] for r in pool.run(world_info, 4)}
+    assert os.getpid() not in pids
+
+
+def test_parallel_state_is_reinitialised_per_configuration(pool):
+    a = pool.run(megatron_groups, 4, tp=2, pp=2)
+    assert [(r["tp"], r["pp"], r["dp"]) for r in a] == [(2, 2, 1)] * 4
+    b = pool.run(megatron_groups, 4, tp=1, pp=4)
+    assert [r["pp_rank"] for r in b] == [0, 1, 2, 3]
+    c = pool.run(megatron_groups, 1, tp=1, pp=1)
+    assert (c[0]["tp"], c[0]["pp"], c[0]["dp"]) == (1, 1, 1)
+
+
+def test_exception_carries_worker_traceback(pool):
+    with pytest.raises(WorkerError) as info:
+        pool.run(fail_on_rank, 2, rank=1)
+    text = str(info.value)
+    assert "boom on rank 1" in text and "Traceback" in text and "fail_on_rank" in text
+    assert set(info.value.tracebacks) == {1}
+    assert [r["rank"] for r in pool.run(world_info, 2)] == [0, 1]  # still usable
+
+
+def test_hang_times_out_with_clear_error_and_pool_recovers(pool):
+    restarts = pool.restarts
+    t = time.monotonic()
+    with pytest.raises(PoolTimeout) as info:
+        pool.run(hang_on_rank, 2, rank=0, timeout=3)
+    assert time.monotonic() - t < 30
+    assert "did not finish within 3 s" in str(info.value) and "hang_on_rank" in str(info.value)
+    assert pool.restarts == restarts + 1
+    assert [r["sum"] for r in pool.run(world_info, 4)] == [10.0] * 4
+
+
+def test_cpu_compat_enabled_inside_configurations(pool):
+    active, dev = pool.run(compat_state, 1)[0]
+    assert active and dev == "cpu"
+    from megatron_pp_ext.runtime.cpu_compat import cpu_compat_active
+    assert not cpu_compat_active()  # the parent process is untouched
+
+
+def test_world_size_checked(pool):
+    with pytest.raises(ValueError):
+        pool.run(world_info, 5)
+
+
+def test_workers_exit_when_the_parent_side_goes_away():
+    from megatron_pp_ext.runtime.pool import WorkerPool
+    p = WorkerPool(2, timeout=30)
+    try:
+        assert [r["rank"] for r in p.run(world_info, 2)] == [0, 1]
+        procs = list(p._procs)
+        for c in p._conns:  # as if the parent died: the workers see EOF and exit
+            c.close()
+        for proc in procs:
+            proc.join(timeout=20)
+        assert not any(proc.is_alive() for proc in procs)
+    finally:
+        p._conns = []
+        p.close()
