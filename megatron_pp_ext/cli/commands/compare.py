@@ -18,6 +18,8 @@ def configure(parser):
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("-o", "--output", default=None, metavar="FIG.png|svg",
                         help="also write the Pareto figure (bubble rate vs peak memory) to this file")
+    from ...features.vocab.cli import add_compare_arguments  # --vocab-layouts (vocabulary parallelism)
+    add_compare_arguments(parser)
 
 
 def _build(name, args, costs, budget_arg):
@@ -102,6 +104,9 @@ def _config_line(args) -> str:
 
 
 def run(args) -> int:
+    if getattr(args, "vocab_layouts", None) is not None:
+        from ...features.vocab.cli import run_compare
+        return run_compare(args)
     if args.output:
         from ...schedule.plots import check_figure_path
 

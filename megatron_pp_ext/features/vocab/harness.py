@@ -1,0 +1,280 @@
+"""Train the tiny Megatron-Core GPT of :mod:`megatron_pp_ext.runtime.harness` with vocabulary
+parallelism; collect what the runtime parity tests and the CPU benchmark compare.
+
+:func:`run_vocab_training` (on every rank, e.g. inside a worker-pool configuration) builds the
+same model as ``run_training`` for ``cfg`` (same seed, same per-name initial weights: the
+vocabulary shards are cut from the full ``embedding.word_embeddings.weight`` /
+``output_layer.weight``), makes it vocabulary parallel, and runs ``cfg.steps`` iterations with
+:class:`~.executor.VocabExecutor`. :func:`merge_vocab_results` joins the shards back into
+the full tensors under the unsharded model's names, so the record compares with
+``harness.compare_records`` against ``run_training`` of the plain model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+
+from ...runtime.harness import RunConfig, forward_step, make_batch, merge_results
+from ...runtime.model import (build_model_chunks, full_param, global_named_parameters, make_config, param_meta,
+                              wrap_ddp)
+from .config import VocabParallelConfig
+
+__all__ = ["VocabTraining", "setup_vocab_training", "run_vocab_training", "merge_vocab_results",
+           "OUTPUT_NAME", "EMBEDDING_NAME"]
+
+OUTPUT_NAME = "output_layer.weight"
+EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class VocabTraining:
+    cfg: RunConfig
+    vcfg: VocabParallelConfig
+    config: Any
+    model: list
+    optimizer: Any
+    executor: Any
+    engine: Any
+    placement: tuple
+    meta: dict
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+        return parallel_state.get_data_parallel_rank()
+
+    def batches(self, step: int) -> list[dict]:
+        c, m = self.cfg, self.cfg.num_microbatches
+        return [make_batch(c.seed, step, self.dp_rank * m + i, c.micro_batch_size, c.seq_length, c.spec.vocab_size)
+                for i in range(m)]
+
+    def step(self, step: int, *, forward_only: bool | None = None) -> list:
+        c = self.cfg
+        forward_only = c.forward_only if forward_only is None else forward_only
+        batches = self.batches(step)
+        iters = [iter(batches) for _ in self.model]
+        if not forward_only:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        return self.executor(forward_step_func=partial(forward_step, loss=c.loss), data_iterator=iters,
+                             model=self.model, num_microbatches=c.num_microbatches, seq_length=c.seq_length,
+                             micro_batch_size=c.micro_batch_size, forward_only=forward_only,
+                             tokens=[b["tokens"] for b in batches])
+
+
+def setup_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig) -> VocabTraining:
+    """Like ``harness.setup_training`` for a registered schedule, with vocabulary parallelism."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ...runtime.harness import _placement
+    from .executor import VocabExecutor
+    from .model import apply_vocab_parallel
+
+    if not isinstance(cfg.schedule, str):
+        raise ValueError("vocabulary-parallel runs need a registered schedule name")
+    if dist.get_world_size() != cfg.world_size:
+        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {cfg.world_size}")
+    placement = _placement(cfg)
+    v = len(placement) // cfg.pp
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    overrides = dict(cfg.config_overrides)
+    overrides.setdefault("sequence_parallel", cfg.sequence_parallel)
+    overrides.setdefault("deallocate_pipeline_outputs", cfg.deallocate_pipeline_outputs)
+    if cfg.loss == "per_token_global":
+        overrides.setdefault("calculate_per_token_loss", True)
+    if cfg.recompute:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    spec = cfg.spec.__class__(**{**cfg.spec.__dict__, "tie_embeddings": False})
+    config = make_config(spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None, **overrides)
+    chunks = build_model_chunks(spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
+    engine = apply_vocab_parallel(chunks, vcfg, vocab_size=spec.vocab_size, tied=cfg.spec.tie_embeddings)
+    V, h = spec.vocab_size, spec.hidden_size
+    emb = full_param(cfg.seed, EMBEDDING_NAME, [V, h])
+    out = emb if cfg.spec.tie_embeddings else full_param(cfg.seed, OUTPUT_NAME, [V, h])
+    engine.shards.load_full(out.to(engine.dtype), None if cfg.spec.tie_embeddings else emb.to(engine.dtype))
+    meta = param_meta(chunks, cfg.spec)
+    model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce, average_in_collective=False)
+    opt_config = OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=0.0,
+                                 adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=False, fp16=False,
+                                 params_dtype=torch.float32, use_distributed_optimizer=False)
+    optimizer = get_megatron_optimizer(opt_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    executor = VocabExecutor(cfg.schedule, engine, chunks=cfg.chunks, memory_budget=cfg.memory_budget,
+                             costs=cfg.costs, record_timings=cfg.record_timings, **cfg.executor_options)
+    return VocabTraining(cfg, vcfg, config, model, optimizer, executor, engine, tuple(placement), meta)
+
+
+def _is_vocab(name: str) -> bool:
+    return name.startswith("vocab_parallel.")
+
+
+def run_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig, *, measure: bool = False) -> dict:
+    """Run ``cfg`` with vocabulary parallelism on this rank; losses, gradients (transformer by
+    global name, vocabulary shards with their row range) and final parameters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tr = setup_vocab_training(cfg, vcfg)
+    losses, grads, vgrads, times = [], [], [], []
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            out = tr.step(step)
+            times.append(time.perf_counter() - t0)
+            losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
+            if cfg.forward_only:
+                continue
+            named = list(global_named_parameters(tr.model))
+            grads.append({n: p.main_grad.detach().clone() for n, p in named if not _is_vocab(n)})
+            vgrads.append({n: p.main_grad.detach().clone() for n, p in named if _is_vocab(n)})
+            tr.optimizer.step()
+        eval_losses: list = []
+        for e in range(getattr(cfg, "eval_iters", 0)):  # evaluation, as Megatron-LM's evaluate() calls it
+            with torch.no_grad():
+                out = tr.step(cfg.steps + e, forward_only=True)
+            eval_losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
+        named = list(global_named_parameters(tr.model))
+        sh = tr.engine.shards
+        rec = {
+            "rank": dist.get_rank(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp_rank": tr.dp_rank,
+            "holds_loss": any(getattr(c.module, "post_process", False) for c in tr.model),
+            "losses": losses,
+            "eval_losses": eval_losses,
+            "grads": None if cfg.forward_only else grads,
+            "vocab_grads": None if cfg.forward_only else vgrads,
+            "params": {n: p.detach().clone() for n, p in named if not _is_vocab(n)},
+            "vocab_params": {n: p.detach().clone() for n, p in named if _is_vocab(n)},
+            "vocab": {"shard": sh.part.shard, "start": sh.part.start, "stop": sh.part.stop,
+                      "vocab_size": sh.part.vocab_size, "tied": sh.tied},
+            "meta": {k: v for k, v in tr.meta.items()},
+            "param_bytes": sum(p.numel() * p.element_size() for _, p in named),
+            "vocab_param_bytes": sum(p.numel() * p.element_size() for n, p in named if _is_vocab(n)),
+            "times": times,
+            "schedule": [str(o) for o in tr.executor.last_schedule.ops[parallel_state.get_pipeline_model_parallel_rank()]]
+            if measure else None,
+        }
+        return rec
+    finally:
+        tr.engine.close()
+
+
+def _join_vocab(results: Sequence[dict], key: str, step: int | None) -> dict:
+    """Full tensors under the unsharded model's names from the shards of one data-parallel replica."""
+    by_dp: dict[int, dict[int, dict]] = {}
+    for r in results:
+        items = r[key] if step is None else r[key][step]
+        by_dp.setdefault(r["dp_rank"], {})[r["vocab"]["shard"]] = (r["vocab"], items)
+    out: dict = {}
+    for dp in sorted(by_dp):
+        shards = by_dp[dp]
+        info0 = shards[0][0]
+        V, tied = info0["vocab_size"], info0["tied"]
+        names = {"vocab_parallel.output_weight": EMBEDDING_NAME if tied else OUTPUT_NAME,
+                 "vocab_parallel.embedding_weight": EMBEDDING_NAME}
+        for local, glob in names.items():
+            parts = [shards[i][1].get(local) for i in sorted(shards)]
+            if any(p is None for p in parts):
+                continue
+            full = torch.cat(parts)[:V]
+            if glob in out:
+                if not torch.equal(out[glob], full):
+                    raise AssertionError(f"{key} {glob} differs between data-parallel replicas")
+                continue
+            out[glob] = full
+    return out
+
+
+def merge_vocab_results(results: Sequence[dict], cfg: RunConfig) -> dict:
+    """One record (as ``harness.merge_results``) with the vocabulary shards joined into
+    ``embedding.word_embeddings.weight`` / ``output_layer.weight``."""
+    rec = merge_results(results, cfg)
+    if rec["grads"] is not None:
+        for s, g in enumerate(rec["grads"]):
+            g.update(_join_vocab(results, "vocab_grads", s))
+    rec["params"].update(_join_vocab(results, "vocab_params", None))
+    rec["param_bytes"] = [r["param_bytes"] for r in results]
+    rec["vocab_param_bytes"] = [r["vocab_param_bytes"] for r in results]
+    rec["times"] = [r["times"] for r in results]
+    return rec
+
+
+# --- measurement (CPU benchmark) -------------------------------------------------------------
+
+def _peak_live_bytes(fn) -> int:
+    """Peak growth of the live tensor bytes this thread allocates while ``fn()`` runs (torch
+    profiler memory events; tensors that already exist do not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    ev = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    cur = peak = 0
+    for _, nb in ev:
+        cur += nb
+        peak = max(peak, cur)
+    return peak
+
+
+_COMPUTE_KINDS = ("F", "B", "W", "BW", "VEF", "VEIN", "VS", "VSE", "VT", "VLOSS", "VEB")
+
+
+def measure_training(cfg: RunConfig, vcfg: VocabParallelConfig | None = None, *, warmup: int = 1) -> dict:
+    """On every rank: ``warmup`` iterations, one profiled for memory, then ``cfg.steps`` timed
+    iterations of ``cfg`` (vocabulary parallel with ``vcfg``, else the plain model on the schedule
+    executor). Returns this rank's iteration times, its compute-busy time per iteration (the
+    executor's op timings: F/B/W and the vocabulary passes), the peak growth of the live tensor
+    bytes during an iteration (activations, logits, gradients of the passes; parameters,
+    gradient buffers and optimizer states exist before) and its parameter bytes."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ...runtime.harness import setup_training
+
+    cfg = cfg.replace(record_timings=True)
+    tr = setup_vocab_training(cfg, vcfg) if vcfg is not None else setup_training(cfg)
+    named = list(global_named_parameters(tr.model))
+    times, busy, cpu, peak = [], [], [], None
+    try:
+        for step in range(warmup + 1 + cfg.steps):
+            gc.collect()
+            dist.barrier()
+            if step == warmup:
+                peak = _peak_live_bytes(lambda: tr.step(step))
+            else:
+                w0 = tr.engine.wait_time if vcfg is not None else 0.0
+                t0, c0 = time.perf_counter(), time.process_time()
+                tr.step(step)
+                if step > warmup:
+                    times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+                    waited = (tr.engine.wait_time - w0) if vcfg is not None else 0.0
+                    busy.append(sum(t.duration for t in tr.executor.last_timings if t.kind in _COMPUTE_KINDS)
+                                - waited)
+            tr.optimizer.step()
+        return {"rank": dist.get_rank(), "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "times": times, "busy": busy, "cpu": cpu, "peak_live_bytes": peak,
+                "param_bytes": sum(p.numel() * p.element_size() for _, p in named)}
+    finally:
+        if vcfg is not None:
+            tr.engine.close()

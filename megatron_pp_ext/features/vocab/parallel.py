@@ -1,0 +1,869 @@
+"""Vocabulary-parallel layers across ranks: process groups, asynchronous reduction channels and
+the per-microbatch passes that the schedule's vocabulary ops run.
+
+One :class:`VocabParallel` per rank owns shard ``pp_rank * tp + tp_rank`` of the output layer
+(and of the input embedding; one tensor when tied) and runs, per microbatch ``m``:
+
+* ``hand_off(m, x, labels, g)`` (last-stage ranks, inside F of the last stage): starts the
+  broadcast of the final-norm output x, the targets and g (the gradient of the loss with
+  respect to each token's loss) to the ranks of its pipeline line;
+* ``s_pass(m)`` (every rank): waits for x, computes the shard's statistics (and Algorithm 2's
+  A_i, B_i), and launches the reduction: an all-gather of the statistics over all pp*tp ranks,
+  then (Algorithm 2, training) the all-reduce of the input-gradient terms;
+* ``t_pass(m)`` (every rank, training): waits for the reduced statistics, accumulates the
+  shard's weight gradient and (Algorithm 1) launches the all-reduce of the partial input
+  gradient;
+* ``loss(m)`` (last-stage ranks): the per-token loss as a differentiable function of x whose
+  backward returns the reduced input gradient times the gradient autograd hands it;
+* ``emb_forward(m)`` / ``emb_input(m)`` / ``embedding_output(ids)`` / ``emb_backward(m)``: the
+  input embedding: partial lookups summed into the first stage (reduce over the pipeline line,
+  then all-reduce over the first stage's tensor-parallel ranks), the gradient of the first
+  stage broadcast back and added into each shard.
+
+Reductions run on dedicated process groups, one per *channel* (x broadcast, statistics, input
+gradient, embedding sum, embedding gradient), so that the collectives of a channel are issued
+in microbatch order on every rank whatever the interleaving of the passes. Each channel is
+asynchronous: on CPU (gloo) a daemon thread runs its collectives (``async_op=True`` handles,
+waited on that thread) while the main thread computes; on GPU its work is enqueued on the
+channel's own CUDA stream (NCCL ``wait()`` only orders streams), with events for the consumer.
+Every rank joins all the broadcasts of an iteration when it begins (a broadcast is a tree or a
+ring: a receiver gets microbatch m's data only once every receiver has posted m).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import kernels as K
+from .config import VocabConfigError, VocabParallelConfig, VocabPartition
+
+__all__ = ["VocabGroups", "Channel", "VocabShards", "VocabParallel", "accumulate_grad"]
+
+
+# --- process groups ---------------------------------------------------------------------------
+
+@dataclass
+class VocabGroups:
+    """This rank's place in the vocabulary grid and the dedicated groups of each channel.
+
+    ``grid[p][t]`` is the global rank of pipeline rank p, tensor rank t of this model replica;
+    shard index = p * tp + t.
+    """
+
+    grid: list[list[int]]
+    pp_rank: int
+    tp_rank: int
+    stats: object = None        # all pp*tp ranks: the statistics (and Alg. 2's input gradient)
+    dx: object = None           # all pp*tp ranks: Alg. 1's input gradient
+    x: object = None            # the pipeline line of this tp rank: x broadcast from the last stage
+    emb: object = None          # the pipeline line: partial embeddings reduced into the first stage
+    embgrad: object = None      # the pipeline line: embedding gradient broadcast from the first stage
+    emb_tp: object = None       # the first stage's tp ranks: the reduced embedding summed over tp
+    order: list[int] = field(default_factory=list)   # shard of each group rank of ``stats``
+    first_pp: int = 0           # pipeline rank of the first stage
+    last_pp: int = -1           # pipeline rank of the last stage (-1: pp - 1; 0 with the V placement)
+
+    def __post_init__(self) -> None:
+        if self.last_pp < 0:
+            self.last_pp = len(self.grid) - 1
+
+    @property
+    def pp(self) -> int:
+        return len(self.grid)
+
+    @property
+    def tp(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def shard(self) -> int:
+        return self.pp_rank * self.tp + self.tp_rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == self.first_pp
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.last_pp
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the last stage in this rank's pipeline line."""
+        return self.grid[self.last_pp][self.tp_rank]
+
+    @property
+    def first_rank(self) -> int:
+        return self.grid[self.first_pp][self.tp_rank]
+
+    @classmethod
+    def build(cls, replicas: Sequence[Sequence[Sequence[int]]], my_rank: int | None = None, *, first_pp: int = 0,
+              last_pp: int = -1) -> "VocabGroups":
+        """Create the groups of every replica (collective: every rank of the world calls it with
+        the same ``replicas`` = [replica][pp][tp] global ranks) and return this rank's.
+        ``first_pp`` / ``last_pp``: pipeline ranks of the first / last stage."""
+        me = dist.get_rank() if my_rank is None else my_rank
+        mine = None
+        made: dict = {}
+        for grid in replicas:
+            grid = [list(row) for row in grid]
+            pp, tp = len(grid), len(grid[0])
+            flat = [grid[p][t] for p in range(pp) for t in range(tp)]
+            inside = me in flat
+            g = {}
+            for name in ("stats", "dx"):
+                g[name] = dist.new_group(ranks=flat)
+            for t in range(tp):
+                line = [grid[p][t] for p in range(pp)]
+                for name in ("x", "emb", "embgrad"):
+                    grp = dist.new_group(ranks=line)
+                    if me in line:
+                        g[name] = grp
+            first_tp = dist.new_group(ranks=[grid[first_pp][t] for t in range(tp)])
+            if me in grid[first_pp]:
+                g["emb_tp"] = first_tp
+            if inside:
+                p = next(i for i in range(pp) if me in grid[i])
+                mine = (grid, p, grid[p].index(me))
+                made = g
+        if mine is None:
+            raise VocabConfigError(f"rank {me} is in none of the vocabulary-parallel grids {replicas}")
+        grid, p, t = mine
+        shard_of = {grid[pp_][tp_]: pp_ * len(grid[0]) + tp_ for pp_ in range(len(grid)) for tp_ in range(len(grid[0]))}
+        order = [shard_of[r] for r in sorted(shard_of)]
+        return cls(grid, p, t, order=order, first_pp=first_pp, last_pp=last_pp, **made)
+
+    @classmethod
+    def from_grid(cls, pp: int, tp: int, *, first_pp: int = 0, last_pp: int = -1) -> "VocabGroups":
+        """One replica of pp x tp ranks, global rank = p * tp + t (the world must be pp * tp)."""
+        return cls.build([[[p * tp + t for t in range(tp)] for p in range(pp)]], first_pp=first_pp, last_pp=last_pp)
+
+    @classmethod
+    def from_parallel_state(cls, *, has_first: bool | None = None, has_last: bool | None = None) -> "VocabGroups":
+        """The grids of Megatron-Core's parallel state (one per data/context-parallel replica).
+        ``has_first`` / ``has_last``: whether this rank holds the first / last stage (default:
+        pipeline rank 0 / pp - 1); gathered to find those ranks (the V placement puts both on
+        pipeline rank 0)."""
+        from megatron.core import parallel_state as ps
+        me = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank(), ps.get_context_parallel_rank())
+        if ps.get_context_parallel_world_size() > 1:
+            raise VocabConfigError("vocabulary parallelism does not support context parallelism yet "
+                                   "(--context-parallel-size 1)")
+        world = dist.get_world_size()
+        everyone: list = [None] * world
+        pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+        if has_first is None:
+            has_first = me[0] == 0
+        if has_last is None:
+            has_last = me[0] == pp - 1
+        dist.all_gather_object(everyone, (dist.get_rank(),) + me + (bool(has_first), bool(has_last)))
+        replicas: dict = {}
+        firsts, lasts = set(), set()
+        for rank, p, t, d, c, hf, hl in everyone:
+            replicas.setdefault((d, c), [[None] * tp for _ in range(pp)])[p][t] = rank
+            if hf:
+                firsts.add(p)
+            if hl:
+                lasts.add(p)
+        if len(firsts) != 1 or len(lasts) != 1:
+            raise VocabConfigError(f"vocabulary parallelism: the first stage is on pipeline ranks {sorted(firsts)} and "
+                                   f"the last on {sorted(lasts)}; expected one each")
+        grids = [replicas[k] for k in sorted(replicas)]
+        return cls.build(grids, first_pp=firsts.pop(), last_pp=lasts.pop())
+
+
+# --- asynchronous channels --------------------------------------------------------------------
+
+class Pending:
+    """The result of a channel job: ``wait()`` returns it (re-raising the job's error)."""
+
+    def __init__(self, future: Future | None = None, value=None, event=None, stream=None):
+        self._future, self._value, self._event, self._stream = future, value, event, stream
+
+    def wait(self):
+        if self._future is not None:
+            return self._future.result()
+        if self._event is not None:
+            cur = torch.cuda.current_stream()
+            cur.wait_event(self._event)
+            _record(self._value, cur)
+        return self._value
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or self._event.query()
+
+
+def _record(value, stream) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _record(v, stream)
+    elif hasattr(value, "__dict__"):
+        for v in vars(value).values():
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                v.record_stream(stream)
+
+
+class Channel:
+    """A FIFO of jobs (functions that issue collectives on one process group).
+
+    CPU: a daemon thread runs the jobs in order (collectives with ``async_op=True`` waited on
+    that thread), so the main thread keeps computing. GPU (CUDA tensors): a job runs at once on
+    the calling thread but inside the channel's own CUDA stream, after that stream waited for
+    the current one; NCCL's ``wait()`` only makes the channel stream wait, so nothing blocks
+    the host. ``Pending.wait()`` then makes the consumer's stream wait for an event.
+    """
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self.jobs = 0
+
+    def _start(self) -> None:
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"mppx-vocab-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.no_grad():
+                    fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable, *args) -> Pending:
+        self.jobs += 1
+        if self.cuda:
+            cur = torch.cuda.current_stream()
+            self._stream.wait_stream(cur)
+            _record(list(args), self._stream)
+            with torch.cuda.stream(self._stream), torch.no_grad():
+                value = fn(*args)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            return Pending(value=value, event=ev, stream=self._stream)
+        if self._thread is None:
+            self._start()
+        fut: Future = Future()
+        self._queue.put((fn, args, fut))
+        return Pending(future=fut)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+# --- parameters -------------------------------------------------------------------------------
+
+class VocabShards(torch.nn.Module):
+    """This rank's rows of the output layer (and of the input embedding, the same tensor when
+    tied). Rows ``[start, stop)`` of the padded vocabulary; padding rows stay zero."""
+
+    def __init__(self, part: VocabPartition, hidden: int, *, tied: bool, input_embedding: bool,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if tied and not input_embedding:
+            raise VocabConfigError("tied input/output embeddings need the vocabulary-parallel input embedding "
+                                   "(drop --no-vocab-parallel-input-embedding, or untie the embeddings)")
+        self.part = part
+        self.hidden = hidden
+        self.tied = tied
+        self.output_weight = torch.nn.Parameter(torch.zeros(part.rows, hidden, dtype=dtype, device=device))
+        params = [self.output_weight]
+        if input_embedding and not tied:
+            self.embedding_weight = torch.nn.Parameter(torch.zeros(part.rows, hidden, dtype=dtype, device=device))
+            params.append(self.embedding_weight)
+        self.input_embedding = input_embedding
+        for p in params:
+            # distinct on every tensor- and pipeline-parallel rank (counted once each by grad norms)
+            p.tensor_model_parallel = True
+            p.partition_dim = 0
+            p.partition_stride = 1
+            p.mppx_vocab_range = (part.start, part.stop)
+
+    @property
+    def input_weight(self) -> torch.nn.Parameter | None:
+        if not self.input_embedding:
+            return None
+        return self.output_weight if self.tied else self.embedding_weight
+
+    @torch.no_grad()
+    def load_full(self, output: torch.Tensor | None = None, embedding: torch.Tensor | None = None) -> None:
+        """Set the shard from full [V(+), h] tensors (rows beyond the vocabulary stay zero)."""
+        p = self.part
+        for param, full in ((self.output_weight, output), (self.input_weight if not self.tied else None, embedding)):
+            if param is None or full is None:
+                continue
+            param.zero_()
+            if p.valid_rows:
+                param[:p.valid_rows].copy_(full[p.start:p.start + p.valid_rows])
+        if self.tied and output is None and embedding is not None:
+            self.output_weight.zero_()
+            if p.valid_rows:
+                self.output_weight[:p.valid_rows].copy_(embedding[p.start:p.start + p.valid_rows])
+
+    def extra_repr(self) -> str:
+        p = self.part
+        return (f"shard {p.shard}/{p.num_shards}, rows [{p.start}, {p.stop}) of {p.padded_size} "
+                f"(vocabulary {p.vocab_size}), hidden {self.hidden}, tied={self.tied}, "
+                f"input_embedding={self.input_embedding}")
+
+
+def accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add a weight gradient as Megatron's fused accumulation does: into ``main_grad`` (DDP's
+    fp32 buffer) when it exists, else into ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad.to(main.dtype))
+        param.grad_added_to_main_grad = True
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype).clone()
+    else:
+        param.grad.add_(grad.to(param.grad.dtype))
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+@dataclass
+class _MB:
+    """Per-microbatch state on this rank."""
+
+    x: torch.Tensor | None = None          # last stage: x with its graph (for loss)
+    x_local: torch.Tensor | None = None    # [n, h] detached x used by the S pass
+    g: torch.Tensor | None = None          # [n] fp32
+    target: torch.Tensor | None = None     # [n] long
+    x_wait: Pending | None = None          # receive of the x broadcast
+    s: K.SState | None = None
+    stats_wait: Pending | None = None      # -> (Combined, Alg. 2 input-gradient factor or None)
+    combined: K.Combined | None = None
+    dfactor: torch.Tensor | None = None    # reduced input gradient per unit of g [n, h] fp32
+    dx_wait: Pending | None = None         # Alg. 1
+    emb_wait: Pending | None = None
+    emb_ready: torch.Tensor | None = None
+    embgrad_wait: Pending | None = None
+    backward_pending: bool = False
+    done: set = field(default_factory=set)
+
+
+class _LossFn(torch.autograd.Function):
+    """Per-token loss [b, s] as a function of x [s, b, h]; backward: g * reduced dX factor."""
+
+    @staticmethod
+    def forward(ctx, x, values, engine, m):
+        ctx.engine, ctx.m = engine, m
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        eng: VocabParallel = ctx.engine
+        s, b, h = ctx.shape
+        g = grad.t().reshape(-1).float()
+        factor = eng._input_grad_factor(ctx.m, g)
+        dx = (factor * g.unsqueeze(1)).view(s, b, h).to(ctx.dtype)
+        return dx, None, None, None
+
+
+class VocabParallel:
+    """The vocabulary-parallel output layer, cross entropy and input embedding of this rank.
+
+    Args:
+        config: :class:`VocabParallelConfig` (algorithm, label smoothing, input embedding).
+        vocab_size, hidden_size: of the model (the vocabulary is padded to a multiple of pp*tp).
+        groups: :class:`VocabGroups` (``VocabGroups.from_parallel_state()`` inside Megatron).
+        tied: one tensor for the input embedding and the output layer.
+        dtype, device: of the shard parameters (and of the matmuls).
+    """
+
+    def __init__(self, config: VocabParallelConfig, vocab_size: int, hidden_size: int, groups: VocabGroups, *,
+                 tied: bool = False, dtype: torch.dtype = torch.float32, device=None):
+        self.config = config
+        self.groups = groups
+        self.part = VocabPartition(vocab_size, groups.size, groups.shard)
+        self.vocab_size = vocab_size
+        self.hidden = hidden_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.shards = VocabShards(self.part, hidden_size, tied=tied, input_embedding=config.input_embedding,
+                                  dtype=dtype, device=self.device)
+        self.channels = {name: Channel(name, self.device) for name in ("x", "stats", "dx", "emb", "embgrad")}
+        self._mb: dict[int, _MB] = {}
+        self._m = 0
+        self._shape: tuple[int, int] | None = None      # (micro batch, sequence)
+        self._tokens: Callable[[int], torch.Tensor] | None = None
+        self.forward_only = False
+        self._next_final = 0      # next microbatch handed off by the last stage's F (FIFO)
+        self._next_emb_out = 0    # next microbatch read by the first stage's embedding
+        self._x_posted = 0
+        self._embgrad_posted = 0
+        self._pending_backward: dict[int, _MB] = {}
+        self.wait_time = 0.0                    # seconds the passes spent waiting for reductions
+        self._labels: list = []                 # stashed by the last stage's forward (model surgery)
+        self._deferred: dict = {}               # m -> what finishing the loss needs (executor hook)
+        self._outstanding: list[Pending] = []   # sends nobody on this rank waits for
+        self.iterations = 0
+
+    # -- iteration -------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards.output_weight.dtype
+
+    def begin_iteration(self, num_microbatches: int, micro_batch_size: int, seq_length: int, *,
+                        tokens: Sequence[torch.Tensor] | Callable[[int], torch.Tensor] | None = None,
+                        forward_only: bool = False) -> None:
+        """Start an iteration of ``num_microbatches``; ``tokens``: the input ids [b, s] of each
+        microbatch (a list or a function of the microbatch index), needed on every rank for the
+        vocabulary-parallel input embedding."""
+        self._labels.clear()
+        self._deferred.clear()
+        if self._mb:
+            left = sorted(self._mb)
+            raise RuntimeError(f"vocabulary parallel: microbatches {left[:8]} of the previous iteration were "
+                               "not finished (missing ops in the schedule?)")
+        if self.config.input_embedding and tokens is None:
+            raise VocabConfigError("the vocabulary-parallel input embedding needs the input ids of every "
+                                   "microbatch on every rank (begin_iteration(tokens=...)); load the batch on all "
+                                   "ranks, or pass --no-vocab-parallel-input-embedding")
+        self._m = int(num_microbatches)
+        self._shape = (int(micro_batch_size), int(seq_length))
+        self._tokens = (tokens if callable(tokens) or tokens is None else (lambda i, _t=list(tokens): _t[i]))
+        self.forward_only = bool(forward_only)
+        self._next_final = self._next_emb_out = 0
+        self._x_posted = self._embgrad_posted = 0
+        self._mb = {m: _MB() for m in range(self._m)}
+        # Every rank joins every broadcast of the iteration now: a broadcast is a tree (gloo) or
+        # a ring (NCCL), so a receiver gets microbatch m's data only once *all* receivers have
+        # posted m; posting late would make one rank's S pass wait for another rank's progress.
+        for _ in range(self._m):
+            self._post_x()
+            if self.config.input_embedding and not forward_only:
+                self._post_embgrad()
+
+    def end_iteration(self) -> None:
+        """Wait for this rank's outstanding sends; check that every microbatch went through
+        every pass this rank owes."""
+        for p in self._outstanding:
+            p.wait()
+        self._outstanding.clear()
+        if self._pending_backward:
+            raise RuntimeError(f"vocabulary parallel: the losses of microbatches {sorted(self._pending_backward)[:8]} "
+                               "were computed but never back-propagated")
+        if self._mb:
+            raise RuntimeError(f"vocabulary parallel: microbatches {sorted(self._mb)[:8]} not finished on rank "
+                               f"{dist.get_rank()} (passes done for microbatch {min(self._mb)}: "
+                               f"{sorted(self._mb[min(self._mb)].done)})")
+        self.iterations += 1
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+    def _wait(self, pending: Pending):
+        t0 = time.perf_counter()
+        try:
+            return pending.wait()
+        finally:
+            self.wait_time += time.perf_counter() - t0
+
+    def _state(self, m: int) -> _MB:
+        st = self._mb.get(m)
+        if st is None:
+            raise RuntimeError(f"vocabulary parallel: microbatch {m} is not in flight (begin_iteration not called, "
+                               "or its passes already finished)")
+        return st
+
+    def _owed(self) -> set:
+        owed = {"s"}
+        if not self.forward_only:
+            owed.add("t")
+        g = self.groups
+        if g.is_last:
+            owed.add("loss")
+        if self.config.input_embedding:
+            owed.add("emb_f")
+            if g.is_first:
+                owed.add("emb_in")
+            if not self.forward_only:
+                owed.add("emb_b")
+        return owed
+
+    def _finish(self, m: int, what: str) -> None:
+        st = self._mb[m]
+        if what in st.done:
+            raise RuntimeError(f"vocabulary parallel: pass {what!r} of microbatch {m} ran twice")
+        st.done.add(what)
+        if st.done >= self._owed():
+            del self._mb[m]
+
+    @property
+    def n(self) -> int:
+        b, s = self._shape
+        return b * s
+
+    # -- output layer: last stage hand-off --------------------------------------------------
+    def _payload_sizes(self) -> tuple[int, int, int]:
+        n = self.n
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return 8 * n, 4 * n, n * self.hidden * esize
+
+    def _post_x(self) -> None:
+        """Post the receive of the next x broadcast (ranks that are not the last stage)."""
+        m = self._x_posted
+        if m >= self._m:
+            return
+        self._x_posted += 1
+        g = self.groups
+        if g.is_last or g.pp == 1:
+            return
+        nl, ng, nx = self._payload_sizes()
+        src, grp, dev = g.last_rank, g.x, self.device
+
+        def job():   # the buffer is allocated when the broadcast starts (CPU: on the channel thread)
+            buf = torch.empty(nl + ng + nx, dtype=torch.uint8, device=dev)
+            dist.broadcast(buf, src=src, group=grp, async_op=True).wait()
+            return buf
+
+        self._state(m).x_wait = self.channels["x"].submit(job)
+
+    def _unpack(self, buf: torch.Tensor):
+        nl, ng, nx = self._payload_sizes()
+        b, s = self._shape
+        target = buf[:nl].view(torch.int64)
+        g = buf[nl:nl + ng].view(torch.float32)
+        x = buf[nl + ng:].view(self.dtype).view(s * b, self.hidden)
+        return x, g, target
+
+    def hand_off(self, m: int | None, x: torch.Tensor, labels: torch.Tensor, g: torch.Tensor | None) -> int:
+        """Last stage: the final-norm output ``x`` [s, b, h] (with its graph), the targets
+        ``labels`` [b, s] and ``g`` [b, s] (d loss / d per-token loss; None for forward only) of
+        microbatch ``m`` (None: the next one). Starts the broadcast; returns m."""
+        g_ = self.groups
+        if not g_.is_last:
+            raise RuntimeError("hand_off runs on the last pipeline stage only")
+        if m is None:
+            m = self._next_final
+        if m != self._next_final:
+            raise RuntimeError(f"vocabulary parallel: the last stage handed off microbatch {m}, expected "
+                               f"{self._next_final} (forward ops of the last stage must run in microbatch order)")
+        self._next_final += 1
+        st = self._state(m)
+        s, b, h = x.shape
+        if (b, s) != self._shape or h != self.hidden:
+            raise RuntimeError(f"vocabulary parallel: final hidden state of shape {tuple(x.shape)}, expected "
+                               f"[{self._shape[1]}, {self._shape[0]}, {self.hidden}] (sequence parallel is not supported)")
+        if labels is None:
+            raise VocabConfigError("vocabulary parallelism computes the loss itself: the last stage's forward "
+                                   "must be given labels (it cannot return logits)")
+        st.x = x
+        xd = x.detach().reshape(s * b, h)
+        if xd.dtype != self.dtype:
+            xd = xd.to(self.dtype)
+        target = labels.detach().t().reshape(-1).to(torch.int64)
+        gg = (torch.zeros(s * b, dtype=torch.float32, device=xd.device) if g is None
+              else g.detach().t().reshape(-1).float())
+        st.x_local, st.g, st.target = xd, gg, target
+        if g_.pp > 1:
+            nl, ng, nx = self._payload_sizes()
+            payload = torch.empty(nl + ng + nx, dtype=torch.uint8, device=xd.device)
+            payload[:nl].view(torch.int64).copy_(target)
+            payload[nl:nl + ng].view(torch.float32).copy_(gg)
+            payload[nl + ng:].view(self.dtype).view(s * b, h).copy_(xd)
+            src, grp = g_.last_rank, g_.x
+
+            def job(payload):
+                dist.broadcast(payload, src=src, group=grp, async_op=True).wait()
+
+            self._outstanding.append(self.channels["x"].submit(job, payload))
+        return m
+
+    def stash_labels(self, labels) -> None:
+        """Last stage, inside the model's forward: keep the labels for the hand-off."""
+        self._labels.append(labels)
+
+    def take_labels(self):
+        if not self._labels:
+            raise VocabConfigError("vocabulary parallelism computes the loss itself: the last stage's forward must "
+                                   "be given labels (it cannot return logits)")
+        return self._labels.pop(0)
+
+    def defer(self, m: int, what) -> None:
+        self._deferred[m] = what
+
+    def take_deferred(self, m: int):
+        try:
+            return self._deferred.pop(m)
+        except KeyError:
+            raise RuntimeError(f"vocabulary parallel: VLOSS of microbatch {m} before the last stage's forward") from None
+
+    # -- S pass ---------------------------------------------------------------------------
+    def s_pass(self, m: int) -> None:
+        st = self._state(m)
+        if st.x_local is None:
+            if st.x_wait is None:
+                raise RuntimeError(f"vocabulary parallel: S pass of microbatch {m} before its x was posted")
+            st.x_local, st.g, st.target = self._unpack(self._wait(st.x_wait))
+            st.x_wait = None
+        cfg = self.config
+        w = self.shards.output_weight.detach()
+        keep = not self.forward_only
+        with torch.no_grad():
+            st.s = K.s_pass(st.x_local, w, st.target, self.part, algorithm=cfg.algorithm,
+                            label_smoothing=cfg.label_smoothing, keep=keep)
+        stats, sstate = st.s.stats, st.s
+        grp, order, P, shard = self.groups.stats, self.groups.order, self.groups.size, self.part.shard
+        V, ls, alg2 = self.vocab_size, cfg.label_smoothing, (cfg.algorithm == 2 and keep)
+
+        def job(stats, sstate):
+            parts = [torch.empty_like(stats) for _ in range(P)]
+            if P > 1:
+                dist.all_gather(parts, stats, group=grp, async_op=True).wait()
+                gathered = torch.empty(P, *stats.shape, dtype=stats.dtype, device=stats.device)
+                for j, t in enumerate(parts):
+                    gathered[order[j]] = t
+            else:
+                gathered = stats.unsqueeze(0)
+            comb = K.combine(gathered, V, ls)
+            factor = None
+            if alg2:
+                factor = K.alg2_term(sstate, comb, shard, V, ls)
+                if P > 1:
+                    dist.all_reduce(factor, group=grp, async_op=True).wait()
+            return comb, factor
+
+        st.stats_wait = self.channels["stats"].submit(job, stats, sstate)
+        if not keep:
+            st.s = None
+        self._finish(m, "s")
+
+    def _combined(self, st: _MB) -> K.Combined:
+        if st.combined is None:
+            st.combined, factor = self._wait(st.stats_wait)
+            if factor is not None:
+                st.dfactor = factor
+            if st.s is not None:  # Alg. 2's A_i, B_i are folded into the reduction now
+                st.s.a = st.s.b = st.s.c = None
+        return st.combined
+
+    # -- T pass ---------------------------------------------------------------------------
+    def t_pass(self, m: int) -> None:
+        st = self._state(m)
+        if st.s is None:
+            raise RuntimeError(f"vocabulary parallel: T pass of microbatch {m} before its S pass")
+        comb = self._combined(st)
+        cfg = self.config
+        w = self.shards.output_weight.detach()
+        with torch.no_grad():
+            dw, dx = K.t_pass(st.s, comb, st.g, self.part.shard, self.part, w, algorithm=cfg.algorithm,
+                              label_smoothing=cfg.label_smoothing)
+        accumulate_grad(self.shards.output_weight, dw)
+        if cfg.algorithm == 1:
+            if self.groups.size > 1:
+                grp = self.groups.dx
+
+                def job(dx):
+                    dist.all_reduce(dx, group=grp, async_op=True).wait()
+                    return dx
+
+                st.dx_wait = self.channels["dx"].submit(job, dx)
+            else:
+                st.dfactor = dx
+        st.s = None
+        self._finish(m, "t")
+
+    # -- loss (last stage) -----------------------------------------------------------------
+    def loss(self, m: int) -> torch.Tensor:
+        """The per-token loss [b, s] of microbatch ``m`` (last stage), differentiable in the x
+        handed off (its backward returns the reduced input gradient)."""
+        if not self.groups.is_last:
+            raise RuntimeError("the vocabulary-parallel loss lives on the last pipeline stage")
+        st = self._state(m)
+        if st.stats_wait is None:
+            raise RuntimeError(f"vocabulary parallel: loss of microbatch {m} before its S pass")
+        comb = self._combined(st)
+        b, s = self._shape
+        values = comb.loss.view(s, b).t()
+        x = st.x
+        st.x = None
+        if x is not None and x.requires_grad and torch.is_grad_enabled() and not self.forward_only:
+            out = _LossFn.apply(x, values, self, m)
+            st.backward_pending = True
+            self._pending_backward[m] = st   # kept until the backward consumed its input gradient
+        else:
+            out = values.clone()
+        self._finish(m, "loss")
+        return out
+
+    def _input_grad_factor(self, m: int, g: torch.Tensor) -> torch.Tensor:
+        st = self._pending_backward.pop(m, None)
+        if st is None:
+            raise RuntimeError(f"vocabulary parallel: backward of microbatch {m}'s loss ran twice or "
+                               "without its loss")
+        if st.g is not None and not torch.allclose(g, st.g, rtol=1e-5, atol=1e-12):
+            raise RuntimeError(
+                f"vocabulary parallel: the gradient reaching the per-token losses of microbatch {m} differs from "
+                "the one the weight gradients were computed with (the loss function must be linear in the "
+                "per-token losses, as Megatron's are: sum(loss * mask) / ...); max difference "
+                f"{(g - st.g).abs().max().item():.3e}")
+        if self.config.algorithm == 1 and st.dfactor is None:
+            if st.dx_wait is None:
+                raise RuntimeError(f"vocabulary parallel: backward of microbatch {m}'s loss before its T pass "
+                                   "(Algorithm 1 needs every rank's T pass first)")
+            st.dfactor = self._wait(st.dx_wait)
+        factor = st.dfactor
+        if factor is None:
+            raise RuntimeError(f"vocabulary parallel: no input gradient for microbatch {m}")
+        st.dfactor = st.dx_wait = None
+        st.backward_pending = False
+        return factor
+
+    # -- input embedding --------------------------------------------------------------------
+    def _tokens_of(self, m: int) -> torch.Tensor:
+        t = self._tokens(m)
+        if tuple(t.shape) != self._shape:
+            raise RuntimeError(f"vocabulary parallel: input ids of microbatch {m} have shape {tuple(t.shape)}, "
+                               f"expected {self._shape}")
+        return t.to(self.device)
+
+    def emb_forward(self, m: int) -> None:
+        st = self._state(m)
+        w = self.shards.input_weight.detach()
+        with torch.no_grad():
+            partial = K.embedding_partial(self._tokens_of(m), w, self.part)
+        g = self.groups
+        if g.pp == 1 and g.tp == 1:
+            st.emb_wait = Pending(value=partial)
+        else:
+            dst, grp, tp_grp, first, tp = g.first_rank, g.emb, g.emb_tp, g.is_first, g.tp
+
+            def job(partial):
+                if g.pp > 1:
+                    dist.reduce(partial, dst=dst, group=grp, async_op=True).wait()
+                if first and tp > 1:
+                    dist.all_reduce(partial, group=tp_grp, async_op=True).wait()
+                return partial if first else None
+
+            pending = self.channels["emb"].submit(job, partial)
+            if g.is_first:
+                st.emb_wait = pending
+            else:
+                self._outstanding.append(pending)
+        self._finish(m, "emb_f")
+
+    def emb_input(self, m: int) -> None:
+        """First stage: wait for the summed embedding of microbatch ``m`` (before its F)."""
+        st = self._state(m)
+        if st.emb_wait is None:
+            raise RuntimeError(f"vocabulary parallel: embedding of microbatch {m} requested before its partial "
+                               "lookup (EMB_F) ran on this rank")
+        st.emb_ready = self._wait(st.emb_wait)
+        st.emb_wait = None
+        self._finish(m, "emb_in")
+
+    def embedding_output(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the first stage's word embedding returns: the summed lookup [b, s, h] of the next
+        microbatch (checked against ``input_ids``), wired so that its gradient is broadcast."""
+        m = self._next_emb_out
+        st = self._mb.get(m)
+        if st is None or st.emb_ready is None:
+            raise RuntimeError(f"vocabulary parallel: the first stage's forward of microbatch {m} ran before its "
+                               "embedding was reduced (EMB_IN must come before F(0, m))")
+        self._next_emb_out += 1
+        if not torch.equal(input_ids.to(self.device), self._tokens_of(m)):
+            raise RuntimeError(f"vocabulary parallel: the first stage read other input ids than the ones given for "
+                               f"microbatch {m} (begin_iteration(tokens=...) must match the data iterator)")
+        emb, st.emb_ready = st.emb_ready, None
+        if self.forward_only or not torch.is_grad_enabled():
+            return emb
+        leaf = emb.detach().requires_grad_(True)
+        return _GradTap.apply(leaf, self, m)
+
+    def _on_embedding_grad(self, m: int, grad: torch.Tensor) -> None:
+        """First stage, inside the backward of F(0, m): broadcast the embedding gradient."""
+        st = self._mb.get(m)
+        if st is None:
+            raise RuntimeError(f"vocabulary parallel: embedding gradient of microbatch {m} after it finished")
+        grad = grad.detach().contiguous()
+        g = self.groups
+        if g.pp > 1:
+            src, grp = g.first_rank, g.embgrad
+
+            def job(grad):
+                dist.broadcast(grad, src=src, group=grp, async_op=True).wait()
+                return grad
+
+            self._outstanding.append(self.channels["embgrad"].submit(job, grad))
+        st.embgrad_wait = Pending(value=grad)
+
+    def _post_embgrad(self) -> None:
+        m = self._embgrad_posted
+        if m >= self._m:
+            return
+        self._embgrad_posted += 1
+        g = self.groups
+        if g.is_first or g.pp == 1:
+            return
+        b, s = self._shape
+        shape, dtype, dev = (b, s, self.hidden), self.dtype, self.device
+        src, grp = g.first_rank, g.embgrad
+
+        def job():
+            buf = torch.empty(shape, dtype=dtype, device=dev)
+            dist.broadcast(buf, src=src, group=grp, async_op=True).wait()
+            return buf
+
+        self._state(m).embgrad_wait = self.channels["embgrad"].submit(job)
+
+    def emb_backward(self, m: int) -> None:
+        st = self._state(m)
+        if st.embgrad_wait is None:
+            raise RuntimeError(f"vocabulary parallel: embedding backward of microbatch {m} before the first "
+                               "stage's backward produced its gradient")
+        grad = self._wait(st.embgrad_wait)
+        st.embgrad_wait = None
+        w = self.shards.input_weight
+        acc = torch.zeros(self.part.rows, self.hidden, dtype=torch.float32, device=self.device)
+        K.embedding_grad(self._tokens_of(m), grad, self.part, acc)
+        accumulate_grad(w, acc)
+        self._finish(m, "emb_b")
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity whose backward hands the gradient to the engine (and stops there)."""
+
+    @staticmethod
+    def forward(ctx, x, engine, m):
+        ctx.engine, ctx.m = engine, m
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._on_embedding_grad(ctx.m, grad)
+        return None, None, None
