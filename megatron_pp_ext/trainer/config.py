@@ -1,0 +1,587 @@
+"""Flags of ``mppx train``, their validation, and the :class:`Plan` derived from them.
+
+Everything that can be wrong with a request is found here, in the parent process, before any
+worker starts: impossible layouts (layers that cannot be placed on ``pp x vp`` stages, a
+process count not divisible by ``tp x pp``, heads not divisible by ``tp``, key/value heads that
+do not divide the heads, ...), unknown schedules, and memory budgets the schedule cannot meet
+(the schedule is built and validated here, with send/recv ops, exactly as the workers will).
+Errors are :class:`TrainConfigError` (a ``ValueError``) whose message names the flag and the fix.
+
+Importing this module is cheap (no torch): torch is imported only to resolve ``--device auto``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
+           "config_from_args", "MCORE", "DEFAULTS"]
+
+#: ``--schedule mcore``: Megatron-Core's own forward-backward function (1F1B, or interleaved
+#: 1F1B with ``--vp`` > 1): the baseline.
+MCORE = "mcore"
+
+
+class TrainConfigError(ValueError):
+    """Bad ``mppx train`` input; the message names the flag and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The flags of ``mppx train`` (None: derived, see :func:`make_plan`)."""
+
+    # model
+    model: str = "gpt"
+    layers: int | None = None            # default 8 (or the sum of --layers-per-stage)
+    layers_per_stage: tuple[int, ...] | None = None
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int | None = None          # gpt: heads; llama: heads // 2
+    ffn: int | None = None               # gpt: 4 * hidden; llama: 2 * hidden (SwiGLU)
+    vocab: int = 256
+    tie_embeddings: bool = False
+    seq: int = 32
+    dropout: float = 0.0
+    # batch and layout
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default: 2 * pp microbatches per data-parallel rank
+    pp: int = 4
+    tp: int = 1
+    vp: int | None = None                # chunks per rank (V schedules: 2)
+    nproc: int | None = None             # local processes; default tp * pp (dp = 1)
+    # schedule
+    schedule: str = "zbv"
+    memory_budget: str | None = None
+    costs: str | None = None
+    profile_iters: int | None = None     # default 3 with one of our schedules, else 0
+    # training
+    iters: int = 20
+    lr: float = 1e-3
+    seed: int = 1234
+    data_path: str | None = None
+    # run
+    device: str = "auto"
+    out: str = "mppx-train"
+    json_log: str | None = None
+    reference_iters: int | None = None   # default: min(--iters, 5)
+    threads: int = 1
+    log_interval: int = 1
+    progress: bool = True
+    timeout: float = 86400.0
+
+    def replace(self, **kw) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)
+
+
+DEFAULTS = TrainConfig()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the processes of a run come to be.
+
+    ``mode``: "local" (this process starts ``world`` workers itself), "torchrun" or "slurm"
+    (this process is one of ``world`` ranks started by the launcher).
+    """
+
+    mode: str = "local"
+    world: int | None = None
+    rank: int = 0
+    local_rank: int = 0
+    local_world: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.mode != "local"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated run: the layout, the schedule and the runtime configuration.
+
+    Picklable (it travels to the workers). ``built`` (the schedule and cost model built in the
+    parent, for the figure) is dropped by :meth:`for_workers`.
+    """
+
+    cfg: TrainConfig
+    launch: Launch
+    device: str                      # "cpu" or "cuda"
+    world: int
+    dp: int
+    microbatches: int                # per data-parallel rank and iteration
+    chunks: int                      # model chunks per pipeline rank
+    placement: tuple[int, ...]       # stage -> pipeline rank
+    layers_per_stage: tuple[int, ...]
+    runtime_schedule: str | None     # registered name run by our executor; None: Megatron-Core's
+    figure_schedule: str | None      # registered schedule drawn in the figure (mcore: its equivalent)
+    costs: tuple[float, float, float, float]
+    memory_budget: float | None      # activation units per rank
+    profile_iters: int
+    reference_iters: int
+    data: str                        # "mock" or the --data-path prefix
+    out_dir: str
+    json_log: str
+    text_log: str
+    figure: str
+    summary: str
+    notes: tuple[str, ...] = ()
+    built: Any = field(default=None, compare=False, repr=False)
+
+    # -- derived -----------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def kv_heads(self) -> int:
+        c = self.cfg
+        if c.kv_heads is not None:
+            return c.kv_heads
+        return max(1, c.heads // 2) if c.model == "llama" else c.heads
+
+    @property
+    def ffn(self) -> int:
+        c = self.cfg
+        if c.ffn is not None:
+            return c.ffn
+        return 2 * c.hidden if c.model == "llama" else 4 * c.hidden
+
+    @property
+    def layers(self) -> int:
+        return sum(self.layers_per_stage)
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.microbatches * self.dp
+
+    @property
+    def schedule_label(self) -> str:
+        c = self.cfg
+        if self.cfg.pp == 1:
+            return "none (pp=1: Megatron-Core's forward_backward_no_pipelining)"
+        if self.runtime_schedule is None:
+            kind = "interleaved 1F1B" if self.chunks > 1 else "1F1B"
+            return f"mcore (Megatron-Core's own {kind})"
+        return c.schedule
+
+    def for_workers(self) -> "Plan":
+        return dataclasses.replace(self, built=None)
+
+    def model_spec(self):
+        from ..runtime.model import ModelSpec
+        c = self.cfg
+        return ModelSpec(c.model, num_layers=self.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
+                         num_query_groups=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=c.vocab,
+                         max_sequence_length=c.seq, tie_embeddings=c.tie_embeddings,
+                         layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None)
+
+    def _overrides(self) -> dict:
+        d = self.cfg.dropout
+        return {"hidden_dropout": d, "attention_dropout": d} if d > 0 else {}
+
+    def run_config(self):
+        """The runtime's RunConfig of the main run."""
+        from ..runtime.harness import RunConfig
+        c = self.cfg
+        pipelined = c.pp > 1
+        return RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
+                         schedule=self.runtime_schedule if pipelined else None,
+                         chunks=self.chunks if pipelined else 1,
+                         memory_budget=self.memory_budget, costs=self.costs,
+                         num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
+                         seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
+                         config_overrides=self._overrides())
+
+    def reference_config(self):
+        """The pp=1 run on one process: same model, weights, data (every microbatch), optimizer."""
+        from ..runtime.harness import RunConfig
+        c = self.cfg
+        return RunConfig(spec=dataclasses.replace(self.model_spec(), layers_per_stage=None), tp=1, pp=1, dp=1,
+                         schedule=None, chunks=1, num_microbatches=self.global_microbatches,
+                         micro_batch_size=c.micro_batch_size, seq_length=c.seq, steps=self.reference_iters,
+                         eval_iters=0, seed=c.seed, lr=c.lr, config_overrides=self._overrides())
+
+
+# --- validation ---------------------------------------------------------------------------
+
+def _fail(msg: str) -> None:
+    raise TrainConfigError(msg)
+
+
+def _divisors_near(n: int, k: int) -> str:
+    lo = (n // k) * k
+    cands = [x for x in (lo, lo + k) if x > 0]
+    return " or ".join(str(x) for x in cands)
+
+
+def _check_model(c: TrainConfig, kv: int, ffn: int) -> None:
+    if c.hidden % c.heads:
+        _fail(f"--hidden {c.hidden} is not divisible by --heads {c.heads}; use e.g. --hidden "
+              f"{_divisors_near(c.hidden, c.heads)}")
+    if kv > c.heads or c.heads % kv:
+        _fail(f"--kv-heads {kv} must divide --heads {c.heads} (grouped-query attention: every key/value "
+              f"head serves heads/kv-heads query heads); use one of "
+              f"{', '.join(str(d) for d in range(1, c.heads + 1) if c.heads % d == 0)}")
+    if c.tp > 1:
+        for flag, value in (("--heads", c.heads), ("--kv-heads", kv), ("--ffn", ffn), ("--vocab", c.vocab)):
+            if value % c.tp:
+                what = "" if flag != "--kv-heads" or c.kv_heads is not None else f" (default for --model {c.model})"
+                _fail(f"{flag} {value}{what} is not divisible by --tp {c.tp}: tensor parallelism splits it "
+                      f"over the tp ranks; use e.g. {flag} {_divisors_near(value, c.tp)} or a smaller --tp")
+    if not 0.0 <= c.dropout < 1.0:
+        _fail(f"--dropout {c.dropout} must be in [0, 1)")
+    if c.seq < 2:
+        _fail(f"--seq {c.seq}: need at least 2 tokens per sequence")
+    if c.vocab < 4:
+        _fail(f"--vocab {c.vocab}: need at least 4 tokens")
+    if not (c.lr > 0 and math.isfinite(c.lr)):
+        _fail(f"--lr {c.lr} must be a positive number, e.g. 1e-3")
+
+
+def _schedule_names() -> list[str]:
+    from ..schedule import schedule_names
+    return [MCORE] + schedule_names()
+
+
+def _resolve_device(requested: str, launch: Launch, world: int | None) -> str:
+    if requested not in ("auto", "cpu", "cuda"):
+        _fail(f"--device {requested!r}: use auto, cpu or cuda")
+    if requested == "cpu":
+        return "cpu"
+    try:
+        import torch
+        have = torch.cuda.is_available()
+        count = torch.cuda.device_count() if have else 0
+    except Exception:  # pragma: no cover - torch is a dependency
+        have, count = False, 0
+    if requested == "cuda" and not have:
+        _fail("--device cuda: no CUDA device is available here; use --device cpu (gloo) or auto")
+    if not have:
+        return "cpu"
+    if not launch.external and world is not None and world > count:
+        if requested == "cuda":
+            _fail(f"--device cuda with {world} local processes needs {world} GPUs, but {count} are visible; "
+                  f"lower --nproc/--pp/--tp or use --device cpu")
+        return "cpu"  # auto: not enough GPUs for one per process
+    return "cuda"
+
+
+def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
+    """Validate ``cfg`` and derive the run (layout, schedule, files). Raises TrainConfigError."""
+    from ..schedule import ScheduleError, build_schedule, parse_memory_budget, schedule_info
+
+    c = cfg
+    launch = launch or Launch()
+    notes: list[str] = []
+    for flag, value, lo in (("--layers", c.layers, 1), ("--hidden", c.hidden, 1), ("--heads", c.heads, 1),
+                            ("--kv-heads", c.kv_heads, 1), ("--ffn", c.ffn, 1), ("--seq", c.seq, 1),
+                            ("--micro-batch-size", c.micro_batch_size, 1),
+                            ("--global-batch-size", c.global_batch_size, 1), ("--pp", c.pp, 1),
+                            ("--tp", c.tp, 1), ("--vp", c.vp, 1), ("--nproc", c.nproc, 1), ("--iters", c.iters, 1),
+                            ("--profile-iters", c.profile_iters, 0), ("--reference-iters", c.reference_iters, 0),
+                            ("--threads", c.threads, 1), ("--log-interval", c.log_interval, 1),
+                            ("--vocab", c.vocab, 1)):
+        if value is not None and value < lo:
+            _fail(f"{flag} {value}: must be >= {lo}")
+    if c.model not in ("gpt", "llama"):
+        _fail(f"--model {c.model!r}: use gpt or llama")
+    kv = c.kv_heads if c.kv_heads is not None else (max(1, c.heads // 2) if c.model == "llama" else c.heads)
+    ffn = c.ffn if c.ffn is not None else (2 * c.hidden if c.model == "llama" else 4 * c.hidden)
+    _check_model(c, kv, ffn)
+
+    # -- schedule and chunks -----------------------------------------------------------
+    names = _schedule_names()
+    if c.schedule not in names:
+        _fail(f"unknown schedule {c.schedule!r} (--schedule); available: {', '.join(names)}")
+    mcore = c.schedule == MCORE
+    pipelined = c.pp > 1
+    if mcore:
+        info = None
+        chunks = c.vp or 1
+        runtime_schedule = None
+        figure_schedule = "interleaved-1f1b" if chunks > 1 else "1f1b"
+    else:
+        info = schedule_info(c.schedule)
+        if info.chunks is not None:
+            if c.vp not in (None, info.chunks):
+                _fail(f"--vp {c.vp}: schedule {c.schedule!r} always uses {info.chunks} model chunks per rank "
+                      f"({info.placement} placement); drop --vp or use --vp {info.chunks}")
+            chunks = info.chunks
+        else:
+            chunks = c.vp or 1
+        runtime_schedule = c.schedule
+        figure_schedule = c.schedule
+    if not pipelined:
+        if c.vp not in (None, 1):
+            _fail(f"--vp {c.vp} needs --pp > 1 (virtual pipeline stages are chunks of pipeline ranks)")
+        if c.memory_budget is not None:
+            _fail("--memory-budget needs --pp > 1 (it is the activation budget of a pipeline schedule)")
+        if not mcore:
+            notes.append(f"--pp 1: no pipeline, so --schedule {c.schedule} does not apply; running Megatron-Core's "
+                         "forward_backward_no_pipelining")
+        chunks, runtime_schedule, figure_schedule = 1, None, None
+
+    # -- processes and batch -----------------------------------------------------------
+    mp = c.tp * c.pp
+    if launch.external:
+        world = launch.world or 1
+        if c.nproc is not None and c.nproc != world:
+            _fail(f"--nproc {c.nproc}, but the launcher ({launch.mode}) started {world} processes; drop --nproc "
+                  "or make them agree")
+    else:
+        world = c.nproc if c.nproc is not None else mp
+    if world % mp:
+        src = "--nproc" if not launch.external else f"the {launch.mode} world size"
+        _fail(f"{src} {world} is not divisible by --tp x --pp = {c.tp} x {c.pp} = {mp}; the data-parallel size "
+              f"is processes / (tp x pp): use {src.split()[0] if not launch.external else 'a world size'} "
+              f"{_divisors_near(world, mp)}")
+    if not launch.external and world > 64:
+        _fail(f"--nproc {world}: more than 64 local processes; use torchrun or srun for large runs")
+    dp = world // mp
+    gbs = c.global_batch_size if c.global_batch_size is not None else c.micro_batch_size * dp * 2 * c.pp
+    if gbs % (c.micro_batch_size * dp):
+        _fail(f"--global-batch-size {gbs} is not divisible by --micro-batch-size x data-parallel size = "
+              f"{c.micro_batch_size} x {dp}; use e.g. --global-batch-size "
+              f"{_divisors_near(gbs, c.micro_batch_size * dp)}")
+    m = gbs // (c.micro_batch_size * dp)
+
+    # -- layers on stages ----------------------------------------------------------------
+    S = c.pp * chunks if pipelined else 1
+    if c.layers_per_stage is not None:
+        lps = tuple(int(x) for x in c.layers_per_stage)
+        if len(lps) != S:
+            _fail(f"--layers-per-stage has {len(lps)} entries, but there are {S} stages (pp {c.pp} x "
+                  f"{chunks} chunk(s) per rank); give {S} counts")
+        if any(x < 1 for x in lps):
+            _fail(f"--layers-per-stage {','.join(map(str, lps))}: every stage needs at least one layer")
+        if c.layers is not None and c.layers != sum(lps):
+            _fail(f"--layers {c.layers} but --layers-per-stage sums to {sum(lps)}; drop one of them")
+    else:
+        layers = c.layers if c.layers is not None else 8
+        if layers % S:
+            _fail(f"--layers {layers} cannot be split evenly over {S} pipeline stages (pp {c.pp} x {chunks} "
+                  f"chunk(s) per rank); use --layers {_divisors_near(layers, S)}, or give an uneven split "
+                  f"with --layers-per-stage")
+        lps = (layers // S,) * S
+
+    # -- placement, schedule (validated now, with send/recv, as the workers will build it) -------
+    from ..schedule import loop_placement, v_placement
+    if not pipelined:
+        placement = (0,)
+    elif info is not None and info.placement == "v":
+        placement = v_placement(c.pp)
+    else:
+        placement = loop_placement(c.pp, chunks)
+    if c.tie_embeddings and pipelined and placement[0] == placement[-1]:
+        _fail(f"--tie-embeddings with schedule {c.schedule!r}: its V placement puts the first and the last "
+              "stage on rank 0, which the runtime does not support with tied embeddings yet; drop "
+              "--tie-embeddings or use a loop schedule (1f1b, zb-h1, ...)")
+
+    from ..cli.core import CLIError, parse_costs
+    try:
+        costs = parse_costs(c.costs)
+    except CLIError as e:
+        _fail(str(e))
+    budget = None
+    built = None
+    if c.memory_budget is not None:
+        if mcore:
+            _fail("--memory-budget is for our schedules (e.g. v-budget); --schedule mcore runs Megatron-Core's "
+                  "1F1B at its natural memory")
+        try:
+            budget = parse_memory_budget(c.memory_budget, c.pp)
+        except ScheduleError as e:
+            _fail(str(e))
+    if pipelined:
+        if mcore and chunks > 1 and (m < c.pp or m % c.pp):
+            good = c.pp * max(1, -(-m // c.pp)) * c.micro_batch_size * dp
+            _fail(f"--schedule mcore with --vp {chunks}: Megatron-Core's interleaved schedule needs the microbatches "
+                  f"per data-parallel rank ({m}) to be a multiple of --pp {c.pp}; use e.g. --global-batch-size {good}")
+        try:
+            built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=costs, memory_budget=budget,
+                                   with_comm=True)
+        except ScheduleError as e:
+            msg = str(e).replace("--microbatches", "--global-batch-size (microbatches per iteration)")
+            msg = msg.replace("--chunks", "--vp")
+            _fail(f"schedule {c.schedule!r} at pp={c.pp}, {m} microbatches per iteration: {msg}")
+        if budget is None and built[0].meta.get("memory_budget") is not None and info is not None and info.uses_budget:
+            budget = built[0].meta["memory_budget"]
+
+    # -- profiling, reference --------------------------------------------------------------
+    ours = pipelined and not mcore
+    if c.profile_iters is None:
+        profile = 3 if ours and c.iters >= 3 + 2 else 0
+    else:
+        profile = c.profile_iters
+        if profile > 0:
+            if not ours:
+                _fail("--profile-iters re-generates one of our schedules from measured costs; it does not apply to "
+                      + ("--schedule mcore (Megatron-Core's own function)" if mcore else "--pp 1 (no pipeline)")
+                      + "; use --profile-iters 0")
+            if c.iters < profile + 2:
+                _fail(f"--profile-iters {profile} needs --iters >= {profile + 2} (iteration 1 is a warm-up, then "
+                      f"{profile} profiled iterations, then at least one with the new schedule)")
+    ref = min(c.iters, 5) if c.reference_iters is None else min(c.reference_iters, c.iters)
+
+    # -- data and files ----------------------------------------------------------------------
+    data = "mock"
+    if c.data_path is not None:
+        prefix = c.data_path[:-4] if c.data_path.endswith((".bin", ".idx")) else c.data_path
+        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+        if missing:
+            _fail(f"--data-path {c.data_path}: {', '.join(missing)} not found; give the prefix of a Megatron "
+                  "indexed dataset (PREFIX.bin and PREFIX.idx, e.g. from Megatron-LM's tools/preprocess_data.py)")
+        from .data import corpus_tokens
+        try:
+            tokens = corpus_tokens(prefix)
+        except Exception as e:  # noqa: BLE001 - a broken index
+            _fail(f"--data-path {c.data_path}: not a readable Megatron indexed dataset ({type(e).__name__}: {e})")
+        need = c.iters * m * dp * c.micro_batch_size * c.seq + 1
+        if tokens < need:
+            _fail(f"--data-path {c.data_path}: the corpus holds {tokens} tokens, but {c.iters} iterations of "
+                  f"{m * dp * c.micro_batch_size} sequences of {c.seq} tokens need {need}; lower --iters or "
+                  "--global-batch-size, or use a larger corpus")
+        data = prefix
+    if c.threads > 64:
+        _fail(f"--threads {c.threads}: at most 64")
+    if not (c.timeout > 0):
+        _fail(f"--timeout {c.timeout}: must be positive (seconds)")
+    device = _resolve_device(c.device, launch, world)
+    out = c.out
+    json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
+    return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
+                placement=tuple(placement), layers_per_stage=lps, runtime_schedule=runtime_schedule,
+                figure_schedule=figure_schedule, costs=costs, memory_budget=budget, profile_iters=profile,
+                reference_iters=ref, data=data, out_dir=out, json_log=json_log,
+                text_log=os.path.join(out, "train.log"), figure=os.path.join(out, "schedule.png"),
+                summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built)
+
+
+# --- command line -------------------------------------------------------------------------
+
+def _int(lo: int, example: int):
+    from ..cli.core import int_at_least
+    return int_at_least(lo, example)
+
+
+def _float_pos(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return v
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 1,2,2,1") from None
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mppx train`` (documented in docs/train.md and docs/cli.md)."""
+    d = DEFAULTS
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", choices=("gpt", "llama"), default=d.model,
+                   help="gpt: learned positions, LayerNorm, GeLU, biases; llama: RoPE, RMSNorm, SwiGLU, "
+                        "grouped-query attention, no biases (default: gpt)")
+    g.add_argument("--layers", type=_int(1, 8), default=None, metavar="N",
+                   help="transformer layers, split evenly over the pp x vp stages (default: 8)")
+    g.add_argument("--layers-per-stage", type=_int_list, default=None, metavar="A,B,...",
+                   help="an uneven split: layers of each pipeline stage, in stage order")
+    g.add_argument("--hidden", type=_int(1, 64), default=d.hidden, metavar="H", help="hidden size (default: 64)")
+    g.add_argument("--heads", type=_int(1, 4), default=d.heads, metavar="A", help="attention heads (default: 4)")
+    g.add_argument("--kv-heads", type=_int(1, 2), default=None, metavar="G",
+                   help="key/value heads (grouped-query attention); must divide --heads "
+                        "(default: --heads for gpt, --heads/2 for llama)")
+    g.add_argument("--ffn", type=_int(1, 256), default=None, metavar="F",
+                   help="MLP hidden size (default: 4 x hidden for gpt, 2 x hidden for llama's SwiGLU)")
+    g.add_argument("--vocab", type=_int(4, 256), default=d.vocab, metavar="V", help="vocabulary size (default: 256)")
+    g.add_argument("--tie-embeddings", action="store_true",
+                   help="share the input embedding and the output layer (loop schedules only)")
+    g.add_argument("--seq", type=_int(2, 32), default=d.seq, metavar="S", help="sequence length (default: 32)")
+    g.add_argument("--dropout", type=_float_pos, default=d.dropout, metavar="P",
+                   help="hidden and attention dropout (default: 0; with dropout the pp=1 comparison is "
+                        "statistical, not exact)")
+    g = parser.add_argument_group("batch and layout")
+    g.add_argument("--micro-batch-size", type=_int(1, 1), default=d.micro_batch_size, metavar="B",
+                   help="sequences per microbatch (default: 1)")
+    g.add_argument("--global-batch-size", type=_int(1, 8), default=None, metavar="G",
+                   help="sequences per iteration over all data-parallel ranks; microbatches per rank = "
+                        "G / (B x dp) (default: 2 x pp microbatches per rank)")
+    g.add_argument("--pp", type=_int(1, 4), default=d.pp, metavar="P", help="pipeline-parallel size (default: 4)")
+    g.add_argument("--tp", type=_int(1, 2), default=d.tp, metavar="T", help="tensor-parallel size (default: 1)")
+    g.add_argument("--vp", type=_int(1, 2), default=None, metavar="V",
+                   help="model chunks per pipeline rank (virtual pipeline): for interleaved-1f1b and mcore; "
+                        "the V schedules always use 2 (default: the schedule's own, else 1)")
+    g.add_argument("--nproc", type=_int(1, 4), default=None, metavar="N",
+                   help="processes to start on this machine; dp = N / (tp x pp) (default: tp x pp; under "
+                        "torchrun/srun the launcher's world size)")
+    g = parser.add_argument_group("schedule")
+    g.add_argument("--schedule", default=d.schedule, metavar="NAME",
+                   help="a registered schedule ('mppx schedules'), or mcore: Megatron-Core's own 1F1B / "
+                        "interleaved 1F1B, the baseline (default: zbv)")
+    g.add_argument("--memory-budget", default=None, metavar="X",
+                   help="activation memory per rank for schedules that take a budget (v-budget): units "
+                        "(e.g. 3) or a fraction of 1F1B's peak (e.g. 0.5x)")
+    g.add_argument("--costs", default=None, metavar="F,B,W[,COMM]",
+                   help="relative per-rank costs the initial schedule is built for (default: 1,1,1,0)")
+    g.add_argument("--profile-iters", type=_int(0, 3), default=None, metavar="K",
+                   help="time every op over K iterations after a warm-up one, then re-generate the schedule "
+                        "once from the median F/B/W per stage and the measured p2p latency (default: 3 with "
+                        "our schedules, 0 = off)")
+    g = parser.add_argument_group("training")
+    g.add_argument("--iters", type=_int(1, 20), default=d.iters, metavar="N", help="iterations (default: 20)")
+    g.add_argument("--lr", type=_float_pos, default=d.lr, metavar="LR", help="Adam learning rate (default: 1e-3)")
+    g.add_argument("--seed", type=_int(0, 1234), default=d.seed, metavar="S",
+                   help="seed of the initial weights (a function of the seed and each parameter's global "
+                        "name) and of the data (default: 1234)")
+    g.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="a tokenized corpus: Megatron indexed dataset PREFIX.bin/PREFIX.idx (default: "
+                        "Megatron-Core's MockGPTDataset)")
+    g = parser.add_argument_group("run and output")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+                   help="cpu (gloo) or cuda (NCCL, one GPU per process); auto: cuda when there is a GPU "
+                        "per process (default: auto)")
+    g.add_argument("--out", default=d.out, metavar="DIR",
+                   help="directory of the log, the JSON log, the summary and the schedule figure "
+                        "(default: mppx-train)")
+    g.add_argument("--json-log", default=None, metavar="FILE",
+                   help="one JSON object per iteration (default: DIR/train.jsonl)")
+    g.add_argument("--reference-iters", type=_int(0, 20), default=None, metavar="K",
+                   help="iterations of the pp=1 reference run on one process, compared with the first K "
+                        "iterations of the run (default: 5, at most --iters; 0 = skip)")
+    g.add_argument("--threads", type=_int(1, 1), default=d.threads, metavar="N",
+                   help="torch threads per process (default: 1)")
+    g.add_argument("--log-interval", type=_int(1, 1), default=d.log_interval, metavar="N",
+                   help="print a log line every N iterations (default: 1)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--timeout", type=_float_pos, default=d.timeout, metavar="SECONDS",
+                   help="stop a local run that has not finished after this long (default: 86400)")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=args.model, layers=args.layers, layers_per_stage=args.layers_per_stage, hidden=args.hidden,
+        heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+        tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
+        vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
+        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, seed=args.seed, data_path=args.data_path,
+        device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
+        threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
+        timeout=args.timeout)
+
+
+def plan_from_env(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> Plan:
+    from .launcher import detect_launch
+    return make_plan(cfg, detect_launch(os.environ if env is None else env))

@@ -1,0 +1,296 @@
+"""What every rank of ``mppx train`` runs.
+
+:func:`train_worker` runs on every rank of an initialised ``torch.distributed`` world (gloo on
+CPU, NCCL on GPUs) of ``tp x pp x dp`` processes. It sets everything up through the runtime's
+:func:`~megatron_pp_ext.runtime.harness.setup_training` (parallel state, model chunks for the
+schedule's placement with layout-independent initial weights, Megatron-Core DDP, the Megatron
+optimizer, and our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` or Megatron-Core's
+own forward-backward function), then for every iteration:
+
+1. the microbatches of this data-parallel rank (:mod:`.data`), one iterator per model chunk;
+2. ``Training.step`` — one forward-backward of the schedule — with the saved tensors counted
+   (:mod:`.memory`) and, in the profiling window, every op timed (:mod:`.profile`);
+3. ``optimizer.step()`` (its gradient norm is logged);
+4. one all-gather of the per-rank figures (loss sums and token counts of the microbatches,
+   times, activation peaks), from which rank 0 logs the iteration (:mod:`.report`).
+
+:func:`reference_worker` is the pp=1 run of the same model on one process (same initial
+weights, same data: every global microbatch, same optimizer) that the losses are compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["train_worker", "reference_worker", "device_for"]
+
+
+def device_for(plan) -> torch.device:
+    if plan.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _chunks_on(device: torch.device):
+    """Build the model chunks on ``device``.
+
+    The runtime's ``setup_training`` builds the chunks on the CPU (``use_cpu_initialization``,
+    weights from the seed and their names) and wraps them in DDP right away; for a GPU run they
+    must be moved in between. Until the runtime does that itself (see the trainer's notes), this
+    scoped wrapper around ``harness.build_model_chunks`` moves them (``Module.to`` keeps the
+    Parameter objects and their Megatron attributes).
+    """
+    if device.type == "cpu":
+        yield
+        return
+    from ..runtime import harness
+    orig = harness.build_model_chunks
+
+    def build(*args, **kwargs):
+        return [c.to(device) for c in orig(*args, **kwargs)]
+
+    harness.build_model_chunks = build
+    try:
+        yield
+    finally:
+        harness.build_model_chunks = orig
+
+
+def _core(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _loss_sums(out: list) -> tuple[float, float]:
+    """Sum of the per-token losses and of the token counts over this rank's microbatches."""
+    loss = tokens = 0.0
+    for d in out:
+        rep = d.get("lm loss")
+        if rep is None:
+            continue
+        rep = rep.detach().double().cpu().view(-1)
+        if rep.numel() >= 2:
+            loss += float(rep[0])
+            tokens += float(rep[1])
+        else:  # (the legacy 2-tuple loss: a mean per microbatch)
+            loss += float(rep[0])
+            tokens += 1.0
+    return loss, tokens
+
+
+def _grad_norm(optimizer, step_result) -> float:
+    gn = step_result[1] if isinstance(step_result, tuple) and len(step_result) > 1 else None
+    return float(gn) if gn is not None else float("nan")
+
+
+def _step_optimizer(optimizer) -> float:
+    res = optimizer.step()
+    gn = _grad_norm(optimizer, res)
+    if gn != gn:  # NaN: an optimizer that only reports the norm when clipping
+        try:
+            gn = float(optimizer.get_grad_norm())
+        except Exception:
+            pass
+    return gn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
+    """The main run on this rank; rank 0 returns the records and the summary, others None."""
+    from megatron.core import parallel_state
+
+    from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
+    from ..runtime.harness import setup_training
+    from .data import build_data
+    from .memory import ActivationMeter
+    from .profile import Profiler
+    from .report import RankZeroLog
+
+    c = plan.cfg
+    torch.set_num_threads(c.threads)
+    device = device_for(plan)
+    compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
+    try:
+        rank = dist.get_rank()
+        t_setup = time.perf_counter()
+        with _chunks_on(device):
+            tr = setup_training(plan.run_config())
+        data = build_data(plan, device=device)
+        setup_s = time.perf_counter() - t_setup
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        dp_rank = tr.dp_rank
+        holds_loss = any(_core(m).post_process for m in tr.model) and tp_rank == 0
+        m = plan.microbatches
+        meter = ActivationMeter(tr.model, device)
+        if tr.executor is not None and tr.executor.op_hook is None:
+            tr.executor.op_hook = meter.op_hook
+        profiler = Profiler(plan.profile_iters) if (plan.profile_iters and tr.executor is not None) else None
+        log = RankZeroLog(plan, sim_info=sim_info, data=data.description, setup_s=setup_s) if rank == 0 else None
+
+        records: list[dict] = []
+        try:
+            for it in range(c.iters):
+                batches = data.microbatches(it, dp_rank * m, m)
+                iters = [iter(batches) for _ in tr.model]
+                profiling = profiler is not None and profiler.active(it)
+                if profiling:
+                    tr.executor.record_timings = True
+                    tr.executor.sync_timings = device.type == "cuda"
+                meter.start_iteration()
+                _sync(device)
+                t0 = time.perf_counter()
+                with meter.around(tr.forward_backward) as fb:
+                    orig = tr.forward_backward
+                    tr.forward_backward = fb
+                    try:
+                        out = tr.step(it, iters=iters)
+                    finally:
+                        tr.forward_backward = orig
+                _sync(device)
+                t_fb = time.perf_counter() - t0
+                peak = meter.activation_peak()
+                saved_peak = meter.saved_peak()
+                grad_norm = _step_optimizer(tr.optimizer)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if profiling:
+                    profiler.record(tr.executor.last_timings)
+                    tr.executor.record_timings = False
+                    tr.executor.sync_timings = False
+                loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
+                row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
+                                    float(peak), float(saved_peak), grad_norm], dtype=torch.float64, device=device)
+                rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+                dist.all_gather(rows, row)
+                rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
+                rec["profiling"] = profiling
+                records.append(rec)
+                if log is not None:
+                    log.iteration(rec)
+                if profiler is not None and profiler.last(it):
+                    res = profiler.reschedule(tr, plan, device=device)
+                    if log is not None:
+                        log.rescheduled(res)
+        finally:
+            if log is not None:
+                log.close_progress()
+
+        # what one forward saves per stage (bytes of one microbatch's activation), per rank
+        info = {"pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "stage_bytes": meter.stage_bytes(),
+                "w_share": meter.w_share(), "live_after": int(meter.live)}
+        infos: list = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, info)
+        if rank != 0:
+            return None
+        prof = None
+        if profiler is not None and profiler.result is not None:
+            prof = {k: v for k, v in profiler.result.items() if k not in ("schedule", "cost")}
+            if profiler.result.get("changed"):
+                log.profiled_figure(profiler.result["schedule"], profiler.result["cost"])
+                prof["figure"] = log.profiled_figure_path
+        stage_bytes: dict[int, int] = {}
+        w_share: dict[int, float] = {}
+        for inf in infos:
+            if inf["tp_rank"] == 0 and inf["dp_rank"] == 0:
+                for s, b in inf["stage_bytes"].items():
+                    stage_bytes[int(s)] = int(b)
+                for s, w in inf["w_share"].items():
+                    w_share[int(s)] = float(w)
+        unit_bytes = [sum(stage_bytes.get(s, 0) for s, r in enumerate(plan.placement) if r == pr)
+                      for pr in range(c.pp if c.pp > 1 else 1)]
+        summary = log.finish_training(records)
+        summary.update(setup_s=setup_s, stage_activation_bytes=[stage_bytes.get(s, 0) for s in range(plan.num_stages)],
+                       stage_w_share=[w_share.get(s) for s in range(plan.num_stages)],
+                       unit_bytes_per_rank=unit_bytes, profile=prof, data=data.description,
+                       live_saved_bytes_after=[inf["live_after"] for inf in infos])
+        return {"records": records, "summary": summary}
+    finally:
+        if compat is not None:
+            compat.close()
+
+
+def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
+    pp = plan.cfg.pp
+    peaks = [0] * pp
+    saved = [0] * pp
+    loss = tokens = 0.0
+    # loss sums in data-parallel order (the pp=1 reference sums the same values in the same order)
+    for r in sorted(rows, key=lambda r: (r[2], r[1], r[0])):
+        pr = int(r[0])
+        peaks[pr] = max(peaks[pr], int(r[8]))
+        saved[pr] = max(saved[pr], int(r[9]))
+        if r[3]:
+            loss += r[4]
+            tokens += r[5]
+    return {
+        "iteration": it + 1,
+        "loss": loss / tokens if tokens else float("nan"),
+        "grad_norm": rows[0][10],
+        "time_s": max(r[6] for r in rows),
+        "fb_time_s": max(r[7] for r in rows),
+        "peak_activation_bytes": peaks,
+        "peak_saved_activation_bytes": saved,
+        "tokens": int(tokens),
+    }
+
+
+def reference_worker(plan) -> dict:
+    """pp=1 on one process: the losses (and gradient norms) of the first ``reference_iters``
+    iterations of the same model, initial weights, data and optimizer."""
+    from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
+    from ..runtime.harness import setup_training
+    from .data import build_data
+
+    c = plan.cfg
+    torch.set_num_threads(c.threads)
+    device = device_for(plan)
+    compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
+    try:
+        t0 = time.perf_counter()
+        with _chunks_on(device):
+            tr = setup_training(plan.reference_config())
+        data = build_data(plan, device=device)
+        G = plan.global_microbatches
+        losses, norms = [], []
+        for it in range(plan.reference_iters):
+            out = tr.step(it, iters=[iter(data.microbatches(it, 0, G))])
+            loss, tokens = _loss_sums(out)
+            norms.append(_step_optimizer(tr.optimizer))
+            losses.append(loss / tokens if tokens else float("nan"))
+        _sync(device)
+        return {"losses": losses, "grad_norms": norms, "time_s": time.perf_counter() - t0}
+    finally:
+        if compat is not None:
+            compat.close()
+
+
+def reference_in_process(plan) -> dict | None:
+    """Under an external launcher: tear the world down, then run the reference on rank 0 alone
+    in a fresh one-process group (other ranks return None)."""
+    from ..runtime.pool import reset_megatron_state
+
+    rank = dist.get_rank()
+    backend = dist.get_backend()
+    dist.barrier()
+    reset_megatron_state()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        return reference_worker(plan)
+    finally:
+        reset_megatron_state()
+        dist.destroy_process_group()

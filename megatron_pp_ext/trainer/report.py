@@ -1,0 +1,295 @@
+"""The output of ``mppx train``: text log, JSON log, progress bar, figures, summary, comparison.
+
+Files in ``--out DIR`` (default ``mppx-train``):
+
+* ``train.log``: the lines printed on the terminal (without the progress bar);
+* ``train.jsonl`` (or ``--json-log FILE``): one JSON object per iteration (see docs/train.md);
+* ``schedule.png``: the schedule of the run as built (simulated with the ``--costs`` it was
+  built for), ``schedule-profiled.png``: the schedule re-generated from measured costs;
+* ``summary.json``: the configuration, layout, simulated and measured figures, the profile and
+  the pp=1 comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+
+__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "fmt_bytes"]
+
+#: relative tolerance of the pp=1 comparison when the result is not bit-exact (tensor or data
+#: parallelism change the order of floating-point reductions; Adam amplifies the rounding)
+RTOL = 1e-3
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "n/a"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _print(text: str, bar=None) -> None:
+    if bar is not None:
+        bar.write(text, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(text, flush=True)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def write_schedule_figure(plan) -> dict:
+    """Draw the schedule the run starts with (``plan.built``) to ``plan.figure``; return its
+    simulated figures (in the units of ``--costs``)."""
+    if plan.built is None:
+        return {}
+    from ..schedule.plots import plot_timeline
+    sched, cost = plan.built
+    os.makedirs(plan.out_dir, exist_ok=True)
+    title = (f"{plan.schedule_label}: pp={plan.cfg.pp}, {plan.microbatches} microbatches, "
+             f"costs F,B,W,comm = {','.join(f'{x:g}' for x in plan.costs)}")
+    info: dict = {"schedule": plan.figure_schedule}
+    try:
+        res = plot_timeline(sched, cost, plan.figure, title=title)
+        info["figure"] = plan.figure
+    except Exception as e:  # noqa: BLE001 - a figure must not stop the run
+        from ..schedule import simulate
+        res = simulate(sched, cost)
+        info["figure_error"] = f"{type(e).__name__}: {e}"
+    info.update(makespan=res.makespan, bubble_rate=res.bubble_rate, peak_units=list(res.peak_memory),
+                costs=list(plan.costs))
+    return info
+
+
+class RankZeroLog:
+    """Rank 0's terminal output, text log and JSON log during training."""
+
+    def __init__(self, plan, *, sim_info: dict | None, data: str, setup_s: float):
+        self.plan = plan
+        c = plan.cfg
+        os.makedirs(plan.out_dir, exist_ok=True)
+        if os.path.dirname(plan.json_log):
+            os.makedirs(os.path.dirname(plan.json_log), exist_ok=True)
+        if sim_info is None and plan.built is not None:
+            sim_info = write_schedule_figure(plan)
+        self.sim_info = sim_info or {}
+        self.text = open(plan.text_log, "w", encoding="utf-8")
+        self.json = open(plan.json_log, "w", encoding="utf-8")
+        self.label = plan.schedule_label if c.pp > 1 else "none"
+        self.profiled_figure_path = os.path.join(plan.out_dir, "schedule-profiled.png")
+        self.bar = None
+        for line in header_lines(plan, self.sim_info, data, setup_s):
+            self.line(line)
+        if c.progress and _isatty(sys.stderr):
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=c.iters, desc="train", unit="it", file=sys.stderr, leave=False,
+                                dynamic_ncols=True)
+            except ImportError:  # pragma: no cover - tqdm is a dependency
+                self.bar = None
+
+    def line(self, text: str) -> None:
+        _print(text, self.bar)
+        self.text.write(text + "\n")
+        self.text.flush()
+
+    def iteration(self, rec: dict) -> None:
+        c = self.plan.cfg
+        rec = dict(rec, schedule=self.label, lr=c.lr,
+                   activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "saved_tensors")
+        self.json.write(json.dumps(rec) + "\n")
+        self.json.flush()
+        i = rec["iteration"]
+        if i == 1 or i == c.iters or i % c.log_interval == 0:
+            peaks = " ".join(fmt_bytes(b) for b in rec["peak_activation_bytes"])
+            self.line(f"iter {i:>{len(str(c.iters))}}/{c.iters}  loss {rec['loss']:.6f}  "
+                      f"grad norm {rec['grad_norm']:.4f}  {rec['time_s']:.3f} s  "
+                      f"activation peak per rank: {peaks}" + ("  [profiling]" if rec.get("profiling") else ""))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def rescheduled(self, res: dict) -> None:
+        w = res.get("window", ["?", "?"])
+        costs = res.get("costs_ms")
+        head = f"profile (iterations {w[0]}-{w[1]}): "
+        if costs:
+            def fmt(xs):
+                return "/".join(f"{x:.3g}" for x in xs)
+            head += (f"median per stage F {fmt(costs['F'])} ms, B {fmt(costs['B'])} ms, W {fmt(costs['W'])} ms, "
+                     f"p2p {costs['comm']:.3g} ms")
+        self.line(head)
+        if not res.get("changed"):
+            self.line(f"  schedule kept: {res.get('error', 'no change')}")
+            return
+        self.label = f"{self.plan.cfg.schedule} (re-generated from measured costs)"
+        before, after = res.get("simulated_ms_before"), res.get("simulated_ms_after")
+        txt = f"  {self.plan.cfg.schedule} re-generated from these costs"
+        if before is not None and after is not None:
+            txt += (f": simulated forward-backward {before:.1f} ms -> {after:.1f} ms (bubble "
+                    f"{res.get('bubble_before', 0):.1%} -> {res.get('bubble_after', 0):.1%})")
+        if res.get("same_order"):
+            txt += "; same op order as before"
+        self.line(txt)
+
+    def profiled_figure(self, sched, cost) -> None:
+        try:
+            from ..schedule.plots import plot_timeline
+            plot_timeline(sched, cost, self.profiled_figure_path,
+                          title=f"{self.plan.cfg.schedule} re-generated from measured costs (ms)")
+            self.line(f"profiled schedule figure: {self.profiled_figure_path}")
+        except Exception as e:  # noqa: BLE001
+            self.line(f"profiled schedule figure not written: {type(e).__name__}: {e}")
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def finish_training(self, records: list[dict]) -> dict:
+        self.close_progress()
+        self.json.close()
+        plan, c = self.plan, self.plan.cfg
+        times = [r["time_s"] for r in records]
+        fbs = [r["fb_time_s"] for r in records]
+        steady = times[1:] or times
+        pp = len(records[0]["peak_activation_bytes"]) if records else 0
+        peaks = [max(r["peak_activation_bytes"][i] for r in records) for i in range(pp)]
+        saved = [max(r["peak_saved_activation_bytes"][i] for r in records) for i in range(pp)]
+        summary = {
+            "iterations": len(records),
+            "total_time_s": sum(times),
+            "median_time_s": statistics.median(steady) if steady else None,
+            "median_fb_time_s": statistics.median(fbs[1:] or fbs) if fbs else None,
+            "first_loss": records[0]["loss"] if records else None,
+            "final_loss": records[-1]["loss"] if records else None,
+            "peak_activation_bytes": peaks,
+            "peak_saved_activation_bytes": saved,
+            "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "saved_tensors",
+            "simulated": self.sim_info,
+        }
+        self.line(f"trained {len(records)} iterations in {sum(times):.1f} s (median {summary['median_time_s']:.3f} "
+                  f"s per iteration after the first), loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}; "
+                  f"peak activation per rank: {' '.join(fmt_bytes(b) for b in peaks)}")
+        self.text.close()
+        return summary
+
+
+def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
+    c = plan.cfg
+    lines = []
+    lps = plan.layers_per_stage
+    split = f"{lps[0]} per stage" if len(set(lps)) == 1 else "per stage " + ",".join(map(str, lps))
+    lines.append(f"mppx train: {c.model}, {plan.layers} layers ({split}), hidden {c.hidden}, {c.heads} heads "
+                 f"({plan.kv_heads} kv), ffn {plan.ffn}, vocab {c.vocab}, seq {c.seq}"
+                 + (", tied embeddings" if c.tie_embeddings else "")
+                 + (f", dropout {c.dropout:g}" if c.dropout else ""))
+    backend = "NCCL" if plan.device == "cuda" else "gloo"
+    how = (f"{plan.world} local processes" if not plan.launch.external
+           else f"{plan.world} processes ({plan.launch.mode})")
+    lines.append(f"layout: pp {c.pp} x tp {c.tp} x dp {plan.dp} on {how}, {plan.device} ({backend}); "
+                 f"schedule {plan.schedule_label}"
+                 + (f", {plan.chunks} chunks per rank" if plan.chunks > 1 else "")
+                 + (f", memory budget {plan.memory_budget:g} units" if plan.memory_budget is not None else ""))
+    lines.append(f"batch: {plan.microbatches} microbatches x {c.micro_batch_size} sequence(s) per data-parallel rank "
+                 f"(global batch {plan.global_microbatches * c.micro_batch_size}); {c.iters} iterations, Adam lr "
+                 f"{c.lr:g}, seed {c.seed}; data: {data}")
+    if sim_info:
+        fig = sim_info.get("figure")
+        lines.append(f"schedule {sim_info.get('schedule')}: simulated bubble {sim_info['bubble_rate']:.1%}, peak "
+                     f"activation {'/'.join(f'{u:g}' for u in sim_info['peak_units'])} units per rank (costs "
+                     f"{','.join(f'{x:g}' for x in sim_info['costs'])})"
+                     + (f"; figure {fig}" if fig else f"; figure not written ({sim_info.get('figure_error')})"))
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    lines.append(f"set up in {setup_s:.1f} s; log {plan.text_log}, JSON log {plan.json_log}")
+    return lines
+
+
+def compare_losses(losses: list[float], ref: list[float], plan) -> dict:
+    """Compare the iteration losses of the run with the pp=1 reference."""
+    n = min(len(losses), len(ref))
+    got, want = losses[:n], ref[:n]
+    diffs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
+    worst = max(diffs) if diffs else 0.0
+    exact = all(a == b for a, b in zip(got, want))
+    c = plan.cfg
+    if n == 0:
+        verdict, ok = "nothing to compare", True
+    elif c.dropout > 0:
+        verdict, ok = (f"not comparable exactly (dropout {c.dropout:g} draws different masks per layout); "
+                       f"max relative difference {worst:.1e}"), True
+    elif exact:
+        verdict, ok = "bit-exact match", True
+    elif worst <= RTOL:
+        why = " (tp/dp change the order of floating-point reductions)" if (c.tp > 1 or plan.dp > 1) else ""
+        verdict, ok = f"match: max relative difference {worst:.1e} <= {RTOL:g}{why}", True
+    else:
+        verdict, ok = f"MISMATCH: max relative difference {worst:.1e} > {RTOL:g}", False
+    return {"iterations": n, "losses": want, "bit_exact": exact and n > 0, "max_rel_diff": worst,
+            "verdict": verdict, "ok": ok}
+
+
+def comparison_line(cmp: dict, losses: list[float], ref_time: float | None) -> str:
+    n = cmp["iterations"]
+    if n == 0:
+        return "pp=1 reference: skipped (--reference-iters 0)"
+    want = cmp["losses"]
+    t = f", {ref_time:.1f} s" if ref_time is not None else ""
+    mid = f"iteration 1 loss {losses[0]:.6f} vs {want[0]:.6f}"
+    if n > 1:
+        mid += f", iteration {n} loss {losses[n - 1]:.6f} vs {want[n - 1]:.6f}"
+    return f"pp=1 reference (1 process, same initial weights and data, {n} iterations{t}): {mid}: {cmp['verdict']}"
+
+
+def finish(plan, result: dict, ref: dict | None) -> dict:
+    """After the run (and the reference): print the comparison line, write summary.json.
+    Returns the summary document; its ``status`` is the exit status (1 when the comparison
+    fails, else 0)."""
+    records = result["records"]
+    summary = dict(result["summary"])
+    losses = [r["loss"] for r in records]
+    status = 0
+    lines = []
+    if ref is not None:
+        cmp = compare_losses(losses, ref["losses"], plan)
+        cmp["reference_time_s"] = ref.get("time_s")
+        cmp["reference_grad_norms"] = ref.get("grad_norms")
+        summary["reference"] = cmp
+        lines.append(comparison_line(cmp, losses, ref.get("time_s")))
+        status = 0 if cmp["ok"] else 1
+    else:
+        summary["reference"] = None
+        lines.append("pp=1 reference: skipped (--reference-iters 0)")
+    c = plan.cfg
+    doc = {
+        "config": dataclasses.asdict(c),
+        "layout": {"world": plan.world, "pp": c.pp, "tp": c.tp, "dp": plan.dp, "chunks": plan.chunks,
+                   "placement": list(plan.placement), "layers_per_stage": list(plan.layers_per_stage),
+                   "microbatches": plan.microbatches, "device": plan.device, "launch": plan.launch.mode},
+        "schedule": {"name": c.schedule if c.pp > 1 else None, "label": plan.schedule_label,
+                     "runtime": plan.runtime_schedule, "figure": plan.figure_schedule,
+                     "memory_budget": plan.memory_budget, "costs": list(plan.costs)},
+        **summary,
+        "status": status,
+    }
+    with open(plan.summary, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, default=str)
+    lines.append(f"summary {plan.summary}")
+    with open(plan.text_log, "a", encoding="utf-8") as f:
+        for ln in lines:
+            print(ln, flush=True)
+            f.write(ln + "\n")
+    return doc
