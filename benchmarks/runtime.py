@@ -19,8 +19,8 @@ Megatron optimizer, Megatron-Core's MockGPTDataset) on one pool of 4 forked gloo
    peak in units (``simulate(schedule).peak_memory``) times the bytes of one unit on that rank
    (the measured bytes one forward saves on each of the rank's stages, summed), and against
    the measured peak of 1F1B.
-3. **Makespan.** Every schedule is profiled over 2 iterations and re-generated from the median
-   F/B/W per stage and the measured p2p latency (``--profile-iters 2``); the simulated makespan
+3. **Makespan.** Every schedule is profiled over 3 iterations and re-generated from the median
+   F/B/W per stage and the measured p2p latency (``--profile-iters 3``); the simulated makespan
    of the re-generated schedule under those costs is compared with the measured
    forward-backward time of the iterations that follow.
 """
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
 
     t_start = time.perf_counter()
-    cpu0 = time.process_time()
+    load0 = os.getloadavg()[0]
     pool = WorkerPool(4, timeout=3600, threads=1, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
     try:
         # -- (1) timing: ours vs Megatron-Core, alternating every iteration in one launch -----------
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
         # -- (2) memory and (3) makespan: every schedule --------------------------------------
         rows = []
         for label, kw in schedule_runs():
-            prof = 0 if kw["schedule"] == "mcore" else 2
-            iters = 8 if prof else 6
+            prof = 0 if kw["schedule"] == "mcore" else 3
+            iters = 1 + prof + 6 if prof else 6
             plan, res, wall = run(pool, f"{args.work}/{kw['schedule']}", iters=iters, profile_iters=prof, **kw)
             s = res.summary
             sched, cost = plan.built
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
     finally:
         pool.close()
     wall = time.perf_counter() - t_start
+    args.load = (load0, os.getloadavg()[0])
     write_report(args, timing, rows, wall, torch.__version__, megatron.core.__version__)
     print(f"wrote {args.out} ({wall:.0f} s)")
     return 0
@@ -205,8 +206,9 @@ def write_report(args, timing, rows, wall, torch_version, mcore_version) -> None
     L.append(f"Produced by `python benchmarks/runtime.py` (--iters {args.iters}; {wall:.0f} s wall time).\n")
     L.append(f"- **Machine**: {os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), Linux, no GPU; "
              f"4 forked gloo processes (pp=4) with 1 torch thread each, so the 4 pipeline ranks time-share 2 "
-             f"cores; other jobs ran on the machine at the same time, so absolute times are noisy "
-             f"(the timing comparison alternates the two runs for that reason). torch {torch_version}, "
+             f"cores; other jobs ran on the machine at the same time (load average {args.load[0]:.1f} at the start, "
+             f"{args.load[1]:.1f} at the end), so absolute times are noisy (the timing comparison alternates the "
+             f"two functions every iteration for that reason). torch {torch_version}, "
              f"megatron-core {mcore_version}.")
     L.append(f"- **Model**: GPT (Megatron-Core GPTModel, local layer spec), {m['layers']} layers, "
              f"hidden {m['hidden']}, "
@@ -215,7 +217,7 @@ def write_report(args, timing, rows, wall, torch_version, mcore_version) -> None
              f"the V and interleaved schedules, two with the others); Megatron-Core DDP, the Megatron optimizer "
              f"(Adam), Megatron-Core's MockGPTDataset. Equivalent command for one run: "
              f"`mppx train --layers 8 --hidden 128 --heads 8 --vocab 1024 --seq 64 --global-batch-size 8 "
-             f"--schedule NAME --profile-iters 2 --iters 8`.")
+             f"--schedule NAME --profile-iters 3 --iters 10`.")
     L.append("- **Activation bytes** are the bytes of the tensors autograd saves for backward (unique storages, "
              "parameters excluded), from the forward until the storage is freed (after B, or after W for the "
              "inputs of the linear layers under the B/W split): `peak_saved_activation_bytes` of the JSON log.\n")
@@ -271,11 +273,11 @@ def write_report(args, timing, rows, wall, torch_version, mcore_version) -> None
              "forward's bytes.\n")
 
     L.append("## 3. Makespan: measured vs simulated\n")
-    L.append("Each schedule profiled over iterations 2-3 (per-op wall-clock times; median F/B/W per stage over "
+    L.append("Each schedule profiled over iterations 2-4 (per-op wall-clock times; median F/B/W per stage over "
              "the window, p2p latency measured by a ring exchange of one activation), re-generated from those "
              "costs, then run for the remaining iterations. *Simulated*: our simulator's makespan of the "
              "re-generated schedule (with its send/recv ops) under the measured costs. *Measured*: median "
-             "forward-backward time of the iterations after the re-generation.\n")
+             "forward-backward time of the 6 iterations after the re-generation.\n")
     L.append("| schedule | simulated (ms) | measured (ms) | measured / simulated | simulated bubble |")
     L.append("|---|---|---|---|---|")
     for r in rows:
@@ -286,11 +288,16 @@ def write_report(args, timing, rows, wall, torch_version, mcore_version) -> None
         L.append(f"| {r['label']}{note} | {r['sim_ms']:.0f} | {r['meas_ms']:.0f} | {r['meas_ms'] / r['sim_ms']:.2f} | "
                  f"{b} |")
     L.append("")
-    L.append("The simulator gives every rank its own processor; here the 4 ranks share 2 cores, so whenever two "
-             "ranks compute at the same time both slow down, and the p2p latency measured by the ring exchange "
-             "includes the operating system's scheduling delays. The per-op medians of the window contain that "
-             "slowdown only on average, hence measured above simulated on this machine; the measured ratios "
-             "between schedules are what this machine can show, not what they give on one GPU per rank.\n")
+    ratios = [r["meas_ms"] / r["sim_ms"] for r in rows if "sim_ms" in r]
+    if ratios:
+        L.append(f"Measured / simulated ranges from {min(ratios):.2f} to {max(ratios):.2f} here (median "
+                 f"{statistics.median(ratios):.2f}). The simulator gives every rank its own processor; on this "
+                 "machine the 4 ranks share 2 cores with each other and with other jobs (load average "
+                 f"{args.load[0]:.1f} at the start, {args.load[1]:.1f} at the end), so an op is slowed down whenever "
+                 "another rank computes at the same time, and the p2p latency measured by the ring exchange "
+                 "includes the operating system's scheduling delays. The per-op medians of the window catch that "
+                 "only as it was during the window, so the agreement is loose and the ranking of schedules by "
+                 "measured time here is not the ranking on one accelerator per rank.\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(L))
 

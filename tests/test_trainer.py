@@ -16,6 +16,9 @@ from megatron_pp_ext.cli import main
 from megatron_pp_ext.trainer.config import TrainConfig, TrainConfigError, make_plan
 from megatron_pp_ext.trainer.launcher import _first_host, detect_launch
 
+pytestmark = [pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|apex).*"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -141,7 +141,7 @@ class RankZeroLog:
             txt += (f": simulated forward-backward {before:.1f} ms -> {after:.1f} ms (bubble "
                     f"{res.get('bubble_before', 0):.1%} -> {res.get('bubble_after', 0):.1%})")
         if res.get("same_order"):
-            txt += "; same op order as before"
+            txt += "; same compute order as before (a fixed pattern)"
         self.line(txt)
 
     def profiled_figure(self, sched, cost) -> None:
