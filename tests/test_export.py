@@ -153,11 +153,14 @@ def test_csv_incomplete_schedule_is_a_validation_error_unless_unchecked():
 
 
 def test_csv_refuses_kinds_torch_cannot_express():
-    s = Schedule("x", 1, (0,), [[Op("F", 0, 0, 0), Op("OFFLOAD", 0, 0, 0)]])
-    from megatron_pp_ext.schedule.ir import OpKind, register_op_kind
-    register_op_kind(OpKind("OFFLOAD", "compute", "test-only compute kind"), replace=True)
-    with pytest.raises(ScheduleError, match="no PyTorch pipelining equivalent"):
-        to_torch_csv(s)
+    from megatron_pp_ext.schedule.ir import OpKind, register_op_kind, unregister_op_kind
+    s = Schedule("x", 1, (0,), [[Op("F", 0, 0, 0), Op("TEST_ONLY_X", 0, 0, 0)]])
+    register_op_kind(OpKind("TEST_ONLY_X", "compute", "test-only compute kind"))
+    try:
+        with pytest.raises(ScheduleError, match="no PyTorch pipelining equivalent"):
+            to_torch_csv(s)
+    finally:
+        unregister_op_kind("TEST_ONLY_X")
 
 
 # --- files -----------------------------------------------------------------------------------

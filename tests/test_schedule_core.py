@@ -207,3 +207,46 @@ def test_per_stage_costs_heavy_last_stage():
     heavy = base.with_(t_f=base.t_f[:-1] + (2.0,), t_b=base.t_b[:-1] + (2.0,))
     s, _ = build_schedule("1f1b", 4, 8, costs=heavy)
     assert simulate(s, heavy).makespan > simulate(s, base).makespan
+
+
+# --- extension points: extra requirements, per-stage W share --------------------------------
+
+def test_register_requirement_composes_without_replacing_the_kind():
+    from megatron_pp_ext.schedule.ir import (OpKind, op_kind, register_op_kind, register_requirement,
+                                             unregister_op_kind, _EXTRA_REQUIRES, _COMPOSED)
+    s, c = build_schedule("1f1b", 2, 2, with_comm=False)
+    base_f = op_kind("F")
+    register_op_kind(OpKind("TEST_GATE", "compute", "test-only: opens stage 0's forwards",
+                            produces=lambda op, sch: (("gate", op.stage, op.microbatch),)))
+    try:
+        register_requirement(("F",), "test.gate",
+                             lambda op, sch: (("gate", op.stage, op.microbatch),) if op.stage == 0 else ())
+        f00 = Op("F", 0, 0, 0)
+        assert op_kind("F").requires(f00, s) == (("gate", 0, 0),)
+        assert op_kind("F").requires(Op("F", 1, 0, 1), s) == (("act", 0, 0),)
+        # without the gate ops the schedule cannot run: the requirement is seen by the simulator
+        with pytest.raises(ScheduleError):
+            simulate(s, c)
+        gated = Schedule(s.name, s.num_microbatches, s.placement,
+                         [[Op("TEST_GATE", 0, m, 0) for m in range(2)] + list(s.ops[0]), list(s.ops[1])])
+        simulate(gated, c)
+    finally:
+        _EXTRA_REQUIRES["F"].pop("test.gate", None)
+        if not _EXTRA_REQUIRES["F"]:
+            del _EXTRA_REQUIRES["F"]
+        _COMPOSED.pop("F", None)
+        unregister_op_kind("TEST_GATE")
+    assert op_kind("F") is base_f
+
+
+def test_per_stage_w_fraction_drives_b_and_w_memory():
+    c = CostModel.uniform(2, w_fraction_per_stage=(0.25, 1.0))
+    assert c.w_share(0) == 0.25 and c.w_share(1) == 1.0
+    from megatron_pp_ext.schedule.ir import op_kind
+    assert op_kind("B").memory(c, Op("B", 0, 0, 0)) == pytest.approx(-0.75)
+    assert op_kind("W").memory(c, Op("W", 0, 0, 0)) == pytest.approx(-0.25)
+    assert op_kind("B").memory(c, Op("B", 1, 0, 1)) == pytest.approx(0.0)
+    with pytest.raises(ScheduleError, match="w_fraction_per_stage"):
+        CostModel.uniform(2, w_fraction_per_stage=(0.5,))
+    from megatron_pp_ext.schedule.export import cost_from_dict, cost_to_dict
+    assert cost_from_dict(cost_to_dict(c)).w_fraction_per_stage == (0.25, 1.0)

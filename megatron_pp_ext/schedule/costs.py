@@ -42,6 +42,9 @@ class CostModel:
     w_fraction: float = 1.0
     bytes_per_unit: float | None = None
     bytes_per_message: float | None = None
+    #: per-stage ``w_fraction`` where stages differ (measured: the embedding, layer and loss
+    #: stages keep different shares for their weight gradients); None: the scalar applies.
+    w_fraction_per_stage: tuple[float, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -54,8 +57,18 @@ class CostModel:
             raise ScheduleError(f"act: expected {n} per-stage values, got {len(self.act)}")
         if not 0.0 <= self.w_fraction <= 1.0:
             raise ScheduleError(f"w_fraction must be in [0, 1], got {self.w_fraction}")
+        if self.w_fraction_per_stage is not None:
+            per = tuple(float(w) for w in self.w_fraction_per_stage)
+            if len(per) != n or not all(0.0 <= w <= 1.0 for w in per):
+                raise ScheduleError(f"w_fraction_per_stage: expected {n} values in [0, 1], got {per}")
+            object.__setattr__(self, "w_fraction_per_stage", per)
         if self.comm < 0:
             raise ScheduleError(f"comm latency must be >= 0, got {self.comm}")
+
+    def w_share(self, stage: int) -> float:
+        """Share of stage ``stage``'s activation that only its W frees."""
+        per = self.w_fraction_per_stage
+        return self.w_fraction if per is None else per[stage]
 
     @property
     def num_stages(self) -> int:

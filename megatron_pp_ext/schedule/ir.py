@@ -79,25 +79,78 @@ class OpKind:
 
 
 _KINDS: dict[str, OpKind] = {}
+# Requirements features add to kinds they do not own (e.g. offload: a backward waits for the
+# reload of its activations): kind name -> {requirement name: fn(op, schedule) -> keys}.
+_EXTRA_REQUIRES: dict[str, dict[str, Callable[[Op, "Schedule"], tuple]]] = {}
+_COMPOSED: dict[str, OpKind] = {}
 
 
 def register_op_kind(kind: OpKind, *, replace: bool = False) -> OpKind:
-    """Add an op kind to the registry (features call this at import time)."""
+    """Add an op kind to the registry (features call this at import time).
+
+    A different kind under a registered name is refused unless ``replace`` (the owner
+    re-registering, e.g. on module reload); to make ops of someone else's kind wait for more
+    data, use :func:`register_requirement` instead of replacing the kind.
+    """
     if kind.name in _KINDS and not replace and _KINDS[kind.name] != kind:
         raise ScheduleError(f"op kind {kind.name!r} is already registered")
     _KINDS[kind.name] = kind
+    _COMPOSED.pop(kind.name, None)
     return kind
 
 
+def unregister_op_kind(name: str) -> None:
+    """Remove a kind (tests and plugins that register temporary kinds)."""
+    _KINDS.pop(name, None)
+    _COMPOSED.pop(name, None)
+    _EXTRA_REQUIRES.pop(name, None)
+
+
+def register_requirement(kinds: Iterable[str], name: str,
+                         requires: Callable[[Op, "Schedule"], tuple]) -> None:
+    """Make ops of ``kinds`` also wait for the keys ``requires(op, schedule)`` returns.
+
+    Registered under ``name`` (registering the same name again replaces it, so module reloads
+    are harmless). The simulator, the validator and the passes see the combined requirement
+    through :func:`op_kind`; the kind itself is not replaced, so features compose.
+    """
+    for k in kinds:
+        _EXTRA_REQUIRES.setdefault(k, {})[name] = requires
+        _COMPOSED.pop(k, None)
+
+
+def _compose(base: OpKind, extras: dict) -> OpKind:
+    fns = tuple(extras.values())
+    orig = base.requires
+
+    def requires(op: Op, sched: "Schedule") -> tuple:
+        keys = tuple(orig(op, sched))
+        for fn in fns:
+            more = fn(op, sched)
+            if more:
+                keys += tuple(more)
+        return keys
+
+    return OpKind(base.name, base.category, base.description, requires, base.produces,
+                  base.duration, base.memory)
+
+
 def op_kind(name: str) -> OpKind:
+    got = _COMPOSED.get(name)
+    if got is not None:
+        return got
     try:
-        return _KINDS[name]
+        base = _KINDS[name]
     except KeyError:
         raise ScheduleError(f"unknown op kind {name!r}; registered: {', '.join(sorted(_KINDS))}") from None
+    extras = _EXTRA_REQUIRES.get(name)
+    got = _compose(base, extras) if extras else base
+    _COMPOSED[name] = got
+    return got
 
 
 def op_kinds() -> dict[str, OpKind]:
-    return dict(_KINDS)
+    return {name: op_kind(name) for name in _KINDS}
 
 
 # --- the built-in compute kinds -------------------------------------------------------
@@ -125,14 +178,14 @@ B = register_op_kind(OpKind(
     requires=_bwd_requires,
     produces=lambda op, s: (("grad", op.stage, op.microbatch),),
     duration=lambda c, op: c.t_b[op.stage],
-    memory=lambda c, op: -c.act[op.stage] * (1.0 - c.w_fraction),
+    memory=lambda c, op: -c.act[op.stage] * (1.0 - c.w_share(op.stage)),
 ))
 W = register_op_kind(OpKind(
     "W", "compute", "backward for weights, deferred from its B",
     requires=lambda op, s: (("grad", op.stage, op.microbatch),),
     produces=lambda op, s: (("wgrad", op.stage, op.microbatch),),
     duration=lambda c, op: c.t_w[op.stage],
-    memory=lambda c, op: -c.act[op.stage] * c.w_fraction,
+    memory=lambda c, op: -c.act[op.stage] * c.w_share(op.stage),
 ))
 BW = register_op_kind(OpKind(
     "BW", "compute", "full backward (inputs and weights together)",
