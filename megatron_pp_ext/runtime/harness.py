@@ -66,6 +66,12 @@ class RunConfig:
     record_timings: bool = False
     config_overrides: dict = field(default_factory=dict, hash=False)
     executor_options: dict = field(default_factory=dict, hash=False)
+    #: feature hooks (picklable): ``model_hook(chunks, config, cfg) -> extra`` runs on the bare
+    #: chunks before DDP wraps them (e.g. vocabulary parallelism replaces layers there);
+    #: ``executor_factory(cfg, extra, **executor_kwargs) -> executor`` replaces the plain
+    #: ScheduleExecutor (same call signature).
+    model_hook: Any = field(default=None, hash=False)
+    executor_factory: Any = field(default=None, hash=False)
 
     @property
     def world_size(self) -> int:
@@ -155,6 +161,7 @@ class Training:
     executor: Any               # the ScheduleExecutor, or None
     placement: tuple
     meta: dict                  # global name -> (tp partition dim, GLU fc1)
+    extra: Any = None           # what cfg.model_hook returned (e.g. the vocabulary engine)
 
     @property
     def dp_rank(self) -> int:
@@ -221,6 +228,7 @@ def setup_training(cfg: RunConfig) -> Training:
     config = make_config(cfg.spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None,
                          **overrides)
     chunks = build_model_chunks(cfg.spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
+    extra = cfg.model_hook(chunks, config, cfg) if cfg.model_hook is not None else None
     meta = param_meta(chunks, cfg.spec)
     model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce,
                      average_in_collective=False)
@@ -237,14 +245,16 @@ def setup_training(cfg: RunConfig) -> Training:
 
     executor = None
     if cfg.schedule is None:
+        if cfg.executor_factory is not None:
+            raise ValueError("RunConfig.executor_factory needs one of our schedules (schedule=None runs Megatron-Core's)")
         fb = get_forward_backward_func()
     else:
         from .executor import ScheduleExecutor
-        executor = ScheduleExecutor(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget,
-                                    costs=cfg.costs, record_timings=cfg.record_timings,
-                                    **cfg.executor_options)
+        make = ScheduleExecutor if cfg.executor_factory is None else partial(cfg.executor_factory, cfg, extra)
+        executor = make(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget, costs=cfg.costs,
+                        record_timings=cfg.record_timings, **cfg.executor_options)
         fb = executor
-    return Training(cfg, config, model, optimizer, fb, executor, tuple(placement), meta)
+    return Training(cfg, config, model, optimizer, fb, executor, tuple(placement), meta, extra)
 
 
 def run_training(cfg: RunConfig) -> dict:

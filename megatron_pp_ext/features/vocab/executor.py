@@ -197,6 +197,14 @@ class VocabExecutor:
                                                     with_comm=True, options=self.options)
         return self._built[key]
 
+    # the executor's extension points and profiling switches, passed through (trainer, offload)
+    op_hook = property(lambda self: self.inner.op_hook, lambda self, v: setattr(self.inner, "op_hook", v))
+    op_handlers = property(lambda self: self.inner.op_handlers)
+    record_timings = property(lambda self: self.inner.record_timings,
+                              lambda self, v: setattr(self.inner, "record_timings", v))
+    sync_timings = property(lambda self: self.inner.sync_timings,
+                            lambda self, v: setattr(self.inner, "sync_timings", v))
+
     @property
     def last_schedule(self):
         return self.inner.last_schedule

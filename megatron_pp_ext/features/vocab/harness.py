@@ -20,8 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ...runtime.harness import RunConfig, forward_step, make_batch, merge_results
-from ...runtime.model import (build_model_chunks, full_param, global_named_parameters, make_config, param_meta,
-                              wrap_ddp)
+from ...runtime.model import full_param, global_named_parameters
 from .config import VocabParallelConfig
 
 __all__ = ["VocabTraining", "setup_vocab_training", "run_vocab_training", "merge_vocab_results",
@@ -68,56 +67,48 @@ class VocabTraining:
                              tokens=[b["tokens"] for b in batches])
 
 
-def setup_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig) -> VocabTraining:
-    """Like ``harness.setup_training`` for a registered schedule, with vocabulary parallelism."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+@dataclass(frozen=True)
+class VocabModelHook:
+    """``RunConfig.model_hook``: make the bare chunks vocabulary parallel (before DDP) and load the
+    shards from the full per-name initial weights, so the run starts from the plain model's."""
 
-    from ...runtime.harness import _placement
-    from .executor import VocabExecutor
-    from .model import apply_vocab_parallel
+    vcfg: VocabParallelConfig
+    tied: bool = False
 
+    def __call__(self, chunks: list, config: Any, cfg: RunConfig):
+        from .model import apply_vocab_parallel
+        engine = apply_vocab_parallel(chunks, self.vcfg, vocab_size=cfg.spec.vocab_size, tied=self.tied)
+        V, h = cfg.spec.vocab_size, cfg.spec.hidden_size
+        emb = full_param(cfg.seed, EMBEDDING_NAME, [V, h])
+        out = emb if self.tied else full_param(cfg.seed, OUTPUT_NAME, [V, h])
+        engine.shards.load_full(out.to(engine.dtype), None if self.tied else emb.to(engine.dtype))
+        return engine
+
+
+@dataclass(frozen=True)
+class VocabExecutorFactory:
+    """``RunConfig.executor_factory``: a :class:`~.executor.VocabExecutor` on the hook's engine."""
+
+    def __call__(self, cfg: RunConfig, engine: Any, schedule: str, **executor_kwargs):
+        from .executor import VocabExecutor
+        return VocabExecutor(schedule, engine, **executor_kwargs)
+
+
+def vocab_run_config(cfg: RunConfig, vcfg: VocabParallelConfig) -> RunConfig:
+    """``cfg`` with vocabulary parallelism: the model is built untied (the shards hold the tied
+    tensor), the hook applies the surgery, the executor runs the vocabulary passes."""
     if not isinstance(cfg.schedule, str):
         raise ValueError("vocabulary-parallel runs need a registered schedule name")
-    if dist.get_world_size() != cfg.world_size:
-        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {cfg.world_size}")
-    placement = _placement(cfg)
-    v = len(placement) // cfg.pp
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        virtual_pipeline_model_parallel_size=v if v > 1 else None)
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed)
-    overrides = dict(cfg.config_overrides)
-    overrides.setdefault("sequence_parallel", cfg.sequence_parallel)
-    overrides.setdefault("deallocate_pipeline_outputs", cfg.deallocate_pipeline_outputs)
-    if cfg.loss == "per_token_global":
-        overrides.setdefault("calculate_per_token_loss", True)
-    if cfg.recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     spec = cfg.spec.__class__(**{**cfg.spec.__dict__, "tie_embeddings": False})
-    config = make_config(spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None, **overrides)
-    chunks = build_model_chunks(spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
-    engine = apply_vocab_parallel(chunks, vcfg, vocab_size=spec.vocab_size, tied=cfg.spec.tie_embeddings)
-    V, h = spec.vocab_size, spec.hidden_size
-    emb = full_param(cfg.seed, EMBEDDING_NAME, [V, h])
-    out = emb if cfg.spec.tie_embeddings else full_param(cfg.seed, OUTPUT_NAME, [V, h])
-    engine.shards.load_full(out.to(engine.dtype), None if cfg.spec.tie_embeddings else emb.to(engine.dtype))
-    meta = param_meta(chunks, cfg.spec)
-    model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce, average_in_collective=False)
-    opt_config = OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=0.0,
-                                 adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=False, fp16=False,
-                                 params_dtype=torch.float32, use_distributed_optimizer=False)
-    optimizer = get_megatron_optimizer(opt_config, model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    executor = VocabExecutor(cfg.schedule, engine, chunks=cfg.chunks, memory_budget=cfg.memory_budget,
-                             costs=cfg.costs, record_timings=cfg.record_timings, **cfg.executor_options)
-    return VocabTraining(cfg, vcfg, config, model, optimizer, executor, engine, tuple(placement), meta)
+    return cfg.replace(spec=spec, model_hook=VocabModelHook(vcfg, bool(cfg.spec.tie_embeddings)),
+                       executor_factory=VocabExecutorFactory())
+
+
+def setup_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig) -> VocabTraining:
+    """``harness.setup_training`` with vocabulary parallelism (:func:`vocab_run_config`)."""
+    from ...runtime.harness import setup_training
+    tr = setup_training(vocab_run_config(cfg, vcfg))
+    return VocabTraining(cfg, vcfg, tr.config, tr.model, tr.optimizer, tr.executor, tr.extra, tr.placement, tr.meta)
 
 
 def _is_vocab(name: str) -> bool:
