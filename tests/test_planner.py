@@ -252,3 +252,24 @@ def test_calibration_fit_and_file(tmp_path):
     cal = load_calibration(str(lp), true.with_(gemm_max=0.4), m, cl)
     assert cal.gemm_max == pytest.approx(0.72, rel=1e-3)
     assert math.isfinite(cal.gemm_half)
+
+
+def test_emitted_feature_flags_are_accepted_by_the_feature_parsers():
+    """Every option the feature estimators can emit parses with the runtime's own flag parsers
+    (the contract between the planner and `mppx train` / the Megatron-LM integration)."""
+    import argparse
+
+    from megatron_pp_ext.features.offload.flags import add_offload_arguments, offload_config_from_args
+    from megatron_pp_ext.features.vocab.flags import add_vocab_arguments, vocab_config_from_args
+    from megatron_pp_ext.planner.features import OffloadEstimator, VocabParallelEstimator
+
+    parser = argparse.ArgumentParser()
+    add_offload_arguments(parser)
+    add_vocab_arguments(parser)
+    for option in ("auto", "half", "full", "0.3"):
+        cfg = offload_config_from_args(parser.parse_args(OffloadEstimator().flags(option)))
+        assert cfg.enabled, option
+        if option in ("half", "0.3"):
+            assert cfg.policy == "selective" and cfg.target == {"half": "0.5x", "0.3": "0.7x"}[option]
+    for option, alg in (("alg1", 1), ("alg2", 2)):
+        assert vocab_config_from_args(parser.parse_args(VocabParallelEstimator().flags(option))).algorithm == alg

@@ -163,7 +163,14 @@ class OffloadEstimator(BaseFeature):
                          f"{cand.m * exposed * 1e3:.1f} ms per iteration) [model-based]")
 
     def flags(self, option: str) -> list[str]:
-        return [self.flag, option]
+        """The runtime's flags (features/offload/flags.py): ``auto`` and ``full`` are policies of
+        their own; a share (``half``, 0.3) becomes ``selective`` with the matching peak target."""
+        if option in ("auto", "full"):
+            return [self.flag, option]
+        ratio = self.RATIOS.get(option)
+        if ratio is None:
+            ratio = float(option)
+        return [self.flag, "selective", "--activation-offload-target", f"{1.0 - ratio:.3g}x"]
 
 
 # --- vocabulary parallelism (REFERENCE §6) ----------------------------------------------------
@@ -236,7 +243,7 @@ class VocabParallelEstimator(BaseFeature):
                          f"{fmt_bytes(shard_act)} output activations per rank [model-based]")
 
     def flags(self, option: str) -> list[str]:
-        return [self.flag]  # the algorithm (1 or 2) is the runtime's choice; the plan names it
+        return [self.flag, "--vocab-parallel-algorithm", option.removeprefix("alg")]
 
 
 # --- BPipe (REFERENCE §7) ---------------------------------------------------------------------
