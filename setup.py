@@ -18,6 +18,7 @@ setup(
         "numpy",
         "matplotlib",
         "tqdm",
+        "psutil",  # Megatron-Core's torch_dist checkpoint writer needs it (mppx train --save)
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],

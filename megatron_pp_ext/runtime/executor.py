@@ -46,6 +46,7 @@ import contextlib
 import hashlib
 import inspect
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -72,6 +73,15 @@ _SCHEDULE_CACHE: dict = {}
 
 class ScheduleMismatchError(ScheduleError):
     """The schedule does not fit the call (ranks, chunks, model) or differs between ranks."""
+
+
+def _event_times(timings: list, ev0) -> list:
+    """OpTimings whose start/end are CUDA events -> seconds since ``ev0`` (one synchronisation)."""
+    if not timings:
+        return timings
+    timings[-1].end.synchronize()
+    return [dataclasses.replace(t, start=ev0.elapsed_time(t.start) / 1e3, end=ev0.elapsed_time(t.end) / 1e3)
+            for t in timings]
 
 
 @dataclass
@@ -121,12 +131,18 @@ class ScheduleExecutor:
         batch_p2p: None (batched on NCCL, plain on gloo), True or False.
         record_timings: keep per-op wall-clock timings of the last call in ``last_timings``.
         sync_timings: with CUDA, synchronise the device around every op while recording, so
-            that the timings are device times (slower; for profiling runs).
+            that the timings are device times (slower; for profiling runs). Without it, CUDA
+            timings come from CUDA events recorded around every op on the current stream
+            (read once at the end of the call; the host never waits mid-iteration).
         op_hook: ``hook(op, phase)`` with phase "before"/"after", around every op.
         op_handlers: ``{kind: handler(executor, op, context)}`` for extra op kinds.
         check_ranks_agree: all-gather a digest of the schedule over the pipeline group the
             first time a schedule is used, and refuse to run if the ranks disagree.
     """
+
+    #: tied embeddings with the first and last stage on one rank (V): allowed when the caller keeps
+    #: the two copies equal (the Megatron-LM integration sums their gradients on that rank)
+    allow_tied_v: bool = False
 
     def __init__(self, schedule: str | Schedule | Callable[[int, int], Schedule], *, chunks: int = 1,
                  costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0), memory_budget: float | str | None = None,
@@ -260,7 +276,7 @@ class ScheduleExecutor:
                     raise ScheduleMismatchError(
                         f"model chunk {c} (stage {s}) on pipeline rank {rank} has {flag}={getattr(core, flag)}, "
                         f"but stage {s} of {S} needs {flag}={expect}")
-            if (S > 1 and sched.placement[0] == sched.placement[last] and pp > 1
+            if (S > 1 and sched.placement[0] == sched.placement[last] and pp > 1 and not self.allow_tied_v
                     and getattr(core, "share_embeddings_and_output_weights", False)):
                 raise NotImplementedError("tied input/output embeddings with the first and last stage on the "
                                           "same rank (V placement) are not supported yet; untie them")
@@ -424,11 +440,23 @@ class ScheduleExecutor:
         cp_size = cp_group.size()
 
         sync = self.sync_timings and timings is not None and device.type == "cuda"
+        events = timings is not None and device.type == "cuda" and not sync
+        ev0 = None
+        if events:
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record()
 
-        def now() -> float:
+        def now():
+            if events:  # a CUDA event; converted to seconds after the call (_event_times)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                return ev
             if sync:
                 torch.cuda.synchronize(device)
             return time.perf_counter()
+
+        def span(ts, te) -> tuple:
+            return (ts, te) if events else (ts - t0, te - t0)
 
         def hook(op: Op, phase: str) -> None:
             if self.op_hook is not None:
@@ -545,7 +573,7 @@ class ScheduleExecutor:
                     for o in batch:
                         hook(o, "after")
                         if timings is not None:
-                            timings.append(OpTiming(str(o), o.kind, o.stage, o.microbatch, ts - t0, te - t0))
+                            timings.append(OpTiming(str(o), o.kind, o.stage, o.microbatch, *span(ts, te)))
                     idx = j
                     continue
                 hook(op, "before")
@@ -565,7 +593,7 @@ class ScheduleExecutor:
                 te = now()
                 hook(op, "after")
                 if timings is not None:
-                    timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, ts - t0, te - t0))
+                    timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, *span(ts, te)))
                 if train and op.kind in ("B", "W", "BW"):
                     c = chunk_of[op.stage]
                     if last_grad_op.get(c) == idx:
@@ -601,7 +629,7 @@ class ScheduleExecutor:
         if config.timers is not None:
             config.timers("forward-backward").stop()
         self.state = None
-        self.last_timings = timings
+        self.last_timings = _event_times(timings, ev0) if events else timings
         self.last_schedule = sched
         self.last_p2p_bytes = (p2p.bytes_sent, p2p.bytes_received)
         return forward_data_store

@@ -71,6 +71,10 @@ class RunConfig:
     #: ``executor_factory(cfg, extra, **executor_kwargs) -> executor`` replaces the plain
     #: ScheduleExecutor (same call signature).
     model_hook: Any = field(default=None, hash=False)
+    #: where the chunks live: "cpu", "cuda" (the current CUDA device), or None: cuda when the
+    #: default process group is NCCL. Chunks are built on the CPU (weights from the seed and
+    #: their global names) and moved before the hook, DDP and the optimizer see them.
+    device: str | None = None
     executor_factory: Any = field(default=None, hash=False)
 
     @property
@@ -228,6 +232,11 @@ def setup_training(cfg: RunConfig) -> Training:
     config = make_config(cfg.spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None,
                          **overrides)
     chunks = build_model_chunks(cfg.spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
+    device = cfg.device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    if device == "cuda":  # Module.to keeps the Parameter objects and their Megatron attributes
+        chunks = [c.to(torch.device("cuda", torch.cuda.current_device())) for c in chunks]
+    elif device != "cpu":
+        raise ValueError(f"RunConfig.device {device!r}: use 'cpu', 'cuda' or None")
     extra = cfg.model_hook(chunks, config, cfg) if cfg.model_hook is not None else None
     meta = param_meta(chunks, cfg.spec)
     model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce,

@@ -56,10 +56,15 @@ class ModelSpec:
     tie_embeddings: bool = False
     layers_per_stage: tuple[int, ...] | None = None  # default: split_layers(num_layers, stages)
     config_overrides: dict = field(default_factory=dict, hash=False)
+    #: "local" (Megatron-Core's local spec: ColumnParallelLinear/RowParallelLinear) or
+    #: "transformer_engine" (the TE spec; GPU only, Transformer Engine installed)
+    transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
         if self.variant not in ("gpt", "llama"):
             raise ValueError(f"model variant {self.variant!r}: use 'gpt' or 'llama'")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"transformer_impl {self.transformer_impl!r}: use 'local' or 'transformer_engine'")
 
     @property
     def query_groups(self) -> int:
@@ -152,6 +157,9 @@ def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
         def __repr__(self) -> str:
             return f"StageLayerLayout(placement={placement}, layers_per_stage={tuple(layers_per_stage)})"
 
+        def __reduce__(self):  # picklable (Megatron-LM saves its arguments in checkpoints)
+            return (StageLayerLayout, (placement, tuple(int(n) for n in layers_per_stage)))
+
         def _stage(self, vp_stage, pp_rank) -> int:
             if pp_rank is None:
                 pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -234,9 +242,26 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
     return TransformerConfig(**kw)
 
 
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine's PyTorch extension imports (never on a CPU-only machine)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a CUDA library that fails to load
+        return False
+    return True
+
+
 def _layer_spec(spec: ModelSpec):
+    norm = "RMSNorm" if spec.variant == "llama" else "LayerNorm"
+    if spec.transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise ValueError("transformer_impl 'transformer_engine' (--transformer-impl transformer_engine) needs "
+                             "Transformer Engine (pip install transformer_engine[pytorch] on a CUDA machine); use "
+                             "--transformer-impl local")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        return get_gpt_layer_with_transformer_engine_spec()  # (TE norms follow config.normalization)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    return get_gpt_layer_local_spec(normalization="RMSNorm" if spec.variant == "llama" else "LayerNorm")
+    return get_gpt_layer_local_spec(normalization=norm)
 
 
 def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None = None, *,
@@ -390,8 +415,10 @@ def param_meta(chunks, spec: ModelSpec | None = None) -> dict[str, tuple[int | N
 
 
 @torch.no_grad()
-def init_weights(chunks, seed: int, spec: ModelSpec | None = None) -> None:
-    """Set every parameter from (seed, global name), cutting tp shards from the full tensor."""
+def init_weights(chunks, seed: int, spec: ModelSpec | None = None, *, full=None) -> None:
+    """Set every parameter from (seed, global name), cutting tp shards from the full tensor.
+    ``full(seed, name, shape)`` gives the full tensor (default :func:`full_param`)."""
+    full_fn = full_param if full is None else full
     from megatron.core import parallel_state
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -403,8 +430,8 @@ def init_weights(chunks, seed: int, spec: ModelSpec | None = None) -> None:
         shape = list(p.shape)
         if dim is not None:
             shape[dim] *= tp
-        full = full_param(seed, name, shape)
-        p.copy_(shard_of(full, name, dim, tp, tp_rank, glu=_is_glu_fc1(name, spec)))
+        value = full_fn(seed, name, shape)
+        p.copy_(shard_of(value, name, dim, tp, tp_rank, glu=_is_glu_fc1(name, spec)))
 
 
 def wrap_ddp(chunks, config, **ddp_kwargs) -> list:

@@ -47,6 +47,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     seq: int = 32
     dropout: float = 0.0
+    transformer_impl: str = "auto"       # auto: transformer_engine on GPUs with TE installed, else local
     # batch and layout
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default: 2 * pp microbatches per data-parallel rank
@@ -73,6 +74,12 @@ class TrainConfig:
     log_interval: int = 1
     progress: bool = True
     timeout: float = 86400.0
+    # feature plug-ins (trainer/features.py): (name, config) of each one the flags turn on
+    features: tuple = ()
+    # checkpoints (trainer/checkpoint.py)
+    save: str | None = None
+    save_interval: int | None = None     # default: save at the end only
+    load: str | None = None
 
     def replace(self, **kw) -> "TrainConfig":
         return dataclasses.replace(self, **kw)
@@ -133,6 +140,10 @@ class Plan:
     summary: str
     notes: tuple[str, ...] = ()
     built: Any = field(default=None, compare=False, repr=False)
+    resume: Any = None               # checkpoint.Resume when --load found a checkpoint
+    transformer_impl: str = "local"  # resolved --transformer-impl
+    schedule_factory: Any = None     # a feature's (pp, m) -> (Schedule, CostModel) run instead of the name
+    feature_summary: dict = field(default_factory=dict)
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -180,7 +191,8 @@ class Plan:
         return ModelSpec(c.model, num_layers=self.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
                          num_query_groups=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=c.vocab,
                          max_sequence_length=c.seq, tie_embeddings=c.tie_embeddings,
-                         layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None)
+                         layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None,
+                         transformer_impl=self.transformer_impl)
 
     def _overrides(self) -> dict:
         d = self.cfg.dropout
@@ -191,13 +203,17 @@ class Plan:
         from ..runtime.harness import RunConfig
         c = self.cfg
         pipelined = c.pp > 1
-        return RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
-                         schedule=self.runtime_schedule if pipelined else None,
+        run = RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
+                         schedule=(self.schedule_factory or self.runtime_schedule) if pipelined else None,
                          chunks=self.chunks if pipelined else 1,
                          memory_budget=self.memory_budget, costs=self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
                          config_overrides=self._overrides())
+        if c.features:
+            from .features import feature_run_config
+            run = feature_run_config(c.features, run)
+        return run
 
     def reference_config(self):
         """The pp=1 run on one process: same model, weights, data (every microbatch), optimizer."""
@@ -248,6 +264,24 @@ def _check_model(c: TrainConfig, kv: int, ffn: int) -> None:
 def _schedule_names() -> list[str]:
     from ..schedule import schedule_names
     return [MCORE] + schedule_names()
+
+
+def _resolve_transformer_impl(requested: str, device: str) -> str:
+    """``--transformer-impl``: auto picks Transformer Engine on GPUs where it is installed."""
+    from ..runtime.model import transformer_engine_available
+    if requested not in ("auto", "local", "transformer_engine"):
+        _fail(f"--transformer-impl {requested!r}: use auto, local or transformer_engine")
+    if requested == "local":
+        return "local"
+    if requested == "transformer_engine":
+        if device != "cuda":
+            _fail("--transformer-impl transformer_engine runs on GPUs only; use --device cuda, or --transformer-impl "
+                  "local on CPU")
+        if not transformer_engine_available():
+            _fail("--transformer-impl transformer_engine: Transformer Engine is not installed (pip install "
+                  "transformer_engine[pytorch]); use --transformer-impl local")
+        return "transformer_engine"
+    return "transformer_engine" if device == "cuda" and transformer_engine_available() else "local"
 
 
 def _resolve_device(requested: str, launch: Launch, world: int | None) -> str:
@@ -379,10 +413,16 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         placement = v_placement(c.pp)
     else:
         placement = loop_placement(c.pp, chunks)
-    if c.tie_embeddings and pipelined and placement[0] == placement[-1]:
+    tied_v_ok = False
+    if c.features:
+        from .features import train_features
+        reg = train_features()
+        tied_v_ok = any(getattr(reg[n], "allows_tied_v_placement", False) for n, _ in c.features)
+    if c.tie_embeddings and pipelined and placement[0] == placement[-1] and not tied_v_ok:
         _fail(f"--tie-embeddings with schedule {c.schedule!r}: its V placement puts the first and the last "
               "stage on rank 0, which the runtime does not support with tied embeddings yet; drop "
-              "--tie-embeddings or use a loop schedule (1f1b, zb-h1, ...)")
+              "--tie-embeddings, use a loop schedule (1f1b, zb-h1, ...), or add --enable-vocab-parallel (its shards "
+              "hold the tied embedding on every rank)")
 
     from ..cli.core import CLIError, parse_costs
     try:
@@ -428,7 +468,39 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             if c.iters < profile + 2:
                 _fail(f"--profile-iters {profile} needs --iters >= {profile + 2} (iteration 1 is a warm-up, then "
                       f"{profile} profiled iterations, then at least one with the new schedule)")
-    ref = min(c.iters, 5) if c.reference_iters is None else min(c.reference_iters, c.iters)
+    # -- feature plug-ins (offload, BPipe, ...): their passes on the schedule, checked now --------
+    factory = None
+    feature_summary: dict = {}
+    if c.features:
+        from .features import PlanContext, plan_features
+        ctx = PlanContext(cfg=c, pp=c.pp, chunks=chunks, microbatches=m, schedule=runtime_schedule,
+                          mcore=mcore, costs=tuple(costs), memory_budget=budget, built=built)
+        try:
+            factory, built, feature_notes, feature_summary = plan_features(c.features, ctx)
+        except TrainConfigError:
+            raise
+        except ValueError as e:  # a feature's flag error (names the flag)
+            _fail(str(e))
+        notes.extend(feature_notes)
+        if (factory is not None or built is not ctx.built) and profile:
+            if c.profile_iters:
+                _fail(f"--profile-iters {profile}: re-generating the schedule from measured costs is not supported "
+                      f"together with {', '.join('--' + n for n, _ in c.features)} yet; use --profile-iters 0")
+            profile = 0
+    # -- checkpoints (before the reference: a resumed run compares iterations after the resume) ---
+    from .checkpoint import check_save, plan_resume
+    check_save(c)
+    resume, ckpt_notes = plan_resume(c, {"pp": c.pp, "tp": c.tp, "dp": dp, "chunks": chunks,
+                                         "placement": list(placement), "layers_per_stage": list(lps)},
+                                     {"layers": sum(lps), "kv_heads": kv, "ffn": ffn, "global_batch_size": gbs})
+    notes.extend(ckpt_notes)
+    left = c.iters - (resume.iteration if resume is not None else 0)
+    if resume is not None and profile and left < profile + 2:  # the window counts from the resume
+        if c.profile_iters is not None:
+            _fail(f"--profile-iters {profile}: the run resumes at iteration {resume.iteration + 1} of --iters {c.iters}, "
+                  f"too few left for a warm-up, {profile} profiled iterations and one more; use --profile-iters 0")
+        profile = 0
+    ref = min(left, 5) if c.reference_iters is None else min(c.reference_iters, left)
 
     # -- data and files ----------------------------------------------------------------------
     data = "mock"
@@ -454,6 +526,7 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     if not (c.timeout > 0):
         _fail(f"--timeout {c.timeout}: must be positive (seconds)")
     device = _resolve_device(c.device, launch, world)
+    impl = _resolve_transformer_impl(c.transformer_impl, device)
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
     return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
@@ -461,7 +534,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                 figure_schedule=figure_schedule, costs=costs, memory_budget=budget, profile_iters=profile,
                 reference_iters=ref, data=data, out_dir=out, json_log=json_log,
                 text_log=os.path.join(out, "train.log"), figure=os.path.join(out, "schedule.png"),
-                summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built)
+                summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built, resume=resume,
+                schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl)
 
 
 # --- command line -------------------------------------------------------------------------
@@ -512,6 +586,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dropout", type=_float_pos, default=d.dropout, metavar="P",
                    help="hidden and attention dropout (default: 0; with dropout the pp=1 comparison is "
                         "statistical, not exact)")
+    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
+                   help="layer implementation: Megatron-Core's local spec or the Transformer Engine spec (default "
+                        "auto: transformer_engine on GPUs with TE installed, else local)")
     g = parser.add_argument_group("batch and layout")
     g.add_argument("--micro-batch-size", type=_int(1, 1), default=d.micro_batch_size, metavar="B",
                    help="sequences per microbatch (default: 1)")
@@ -567,19 +644,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--timeout", type=_float_pos, default=d.timeout, metavar="SECONDS",
                    help="stop a local run that has not finished after this long (default: 86400)")
+    g = parser.add_argument_group("checkpoints (Megatron-Core distributed checkpointing)")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="save model, optimizer, RNG and iteration to DIR/iter_XXXXXXX (Megatron-Core torch_dist "
+                        "format) at the end, and every --save-interval iterations")
+    g.add_argument("--save-interval", type=_int(1, 5), default=None, metavar="N",
+                   help="also save every N iterations (default: at the end only)")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from the latest checkpoint in DIR (or an iter_XXXXXXX directory); --iters is "
+                        "the total; no checkpoint there: start from scratch with a warning, as Megatron-LM does")
+
+    from .features import add_feature_arguments
+    add_feature_arguments(parser)  # offload, BPipe, ... (trainer/features.py)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from .features import features_from_args
+    try:
+        features = features_from_args(args)
+    except ValueError as e:  # a feature's flag error (names the flag and the fix)
+        raise TrainConfigError(str(e)) from None
+    return _config_from_args(args).replace(features=features)
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, layers=args.layers, layers_per_stage=args.layers_per_stage, hidden=args.hidden,
         heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-        tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout,
+        tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
         profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, seed=args.seed, data_path=args.data_path,
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
-        timeout=args.timeout)
+        timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)
 
 
 def plan_from_env(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> Plan:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol
 
 __all__ = ["TrainFeature", "FeatureRuntime", "FeaturePlan", "PlanContext", "register_train_feature",
            "train_features", "add_feature_arguments", "features_from_args", "plan_features",
-           "attach_features", "feature_run_config", "merge_feature_metrics"]
+           "attach_features", "feature_run_config", "merge_feature_metrics", "require_sole_schedule_rewrite"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,18 @@ def register_train_feature(feature: TrainFeature) -> TrainFeature:
     """Add ``feature`` (an object with the hooks of :class:`TrainFeature`) to ``mppx train``."""
     _FEATURES[feature.name] = feature
     return feature
+
+
+def require_sole_schedule_rewrite(ctx: PlanContext, flag: str, error: type = ValueError) -> None:
+    """Refuse, naming ``flag``, what a schedule-rewriting feature cannot run on: Megatron-Core's
+    own function, pp=1, or a schedule another feature already rewrote."""
+    if ctx.pp <= 1 or ctx.schedule is None:
+        where = "--schedule mcore (Megatron-Core's own function)" if ctx.mcore else "--pp 1"
+        raise error(f"{flag} rewrites one of our schedules, which {where} does not run; pick one of our "
+                    "schedules (e.g. --schedule 1f1b or zbv) with --pp > 1")
+    if ctx.rewritten_by:
+        raise error(f"{flag} cannot be combined with {ctx.rewritten_by[0]} yet (both rewrite the schedule); "
+                    "drop one of them")
 
 
 def _load_builtin() -> None:

@@ -20,7 +20,6 @@ weights, same data: every global microbatch, same optimizer) that the losses are
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -33,32 +32,6 @@ def device_for(plan) -> torch.device:
     if plan.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _chunks_on(device: torch.device):
-    """Build the model chunks on ``device``.
-
-    The runtime's ``setup_training`` builds the chunks on the CPU (``use_cpu_initialization``,
-    weights from the seed and their names) and wraps them in DDP right away; for a GPU run they
-    must be moved in between. Until the runtime does that itself (see the trainer's notes), this
-    scoped wrapper around ``harness.build_model_chunks`` moves them (``Module.to`` keeps the
-    Parameter objects and their Megatron attributes).
-    """
-    if device.type == "cpu":
-        yield
-        return
-    from ..runtime import harness
-    orig = harness.build_model_chunks
-
-    def build(*args, **kwargs):
-        return [c.to(device) for c in orig(*args, **kwargs)]
-
-    harness.build_model_chunks = build
-    try:
-        yield
-    finally:
-        harness.build_model_chunks = orig
 
 
 def _core(model):
@@ -111,6 +84,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
 
     from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
     from ..runtime.harness import setup_training
+    from .checkpoint import save_checkpoint, should_save
     from .data import build_data
     from .memory import ActivationMeter
     from .profile import Profiler
@@ -123,10 +97,15 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
     try:
         rank = dist.get_rank()
         t_setup = time.perf_counter()
-        with _chunks_on(device):
-            tr = setup_training(plan.run_config())
+        tr = setup_training(plan.run_config().replace(device=device.type))
         data = build_data(plan, device=device)
         setup_s = time.perf_counter() - t_setup
+        # --load: model, optimizer (and RNG) state; the run continues with iteration start + 1
+        start, resumed, saved = 0, None, []
+        if plan.resume is not None:
+            from .checkpoint import load_checkpoint
+            resumed = load_checkpoint(tr, plan, plan.resume, device=device)
+            start = plan.resume.iteration
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = tr.dp_rank
@@ -135,19 +114,31 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         meter = ActivationMeter(tr.model, device)
         if tr.executor is not None and tr.executor.op_hook is None:
             tr.executor.op_hook = meter.op_hook
-        profiler = Profiler(plan.profile_iters) if (plan.profile_iters and tr.executor is not None) else None
+        # feature plug-ins (trainer/features.py): hooks on the executor, a wrapped forward-backward
+        features = []
+        if c.features:
+            from .features import attach_features
+            features = attach_features(c.features, tr, plan, device)
+            for f in features:
+                tr.forward_backward = f.wrap(tr.forward_backward)
+        profiler = (Profiler(plan.profile_iters, start=start + 1) if (plan.profile_iters and tr.executor is not None)
+                    else None)
         log = RankZeroLog(plan, sim_info=sim_info, data=data.description, setup_s=setup_s) if rank == 0 else None
+        if log is not None and resumed is not None:
+            log.line(f"resumed from {plan.resume.describe()}: model and optimizer state"
+                     + (", RNG state" if resumed["rng_restored"] else "") + f" loaded in {resumed['time_s']:.1f} s")
 
         records: list[dict] = []
         try:
-            for it in range(c.iters):
+            for it in range(start, c.iters):
                 batches = data.microbatches(it, dp_rank * m, m)
                 iters = [iter(batches) for _ in tr.model]
                 profiling = profiler is not None and profiler.active(it)
                 if profiling:
-                    tr.executor.record_timings = True
-                    tr.executor.sync_timings = device.type == "cuda"
+                    tr.executor.record_timings = True  # (CUDA: event timings, no mid-iteration sync)
                 meter.start_iteration()
+                for f in features:
+                    f.start_iteration(batches)
                 _sync(device)
                 t0 = time.perf_counter()
                 with meter.around(tr.forward_backward) as fb:
@@ -167,7 +158,6 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 if profiling:
                     profiler.record(tr.executor.last_timings)
                     tr.executor.record_timings = False
-                    tr.executor.sync_timings = False
                 loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
                 row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
                                     float(peak), float(saved_peak), grad_norm], dtype=torch.float64, device=device)
@@ -175,9 +165,20 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
                 rec["profiling"] = profiling
+                if features:
+                    rec.update(_feature_metrics(features, pp_rank, plan))
+                if resumed is not None:
+                    rec["resumed_from"] = start
+                info = None
+                if should_save(c, it + 1):  # --save: after the optimizer step, as Megatron-LM does
+                    info = save_checkpoint(tr, plan, it + 1, device=device)
+                    saved.append(info)
+                    rec["checkpoint"] = info["directory"]
                 records.append(rec)
                 if log is not None:
                     log.iteration(rec)
+                    if info is not None:
+                        log.line(f"saved checkpoint {info['directory']} in {info['time_s']:.1f} s")
                 if profiler is not None and profiler.last(it):
                     res = profiler.reschedule(tr, plan, device=device)
                     if log is not None:
@@ -185,6 +186,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         finally:
             if log is not None:
                 log.close_progress()
+            for f in features:
+                f.close()
 
         # what one forward saves per stage (bytes of one microbatch's activation), per rank
         info = {"pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "stage_bytes": meter.stage_bytes(),
@@ -214,10 +217,30 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                        stage_w_share=[w_share.get(s) for s in range(plan.num_stages)],
                        unit_bytes_per_rank=unit_bytes, profile=prof, data=data.description,
                        live_saved_bytes_after=[inf["live_after"] for inf in infos])
+        summary["resumed_from"] = None if resumed is None else {
+            "directory": plan.resume.directory, "iteration": plan.resume.iteration,
+            "same_layout": plan.resume.same_layout, "saved_layout": plan.resume.saved_layout,
+            "saved_schedule": plan.resume.saved_schedule, "rng_restored": resumed["rng_restored"],
+            "load_time_s": resumed["time_s"]}
+        summary["checkpoints_saved"] = [{k: v for k, v in i.items()} for i in saved]
+        if plan.feature_summary:
+            summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
     finally:
         if compat is not None:
             compat.close()
+
+
+def _feature_metrics(features: list, pp_rank: int, plan) -> dict:
+    """Every process's feature figures, one list per pipeline rank (may replace
+    ``peak_activation_bytes``: offload reports the bytes still resident on the device)."""
+    from .features import merge_feature_metrics
+    mine: dict = {}
+    for f in features:
+        mine.update(f.metrics())
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (pp_rank, mine))
+    return merge_feature_metrics(got, max(1, plan.cfg.pp))
 
 
 def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
@@ -247,7 +270,8 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
 
 def reference_worker(plan) -> dict:
     """pp=1 on one process: the losses (and gradient norms) of the first ``reference_iters``
-    iterations of the same model, initial weights, data and optimizer."""
+    iterations of the same model, initial weights, data and optimizer (after ``--load``: of the
+    iterations after the checkpoint, loaded into the pp=1 model)."""
     from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
     from ..runtime.harness import setup_training
     from .data import build_data
@@ -258,12 +282,18 @@ def reference_worker(plan) -> dict:
     compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
     try:
         t0 = time.perf_counter()
-        with _chunks_on(device):
-            tr = setup_training(plan.reference_config())
+        tr = setup_training(plan.reference_config().replace(device=device.type))
         data = build_data(plan, device=device)
         G = plan.global_microbatches
+        start = 0
+        if plan.resume is not None:  # the same checkpoint, resharded to one process by Megatron-Core
+            import dataclasses
+
+            from .checkpoint import load_checkpoint
+            load_checkpoint(tr, plan, dataclasses.replace(plan.resume, same_layout=False), device=device)
+            start = plan.resume.iteration
         losses, norms = [], []
-        for it in range(plan.reference_iters):
+        for it in range(start, start + plan.reference_iters):
             out = tr.step(it, iters=[iter(data.microbatches(it, 0, G))])
             loss, tokens = _loss_sums(out)
             norms.append(_step_optimizer(tr.optimizer))

@@ -2,8 +2,8 @@
 
 Over ``--profile-iters K`` iterations after a warm-up iteration, the executor records the
 interval of every op (``ScheduleExecutor(record_timings=True)``: wall clock on CPU; on CUDA
-with ``sync_timings=True``, i.e. the device is synchronised around every op so the interval
-is device time). At the end of the window:
+CUDA events around every op on the compute stream, read after the iteration, so the host is not
+held up mid-iteration). At the end of the window:
 
 * every rank's F / B / W (or full-backward BW) durations are gathered; the **median per
   stage** over the window and over all ranks holding that stage (data/tensor-parallel

@@ -85,8 +85,9 @@ class RankZeroLog:
         if sim_info is None and plan.built is not None:
             sim_info = write_schedule_figure(plan)
         self.sim_info = sim_info or {}
-        self.text = open(plan.text_log, "w", encoding="utf-8")
-        self.json = open(plan.json_log, "w", encoding="utf-8")
+        mode = "a" if plan.resume is not None else "w"  # a resumed run continues the logs
+        self.text = open(plan.text_log, mode, encoding="utf-8")
+        self.json = open(plan.json_log, mode, encoding="utf-8")
         self.label = plan.schedule_label if c.pp > 1 else "none"
         self.profiled_figure_path = os.path.join(plan.out_dir, "schedule-profiled.png")
         self.bar = None
@@ -95,7 +96,8 @@ class RankZeroLog:
         if c.progress and _isatty(sys.stderr):
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=c.iters, desc="train", unit="it", file=sys.stderr, leave=False,
+                self.bar = tqdm(total=c.iters, initial=plan.resume.iteration if plan.resume is not None else 0,
+                                desc="train", unit="it", file=sys.stderr, leave=False,
                                 dynamic_ncols=True)
             except ImportError:  # pragma: no cover - tqdm is a dependency
                 self.bar = None
@@ -180,7 +182,11 @@ class RankZeroLog:
             "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "saved_tensors",
             "simulated": self.sim_info,
         }
-        self.line(f"trained {len(records)} iterations in {sum(times):.1f} s (median {summary['median_time_s']:.3f} "
+        what = f"{len(records)} iterations"
+        if plan.resume is not None and records:
+            what = (f"iterations {records[0]['iteration']}-{records[-1]['iteration']} (resumed from iteration "
+                    f"{plan.resume.iteration})")
+        self.line(f"trained {what} in {sum(times):.1f} s (median {summary['median_time_s']:.3f} "
                   f"s per iteration after the first), loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}; "
                   f"peak activation per rank: {' '.join(fmt_bytes(b) for b in peaks)}")
         self.text.close()
@@ -195,7 +201,8 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
     lines.append(f"mppx train: {c.model}, {plan.layers} layers ({split}), hidden {c.hidden}, {c.heads} heads "
                  f"({plan.kv_heads} kv), ffn {plan.ffn}, vocab {c.vocab}, seq {c.seq}"
                  + (", tied embeddings" if c.tie_embeddings else "")
-                 + (f", dropout {c.dropout:g}" if c.dropout else ""))
+                 + (f", dropout {c.dropout:g}" if c.dropout else "")
+                 + (", Transformer Engine layers" if plan.transformer_impl == "transformer_engine" else ""))
     backend = "NCCL" if plan.device == "cuda" else "gloo"
     how = (f"{plan.world} local processes" if not plan.launch.external
            else f"{plan.world} processes ({plan.launch.mode})")
@@ -248,10 +255,12 @@ def comparison_line(cmp: dict, losses: list[float], ref_time: float | None) -> s
         return "pp=1 reference: skipped (--reference-iters 0)"
     want = cmp["losses"]
     t = f", {ref_time:.1f} s" if ref_time is not None else ""
-    mid = f"iteration 1 loss {losses[0]:.6f} vs {want[0]:.6f}"
+    first = cmp.get("first_iteration", 1)  # > 1 after --load
+    mid = f"iteration {first} loss {losses[0]:.6f} vs {want[0]:.6f}"
     if n > 1:
-        mid += f", iteration {n} loss {losses[n - 1]:.6f} vs {want[n - 1]:.6f}"
-    return f"pp=1 reference (1 process, same initial weights and data, {n} iterations{t}): {mid}: {cmp['verdict']}"
+        mid += f", iteration {first + n - 1} loss {losses[n - 1]:.6f} vs {want[n - 1]:.6f}"
+    start = "same initial weights" if first == 1 else "same checkpoint"
+    return f"pp=1 reference (1 process, {start} and data, {n} iterations{t}): {mid}: {cmp['verdict']}"
 
 
 def finish(plan, result: dict, ref: dict | None) -> dict:
@@ -266,6 +275,7 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
     if ref is not None:
         cmp = compare_losses(losses, ref["losses"], plan)
         cmp["reference_time_s"] = ref.get("time_s")
+        cmp["first_iteration"] = records[0]["iteration"] if records else 1
         cmp["reference_grad_norms"] = ref.get("grad_norms")
         summary["reference"] = cmp
         lines.append(comparison_line(cmp, losses, ref.get("time_s")))
@@ -278,7 +288,8 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
         "config": dataclasses.asdict(c),
         "layout": {"world": plan.world, "pp": c.pp, "tp": c.tp, "dp": plan.dp, "chunks": plan.chunks,
                    "placement": list(plan.placement), "layers_per_stage": list(plan.layers_per_stage),
-                   "microbatches": plan.microbatches, "device": plan.device, "launch": plan.launch.mode},
+                   "microbatches": plan.microbatches, "device": plan.device, "launch": plan.launch.mode,
+                   "transformer_impl": plan.transformer_impl},
         "schedule": {"name": c.schedule if c.pp > 1 else None, "label": plan.schedule_label,
                      "runtime": plan.runtime_schedule, "figure": plan.figure_schedule,
                      "memory_budget": plan.memory_budget, "costs": list(plan.costs)},

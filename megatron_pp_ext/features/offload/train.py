@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...trainer.features import FeaturePlan, PlanContext, register_train_feature
+from ...trainer.features import FeaturePlan, PlanContext, register_train_feature, require_sole_schedule_rewrite
 from .flags import OffloadConfig, OffloadFlagError, OffloadScheduleFactory, add_offload_arguments, \
     offload_config_from_args
 
@@ -55,13 +55,7 @@ class OffloadTrainFeature:
     def plan(self, cfg: OffloadConfig, ctx: PlanContext) -> FeaturePlan:
         flag = (f"--activation-offload {cfg.policy_spec}" if cfg.enabled else "--offload-recompute-cheap-ops"
                 if cfg.recompute_cheap_ops else f"--interleave-group-size {cfg.interleave_group_size}")
-        if ctx.pp <= 1 or ctx.schedule is None:
-            where = "--schedule mcore (Megatron-Core's own function)" if ctx.mcore else "--pp 1"
-            raise OffloadFlagError(f"{flag} runs inside our schedule executor, which {where} does not use; "
-                                   "pick one of our schedules (e.g. --schedule 1f1b or zbv) with --pp > 1")
-        if ctx.rewritten_by:
-            raise OffloadFlagError(f"{flag} cannot be combined with {ctx.rewritten_by[0]} yet (both rewrite the "
-                                   "schedule); drop one of them")
+        require_sole_schedule_rewrite(ctx, flag, OffloadFlagError)
         from .flags import build_offload_schedule
         from ...schedule.registry import build_schedule
         _, plain_cost = build_schedule(ctx.schedule, ctx.pp, ctx.microbatches, chunks=ctx.chunks, costs=ctx.costs,

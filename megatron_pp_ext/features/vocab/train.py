@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...trainer.features import FeaturePlan, PlanContext, register_train_feature
+from ...trainer.features import FeaturePlan, PlanContext, register_train_feature, require_sole_schedule_rewrite
 from .config import VocabParallelConfig
 from .flags import VocabFlagError, add_vocab_arguments, vocab_config_from_args
 
@@ -62,13 +62,7 @@ class VocabTrainFeature:
         return vocab_config_from_args(args)
 
     def plan(self, cfg: VocabParallelConfig, ctx: PlanContext) -> FeaturePlan:
-        if ctx.pp <= 1 or ctx.schedule is None:
-            where = "--schedule mcore (Megatron-Core's own function)" if ctx.mcore else "--pp 1"
-            raise VocabFlagError(f"--enable-vocab-parallel inserts its passes into one of our schedules, which {where} "
-                                 "does not run; pick one of our schedules (e.g. --schedule 1f1b or v-half) with --pp > 1")
-        if ctx.rewritten_by:
-            raise VocabFlagError(f"--enable-vocab-parallel cannot be combined with {ctx.rewritten_by[0]} yet (both "
-                                 "rewrite the schedule); drop one of them")
+        require_sole_schedule_rewrite(ctx, "--enable-vocab-parallel", VocabFlagError)
         if cfg.label_smoothing and (ctx.cfg.reference_iters is None or ctx.cfg.reference_iters > 0):
             raise VocabFlagError(f"--vocab-parallel-label-smoothing {cfg.label_smoothing:g}: the pp=1 comparison run of "
                                  "mppx train has no label smoothing; add --reference-iters 0 (or drop the smoothing)")
