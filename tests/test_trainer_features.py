@@ -45,6 +45,7 @@ def test_feature_metrics_are_one_list_per_pipeline_rank():
     (["--enable-vocab-parallel", "--vocab-parallel-label-smoothing", "0.1"], "add --reference-iters 0"),
     (["--vocab-parallel-algorithm", "1"], "--vocab-parallel-algorithm needs --enable-vocab-parallel"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine runs on GPUs only"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer needs GPUs"),
 ])
 def test_bad_offload_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):
     err = train_error(capsys, *argv)

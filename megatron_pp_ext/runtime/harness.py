@@ -60,6 +60,7 @@ class RunConfig:
     lr: float = 1e-2
     optimizer: str = "adam"          # or "sgd" (no per-element normalisation: see the tests)
     overlap_grad_reduce: bool = False
+    distributed_optimizer: bool = False  # Megatron's DistributedOptimizer (optimizer state sharded over dp)
     sequence_parallel: bool = False
     recompute: bool = False
     deallocate_pipeline_outputs: bool = True
@@ -237,13 +238,18 @@ def setup_training(cfg: RunConfig) -> Training:
         chunks = [c.to(torch.device("cuda", torch.cuda.current_device())) for c in chunks]
     elif device != "cpu":
         raise ValueError(f"RunConfig.device {device!r}: use 'cpu', 'cuda' or None")
+    if cfg.distributed_optimizer and device != "cuda":
+        raise ValueError("distributed_optimizer (--use-distributed-optimizer) needs CUDA: Megatron-Core's "
+                         "DistributedOptimizer accepts only CUDA tensors and reduce-scatters gradients, which gloo "
+                         "cannot; drop it on CPU")
     extra = cfg.model_hook(chunks, config, cfg) if cfg.model_hook is not None else None
     meta = param_meta(chunks, cfg.spec)
     model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                     use_distributed_optimizer=cfg.distributed_optimizer,
                      average_in_collective=False)
     opt_config = OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=0.0,
                                  adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=False, fp16=False,
-                                 params_dtype=torch.float32, use_distributed_optimizer=False)
+                                 params_dtype=torch.float32, use_distributed_optimizer=cfg.distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=not gloo_default)
 
     config.finalize_model_grads_func = finalize_model_grads

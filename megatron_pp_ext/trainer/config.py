@@ -63,6 +63,7 @@ class TrainConfig:
     # training
     iters: int = 20
     lr: float = 1e-3
+    distributed_optimizer: bool = False   # --use-distributed-optimizer (GPU)
     seed: int = 1234
     data_path: str | None = None
     # run
@@ -209,7 +210,7 @@ class Plan:
                          memory_budget=self.memory_budget, costs=self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
-                         config_overrides=self._overrides())
+                         config_overrides=self._overrides(), distributed_optimizer=c.distributed_optimizer)
         if c.features:
             from .features import feature_run_config
             run = feature_run_config(c.features, run)
@@ -527,6 +528,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         _fail(f"--timeout {c.timeout}: must be positive (seconds)")
     device = _resolve_device(c.device, launch, world)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
+    if c.distributed_optimizer and device != "cuda":
+        _fail("--use-distributed-optimizer needs GPUs (Megatron-Core's DistributedOptimizer takes CUDA tensors and "
+              "reduce-scatters gradients, which gloo cannot); drop it on CPU, or use --device cuda")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
     return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
@@ -618,6 +622,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "our schedules, 0 = off)")
     g = parser.add_argument_group("training")
     g.add_argument("--iters", type=_int(1, 20), default=d.iters, metavar="N", help="iterations (default: 20)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron-Core's DistributedOptimizer: optimizer state sharded over data-parallel ranks "
+                        "(GPU only)")
     g.add_argument("--lr", type=_float_pos, default=d.lr, metavar="LR", help="Adam learning rate (default: 1e-3)")
     g.add_argument("--seed", type=_int(0, 1234), default=d.seed, metavar="S",
                    help="seed of the initial weights (a function of the seed and each parameter's global "
@@ -674,7 +681,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
-        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, seed=args.seed, data_path=args.data_path,
+        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr,
+        distributed_optimizer=args.use_distributed_optimizer, seed=args.seed, data_path=args.data_path,
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)
