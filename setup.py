@@ -26,6 +26,9 @@ setup(
         # built against the local CUDA toolkit (see docs/gpu.md); they are detected at run
         # time and never needed on CPU. (The registry's "apex" package is unrelated.)
         "gpu": [],
+        # Megatron-LM's own imports beyond megatron-core (pretrain_gpt.py; docs/megatron_lm.md);
+        # Megatron-LM itself is a source checkout (scripts/install_megatron.sh)
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "pybind11", "einops"],
     },
     entry_points={"console_scripts": ["mppx=megatron_pp_ext.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

