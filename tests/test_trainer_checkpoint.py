@@ -137,20 +137,41 @@ def test_resume_with_activation_offload(pool, tmp_path):
 
 
 def test_features_with_state_of_their_own_are_refused(tmp_path):
-    """Vocabulary parallelism replaces the output layer and the embedding by shards (a run_config
-    hook): until it registers a checkpoint part, --save / --load with it are refused up front."""
-    argv = ["--pp", "2", "--schedule", "1f1b", "--enable-vocab-parallel", "--device", "cpu"]
-    with pytest.raises(TrainConfigError, match="--save with the vocab_parallel feature: .* drop --save"):
-        make_plan(config_of(*argv, "--save", str(tmp_path / "ck")))
-    fake_checkpoint(tmp_path / "ck", schedule="1f1b", pp=2)
-    with pytest.raises(TrainConfigError, match="--load with the vocab_parallel feature"):
-        make_plan(config_of(*argv, "--load", str(tmp_path / "ck")))
-    part = ckpt.CheckpointPart("vocab_parallel", active=lambda plan: False)
-    ckpt.register_checkpoint_part(part)  # what the vocabulary feature will do
+    """A feature that builds the model differently (a run_config hook) is refused with --save /
+    --load until it registers a checkpoint part or declares ``model_state_only`` (its modules
+    implement ``sharded_state_dict``), as vocabulary parallelism does (its checkpoints are tested
+    in test_vocab_trainer_checkpoint.py)."""
+    from dataclasses import dataclass
+
+    from megatron_pp_ext.trainer.features import _FEATURES, train_features
+
+    @dataclass(frozen=True)
+    class Surgery:   # what an unsaved model-building feature looks like to check_features
+        name: str = "layer_surgery"
+        model_state_only: bool = False
+
+        def run_config(self, cfg, run_config):
+            return run_config
+
+    assert train_features()["vocab_parallel"].model_state_only
+    cfg = config_of("--pp", "2", "--schedule", "1f1b", "--enable-vocab-parallel", "--device", "cpu",
+                    "--save", str(tmp_path / "ck"))
+    ckpt.check_features(cfg, "--save")   # vocabulary parallelism: saved like the plain model
+    _FEATURES["layer_surgery"] = Surgery()
     try:
-        assert make_plan(config_of(*argv, "--save", str(tmp_path / "ck2"))).cfg.save == str(tmp_path / "ck2")
+        bad = cfg.replace(features=cfg.features + (("layer_surgery", None),))
+        with pytest.raises(TrainConfigError, match="--save with the layer_surgery feature: .* drop --save"):
+            ckpt.check_features(bad, "--save")
+        with pytest.raises(TrainConfigError, match="--load with the layer_surgery feature"):
+            ckpt.check_features(bad, "--load")
+        _FEATURES["layer_surgery"] = Surgery(model_state_only=True)
+        ckpt.check_features(bad, "--save")
+        _FEATURES["layer_surgery"] = Surgery()
+        ckpt.register_checkpoint_part(ckpt.CheckpointPart("layer_surgery", active=lambda plan: False))
+        ckpt.check_features(bad, "--load")   # a registered part saves its state
     finally:
-        ckpt._PARTS.pop("vocab_parallel")
+        _FEATURES.pop("layer_surgery")
+        ckpt._PARTS.pop("layer_surgery", None)
 
 
 # --- other layouts: Megatron-Core reshards the checkpoint -------------------------------------------
@@ -368,7 +389,7 @@ def test_should_save_and_flags():
 
 
 def test_checkpoint_parts_hook(tmp_path):
-    """The extension point (for the vocabulary-parallel shards): a part that is active is listed in
+    """The extension point: a part that is active is listed in
     the checkpoint; loading a checkpoint with a part this run does not have is refused."""
     part = ckpt.CheckpointPart("extra_state", active=lambda plan: plan.cfg.seed == 99)
     ckpt.register_checkpoint_part(part)

@@ -34,19 +34,22 @@ resharded by Megatron-Core; only the RNG state is per layout, which matters with
 DIR`` restarts a job wherever it stopped. Everything else that would not resume correctly is
 refused before any worker starts (:func:`plan_resume`).
 
-**Extension point** — :func:`register_checkpoint_part` adds state that is not in the model's or
-the optimizer's sharded state dict, e.g. the vocabulary-parallel shards of
-:mod:`megatron_pp_ext.features.vocab.checkpoint` (their own resharding file format): a
-:class:`CheckpointPart` saves into and loads from ``DIR/iter_XXXXXXX/<name>/`` on every rank,
-and may add ShardedTensors to the Megatron-Core checkpoint (needed for parameters the Megatron
-optimizer holds, so that their optimizer state is saved with them). Until a feature that builds
-the model differently (a ``run_config`` hook) registers a part of its name, ``--save`` and
-``--load`` with it are refused (:func:`check_features`). For the vocabulary shards, the part
-also has to keep the chunks' ``sharded_state_dict()`` working: Megatron-Core's
-``LanguageModule.sharded_state_dict`` expects ``output_layer.weight`` on the last stage, which
-the vocabulary feature's layer surgery removes (KeyError today), so the replaced modules should
-either implement ``sharded_state_dict`` (rows with global offsets: then no files of their own)
-or leave an empty ``output_layer`` the part accounts for.
+**Features** that build the model differently (a ``run_config`` hook) must say how their state
+is saved, or ``--save`` / ``--load`` with them are refused (:func:`check_features`):
+
+* their modules implement ``sharded_state_dict`` and the feature object sets
+  ``model_state_only = True``. Vocabulary parallelism does: its shards (chunk 0's
+  ``vocab_parallel``) are saved under the plain model's keys, ``embedding.word_embeddings.weight``
+  and ``output_layer.weight``, as rows of the full ``[V, h]`` tensors with their global offsets
+  (padding rows not stored), and the stubs and the chunks' replaced ``sharded_state_dict`` keep
+  Megatron-Core's ``LanguageModule`` logic away from the removed output layer
+  (:mod:`megatron_pp_ext.features.vocab.checkpoint`). The Adam moments follow the same rows, so
+  such a checkpoint resumes bit for bit, loads at another pp/tp and with or without the feature;
+* or :func:`register_checkpoint_part` adds state that is not in the model's or the optimizer's
+  sharded state dict: a :class:`CheckpointPart` saves into and loads from
+  ``DIR/iter_XXXXXXX/<name>/`` on every rank, and may add ShardedTensors to the Megatron-Core
+  checkpoint (needed for parameters the Megatron optimizer holds, so that their optimizer state
+  is saved with them).
 """
 
 from __future__ import annotations
@@ -246,12 +249,12 @@ def plan_resume(cfg, layout: dict, derived: dict) -> tuple[Resume | None, list[s
 def check_features(cfg, flag: str) -> None:
     """Refuse ``flag`` (--save / --load) with a trainer feature whose state a checkpoint would miss.
 
-    A feature that changes how the model is built (it has a ``run_config`` hook: vocabulary
-    parallelism replaces the output layer and the input embedding by shards on every rank) holds
-    state Megatron-Core's sharded state dicts do not describe, so it needs a
-    :class:`CheckpointPart` of its name, or to declare ``model_state_only = True`` when its
-    modules implement ``sharded_state_dict`` themselves. Features that only rewrite the schedule
-    (offload, BPipe) have no state of their own.
+    A feature that changes how the model is built (it has a ``run_config`` hook) may hold state
+    Megatron-Core's sharded state dicts do not describe, so it needs a :class:`CheckpointPart` of
+    its name, or to declare ``model_state_only = True`` when its modules implement
+    ``sharded_state_dict`` themselves (vocabulary parallelism: the shards are saved as the plain
+    model's embedding and output layer). Features that only rewrite the schedule (offload,
+    BPipe) have no state of their own.
     """
     if not getattr(cfg, "features", None):
         return
@@ -312,7 +315,7 @@ class PartContext:
 class CheckpointPart:
     """State saved in every checkpoint besides the model and optimizer.
 
-    ``active(plan)``: whether this run has the state (e.g. vocabulary parallelism enabled);
+    ``active(plan)``: whether this run has the state (e.g. a feature enabled);
     ``save(ctx)`` / ``load(ctx)``: run on every rank after the Megatron-Core checkpoint is
     written / read (own files under ``ctx.directory``); ``sharded_state_dict(ctx)``: optional
     ShardedTensors added to the Megatron-Core checkpoint under ``parts.<name>`` (and to the

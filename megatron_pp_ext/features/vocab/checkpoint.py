@@ -1,8 +1,30 @@
-"""Sharded checkpoints of the vocabulary shards, resumable at another number of shards.
+"""Checkpoints of the vocabulary shards.
 
-Each shard is saved to its own file ``vocab-shard-IIIII-of-PPPPP.pt`` with the row range it
-covers, the vocabulary and hidden sizes and whether the embeddings are tied; shard 0 also
-writes ``vocab-index.json``. Optional *row-wise* state (e.g. Adam's ``exp_avg`` /
+**Megatron-Core distributed checkpoints** (what ``mppx train --save/--load`` and Megatron-LM's
+``torch_dist`` checkpoints use): :func:`shards_sharded_state_dict` describes a rank's shard as
+the plain model's tensors, so a vocabulary-parallel checkpoint *is* a plain GPT checkpoint:
+
+* ``embedding.word_embeddings.weight`` (the input embedding, or the tied tensor) and
+  ``output_layer.weight`` (untied) are ShardedTensors over the full vocabulary ``[V, h]``
+  (the plain model's global shape, no padding): shard ``i`` contributes its real rows
+  ``[start, start + valid_rows)`` at global row offset ``start``; the padding rows of the last
+  shards (the vocabulary is padded to a multiple of pp*tp) are not stored and load as zeros;
+* each tensor is a ShardedTensorFactory whose ``data`` is the shard parameter itself, so the
+  Megatron optimizer maps the parameter's Adam moments through the same factory: they are
+  stored under the same keys as a plain model's (``optimizer.state.exp_avg.output_layer.weight``)
+  and resharded the same way;
+* :func:`vocab_model_sharded_state_dict` replaces ``GPTModel.sharded_state_dict`` on the chunks
+  :func:`~.model.apply_vocab_parallel` operated on (Megatron-Core's expects the
+  ``output_layer.weight`` the surgery removed); the stubs contribute nothing.
+
+Megatron-Core reshards by global row, so such a checkpoint loads at any pp/tp, with or without
+vocabulary parallelism, and a plain model's checkpoint loads into the shards.
+
+**Standalone shard files** (:func:`save_vocab_checkpoint` / :func:`load_vocab_checkpoint`, the
+older format, independent of Megatron-Core), resumable at another number of shards: each
+shard is saved to its own file ``vocab-shard-IIIII-of-PPPPP.pt`` with the row range it covers,
+the vocabulary and hidden sizes and whether the embeddings are tied; shard 0 also writes
+``vocab-index.json``. Optional *row-wise* state (e.g. Adam's ``exp_avg`` /
 ``exp_avg_sq`` of the shard parameters: one row per vocabulary entry) is saved with the rows
 and resharded the same way; *other* state (scalars such as the step count) is saved as is.
 
@@ -21,11 +43,109 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .config import VocabConfigError, VocabPartition
 
 __all__ = ["save_vocab_checkpoint", "load_vocab_checkpoint", "shard_file", "INDEX", "FORMAT",
-           "optimizer_row_state", "load_optimizer_row_state"]
+           "optimizer_row_state", "load_optimizer_row_state", "EMBEDDING_KEY", "OUTPUT_KEY",
+           "shards_sharded_state_dict", "vocab_model_sharded_state_dict", "rows_factory"]
+
+#: checkpoint keys of the plain GPTModel that the shards are saved under
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+OUTPUT_KEY = "output_layer.weight"
+#: the attribute :func:`~.model.apply_vocab_parallel` registers the shards under (chunk 0)
+SHARDS_ATTR = "vocab_parallel"
+
+
+# --- Megatron-Core distributed checkpointing ---------------------------------------------------
+
+def rows_factory(key: str, param: torch.Tensor, part: VocabPartition, replica_id):
+    """A ShardedTensorFactory for ``param`` (this shard's ``[rows, ...]`` of a ``[V, ...]``
+    tensor): builds one ShardedTensor of the real rows at global row offset ``part.start``
+    (none when the shard holds padding only); merging pads the loaded rows back with zeros.
+
+    ``build`` receives the parameter or, through the optimizer, a state tensor of its shape."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    valid, start, rows, V = part.valid_rows, part.start, part.rows, part.vocab_size
+    like = (tuple(param.shape[1:]), param.dtype, param.device)
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise CheckpointingException(f"{key}: vocabulary shards cannot be saved with a flattened range")
+        if tuple(data.shape) != (rows,) + like[0]:
+            raise CheckpointingException(f"{key}: a vocabulary shard tensor of shape {tuple(data.shape)}, expected "
+                                         f"{(rows,) + like[0]}")
+        if valid == 0:
+            return {}
+        t = data[:valid]
+        return {"rows": ShardedTensor(key, t, t.dtype, tuple(t.shape), (V,) + tuple(t.shape[1:]),
+                                      (start,) + (0,) * (t.dim() - 1), None, replica_id=replica_id,
+                                      allow_shape_mismatch=True)}
+
+    def merge(loaded):
+        got = loaded.get("rows") if isinstance(loaded, dict) else None
+        tail, dtype, device = like
+        if got is not None:
+            dtype, device = got.dtype, got.device
+        out = torch.zeros((rows,) + tail, dtype=dtype, device=device)
+        if got is not None:
+            out[:valid].copy_(got)
+        return out
+
+    return ShardedTensorFactory(key, param, build, merge, replica_id=replica_id)
+
+
+def _model_prefix(prefix: str) -> str:
+    """The model's prefix of the shards' ``prefix`` (``'vocab_parallel.'`` -> ``''``)."""
+    tail = SHARDS_ATTR + "."
+    return prefix[:-len(tail)] if prefix.endswith(tail) else prefix
+
+
+def shards_sharded_state_dict(shards, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+    """``VocabShards.sharded_state_dict``: state-dict keys of the shard module (``prefix`` +
+    ``output_weight`` / ``embedding_weight``, what ``load_state_dict`` expects) mapped to
+    factories keyed like the plain model (:data:`EMBEDDING_KEY`, :data:`OUTPUT_KEY`)."""
+    if sharded_offsets:
+        raise VocabConfigError(f"vocabulary shards: unexpected sharded offsets {sharded_offsets} (the shards are "
+                               "registered on the model chunk itself)")
+    dp_group = (metadata or {}).get("dp_cp_group")
+    if dp_group is not None:
+        dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+    else:
+        from megatron.core import parallel_state
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    replica = (0, 0, dp_rank)   # one owner per (pp, tp) rank; data-parallel replicas are copies
+    base = _model_prefix(prefix)
+    out = {f"{prefix}output_weight": rows_factory(base + (EMBEDDING_KEY if shards.tied else OUTPUT_KEY),
+                                                  shards.output_weight, shards.part, replica)}
+    if shards.input_embedding and not shards.tied:
+        out[f"{prefix}embedding_weight"] = rows_factory(base + EMBEDDING_KEY, shards.embedding_weight, shards.part,
+                                                        replica)
+    return out
+
+
+def vocab_model_sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+    """``GPTModel.sharded_state_dict`` of a vocabulary-parallel chunk (bound to it by
+    :func:`~.model.apply_vocab_parallel`).
+
+    Megatron-Core's (``LanguageModule``) marks ``output_layer.weight`` of the last stage as
+    padded, or ties it to the first stage's embedding, and raises KeyError once the output layer
+    is a stub. Here every submodule describes itself (``MegatronModule.sharded_state_dict``): the
+    transformer layers, position embedding and final norm as in the plain model, the stubs
+    nothing, and the shards (chunk 0's ``vocab_parallel``) the plain model's embedding / output
+    keys over the full vocabulary (:func:`shards_sharded_state_dict`)."""
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    if sharded_offsets:
+        raise VocabConfigError(f"unexpected sharded offsets {sharded_offsets} at the model level")
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    sd = MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+    sd.pop(f"{prefix}output_layer._extra_state", None)   # as GPTModel.sharded_state_dict
+    return sd
 
 FORMAT = "mppx.vocab-shard/1"
 INDEX = "vocab-index.json"

@@ -11,6 +11,10 @@
 * on the last stage replaces ``output_layer`` by a stub and ``compute_language_model_loss`` by a
   hand-off: the model returns the final-norm output x [s, b, h] and keeps the labels; the
   executor hook (:mod:`.executor`) computes the loss later from the reduced statistics.
+* replaces each chunk's ``sharded_state_dict`` (Megatron-Core distributed checkpointing) by
+  :func:`~.checkpoint.vocab_model_sharded_state_dict`: the shards are saved as rows of the plain
+  model's ``embedding.word_embeddings.weight`` / ``output_layer.weight``, so checkpoints are
+  interchangeable with the plain model's (any pp/tp, with or without vocabulary parallelism).
 
 Refused clearly: sequence parallelism, context parallelism, multi-token prediction, chunks
 already wrapped in DDP, models built with tied embeddings (tie them here with ``tied=True``).
@@ -23,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from .checkpoint import vocab_model_sharded_state_dict
 from .config import VocabConfigError, VocabParallelConfig
 from .parallel import VocabGroups, VocabParallel
 
@@ -61,6 +66,9 @@ class _WordEmbeddingStub(torch.nn.Module):
     def forward(self, input_ids):
         return self._engine.embedding_output(input_ids)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        return {}   # the shards (chunk 0's vocab_parallel) save these rows under this module's key
+
     def extra_repr(self) -> str:
         return "vocabulary-parallel input embedding (partial lookups summed over all ranks)"
 
@@ -75,6 +83,9 @@ class _OutputLayerStub(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return hidden_states, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        return {}   # the shards (chunk 0's vocab_parallel) save these rows under this module's key
 
     def extra_repr(self) -> str:
         return "vocabulary-parallel output layer (S/T passes on every rank)"
@@ -114,6 +125,8 @@ def apply_vocab_parallel(chunks: Sequence[torch.nn.Module], config: VocabParalle
     cores[0].vocab_parallel = engine.shards
     for core in cores:
         core.mppx_vocab = engine
+        # checkpoints keep the plain model's keys (the shards are rows of the full tensors)
+        core.sharded_state_dict = types.MethodType(vocab_model_sharded_state_dict, core)
         if getattr(core, "pre_process", False) and config.input_embedding:
             core.embedding.word_embeddings = _WordEmbeddingStub(engine)
         if getattr(core, "post_process", False):

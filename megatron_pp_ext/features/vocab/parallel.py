@@ -331,6 +331,13 @@ class VocabShards(torch.nn.Module):
             if p.valid_rows:
                 self.output_weight[:p.valid_rows].copy_(embedding[p.start:p.start + p.valid_rows])
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+        """Megatron-Core distributed checkpointing: the shard as rows of the plain model's
+        ``embedding.word_embeddings.weight`` / ``output_layer.weight`` over the full vocabulary
+        (:func:`.checkpoint.shards_sharded_state_dict`)."""
+        from .checkpoint import shards_sharded_state_dict
+        return shards_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def extra_repr(self) -> str:
         p = self.part
         return (f"shard {p.shard}/{p.num_shards}, rows [{p.start}, {p.stop}) of {p.padded_size} "
