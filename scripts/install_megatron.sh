@@ -12,7 +12,8 @@
 #      then start training with `torchrun ... -m megatron_pp_ext.launch PATH/pretrain_gpt.py ...`);
 #   3. pip install -e this repository (megatron_pp_ext) and Megatron-LM's Python requirements
 #      (NO_PIP=1 skips it; PIP="python -m pip" by default);
-#   4. build Megatron-LM's dataset helpers (C++; needs a compiler and pybind11).
+#   4. build Megatron-LM's dataset helpers (C++; needs a compiler and pybind11) for $PYTHON (default:
+#      the `python` on PATH where the script starts).
 # Then: PYTHONPATH=$DIR torchrun ... $DIR/pretrain_gpt.py --pipeline-schedule zbv ...
 set -euo pipefail
 
@@ -64,8 +65,12 @@ fi
 
 # 4. dataset helpers (Megatron-LM also builds them on first use, on rank 0)
 if command -v make >/dev/null 2>&1; then
-    EXT="$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-    if make -C "$DIR/megatron/core/datasets" LIBEXT="$EXT" >/dev/null; then
+    # the interpreter that will train (resolved here: a pyenv shim inside the checkout may pick
+    # another version from its .python-version), for the extension suffix and the headers
+    PY="${PYTHON:-$(python -c 'import sys; print(sys.executable)')}"
+    EXT="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    INC="$("$PY" -m pybind11 --includes 2>/dev/null || true)"
+    if [ -n "$INC" ] && make -C "$DIR/megatron/core/datasets" LIBEXT="$EXT" CPPFLAGS="$INC" >/dev/null; then
         say "built the dataset helpers (helpers_cpp$EXT)"
     else
         say "warning: could not build the dataset helpers now; Megatron-LM retries at start-up"

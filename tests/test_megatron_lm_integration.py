@@ -123,6 +123,9 @@ def world4(work) -> dict:
         ("zbv-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--save", ck, "--save-interval", "2",
                                     "--exit-interval", "2"]),
         ("zbv-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--load", ck]),
+        ("zbv-vocab-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--save", ck + "-vocab",
+                                          "--save-interval", "2", "--exit-interval", "2"]),
+        ("zbv-vocab-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--load", ck + "-vocab"]),
         ("mcore-load", UNTIE + PP4 + ["--load", ck]),
     ])
 
@@ -179,6 +182,15 @@ def test_checkpoint_saved_under_v_resumes_anywhere(world4, world1):
         assert losses(run)[0] == full[2:], f"resumed under {name}"
 
 
+def test_vocabulary_parallel_checkpoint_resumes_exactly(world4):
+    """The shards save under the plain model's keys (Megatron-Core distributed checkpoint);
+    a resumed vocabulary-parallel run continues with exactly the uninterrupted one's losses."""
+    full, _ = losses(world4["zbv-vocab"])
+    saved, _ = losses(world4["zbv-vocab-save"])
+    assert saved == full[:2]
+    assert losses(world4["zbv-vocab-load"])[0] == full[2:]
+
+
 def test_flag_error_ends_the_run_with_one_line(work):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
            "-m", "megatron_pp_ext.launch", str(Path(MLM) / "pretrain_gpt.py"), *COMMON, *UNTIE,
@@ -204,7 +216,8 @@ def test_patched_pretrain_gpt_runs_zbv_without_launcher(work, world1):
     clone = work / "megatron-lm-patched"
     subprocess.run(["git", "clone", "-q", "--shared", MLM, str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", head], check=True)
-    env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", MPPX_ALLOW_OTHER_COMMIT="1" if head != COMMIT else "0")
+    env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", MPPX_ALLOW_OTHER_COMMIT="1" if head != COMMIT else "0",
+               PYTHON=sys.executable)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh")], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

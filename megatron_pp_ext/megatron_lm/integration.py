@@ -306,10 +306,7 @@ def _prepare_vocab(args, plan: MegatronPlan) -> None:
     from .flags import _schedule_options
 
     o = plan.options
-    for flag, on in (("--save", getattr(args, "save", None)), ("--load", getattr(args, "load", None))):
-        if on:
-            raise MegatronLMFlagError(f"--enable-vocab-parallel with {flag}: Megatron-LM checkpoints of the vocabulary "
-                                      f"shards are not supported yet; drop {flag} (or --enable-vocab-parallel)")
+    # (--save/--load: the shards save under the plain model's keys, features/vocab/checkpoint.py)
     if getattr(args, "overlap_grad_reduce", False):
         raise MegatronLMFlagError("--enable-vocab-parallel does not support --overlap-grad-reduce yet; drop "
                                   "--overlap-grad-reduce")
