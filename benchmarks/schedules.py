@@ -27,10 +27,14 @@ from dataclasses import dataclass, replace
 from megatron_pp_ext.schedule import (CostModel, ScheduleError, build_schedule, insert_comm, schedule_info,
                                       schedule_names, simulate, validate)
 from megatron_pp_ext.schedule.export import from_torch_rows
+from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound
+from megatron_pp_ext.schedule.generators.patterns import _v_pattern_cached
 
 PS = (4, 8, 16)
 M_FACTORS = (1, 2, 4, 8)
 TIMING = ((4, 32), (8, 64), (16, 128), (32, 256))
+COMM_TIMING = (32, 256)   # build_schedule(..., with_comm=True) timed here, balanced and unbalanced
+V_VS_1F1B = ("zbv", "v-half", "v-budget")   # must not lose to 1F1B unless a lower bound proves it must
 KEY = (8, 32)          # the configuration of the summary table
 V_BUDGET = "0.75x"     # memory budget given to v-budget (fraction of 1F1B's p units)
 HEAVY = 1.5            # compute factor of the last stage in the heavy-last profile
@@ -86,10 +90,17 @@ def _chunks(name: str) -> int:
     return 2 if "interleaved" in name and schedule_info(name).chunks is None else 1
 
 
+def _cold() -> None:
+    """Forget what earlier builds in this worker cached (the fixed patterns), so that each timing
+    is that of a build in a fresh process."""
+    _v_pattern_cached.cache_clear()
+
+
 def _our_build(name: str, p: int, m: int, prof: Profile):
     info = schedule_info(name)
     v = info.chunks or _chunks(name)
     cost = prof.cost(p, v)
+    _cold()
     t0 = time.process_time()
     sched, cost = build_schedule(name, p, m, chunks=_chunks(name), costs=cost,
                                  memory_budget=V_BUDGET if info.uses_budget else None)
@@ -134,6 +145,16 @@ def task(kind: str, name: str, p: int, m: int, profiles: tuple[str, ...]) -> lis
                            **_metrics(sched, cost, (p, m) == KEY and pk == "comm"))
                 if name == "dualpipev" and pk == "balanced":
                     rec["ops"] = [[str(o) for o in r] for r in sched.ops]
+                if name in V_VS_1F1B and p in PS:
+                    budget = sched.meta.get("budget_units")
+                    rec["lb_bubble"] = schedule_lower_bound(name, p, m, cost, memory_budget=budget).bubble_rate
+                if (p, m) == COMM_TIMING and pk in ("balanced", "unbalanced"):
+                    info = schedule_info(name)
+                    _cold()
+                    t1 = time.process_time()
+                    build_schedule(name, p, m, chunks=_chunks(name), costs=PROFILE[pk].cost(p, info.chunks or _chunks(name)),
+                                   memory_budget=V_BUDGET if info.uses_budget else None, with_comm=True)
+                    rec["time_comm"] = time.process_time() - t1
                 out.append(rec)
         else:
             sched, dt = _torch_build(name, p, m)
@@ -167,7 +188,8 @@ def make_tasks() -> list[tuple]:
     for p, m in TIMING:
         if p not in PS:
             for name in our_rows():
-                tasks.append(("ours", name, p, m, ("balanced",)))
+                tasks.append(("ours", name, p, m, ("balanced", "unbalanced") if (p, m) == COMM_TIMING
+                              else ("balanced",)))
             for name in TORCH:
                 tasks.append(("torch", name, p, m, ("balanced",)))
     # biggest first, for load balance
@@ -250,6 +272,9 @@ def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
     L += _reading(results, get)
     L.append("")
 
+    # --- V family against 1F1B, with the lower bounds
+    L += _v_vs_1f1b(results, get)
+
     # --- full tables
     L += ["## All configurations", "", "Cells: bubble / peak memory (units)."]
     for pr in PROFILES:
@@ -277,7 +302,8 @@ def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
 
     # --- timing
     L += ["", "## Generation time", "",
-          "CPU seconds of one build (`time.process_time`, so other load on the machine matters little), "
+          "CPU seconds of one build (`time.process_time`; caches of earlier builds cleared first; other load "
+          "on the machine still slows it: on a 2-core machine shared with other jobs expect up to 2x), "
           "`balanced` profile, m = 8p. Ours: `build_schedule` (generation, including the generators' own "
           "search over policies, plus one validation). torch: `get_schedule_ops` (schedule construction and "
           "lowering on mocked stages) plus the conversion. Single runs: expect some noise.", "",
@@ -288,11 +314,74 @@ def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
             r = get(kind, name, p, m, "balanced")
             cells.append("n/a" if r is None else ("refused" if "refused" in r else f"{r['time']:.2f}"))
         L.append(f"| {row_label(name)} | " + " | ".join(cells) + " |")
+    pc, mc = COMM_TIMING
+    L += ["", f"The whole build with communication at p={pc}, m={mc}: `build_schedule(..., with_comm=True)` = "
+          "generation + the comm pass (send/recv insertion, the blocking-batch deadlock proof) + validation "
+          "(structure, completeness, comm matching, eager simulation, memory budget), CPU seconds. The schedule "
+          "core runs these on integer-coded ops for the built-in op kinds (`schedule/fastsim.py`, checked "
+          "against the general simulator and validator in `tests/test_schedule_fastsim.py`).", "",
+          "| schedule | `balanced` | `unbalanced` |", "|---|---|---|"]
+    for kind, name in rows:
+        if kind != "ours":
+            continue
+        cells = []
+        for pk in ("balanced", "unbalanced"):
+            r = get(kind, name, pc, mc, pk)
+            cells.append("n/a" if r is None else ("refused" if "refused" in r else f"{r.get('time_comm', float('nan')):.2f}"))
+        L.append(f"| {row_label(name)} | " + " | ".join(cells) + " |")
     refused = sorted({(r["name"], r["refused"]) for r in results if "refused" in r})
     if refused:
         L += ["", "Refusals:", ""] + [f"- {row_label(n)}: {msg}" for n, msg in refused]
     L.append("")
     return "\n".join(L)
+
+
+def _v_vs_1f1b(results: list[dict], get) -> list[str]:
+    """The V schedules from V-Half's budget up against 1F1B, with the lower bound of any schedule
+    at their budget where they lose."""
+    L = ["## V schedules against 1F1B", "",
+         "From V-Half's memory up (`v-half` at floor((p+2)/2) units, `v-budget` at "
+         f"{V_BUDGET} = 0.75p units, `zbv` at p units), a V schedule should not have a higher bubble than "
+         "1F1B (p units on rank 0, the same memory convention), unless no schedule at that budget can: "
+         "**bound** is the lower bound on the bubble of *any* valid schedule of the V placement within the "
+         "budget (`megatron_pp_ext.schedule.generators.bounds`, argument in its docstring and in "
+         "docs/schedules.md); where it exceeds 1F1B's bubble, the budget makes 1F1B's bubble unreachable. "
+         "Every configuration of the grid where ours is behind 1F1B is listed.", ""]
+    n = behind = proven = 0
+    rows = []
+    for name in V_VS_1F1B:
+        for pr in PROFILES:
+            for p in PS:
+                for k in M_FACTORS:
+                    m = k * p
+                    a = get("ours", name, p, m, pr.key)
+                    f = get("ours", "1f1b", p, m, pr.key)
+                    if a is None or f is None or "refused" in a or "refused" in f:
+                        continue
+                    n += 1
+                    if a["bubble"] <= f["bubble"] + 1e-9:
+                        continue
+                    behind += 1
+                    lb = a.get("lb_bubble")
+                    ok = lb is not None and lb > f["bubble"] + 1e-9
+                    proven += ok
+                    rows.append(f"| {row_label(name)} | `{pr.key}` | {p} | {m} | {_pct(a['bubble'])} | "
+                                f"{_pct(f['bubble'])} | {_pct(lb) if lb is not None else 'n/a'} | "
+                                f"{'proved unreachable' if ok else 'open'} |")
+    L.append(f"{n - behind} of {n} configurations: the V schedule's bubble is at most 1F1B's. {behind} behind, "
+             f"{proven} of them proved unreachable by the bound, {behind - proven} open.")
+    if rows:
+        L += ["", "| schedule | profile | p | m | ours | 1f1b | bound | verdict |", "|---|---|---|---|---|---|---|---|"]
+        L += rows
+    open_profiles = sorted({r.split("|")[2].strip() for r in rows if r.endswith("open |")})
+    if open_profiles:
+        L += ["", f"The open cases are under {', '.join(open_profiles)}: outside the band W + 2B >= 2F, "
+              "W + 2F >= 2B the repeating V block of one "
+              "microbatch cannot run at the full rate within V-Half's memory (docs/schedules.md, *Limits of "
+              "the V family*), while the bound only counts the idle time forced at both ends of the pipeline; "
+              "for large m neither side closes the gap."]
+    L.append("")
+    return L
 
 
 def _pct(x: float) -> str:

@@ -119,6 +119,7 @@ def world4(work) -> dict:
                              "--pipeline-schedule", "zbv"]),
         ("zbv-tied", PP4 + ["--pipeline-schedule", "zbv"]),
         ("1f1b-offload", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--activation-offload", "full"]),
+        ("1f1b-bpipe", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--bpipe"]),
         ("zbv-vocab", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
         ("zbv-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--save", ck, "--save-interval", "2",
                                     "--exit-interval", "2"]),
@@ -165,6 +166,12 @@ def test_activation_offload_is_exact(world4, world1):
     assert losses(world4["1f1b-offload"]) == losses(world1["pp1"])
     metrics = world4["1f1b-offload"]["feature_metrics"]
     assert metrics[0]["peak_offloaded_bytes"] > 0      # rank 0 (pp rank 0) moved activations to the host
+
+
+def test_bpipe_is_exact(world4, world1):
+    assert losses(world4["1f1b-bpipe"]) == losses(world1["pp1"])
+    metrics = world4["1f1b-bpipe"]["feature_metrics"]
+    assert metrics[3]["peak_partner_bytes"] > 0        # rank 3 holds what rank 0 evicted
 
 
 def test_vocabulary_parallel_matches_within_softmax_rounding(world4, world1):

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|apex
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
-def test_offload_and_vocab_are_registered_train_features():
-    assert {"activation_offload", "vocab_parallel"} <= set(train_features())
+def test_offload_vocab_and_bpipe_are_registered_train_features():
+    assert {"activation_offload", "vocab_parallel", "bpipe"} <= set(train_features())
 
 
 def test_transformer_impl_auto_is_local_on_cpu():
@@ -46,6 +46,10 @@ def test_feature_metrics_are_one_list_per_pipeline_rank():
     (["--vocab-parallel-algorithm", "1"], "--vocab-parallel-algorithm needs --enable-vocab-parallel"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine runs on GPUs only"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer needs GPUs"),
+    (["--bpipe"], "--bpipe does not support --schedule zbv (V placement)"),
+    (["--bpipe", "--schedule", "mcore"], "--bpipe runs in the schedule executor"),
+    (["--bpipe", "--schedule", "1f1b", "--activation-offload", "full"], "--bpipe cannot be combined with activation"),
+    (["--bpipe-threshold", "2"], "--bpipe-threshold needs --bpipe"),
 ])
 def test_bad_offload_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):
     err = train_error(capsys, *argv)
@@ -93,3 +97,17 @@ def test_vocab_parallel_end_to_end_tied_on_a_v_schedule(tmp_path):
     assert worst <= 1e-6, worst
     recs = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert len(recs) == 2 and recs[1]["loss"] < recs[0]["loss"]
+
+
+def test_bpipe_end_to_end_bit_exact_and_balanced(tmp_path):
+    """1F1B at pp=4 holds 4/3/2/1 microbatches; with --bpipe rank 0 evicts to rank 3 (3/3/2/3)."""
+    log = tmp_path / "b.jsonl"
+    r = _mppx("--schedule", "1f1b", "--pp", "4", "--layers", "4", "--bpipe", "--iters", "2", "--no-progress",
+              "--out", "b", "--json-log", str(log), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: BPipe: " in r.stdout and "simulated peak activation per rank [3.0, 3.0, 2.0, 3.0]" in r.stdout
+    assert r.stdout.strip().splitlines()[-2].endswith(": bit-exact match"), r.stdout
+    for rec in (json.loads(ln) for ln in log.read_text().splitlines()):
+        assert rec["peak_partner_bytes"][3] > 0 and rec["peak_partner_bytes"][0] == 0
+        peaks = rec["peak_activation_bytes"]
+        assert peaks[0] < 1.15 * peaks[3] and peaks[3] < 1.15 * peaks[0]   # the pair 0/3 balanced

@@ -55,6 +55,18 @@ DEFAULT_PRELOAD = (
 )
 
 
+def _fork_unsafe_threads() -> list[str]:
+    """Names of this process's native threads that a forked child cannot inherit safely: the
+    gloo / TCPStore event loops a process group leaves behind (PyTorch does not join them on
+    ``destroy_process_group``); a child forked next to them crashes in its own gloo set-up."""
+    task = f"/proc/{os.getpid()}/task"
+    try:
+        names = [open(os.path.join(task, t, "comm")).read().strip() for t in os.listdir(task)]
+    except OSError:  # not Linux: no way to tell, fork as before
+        return []
+    return [n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl"))]
+
+
 class WorkerError(RuntimeError):
     """A configuration raised on one or more ranks; the message holds their tracebacks."""
 
@@ -169,7 +181,13 @@ class WorkerPool:
         self.grace = float(grace)
         self.threads = threads
         self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
-        self._ctx = mp.get_context("fork")
+        # fork (cheap: the preloaded modules are inherited) unless this process already ran a
+        # process group whose threads survive: then fork from a clean forkserver (one
+        # start-up of a few seconds, the preload imported there once)
+        self.start_method = "forkserver" if _fork_unsafe_threads() else "fork"
+        self._ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            self._ctx.set_forkserver_preload(list(preload))
         self._tmp = tempfile.mkdtemp(prefix="mppx_pool_")
         weakref.finalize(self, shutil.rmtree, self._tmp, True)  # also if close() is never called
         self._ids = itertools.count()

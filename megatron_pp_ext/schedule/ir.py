@@ -220,9 +220,29 @@ RECV_B = register_op_kind(OpKind(
 COMM_PAIRS: dict[str, tuple[str, int]] = {"SEND_F": ("RECV_F", +1), "SEND_B": ("RECV_B", -1)}
 
 
-def register_comm_pair(send: str, recv: str, stage_offset: int) -> None:
-    """Declare that ``send`` on stage s is received by ``recv`` on stage s+offset."""
+#: comm kind -> the channel (process group) it travels on; unlisted kinds use ``"pp"``, the
+#: pipeline group. Point-to-point matches in order within one channel, and a run of
+#: consecutive comm ops of one channel is one batch.
+COMM_CHANNELS: dict[str, str] = {}
+#: send kinds whose receiver is ``op.peer`` itself (e.g. BPipe's partner rank), not the rank
+#: of stage s+offset; the feature that registers them checks its peers.
+PEER_ROUTED: set[str] = set()
+
+
+def register_comm_pair(send: str, recv: str, stage_offset: int, *, channel: str = "pp",
+                       peer_routed: bool = False) -> None:
+    """Declare that ``send`` on stage s is received by ``recv`` on stage s+offset (on the rank
+    of that stage, or on ``op.peer`` when ``peer_routed``), over ``channel``."""
     COMM_PAIRS[send] = (recv, stage_offset)
+    if channel != "pp":
+        COMM_CHANNELS[send] = COMM_CHANNELS[recv] = channel
+    if peer_routed:
+        PEER_ROUTED.add(send)
+
+
+def comm_channel(kind: str) -> str:
+    """The channel (process group) of a comm kind: ``"pp"`` unless registered otherwise."""
+    return COMM_CHANNELS.get(kind, "pp")
 
 
 def matching_recv(op: Op) -> tuple[str, int, int]:

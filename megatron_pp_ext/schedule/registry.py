@@ -8,12 +8,14 @@ request, runs the generator, inserts communication (optionally) and validates th
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
-from .passes.comm import PROVEN_EARLY, insert_comm
+from .passes.comm import PROVEN_EARLY, insert_comm_proven
 from .validate import validate
 
 
@@ -138,13 +140,35 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                               costs_t, budget, dict(options or {}))
     v = request.chunks
     cost = request.cost_model(pp * v, v)
+    with _cyclic_gc_paused():
+        return _build(info, request, name, cost, budget, with_comm)
+
+
+@contextmanager
+def _cyclic_gc_paused():
+    """A build allocates hundreds of thousands of small objects that live until it ends; the
+    cyclic collector would scan them again and again (a fifth of the time at p=32, m=256) to
+    find next to nothing. Reference counting frees as usual, and the few cycles (caught
+    exceptions and their frames) are collected once the collector is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float | None,
+           with_comm: bool) -> tuple[Schedule, CostModel]:
     sched = info.generate(request)
     sched.meta.setdefault("schedule", name)
     if budget is not None:
         sched.meta["memory_budget"] = budget
     proven = False
+    prepared = None
     if with_comm and not sched.has_comm():
-        sched = insert_comm(sched, cost)
+        sched, prepared = insert_comm_proven(sched, cost)
         proven = sched.meta.get("comm_placement") == PROVEN_EARLY  # insert_comm just ran the proof
-    validate(sched, cost, memory_budget=budget, deadlock_proven=proven)
+    validate(sched, cost, memory_budget=budget, deadlock_proven=proven, prepared=prepared)
     return sched, cost

@@ -15,10 +15,14 @@ Two models of communication:
   that consumes it waits. This is how the runtime runs (receives posted early, sends waited
   for lazily).
   ``comm_model="blocking"`` (the validator's deadlock proof): consecutive comm ops of a rank
-  form one batch (as ``batch_isend_irecv`` issues them) that blocks the rank until every op
-  in it is matched by its partner *posted* on the peer rank. A schedule that runs under this
-  model runs under any more relaxed one (NCCL or gloo, batched or not).
+  on one channel form one batch (as ``batch_isend_irecv`` issues them) that blocks the rank
+  until every op in it is matched by its partner *posted* on the peer rank. A schedule that
+  runs under this model runs under any more relaxed one (NCCL or gloo, batched or not).
 A rank that can never proceed is a deadlock, reported with what every rank waits for.
+Comm kinds a feature registers with a duration and a memory effect (BPipe's transfers to a
+partner rank) take ``comm`` + their duration once both sides are posted, one at a time per
+direction of a channel, and are charged on both ranks: a receive holds its buffer once both
+sides are posted, a send frees its data when the transfer ends.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .costs import CostModel
-from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, matching_recv, op_kind
+from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel, matching_recv, op_kind
 
 
 class DeadlockError(ScheduleError):
@@ -106,6 +110,10 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
     eager = comm_model == "eager"
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
+    from .fastsim import simulate_builtin  # same results for the built-in kinds, much faster
+    fast = simulate_builtin(schedule, cost, eager)
+    if fast is not None:
+        return fast
     p = schedule.num_ranks
     with_comm = schedule.has_comm()
     placement = schedule.placement
@@ -145,8 +153,23 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
     posted: dict[tuple, float] = {}
     current_batch: list[tuple[int, int, float] | None] = [None] * p  # (start, end, post time)
     # Eager model: a receive and its send, whichever is posted second, fixes the arrival time.
-    waiting_recv: dict[tuple, tuple[int, tuple, float]] = {}   # send id -> (rank, keys, recv post time)
-    posted_send: dict[tuple, float] = {}                       # send id -> send post time
+    waiting_recv: dict[tuple, tuple] = {}                      # send id -> (rank, keys, recv post time, mem)
+    posted_send: dict[tuple, tuple] = {}                       # send id -> (send post time, op, dur, mem)
+    # Comm kinds with a duration (a feature's bulk transfers, e.g. BPipe's evictions) take
+    # cost.comm + duration after both sides are posted, one at a time per direction of a channel
+    # (in order: the channel matches in order); memory of a comm op: a receive holds its buffer
+    # from when both sides are posted, a send frees its data when the transfer ends (blocking
+    # model: as the rank runs its list, a batch's receive buffers before its sends end). Built-in
+    # kinds: neither.
+    link_free: dict[tuple, float] = {}                         # (src, dst, channel) -> free again
+
+    def transfer_end(src: int, dst: int, kind: str, t_both: float, dur: float) -> float:
+        if dur <= 0:
+            return _round(t_both + cost.comm)
+        lk = (src, dst, comm_channel(kind))
+        end = _round(max(t_both, link_free.get(lk, 0.0)) + cost.comm + dur)
+        link_free[lk] = end
+        return end
 
     # What a rank that cannot proceed waits for: (dict, key); the sweep below skips it until the
     # key appears (a performance shortcut only: the rank would fail the same way).
@@ -189,13 +212,14 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
                     consumer = key[1] + 1 if key[0] == "act" else key[1] - 1
                     if 0 <= consumer < len(placement) and placement[consumer] != r:
                         messages[r] += 1
-        if mem:
-            mem_events[r].append((t if mem > 0 else end, 0 if mem < 0 else 1, mem))
+        if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
+            order = (0 if mem < 0 else 1) if eager else 2 * ptr[r] + (mem < 0)
+            mem_events[r].append((t if mem > 0 else end, order, mem))
         ptr[r] += 1
         return True
 
     def step_comm_eager(r: int) -> bool:
-        op, _, req, prod, _, _ = plans[r][ptr[r]]
+        op, _, req, prod, dur, mem = plans[r][ptr[r]]
         if op.peer is None:
             raise ScheduleError(f"rank {r}: comm op {op} has no peer")
         t_post = max(stream_free[r]["compute"], last_start[r])
@@ -212,20 +236,31 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
             times[op] = (t_post, t_post)
             got = waiting_recv.pop(sid, None)
             if got is not None:
-                rr, keys, t_recv = got
+                rr, keys, t_recv, rmem = got
+                arrive = transfer_end(r, rr, op.kind, max(t_post, t_recv), dur)
                 for key in keys:
-                    ready[(key, rr)] = _round(max(t_post, t_recv) + cost.comm)
+                    ready[(key, rr)] = arrive
+                if mem:
+                    mem_events[r].append((arrive, 0, mem))
+                if rmem:
+                    mem_events[rr].append((max(t_post, t_recv), 1, rmem))
             else:
-                posted_send[sid] = t_post
+                posted_send[sid] = (t_post, op, dur, mem)
         else:
             sk, ss, sm = matching_send(op)
             sid = (op.peer, sk, ss, sm)
-            t_send = posted_send.pop(sid, None)
-            if t_send is None:
-                waiting_recv[sid] = (r, prod, t_post)
+            got = posted_send.pop(sid, None)
+            if got is None:
+                waiting_recv[sid] = (r, prod, t_post, mem)
             else:
+                t_send, sop, sdur, smem = got
+                arrive = transfer_end(op.peer, r, sop.kind, max(t_post, t_send), sdur)
                 for key in prod:
-                    ready[(key, r)] = _round(max(t_post, t_send) + cost.comm)
+                    ready[(key, r)] = arrive
+                if smem:
+                    mem_events[op.peer].append((arrive, 0, smem))
+                if mem:
+                    mem_events[r].append((max(t_post, t_send), 1, mem))
             times[op] = (t_post, t_post)
         last_start[r] = t_post
         ptr[r] += 1
@@ -237,7 +272,8 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
         if current_batch[r] is None:
             start = ptr[r]
             end = start
-            while end < len(plans[r]) and plans[r][end][1] == "comm":
+            chan = comm_channel(plans[r][start][0].kind)
+            while end < len(plans[r]) and plans[r][end][1] == "comm" and comm_channel(plans[r][end][0].kind) == chan:
                 end += 1
             t_post = max(stream_free[r]["compute"], last_start[r])
             for i in range(start, end):
@@ -255,6 +291,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
                 posted[(r, op.kind, op.stage, op.microbatch)] = t_post
         start, end, t_post = current_batch[r]
         t_done = t_post
+        partner_post = {}
         for i in range(start, end):
             op = plans[r][i][0]
             if op.peer is None:
@@ -268,10 +305,14 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") 
                 blocked_on[r] = (posted, (op.peer, pk, ps, pm))
                 return False
             t_done = max(t_done, pt)
-        t_done = _round(t_done + cost.comm)
+            partner_post[i] = pt
+        t_done = _round(t_done + cost.comm + max(plans[r][i][4] for i in range(start, end)))
         for i in range(start, end):
-            op, _, _, prod, _, _ = plans[r][i]
+            op, _, _, prod, _, mem = plans[r][i]
             times[op] = (t_post, t_done)
+            if mem:  # a receive's buffer once both sides are posted, a send's data until the batch is done
+                mem_events[r].append((max(t_post, partner_post[i]), 2 * start, mem) if mem > 0
+                                     else (t_done, 2 * end - 1, mem))
             for key in prod:
                 ready[(key, r)] = t_done
             if op.kind in COMM_PAIRS:

@@ -23,7 +23,8 @@ from collections import Counter, defaultdict
 from typing import Callable
 
 from .costs import CostModel
-from .ir import COMM_PAIRS, Schedule, ScheduleError, matching_recv, op_kind
+from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, ScheduleError, comm_channel, matching_recv, op_kind
+from . import fastsim
 from .simulate import SimResult, simulate
 
 _EPS = 1e-9
@@ -94,7 +95,7 @@ def check_comm(schedule: Schedule) -> None:
         return
     problems: list[str] = []
     placement = schedule.placement
-    sends: dict[tuple, list] = defaultdict(list)     # (src, dst) -> [(kind, stage, mb) of recv]
+    sends: dict[tuple, list] = defaultdict(list)     # (src, dst, channel) -> [(kind, stage, mb) of recv]
     recvs: dict[tuple, list] = defaultdict(list)
     recv_set = set()
     for r, rank_ops in enumerate(schedule.ops):
@@ -107,11 +108,11 @@ def check_comm(schedule: Schedule) -> None:
                     if not 0 <= rs < schedule.num_stages:
                         problems.append(f"rank {r}: {op} sends to a stage that does not exist")
                         continue
-                    if op.peer != placement[rs]:
+                    if op.kind not in PEER_ROUTED and op.peer != placement[rs]:
                         problems.append(f"rank {r}: {op} must go to rank {placement[rs]} (stage {rs})")
-                    sends[(r, op.peer)].append((rk, rs, rm))
+                    sends[(r, op.peer, comm_channel(op.kind))].append((rk, rs, rm))
                 else:
-                    recvs[(op.peer, r)].append((op.kind, op.stage, op.microbatch))
+                    recvs[(op.peer, r, comm_channel(op.kind))].append((op.kind, op.stage, op.microbatch))
                     recv_set.add((op.kind, op.stage, op.microbatch, r))
                     received.update(spec.produces(op, schedule))
             elif spec.category == "compute":
@@ -122,7 +123,7 @@ def check_comm(schedule: Schedule) -> None:
                                         "but no receive for it comes earlier on this rank")
     for chan in set(sends) | set(recvs):
         if sends[chan] != recvs[chan]:
-            s, d = chan
+            s, d = chan[:2]
             extra_s = set(sends[chan]) - set(recvs[chan])
             extra_r = set(recvs[chan]) - set(sends[chan])
             if extra_s or extra_r:
@@ -135,21 +136,39 @@ def check_comm(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
-             memory_budget: float | None = None, deadlock_proven: bool = False) -> SimResult:
+             memory_budget: float | None = None, deadlock_proven: bool = False,
+             prepared: "fastsim.Prepared | None" = None) -> SimResult:
     """Run every check; return the (eager-communication) simulation under ``cost``, default uniform.
 
     ``deadlock_proven``: the caller has just run the blocking-batch simulation of this very
-    schedule (insert_comm does), so it is not repeated."""
-    check_structure(schedule)
-    check_complete(schedule)
-    check_comm(schedule)
+    schedule (insert_comm does), so it is not repeated. ``prepared``: that run's coded copy of
+    this very schedule and cost (:func:`..passes.comm.insert_comm_proven`), reused as is."""
+    if cost is None and schedule.num_ranks and schedule.num_stages \
+            and schedule.num_stages % schedule.num_ranks == 0:
+        cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
+    # built-in kinds: checks and simulations on one coded copy (fastsim.py), same verdicts
+    if prepared is not None and prepared.schedule is schedule and prepared.cost is cost:
+        prep = prepared
+    else:
+        prep = fastsim.prepare(schedule, cost) if cost is not None else None
+    if prep is None or not prep.check():
+        prep = None
+        check_structure(schedule)
+        check_complete(schedule)
+        check_comm(schedule)
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     for check in _CHECKS:
         check(schedule, cost)
-    if schedule.has_comm() and not deadlock_proven:
+    result = None
+    if prep is not None:
+        if prep.n_comm and not deadlock_proven:
+            prep.simulate(eager=False)  # the deadlock proof
+        result = prep.simulate(eager=True)
+    elif schedule.has_comm() and not deadlock_proven:
         simulate(schedule, cost, comm_model="blocking")  # the deadlock proof
-    result = simulate(schedule, cost)
+    if result is None:
+        result = simulate(schedule, cost)
     if memory_budget is not None:
         over = [(r, pk) for r, pk in enumerate(result.peak_memory) if pk > memory_budget + _EPS]
         if over:

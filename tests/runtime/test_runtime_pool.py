@@ -118,3 +118,35 @@ def test_workers_exit_when_the_parent_side_goes_away():
     finally:
         p._conns = []
         p.close()
+
+
+def test_forks_from_a_clean_server_after_a_process_group_left_threads():
+    """A gloo process group leaves its event-loop threads behind after destroy_process_group; a
+    child forked next to them crashes in its own gloo set-up. The pool then forks from a
+    forkserver instead (in a fresh interpreter, so this test leaves no threads behind)."""
+    import subprocess
+    import sys
+    code = """
+import os, torch, torch.distributed as dist
+from megatron_pp_ext.runtime.pool import WorkerPool, _fork_unsafe_threads
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+assert not _fork_unsafe_threads()
+dist.init_process_group("gloo", rank=0, world_size=1)
+t = torch.ones(1)
+kept = dist.new_group([0])   # a subgroup someone still refers to keeps its threads running
+dist.all_reduce(t, group=kept)
+dist.destroy_process_group()
+assert _fork_unsafe_threads(), "expected leftover gloo threads"
+pool = WorkerPool(2, timeout=120)
+try:
+    assert pool.start_method == "forkserver", pool.start_method
+    from test_runtime_pool import world_info
+    got = pool.run(world_info, 2, tag="x")
+    assert [g["rank"] for g in got] == [0, 1], got
+finally:
+    pool.close()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]

@@ -165,11 +165,11 @@ def block_peak(block: Block, placement: tuple[int, ...], cost: CostModel) -> lis
     S = len(placement)
     P = block.period
     tb, tw = cost.t_b, cost.t_w
-    wf = cost.w_fraction if block.split else 1.0
     segs: list[list[tuple[float, float, float]]] = [[] for _ in range(p)]  # (start, end, amount)
     for s in range(S):
         r = placement[s]
         a = cost.act[s]
+        wf = cost.w_share(s) if block.split else 1.0
         bend = block.xb[s] + tb[s] + (0.0 if block.split else tw[s])
         wend = block.xw[s] + (tw[s] if block.split else 0.0)
         segs[r].append((block.xf[s], bend, a * (1.0 - wf)))
@@ -203,11 +203,11 @@ def block_order(block: Block, placement: tuple[int, ...], m: int) -> list[list[O
         for s in range(S):
             r = placement[s]
             x = xs[s]
-            for k in range(m):
-                items[r].append((x + k * P, pri, s, k, kind))
+            # (time, tie-break, stage, mb) is unique per op, so a plain tuple sort is the order
+            items[r].extend([(round(x + k * P, 9), pri, s, k, kind) for k in range(m)])
     out = []
     for r in range(p):
-        items[r].sort(key=lambda it: (round(it[0], 9), it[1], it[2], it[3]))
+        items[r].sort()
         out.append([Op(kind, s, k, r) for _, _, s, k, kind in items[r]])
     return out
 

@@ -24,6 +24,13 @@ ranks. Notation (per rank r, stages S(r) on it):
   path from that F to its W, so ``limit * makespan >= m * sum_s act[s] * life[s]`` on each
   rank.
 - **Path bound**: the makespan is at least one microbatch's critical path.
+
+What it does not capture: a limit on the steady-state *rate*. Outside the band W + 2B >= 2F,
+W + 2F >= 2B a V schedule whose block repeats one microbatch cannot run at the full rate within
+V-Half's memory (the argument is in docs/schedules.md, *Limits of the V family*), but that
+argument covers only such periodic schedules, so it is not used here: every term above holds for
+every schedule. For large m the bound therefore stays below 1F1B's bubble where V-Half is behind
+it, and the benchmark reports those cases as open rather than proved.
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ def makespan_lower_bound(placement: tuple[int, ...], m: int, cost: CostModel,
         lim = [float(limits)] * p
     else:
         lim = [float(x) for x in limits]
-    tf, tb, tw, c, act, wf = cost.t_f, cost.t_b, cost.t_w, cost.comm, cost.act, cost.w_fraction
+    tf, tb, tw, c, act = cost.t_f, cost.t_b, cost.t_w, cost.comm, cost.act
+    wfs = [cost.w_share(s) for s in range(S)]   # share of an activation only its W frees
 
     def hop(a: int, b: int) -> float:
         return c if placement[a] != placement[b] else 0.0
@@ -115,6 +123,7 @@ def makespan_lower_bound(placement: tuple[int, ...], m: int, cost: CostModel,
                 ratios.append(_INF)
                 continue
             ratios.append((tb[s] + tw[s]) / act[s])
+            wf = wfs[s]
             if 0 < wf < 1:
                 ratios.append(tw[s] / (act[s] * wf))
             elif wf == 0 and tw[s] > 0:
@@ -135,7 +144,7 @@ def makespan_lower_bound(placement: tuple[int, ...], m: int, cost: CostModel,
             for s in st:
                 life_b = tf[s] + fwd_after[s] + bwd_to[s]   # F(s) start .. B(s) end
                 life_w = life_b + tw[s]                     # .. W(s) end
-                area += act[s] * ((1.0 - wf) * life_b + wf * life_w)
+                area += act[s] * ((1.0 - wfs[s]) * life_b + wfs[s] * life_w)
             lb2 = m * area / L
             if lb2 > best.makespan + 1e-9:
                 best = Bound(lb2, max(busy), f"rank {r}: activation lifespans need {m * area:g} "

@@ -42,7 +42,7 @@ def evaluate(ops: list[list[Op]], placement: tuple[int, ...], m: int, cost: Cost
     p = len(ops)
     S = len(placement)
     tf, tb, tw, c, act = cost.t_f, cost.t_b, cost.t_w, cost.comm, cost.act
-    wf = cost.w_fraction
+    wfs = [cost.w_share(s) for s in range(S)]   # share of an activation freed by W
     n = S * m
     # end time of F / B (grad ready) per (stage, mb); -1: not yet
     f_end = [-1.0] * n
@@ -105,7 +105,7 @@ def evaluate(ops: list[list[Op]], placement: tuple[int, ...], m: int, cost: Cost
                         start = t
                 if kind == "B":
                     d = tb[s]
-                    mem[r] -= act[s] * (1.0 - wf)
+                    mem[r] -= act[s] * (1.0 - wfs[s])
                 else:
                     d = tb[s] + tw[s]
                     mem[r] -= act[s]
@@ -120,7 +120,7 @@ def evaluate(ops: list[list[Op]], placement: tuple[int, ...], m: int, cost: Cost
                 start = t if t > t_free else t_free
                 d = tw[s]
                 end = start + d
-                mem[r] -= act[s] * wf
+                mem[r] -= act[s] * wfs[s]
                 wk = None
             else:
                 raise ScheduleError(f"evaluate: op kind {kind!r} is not a built-in compute kind")

@@ -40,9 +40,10 @@ The template can also be a laid-out building block (:mod:`.block`) or per-op tar
 (``targets``, e.g. a fixed pattern's timeline).
 
 The scheduler also records the makespan and peak memory it planned (``meta["est"]``): when
-it never idles on purpose they equal the simulator's, and otherwise the simulator's makespan
-is at most this (an eager run of the same order never starts an op later). The search ranks
-candidates with the exact evaluator (:mod:`.evaluate`) and drops this entry.
+it never idles on purpose (no ``f_slack``) they equal the simulator's, and it says so
+(``exact``); otherwise the simulator's makespan is at most this (an eager run of the same
+order never starts an op later). The search ranks exact plans by them and every other
+candidate with the exact evaluator (:mod:`.evaluate`), and drops this entry.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def list_schedule(name: str, placement: tuple[int, ...], m: int, cost: CostModel
     reserve_all = policy.reserve == "all" or max(len(st) for st in stages_of) > 2
     comm = cost.comm
     tf, tb, tw = cost.t_f, cost.t_b, cost.t_w
-    wfrac = cost.w_fraction
+    wfrac = [cost.w_share(s) for s in range(S)]   # share of an activation freed by W
     template_mode = policy.priority == "template"
     if template_mode:
         ef, eb, ew, period = template if template is not None else template_times(placement, cost, split)
@@ -304,7 +305,7 @@ def list_schedule(name: str, placement: tuple[int, ...], m: int, cost: CostModel
             if split:
                 end = t + tb[s]
                 ops[r].append(Op("B", s, mb, r))
-                mem[r] -= act[s] * (1.0 - wfrac)
+                mem[r] -= act[s] * (1.0 - wfrac[s])
                 if template_mode:
                     wp = (tgt_w[s][mb] if targets is not None else ew[s] + mb * period) + wshift
                 else:
@@ -327,7 +328,7 @@ def list_schedule(name: str, placement: tuple[int, ...], m: int, cost: CostModel
             _, s, mb = heappop(pend_w[r])
             end = t + tw[s]
             ops[r].append(Op("W", s, mb, r))
-            mem[r] -= act[s] * wfrac
+            mem[r] -= act[s] * wfrac[s]
         remaining -= 1
         free[r] = end
         if end > makespan:
@@ -339,5 +340,9 @@ def list_schedule(name: str, placement: tuple[int, ...], m: int, cost: CostModel
                             f"(limits {limits}); the memory budget is too small for this pipeline")
     busy = [sum(tf[s] + tb[s] + tw[s] for s in st) * m for st in stages_of]
     out = Schedule(name, m, placement, ops, dict(meta or {}, policy=policy.label()))
-    out.meta["est"] = {"makespan": makespan, "peak": max(peak), "busy": max(busy)}
+    # Without f_slack the scheduler starts every op as soon as its rank is free and its inputs
+    # are there (an F held back by memory waits for an op of its own rank that comes before it
+    # in the order), which is the evaluator's recurrence: the plan is then exact.
+    out.meta["est"] = {"makespan": makespan, "peak": max(peak), "busy": max(busy),
+                       "exact": policy.f_slack is None}
     return out

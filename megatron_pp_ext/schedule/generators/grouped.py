@@ -25,6 +25,7 @@ With one chunk per rank it is 1F1B.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from ..ir import Op, Schedule, ScheduleError, loop_placement
@@ -42,12 +43,41 @@ def grouped_table(m: int, v: int, group: int, reverse_chunks: bool = False) -> l
     return out
 
 
+class _Queue:
+    """A rank's pending (microbatch, chunk) items in table order, kept per chunk: the first
+    pending item of every chunk is what the scheduler looks at (``heads``), each with its
+    position in the table (which orders items as the table does)."""
+
+    __slots__ = ("items", "head", "left")
+
+    def __init__(self, table: list[tuple[int, int]], v: int) -> None:
+        self.items: list[list[tuple[int, int]]] = [[] for _ in range(v)]   # per chunk: (position, mb)
+        for pos, (mb, c) in enumerate(table):
+            self.items[c].append((pos, mb))
+        self.head = [0] * v
+        self.left = len(table)
+
+    def __bool__(self) -> bool:
+        return self.left > 0
+
+    def heads(self):
+        """(position, mb, chunk) of the first pending item of every chunk that has one."""
+        for c, lst in enumerate(self.items):
+            h = self.head[c]
+            if h < len(lst):
+                yield lst[h][0], lst[h][1], c
+
+    def pop(self, c: int) -> None:
+        self.head[c] += 1
+        self.left -= 1
+
+
 def grouped_interleaved_order(p: int, m: int, v: int, group: int, cost) -> list[list[Op]]:
     """Per-rank op lists (F and BW) of the grouped interleaved schedule under ``cost``."""
     S = p * v
     place = loop_placement(p, v)
-    f_queue = [grouped_table(m, v, group) for _ in range(p)]
-    b_queue = [grouped_table(m, v, group, reverse_chunks=True) for _ in range(p)]
+    f_queue = [_Queue(grouped_table(m, v, group), v) for _ in range(p)]
+    b_queue = [_Queue(grouped_table(m, v, group, reverse_chunks=True), v) for _ in range(p)]
     f_end: dict = {}
     b_end: dict = {}
     free = [0.0] * p
@@ -65,15 +95,13 @@ def grouped_interleaved_order(p: int, m: int, v: int, group: int, cost) -> list[
             return math.inf
         return end + (cost.comm if place[src_stage] != rank else 0.0)
 
-    def best(r: int, queue: list, forward: bool):
-        """(start, queue index, stage, mb) of the op to run: the next one in table order, unless
-        another eligible one (the first pending of its chunk, so each stage keeps microbatch
-        order) is ready so much earlier that it would finish before the table's next is ready."""
-        got, first, seen = None, None, set()
-        for i, (mb, c) in enumerate(queue):
-            if c in seen:
-                continue
-            seen.add(c)
+    def best(r: int, queue: _Queue, forward: bool):
+        """(start, table position, stage, mb, chunk) of the op to run: the next one in table
+        order, unless another eligible one (the first pending of its chunk, so each stage keeps
+        microbatch order) is ready so much earlier that it would finish before the table's next
+        is ready."""
+        got, first = None, None
+        for pos, mb, c in queue.heads():
             s = c * p + r
             if forward:
                 t = 0.0 if s == 0 else arrival(s - 1, f_end.get((s - 1, mb)), r)
@@ -82,13 +110,11 @@ def grouped_interleaved_order(p: int, m: int, v: int, group: int, cost) -> list[
                 if s < S - 1:
                     t = max(t, arrival(s + 1, b_end.get((s + 1, mb)), r))
             if t < math.inf:
-                key = (max(free[r], t), i)
+                key = (max(free[r], t), pos)
                 if got is None or key < got[:2]:
-                    got = (key[0], i, s, mb)
-            if first is None:
-                first = (max(free[r], t), i, s, mb)
-            if len(seen) == v:
-                break
+                    got = (key[0], pos, s, mb, c)
+            if first is None or pos < first[1]:
+                first = (max(free[r], t), pos, s, mb, c)
         if got is None or first is None or first[0] == math.inf or first[1] == got[1]:
             return got
         dur = cost.t_f[got[2]] if forward else cost.t_b[got[2]] + cost.t_w[got[2]]
@@ -103,37 +129,58 @@ def grouped_interleaved_order(p: int, m: int, v: int, group: int, cost) -> list[
             return ("BW", bw)
         return None if fw is None else ("F", fw)
 
+    # A rank's choice depends only on its own state and on the ends of the ops that feed its
+    # stages (on the ranks before and after it), so it is recomputed only when one of those
+    # changed, and the earliest choice (then the lowest rank) comes from a heap with stale
+    # entries skipped: the same picks as asking every rank every time.
+    choice: list = [None] * p
+    version = [0] * p
+    heap: list = []
+
+    def refresh(q: int) -> None:
+        version[q] += 1
+        got = choose(q)
+        choice[q] = got
+        if got is not None:
+            heapq.heappush(heap, (got[1][0], q, version[q]))
+
+    for q in range(p):
+        refresh(q)
     while remaining:
-        pick = None
-        for r in range(p):
-            got = choose(r)
-            if got is not None and (pick is None or (got[1][0], r) < (pick[1][1][0], pick[0])):
-                pick = (r, got)
-        if pick is None:
+        while heap and heap[0][2] != version[heap[0][1]]:
+            heapq.heappop(heap)
+        if not heap:
             # every rank waits on its cap: give the ranks that could run a forward one more slot
             grew = False
-            for r in range(p):
-                if inflight[r] >= cap[r] and f_queue[r]:
-                    cap[r] += 1
+            for q in range(p):
+                if inflight[q] >= cap[q] and f_queue[q]:
+                    cap[q] += 1
+                    refresh(q)
                     grew = True
             if not grew:
                 raise ScheduleError(f"grouped-interleaved: no rank can proceed (p={p}, m={m}, v={v}, g={group})")
             continue
-        r, (kind, (start, i, s, mb)) = pick
+        pick = (heap[0][1], choice[heap[0][1]])
+        r, (kind, (start, _, s, mb, c)) = pick
         if kind == "F":
             end = start + cost.t_f[s]
             f_end[(s, mb)] = end
-            f_queue[r].pop(i)
+            f_queue[r].pop(c)
             inflight[r] += 1
         else:
             end = start + cost.t_b[s] + cost.t_w[s]
             b_end[(s, mb)] = end
-            b_queue[r].pop(i)
+            b_queue[r].pop(c)
             inflight[r] -= 1
         free[r] = end
         last[r] = kind
         ops[r].append(Op(kind, s, mb, r))
         remaining -= 1
+        refresh(r)
+        if kind == "F" and s + 1 < S and place[s + 1] != r:
+            refresh(place[s + 1])
+        elif kind == "BW" and s > 0 and place[s - 1] != r:
+            refresh(place[s - 1])
     return ops
 
 

@@ -152,6 +152,8 @@ def _squeeze(p: int, placement, m: int, slot: dict, occ: list[dict], cap: int | 
     order = sorted(slot.items(), key=lambda kv: (kv[1], placement[kv[0][1]]))
     for key, _ in order:
         kd, s, k = key
+        if cap is None and kd != "B":
+            continue
         cur = slot[key]
         i = placement[s]
         lo = 0
@@ -166,8 +168,6 @@ def _squeeze(p: int, placement, m: int, slot: dict, occ: list[dict], cap: int | 
             lo = slot[("B", s, k)] + 1
         if k > 0:
             lo = max(lo, slot[(kd, s, k - 1)] + 1)
-        if cap is None and kd != "B":
-            continue
         o = occ[i]
         mi = mem[i]
         t = -1

@@ -27,7 +27,11 @@ FULL_SEARCH_OPS = 12_000
 
 
 def score(sched: Schedule, cost: CostModel) -> tuple[float, float]:
-    """(makespan, peak memory) of a compute-only schedule under ``cost``."""
+    """(makespan, peak memory) of a compute-only schedule under ``cost`` (the list scheduler's
+    own figures when it says they are exact, see :mod:`.greedy`)."""
+    est = sched.meta.get("est")
+    if est is not None and est.get("exact"):
+        return est["makespan"], est["peak"]
     try:
         ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
         return ev.makespan, ev.max_peak

@@ -18,8 +18,10 @@ The winner is the least makespan under the request's costs (then the least memor
 Limits. The V-Half block keeps half of 1F1B's memory at full throughput only while a quarter
 period fits an F and a B hop (``T_W + T_F >= T_B`` and ``T_W + T_B >= T_F`` per chunk, close to
 the paper's band ``W + 2B >= 2F``, ``W + 2F >= 2B``); outside it the period has to stretch and
-V-Half can end up behind 1F1B. :mod:`.bounds` gives the lower bound any schedule at a budget
-must respect, to tell that apart from a miss of the search.
+V-Half can end up behind 1F1B. Stretching is forced for a block of one microbatch: at the full
+rate each rank boundary then costs it a whole period of lifespan, more than V-Half's memory
+holds once p is not small (docs/schedules.md, *Limits of the V family*). :mod:`.bounds` gives the lower bound any schedule at a budget must respect, to tell a
+proved limit apart from a miss of the search.
 """
 
 from __future__ import annotations

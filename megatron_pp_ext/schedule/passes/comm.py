@@ -29,6 +29,7 @@ import bisect
 from collections import defaultdict
 
 from ..costs import CostModel
+from .. import fastsim
 from ..ir import Op, Schedule, op_kind
 from ..simulate import DeadlockError, simulate
 
@@ -50,19 +51,36 @@ def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_place
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     if recv_placement == "auto":
-        early = _insert(schedule, cost, early=True)
-        try:
-            simulate(early, cost, comm_model="blocking")
-        except DeadlockError:
-            return _insert(schedule, cost, early=False)
-        early.meta["comm_placement"] = PROVEN_EARLY
-        return early
+        return insert_comm_proven(schedule, cost)[0]
     if recv_placement not in ("early", "safe"):
         raise ValueError(f"recv_placement must be auto, early or safe, got {recv_placement!r}")
     return _insert(schedule, cost, early=recv_placement == "early")
 
 
+def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "fastsim.Prepared | None"]:
+    """``insert_comm(..., recv_placement="auto")`` for a compute-only schedule, also returning
+    the coded copy (:func:`..fastsim.prepare`) on which the blocking run proved the early
+    placement deadlock-free (None: safe placement, or not a built-in-kinds schedule), so that
+    :func:`..validate.validate` can check and simulate it without coding it again."""
+    early = _insert(schedule, cost, early=True)
+    prep = fastsim.prepare(early, cost)
+    try:
+        if prep is not None:
+            prep.simulate(eager=False)
+        else:
+            simulate(early, cost, comm_model="blocking")
+    except DeadlockError:
+        return _insert(schedule, cost, early=False), None
+    early.meta["comm_placement"] = PROVEN_EARLY
+    return early, prep
+
+
 def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
+    prep = fastsim.prepare(schedule, cost)
+    if prep is not None and not prep.n_comm:
+        fast = _insert_builtin(schedule, prep, early)
+        if fast is not None:
+            return fast
     times = simulate(schedule, cost).times
     placement = schedule.placement
     S = schedule.num_stages
@@ -118,3 +136,84 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
     meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
 
+
+def _insert_builtin(schedule: Schedule, prep: "fastsim.Prepared", early: bool) -> Schedule | None:
+    """:func:`_insert` for a compute-only schedule of the built-in kinds (``prep``), on the
+    fast simulator's arrays instead of per-op dictionaries: the same ops in the same order.
+    For these kinds the only consumer of ``act(s, k)`` on another rank is F(s+1, k), and of
+    ``grad(s, k)`` is B or BW(s-1, k); op start and end times on a rank are non-decreasing in
+    a compute-only timeline, so they are their own running maxima. None when the
+    compute-only run fails (the general path then reports it)."""
+    res = prep.simulate(eager=True)
+    if res is None or not isinstance(res.times, fastsim.LazyTimes):
+        return None
+    st_arr, en_arr = res.times.rank_arrays()
+    placement = schedule.placement
+    S = len(placement)
+    m = schedule.num_microbatches
+    p = schedule.num_ranks
+    N = prep.N
+    plans = prep.plans
+    # index on its rank of every compute op, by code (kind, stage, microbatch)
+    pos = [-1] * (4 * N)
+    for lst in plans:
+        for i, pl in enumerate(lst):
+            pos[pl[9]] = i
+    starts = st_arr
+    opens = [[0.0] + en for en in en_arr]
+    gaps: list[dict[int, list]] = [defaultdict(list) for _ in range(p)]
+    bl, br = bisect.bisect_left, bisect.bisect_right
+    mk = fastsim.make_op
+    for r, lst in enumerate(plans):
+        ends_r = en_arr[r]
+        g_r = gaps[r]
+        for i, pl in enumerate(lst):
+            if not pl[8]:
+                continue  # makes nothing another rank needs
+            kid = pl[0]
+            s, mb = divmod(pl[9] - kid * N, m)
+            if kid == 0:   # F: act(s) to F(s+1)
+                dst_stage, send_kind, recv_kind = s + 1, "SEND_F", "RECV_F"
+                use = pos[dst_stage * m + mb]
+            else:          # B/BW: grad(s) to B or BW(s-1)
+                dst_stage, send_kind, recv_kind = s - 1, "SEND_B", "RECV_B"
+                use = pos[N + dst_stage * m + mb]
+                if use < 0:
+                    use = pos[3 * N + dst_stage * m + mb]
+            if use < 0:
+                continue  # nobody consumes it
+            dst = placement[dst_stage]
+            t = ends_r[i]
+            sort_key = (t, send_kind, s, mb)
+            g_r[i + 1].append((sort_key, mk(send_kind, s, mb, r, dst)))
+            if early:
+                kk = br(opens[dst], t) - 1
+                if use < kk:
+                    kk = use
+            else:
+                kk = bl(starts[dst], t)
+            gaps[dst][kk].append((sort_key, mk(recv_kind, dst_stage, mb, dst, r)))
+    new_ops = []
+    for r, rank_ops in enumerate(schedule.ops):
+        g_r = gaps[r]
+        if not g_r:
+            new_ops.append(list(rank_ops))
+            continue
+        out: list[Op] = []
+        prev = 0
+        for i in sorted(g_r):
+            if i > prev:
+                out.extend(rank_ops[prev:i])
+                prev = i
+            g = g_r[i]
+            if len(g) > 1:
+                g.sort(key=_first)
+            out.extend([op for _, op in g])
+        out.extend(rank_ops[prev:])
+        new_ops.append(out)
+    meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
+    return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
+
+
+def _first(item: tuple):
+    return item[0]
