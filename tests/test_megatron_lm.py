@@ -188,6 +188,8 @@ def test_v_placement_plan_and_layout_string():
     (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2,1"], {}, "sums to 7"),
     (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 2}, "--global-batch-size 2"),
     (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
+    (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
+     "--bpipe does not support --pipeline-schedule zbv"),
 ])
 def test_megatron_combination_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
@@ -203,6 +205,11 @@ def test_loop_schedules_keep_megatron_layers():
     _, plan = plan_for(opts("--pipeline-schedule", "zb-h1", "--allow-padding-num-layers"), num_layers=7)
     assert plan.layers_per_stage == (4, 3) or plan.layers_per_stage == (3, 4)
     assert layers_per_stage_for(8, 4, given=None, allow_padding=False, what="x") == (2, 2, 2, 2)
+
+
+def test_bpipe_is_accepted_on_loop_schedules():
+    _, plan = plan_for(opts("--pipeline-schedule", "1f1b", "--bpipe"), pipeline_model_parallel_size=4)
+    assert plan.chunks == 1 and not plan.v
 
 
 def test_tied_v_is_a_note_not_an_error():

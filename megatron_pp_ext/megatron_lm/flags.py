@@ -569,7 +569,7 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if opts.bpipe is not None:
             from ..features.bpipe.flags import check_bpipe_combination
             try:
-                check_bpipe_combination(opts.bpipe, schedule=opts.schedule, pp=pp, chunks=chunks)
+                check_bpipe_combination(opts.bpipe, schedule=opts.schedule, pp=pp)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
     if opts.profile_iters and opts.schedule is not None:
