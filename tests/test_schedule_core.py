@@ -250,3 +250,10 @@ def test_per_stage_w_fraction_drives_b_and_w_memory():
         CostModel.uniform(2, w_fraction_per_stage=(0.5,))
     from megatron_pp_ext.schedule.export import cost_from_dict, cost_to_dict
     assert cost_from_dict(cost_to_dict(c)).w_fraction_per_stage == (0.25, 1.0)
+
+
+def test_build_schedule_takes_the_costs_flag_string():
+    s, c = build_schedule("1f1b", 4, 8, costs="1,2,1")
+    assert (c.t_f[0], c.t_b[0], c.t_w[0], c.comm) == (1.0, 2.0, 1.0, 0.0)
+    with pytest.raises(ScheduleError, match="--costs '1,x'"):
+        build_schedule("1f1b", 4, 8, costs="1,x")

@@ -115,6 +115,12 @@ def parse_memory_budget(value: str | float | None, pp: int) -> float | None:
     return units
 
 
+def _parse_cost_numbers(costs: str | Sequence[float]) -> tuple[float, float, float, float]:
+    """F, B, W, COMM from ``"F,B,W[,COMM]"`` or a sequence, validated like ``--costs``."""
+    c = CostModel.from_spec(costs, 1, 1)
+    return (c.t_f[0], c.t_b[0], c.t_w[0], c.comm)
+
+
 def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                    costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0),
                    memory_budget: float | str | None = None, with_comm: bool = False,
@@ -133,9 +139,10 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
     if budget is not None and not info.uses_budget:
         raise ScheduleError(f"schedule {name!r} has a fixed memory footprint and ignores --memory-budget; "
                             "use v-budget (or zb-h1/zbv, whose budgets are automatic) for a memory target")
-    costs_t: Sequence[float] | CostModel = costs if isinstance(costs, CostModel) else tuple(float(c) for c in costs)
-    if not isinstance(costs_t, CostModel) and len(costs_t) == 3:
-        costs_t = tuple(costs_t) + (0.0,)
+    if isinstance(costs, CostModel):
+        costs_t: Sequence[float] | CostModel = costs
+    else:  # "F,B,W[,COMM]" (the --costs flag) or numbers, checked as the flag is
+        costs_t = _parse_cost_numbers(costs)
     request = ScheduleRequest(pp, microbatches, info.chunks_for(ScheduleRequest(pp, microbatches, chunks)),
                               costs_t, budget, dict(options or {}))
     v = request.chunks
