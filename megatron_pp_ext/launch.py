@@ -14,7 +14,7 @@ What it does, in this order, then runs the script as ``__main__`` (``runpy``):
 3. :func:`megatron_pp_ext.megatron_lm.install` — our flags join Megatron-LM's parser and the
    training loop is routed to our runtime when they ask for it; without CUDA it also turns the
    CPU compatibility layer on
-   (:func:`~megatron_pp_ext.runtime.cpu_compat.enable_megatron_lm_cpu_compat`).
+   (:func:`~megatron_pp_ext.megatron_lm.cpu_compat.enable_megatron_lm_cpu_compat`).
 
 ``python -m megatron_pp_ext.launch --help-plugin`` lists the plugin's flags.
 """

@@ -715,7 +715,7 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
     if cpu_compat is None:
         cpu_compat = not torch.cuda.is_available()
     if cpu_compat:
-        from ..runtime.cpu_compat import enable_megatron_lm_cpu_compat
+        from .cpu_compat import enable_megatron_lm_cpu_compat
         compat = enable_megatron_lm_cpu_compat()
     training = _mod("megatron.training.training")
     if training is None:

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
 from .p2p import P2P, Transfer, message_key
 
-__all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func"]
+__all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook"]
 
 _COMPUTE = {"F", "B", "W", "BW"}
 _COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
@@ -73,6 +73,23 @@ _SCHEDULE_CACHE: dict = {}
 
 class ScheduleMismatchError(ScheduleError):
     """The schedule does not fit the call (ranks, chunks, model) or differs between ranks."""
+
+
+def attach_op_hook(executor, hook: Callable[[Op, str], None], handlers: dict[str, Callable] | None = None):
+    """Add ``hook`` to ``executor.op_hook`` (run before any hook already there, which keeps
+    running) and ``handlers`` to ``executor.op_handlers``: how features join one executor.
+    Works on anything with those two attributes (e.g. the vocabulary executor). Returns it."""
+    prev = executor.op_hook
+    if prev is None:
+        executor.op_hook = hook
+    else:
+        def chained(op, phase, _prev=prev, _mine=hook):
+            _mine(op, phase)
+            _prev(op, phase)
+        executor.op_hook = chained
+    if handlers:
+        executor.op_handlers.update(handlers)
+    return executor
 
 
 def _event_times(timings: list, ev0) -> list:

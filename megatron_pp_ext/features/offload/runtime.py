@@ -107,17 +107,9 @@ class OffloadRuntime:
         return {OFFLOAD: self.handle_offload, RELOAD: self.handle_reload}
 
     def attach(self, executor):
-        """Install the op hook (chained after an existing one) and the OFFLOAD/RELOAD handlers."""
-        prev = executor.op_hook
-        if prev is None:
-            executor.op_hook = self.op_hook
-        else:
-            def chained(op, phase, _prev=prev, _mine=self.op_hook):
-                _mine(op, phase)
-                _prev(op, phase)
-            executor.op_hook = chained
-        executor.op_handlers.update(self.op_handlers)
-        return executor
+        """Install the op hook (chained before an existing one) and the OFFLOAD/RELOAD handlers."""
+        from ...runtime.executor import attach_op_hook
+        return attach_op_hook(executor, self.op_hook, self.op_handlers)
 
     @contextlib.contextmanager
     def step(self, models: Any = None):
