@@ -38,6 +38,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..features.flags import argument_adder
+
 __all__ = ["MegatronLMFlagError", "PipelineOptions", "add_arguments", "extra_args_provider", "build_parser",
            "resolve", "check_megatron_args", "layers_per_stage_for", "MCORE", "REFERENCE_NOOP_FLAGS"]
 
@@ -83,18 +85,12 @@ def _schedule_names() -> list[str]:
     return schedule_names()
 
 
-def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add our flags, the reference's aliases and the feature flags to ``parser`` (flags it
     already has are left alone). Returns ``parser`` (Megatron-LM's ``extra_args_provider``)."""
     g = parser.add_argument_group("megatron_pp_ext: pipeline schedules")
 
-    def add(flag: str, **kw: Any) -> None:
-        if not _has(parser, flag):
-            g.add_argument(flag, **kw)
+    add = argument_adder(parser, g)
 
     names = _schedule_names()
     add("--pipeline-schedule", default=None, metavar="NAME",
@@ -122,9 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
     r = parser.add_argument_group("megatron_pp_ext: zero-bubble reference aliases")
 
-    def ref(flag: str, **kw: Any) -> None:
-        if not _has(parser, flag):
-            r.add_argument(flag, **kw)
+    ref = argument_adder(parser, r)
 
     ref("--enable-zero-bubble", action="store_true", default=False,
         help="alias: --pipeline-schedule zb-h1 (zb-h2 when --zero-bubble-max-pending-backward >= 2 x pp)")

@@ -26,6 +26,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..flags import argument_adder
 from ...schedule.costs import CostModel
 from ...schedule.ir import Schedule
 from .schedule_pass import BPipeError
@@ -70,18 +71,12 @@ class BPipeConfig:
         return {"bpipe": True, "threshold": self.threshold, "transfer_time": self.transfer_time}
 
 
-def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
 def add_bpipe_arguments(parser: argparse.ArgumentParser, *, group_title: str = "BPipe (memory-balanced pipeline)"):
     """Add the BPipe flags to ``parser`` (flags it already has are left alone). Returns
     ``parser``, so the function can be Megatron-LM's ``extra_args_provider``."""
     g = parser.add_argument_group(group_title)
 
-    def add(flag, **kw):
-        if not _has(parser, flag):
-            g.add_argument(flag, **kw)
+    add = argument_adder(parser, g)
 
     add("--bpipe", action="store_true", default=False,
         help="BPipe: rank x < p/2 evicts the activations of in-flight microbatches to rank p-1-x right after "

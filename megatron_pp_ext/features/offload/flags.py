@@ -25,6 +25,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..flags import argument_adder
 from ...schedule.costs import CostModel
 from ...schedule.ir import Schedule, ScheduleError
 
@@ -125,18 +126,12 @@ class OffloadConfig:
                 "link_group": self.link_group, "interleave_group_size": self.interleave_group_size}
 
 
-def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
 def add_offload_arguments(parser: argparse.ArgumentParser, *, group_title: str = "activation offload (PipeOffload)"):
     """Add the offload flags (and the reference's aliases) to ``parser``. Flags the parser
     already has (e.g. Megatron-LM's own) are left alone. Returns the argument group."""
     g = parser.add_argument_group(group_title)
 
-    def add(flag, **kw):
-        if not _has(parser, flag):
-            g.add_argument(flag, **kw)
+    add = argument_adder(parser, g)
 
     add("--activation-offload", choices=POLICY_CHOICES, default=None,
         help="which activations to move to host memory between their forward and backward: none, full "

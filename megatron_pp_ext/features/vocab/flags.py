@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..flags import argument_adder
 from .config import ALGORITHMS, VocabConfigError, VocabParallelConfig
 
 __all__ = ["add_vocab_arguments", "vocab_config_from_args", "VocabFlagError"]
@@ -31,19 +32,13 @@ class VocabFlagError(VocabConfigError):
     """A bad flag or combination of flags; the message names the flag and the fix."""
 
 
-def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
 def add_vocab_arguments(parser: argparse.ArgumentParser, *, group_title: str = "vocabulary parallelism"):
     """Add the vocabulary-parallel flags (and the reference's alias) to ``parser``. Flags the
     parser already has (e.g. Megatron-LM's own) are left alone. Returns ``parser``, so the
     function can be Megatron-LM's ``extra_args_provider``."""
     g = parser.add_argument_group(group_title)
 
-    def add(flag, **kw):
-        if not _has(parser, flag):
-            g.add_argument(flag, **kw)
+    add = argument_adder(parser, g)
 
     add("--enable-vocab-parallel", action="store_true", default=False,
         help="split the output layer + cross entropy and the input embedding over all pipeline x tensor "

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...runtime.harness import RunConfig, forward_step, make_batch, merge_results
+from ...runtime.harness import RunConfig, Training, merge_results
 from ...runtime.model import full_param, global_named_parameters
 from .config import VocabParallelConfig
 
@@ -31,40 +31,25 @@ EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
 
 @dataclass
-class VocabTraining:
-    cfg: RunConfig
-    vcfg: VocabParallelConfig
-    config: Any
-    model: list
-    optimizer: Any
-    executor: Any
-    engine: Any
-    placement: tuple
-    meta: dict
+class VocabTraining(Training):
+    """The runtime's :class:`~megatron_pp_ext.runtime.harness.Training` with vocabulary
+    parallelism: ``extra`` is the engine; every step hands the executor the input ids of all
+    microbatches (the sharded input embedding needs them on every rank)."""
+
+    vcfg: VocabParallelConfig | None = None
 
     @property
-    def dp_rank(self) -> int:
-        from megatron.core import parallel_state
-        return parallel_state.get_data_parallel_rank()
-
-    def batches(self, step: int) -> list[dict]:
-        c, m = self.cfg, self.cfg.num_microbatches
-        return [make_batch(c.seed, step, self.dp_rank * m + i, c.micro_batch_size, c.seq_length, c.spec.vocab_size)
-                for i in range(m)]
+    def engine(self):
+        return self.extra
 
     def step(self, step: int, *, forward_only: bool | None = None) -> list:
-        c = self.cfg
-        forward_only = c.forward_only if forward_only is None else forward_only
         batches = self.batches(step)
-        iters = [iter(batches) for _ in self.model]
-        if not forward_only:
-            for chunk in self.model:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-        return self.executor(forward_step_func=partial(forward_step, loss=c.loss), data_iterator=iters,
-                             model=self.model, num_microbatches=c.num_microbatches, seq_length=c.seq_length,
-                             micro_batch_size=c.micro_batch_size, forward_only=forward_only,
-                             tokens=[b["tokens"] for b in batches])
+        fb = self.forward_backward
+        self.forward_backward = partial(fb, tokens=[b["tokens"] for b in batches])
+        try:
+            return super().step(step, forward_only=forward_only, iters=[iter(batches) for _ in self.model])
+        finally:
+            self.forward_backward = fb
 
 
 @dataclass(frozen=True)
@@ -108,7 +93,8 @@ def setup_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig) -> VocabTrai
     """``harness.setup_training`` with vocabulary parallelism (:func:`vocab_run_config`)."""
     from ...runtime.harness import setup_training
     tr = setup_training(vocab_run_config(cfg, vcfg))
-    return VocabTraining(cfg, vcfg, tr.config, tr.model, tr.optimizer, tr.executor, tr.extra, tr.placement, tr.meta)
+    return VocabTraining(cfg, tr.config, tr.model, tr.optimizer, tr.forward_backward, tr.executor, tr.placement,
+                         tr.meta, tr.extra, vcfg=vcfg)
 
 
 def _is_vocab(name: str) -> bool:
