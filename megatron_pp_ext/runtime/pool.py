@@ -124,6 +124,10 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
         try:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=index, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
+            # every rank finishes gloo's connect before any runs the configuration: a rank that
+            # fails at once would otherwise tear its group down under a peer still connecting,
+            # and that peer would report a failure of its own
+            dist.barrier()
             if cpu_compat:
                 from .cpu_compat import enable_cpu_compat
                 compat = enable_cpu_compat()
