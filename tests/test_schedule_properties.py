@@ -15,7 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 from megatron_pp_ext.schedule import CostModel, build_schedule, simulate  # noqa: E402
 from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound  # noqa: E402
 from megatron_pp_ext.schedule.generators.evaluate import evaluate  # noqa: E402
-from megatron_pp_ext.schedule.generators.patterns import FIXED_PATTERNS, fixed_pattern  # noqa: E402
+from megatron_pp_ext.schedule.generators.patterns import (  # noqa: E402
+    FIXED_PATTERNS, baseline_patterns, fixed_pattern)
 from megatron_pp_ext.schedule.generators.vshape import v_budget_units  # noqa: E402
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -98,8 +99,9 @@ def test_v_half_and_up_never_worse_than_1f1b(size, cs, frac):
 def test_never_worse_than_the_fixed_pattern(size, cs, name):
     p, m = size
     ours, cost = build_schedule(name, p, m, costs=cs)
-    pattern = fixed_pattern(name, p, m)
-    assert simulate(ours, cost).makespan <= simulate(pattern, cost).makespan + EPS
+    ms = simulate(ours, cost).makespan
+    for pattern in baseline_patterns(name, p, m):  # the paper's pattern, and for zbv also the ZB paper's
+        assert ms <= simulate(pattern, cost).makespan + EPS, pattern.name
 
 
 @settings(max_examples=20, **SETTINGS)

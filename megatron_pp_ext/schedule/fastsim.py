@@ -234,19 +234,24 @@ class Prepared:
     """A schedule coded once for :meth:`check` and any number of :meth:`simulate` runs
     (the validator does all three on one schedule). Build with :func:`prepare`."""
 
-    __slots__ = ("schedule", "cost", "plans", "N", "n_comm", "seen")
+    __slots__ = ("schedule", "cost", "plans", "N", "n_comm", "seen", "results")
 
     def __init__(self, schedule: Schedule, cost: CostModel, enc: tuple) -> None:
         self.schedule, self.cost = schedule, cost
         self.plans, self.N, self.n_comm, self.seen = enc
+        self.results: dict[bool, object] = {}  # eager -> the last SimResult of that model
 
     def check(self) -> bool:
         """True: the validator's structure, completeness and comm checks all pass."""
         return _check(self)
 
     def simulate(self, eager: bool = True):
-        """The simulator's result (None: let the general simulator handle it)."""
-        return _simulate(self, eager)
+        """The simulator's result (None: let the general simulator handle it); also kept in
+        :attr:`results` for later checks of the same schedule."""
+        res = _simulate(self, eager)
+        if res is not None:
+            self.results[eager] = res
+        return res
 
 
 def prepare(schedule: Schedule, cost: CostModel) -> Prepared | None:

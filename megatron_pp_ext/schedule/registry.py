@@ -177,5 +177,5 @@ def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostMo
     if with_comm and not sched.has_comm():
         sched, prepared = insert_comm_proven(sched, cost)
         proven = sched.meta.get("comm_placement") == PROVEN_EARLY  # insert_comm just ran the proof
-    validate(sched, cost, memory_budget=budget, deadlock_proven=proven, prepared=prepared)
+    validate(sched, cost, memory_budget=budget, deadlock_proven=proven, prepared=prepared, want_result=False)
     return sched, cost

@@ -137,12 +137,16 @@ def check_comm(schedule: Schedule) -> None:
 
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
              memory_budget: float | None = None, deadlock_proven: bool = False,
-             prepared: "fastsim.Prepared | None" = None) -> SimResult:
+             prepared: "fastsim.Prepared | None" = None, want_result: bool = True) -> SimResult | None:
     """Run every check; return the (eager-communication) simulation under ``cost``, default uniform.
 
     ``deadlock_proven``: the caller has just run the blocking-batch simulation of this very
     schedule (insert_comm does), so it is not repeated. ``prepared``: that run's coded copy of
-    this very schedule and cost (:func:`..passes.comm.insert_comm_proven`), reused as is."""
+    this very schedule and cost (:func:`..passes.comm.insert_comm_proven`), reused as is.
+    ``want_result=False``: the caller only needs the verdict; with a proven ``prepared`` the
+    memory check then reads the peaks of the proof's own run instead of simulating again
+    (the same peaks: a rank's memory follows its op order, whatever the waits, as long as
+    no forward takes zero time), and None is returned."""
     if cost is None and schedule.num_ranks and schedule.num_stages \
             and schedule.num_stages % schedule.num_ranks == 0:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
@@ -164,17 +168,26 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     if prep is not None:
         if prep.n_comm and not deadlock_proven:
             prep.simulate(eager=False)  # the deadlock proof
+        proof = prep.results.get(False)
+        if not want_result and proof is not None and min(cost.t_f) > 0:
+            _check_budget(schedule, proof.peak_memory, memory_budget)
+            return None
         result = prep.simulate(eager=True)
     elif schedule.has_comm() and not deadlock_proven:
         simulate(schedule, cost, comm_model="blocking")  # the deadlock proof
     if result is None:
         result = simulate(schedule, cost)
-    if memory_budget is not None:
-        over = [(r, pk) for r, pk in enumerate(result.peak_memory) if pk > memory_budget + _EPS]
-        if over:
-            r, pk = max(over, key=lambda x: x[1])
-            raise ValidationError(
-                f"schedule {schedule.name!r} needs {pk:g} activation units on rank {r}, over the memory "
-                f"budget of {memory_budget:g} (--memory-budget); raise the budget or pick a schedule with "
-                "less memory (v-half, v-min, v-budget)")
+    _check_budget(schedule, result.peak_memory, memory_budget)
     return result
+
+
+def _check_budget(schedule: Schedule, peaks: list[float], memory_budget: float | None) -> None:
+    if memory_budget is None:
+        return
+    over = [(r, pk) for r, pk in enumerate(peaks) if pk > memory_budget + _EPS]
+    if over:
+        r, pk = max(over, key=lambda x: x[1])
+        raise ValidationError(
+            f"schedule {schedule.name!r} needs {pk:g} activation units on rank {r}, over the memory "
+            f"budget of {memory_budget:g} (--memory-budget); raise the budget or pick a schedule with "
+            "less memory (v-half, v-min, v-budget)")

@@ -27,6 +27,7 @@ reference runs a pattern, and why these patterns degrade when the costs are unba
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 from ..ir import Op, Schedule, ScheduleError, loop_placement, v_placement
 
@@ -62,138 +63,177 @@ def v_block_offsets(kind: str, p: int) -> list[tuple[int, int, int, int]]:
 def _v_pattern(kind: str, p: int, m: int, cap_units: float | None) -> Schedule:
     _check(p, m, kind)
     placement = v_placement(p)
-    S = 2 * p
+    grid = _Grid(p, m)
     offs = v_block_offsets(kind, p)
-    # slot[(kind, stage, mb)] = slot; occ[rank] = {slot: op key}
-    slot: dict[tuple, int] = {}
-    occ: list[dict[int, tuple]] = [dict() for _ in range(p)]
     for i in range(p):
         f0, f1, b1, b0 = offs[i]
-        s0, s1 = i, S - 1 - i
+        s0, s1 = i, grid.S - 1 - i
         for k in range(m):
-            for kd, s, x in (("F", s0, f0), ("F", s1, f1), ("B", s1, b1), ("B", s0, b0)):
-                key = (kd, s, k)
-                t = x + _SLOTS * k
-                slot[key] = t
-                occ[i][t] = key
-    _put_w(p, S, m, slot, occ)
+            for kd, s, x in ((_KF, s0, f0), (_KF, s1, f1), (_KB, s1, b1), (_KB, s0, b0)):
+                grid.put(i, grid.code(kd, s, k), x + _SLOTS * k)
+    grid.put_w()
     # Memory cap in half units (+1 at an F's slot, -1 after a W's slot).
-    if cap_units is None:
-        cap = max(_peak_half_units(occ[i]) for i in range(p))
-    else:
-        cap = int(round(2 * cap_units))
-    _squeeze(p, placement, m, slot, occ, cap)
+    cap = max(grid.peak(i) for i in range(p)) if cap_units is None else int(round(2 * cap_units))
+    grid.squeeze(cap)
     # Second pass, as the reference does: take the W's out, let the B's of the cool-down
     # close up, and put the W's back into the free slots (kept only if memory stays in cap).
-    slot2 = {k: v for k, v in slot.items() if k[0] != "W"}
-    occ2 = [{t: key for t, key in o.items() if key[0] != "W"} for o in occ]
-    _squeeze(p, placement, m, slot2, occ2, None)
-    _put_w(p, S, m, slot2, occ2)
-    if max(_peak_half_units(o) for o in occ2) <= cap:
-        slot, occ = slot2, occ2
+    second = grid.without_w()
+    second.squeeze(None)
+    second.put_w()
+    if max(second.peak(i) for i in range(p)) <= cap:
+        grid = second
+    names = ("F", "B", "W")
     ops = []
     for i in range(p):
-        ops.append([Op(kd, s, k, i) for _, (kd, s, k) in sorted(occ[i].items())])
+        rank_ops = []
+        for c in grid.occ[i]:
+            if c >= 0:
+                kd, rest = divmod(c, grid.S * m)
+                s, k = divmod(rest, m)
+                rank_ops.append(Op(names[kd], s, k, i))
+        ops.append(rank_ops)
     return Schedule(kind, m, placement, ops, {"pattern": kind, "fixed_pattern": True})
 
 
-def _put_w(p: int, S: int, m: int, slot: dict, occ: list[dict]) -> None:
-    """W's into the free slots after their B: chunk 1's (nearer the loss) first, then the
-    oldest."""
-    for i in range(p):
-        s0, s1 = i, S - 1 - i
-        bs = sorted((slot[("B", s, k)], s, k) for s in (s0, s1) for k in range(m))
-        t = 0
-        j = 0
-        pending: list[tuple[int, int]] = []
-        while j < len(bs) or pending:
-            while j < len(bs) and bs[j][0] < t:
-                pending.append((bs[j][1], bs[j][2]))
-                j += 1
-            if pending and t not in occ[i]:
-                pick = next((x for x in pending if x[0] == s1), pending[0])
-                pending.remove(pick)
-                slot[("W",) + pick] = t
-                occ[i][t] = ("W",) + pick
-            t += 1
+_KF, _KB, _KW = range(3)
 
 
-def _peak_half_units(occ: dict[int, tuple]) -> int:
-    cur = peak = 0
-    for _, (kd, _, _) in sorted(occ.items()):
-        if kd == "F":
-            cur += 1
-            peak = max(peak, cur)
-        elif kd == "W":
-            cur -= 1
-    return peak
+class _Grid:
+    """Unit slots of a V pattern: ``slot[code]`` (-1: not placed) and per rank
+    ``occ[rank][t]`` (-1: free), with op code ``(kind * S + stage) * m + microbatch``
+    (kind F, B, W = 0, 1, 2). Integer arrays: the pattern has 6pm ops and is built at the
+    full size (p=32, m=256: 49k ops) during a search."""
 
+    __slots__ = ("p", "m", "S", "slot", "occ")
 
-def _squeeze(p: int, placement, m: int, slot: dict, occ: list[dict], cap: int | None) -> None:
-    """Move every op, in time order, to the earliest free slot its inputs allow, keeping the
-    rank's memory (half units) within ``cap`` (None: move only B's, which hold no extra
-    memory). Ops of one kind and stage keep their order."""
-    S = len(placement)
-    horizon = max(slot.values()) + 2
-    # mem[i][t]: memory during slot t on rank i
-    mem = []
-    for i in range(p):
-        arr = [0] * (horizon + 1)
-        for t, (kd, _, _) in occ[i].items():
-            if kd == "F":
-                arr[t] += 1
-            elif kd == "W" and t + 1 <= horizon:
-                arr[t + 1] -= 1
-        cur = 0
-        for t in range(horizon + 1):
-            cur += arr[t]
-            arr[t] = cur
-        mem.append(arr)
-    order = sorted(slot.items(), key=lambda kv: (kv[1], placement[kv[0][1]]))
-    for key, _ in order:
-        kd, s, k = key
-        if cap is None and kd != "B":
-            continue
-        cur = slot[key]
-        i = placement[s]
-        lo = 0
-        if kd == "F":
-            if s > 0:
-                lo = slot[("F", s - 1, k)] + 1
-        elif kd == "B":
-            lo = slot[("F", s, k)] + 1
-            if s < S - 1:
-                lo = max(lo, slot[("B", s + 1, k)] + 1)
-        else:
-            lo = slot[("B", s, k)] + 1
-        if k > 0:
-            lo = max(lo, slot[(kd, s, k - 1)] + 1)
-        o = occ[i]
-        mi = mem[i]
-        t = -1
-        if kd == "F":
-            # the slots an F can move to form a range [t*, cur): memory in it must stay below cap
-            u = cur - 1
-            while u >= lo and mi[u] < cap:
-                u -= 1
-            for v in range(u + 1, cur):   # the earliest free slot in that range
-                if v not in o:
-                    t = v
-                    break
-        else:
-            for u in range(lo, cur):
-                if u not in o:
-                    t = u
-                    break
-        if t < 0:
-            continue
-        del o[cur]
-        o[t] = key
-        slot[key] = t
-        if kd == "F":
-            mi[t:cur] = [x + 1 for x in mi[t:cur]]
-        elif kd == "W":
-            mi[t + 1:cur + 1] = [x - 1 for x in mi[t + 1:cur + 1]]
+    def __init__(self, p: int, m: int) -> None:
+        self.p, self.m, self.S = p, m, 2 * p
+        self.slot = [-1] * (3 * self.S * m)
+        self.occ: list[list[int]] = [[] for _ in range(p)]
+
+    def code(self, kd: int, s: int, k: int) -> int:
+        return (kd * self.S + s) * self.m + k
+
+    def put(self, rank: int, code: int, t: int) -> None:
+        o = self.occ[rank]
+        if t >= len(o):
+            o.extend([-1] * (t + 1 - len(o)))
+        o[t] = code
+        self.slot[code] = t
+
+    def without_w(self) -> "_Grid":
+        g = _Grid(self.p, self.m)
+        w0 = 2 * self.S * self.m
+        g.slot = self.slot[:w0] + [-1] * (len(self.slot) - w0)
+        g.occ = [[c if c < w0 else -1 for c in o] for o in self.occ]
+        return g
+
+    def peak(self, rank: int) -> int:
+        """Peak memory of a rank in half units (F +1 at its slot, W -1 after it)."""
+        cur = peak = 0
+        fm = self.S * self.m
+        for c in self.occ[rank]:
+            if c < 0:
+                continue
+            if c < fm:
+                cur += 1
+                if cur > peak:
+                    peak = cur
+            elif c >= 2 * fm:
+                cur -= 1
+        return peak
+
+    def put_w(self) -> None:
+        """W's into the free slots after their B: chunk 1's (nearer the loss) first, then the
+        oldest."""
+        m, S = self.m, self.S
+        slot = self.slot
+        for i in range(self.p):
+            s0, s1 = i, S - 1 - i
+            bs = sorted((slot[self.code(_KB, s, k)], s, k) for s in (s0, s1) for k in range(m))
+            o = self.occ[i]
+            q0: deque = deque()  # pending W's of chunk 0 (stage s0), oldest first
+            q1: deque = deque()  # and of chunk 1
+            t = j = 0
+            n = len(bs)
+            while j < n or q0 or q1:
+                while j < n and bs[j][0] < t:
+                    (q1 if bs[j][1] == s1 else q0).append(bs[j][2])
+                    j += 1
+                if (q0 or q1) and (t >= len(o) or o[t] < 0):
+                    s, k = (s1, q1.popleft()) if q1 else (s0, q0.popleft())
+                    self.put(i, self.code(_KW, s, k), t)
+                t += 1
+
+    def squeeze(self, cap: int | None) -> None:
+        """Move every op, in time order, to the earliest free slot its inputs allow, keeping
+        the rank's memory (half units) within ``cap`` (None: move only B's, which hold no
+        extra memory). Ops of one kind and stage keep their order."""
+        p, m, S = self.p, self.m, self.S
+        slot, occ = self.slot, self.occ
+        fm = S * m
+        horizon = max(len(o) for o in occ) + 1
+        for o in occ:
+            o.extend([-1] * (horizon + 1 - len(o)))
+        mem = []
+        for o in occ:
+            arr = [0] * (horizon + 1)
+            for t, c in enumerate(o):
+                if c < 0:
+                    continue
+                if c < fm:
+                    arr[t] += 1
+                elif c >= 2 * fm and t + 1 <= horizon:
+                    arr[t + 1] -= 1
+            cur = 0
+            for t in range(horizon + 1):
+                cur += arr[t]
+                arr[t] = cur
+            mem.append(arr)
+        # time order (then rank) of the slots as they are now
+        order = [(i, c) for t in range(horizon + 1) for i in range(p) if (c := occ[i][t]) >= 0]
+        for i, c in order:
+            kd, rest = divmod(c, fm)
+            if cap is None and kd != _KB:
+                continue
+            s, k = divmod(rest, m)
+            cur = slot[c]
+            if kd == _KF:
+                lo = slot[c - m] + 1 if s > 0 else 0
+            elif kd == _KB:
+                lo = slot[c - fm] + 1
+                if s < S - 1:
+                    lo = max(lo, slot[c + m] + 1)
+            else:
+                lo = slot[c - fm] + 1
+            if k > 0:
+                lo = max(lo, slot[c - 1] + 1)
+            o = occ[i]
+            mi = mem[i]
+            t = -1
+            if kd == _KF:
+                # the slots an F can move to form a range [t*, cur): memory in it must stay below cap
+                u = cur - 1
+                while u >= lo and mi[u] < cap:
+                    u -= 1
+                for v in range(u + 1, cur):   # the earliest free slot in that range
+                    if o[v] < 0:
+                        t = v
+                        break
+            else:
+                for u in range(lo, cur):
+                    if o[u] < 0:
+                        t = u
+                        break
+            if t < 0:
+                continue
+            o[cur] = -1
+            o[t] = c
+            slot[c] = t
+            if kd == _KF:
+                mi[t:cur] = [x + 1 for x in mi[t:cur]]
+            elif kd == _KW:
+                mi[t + 1:cur + 1] = [x - 1 for x in mi[t + 1:cur + 1]]
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,6 +261,58 @@ def v_half_pattern(p: int, m: int) -> Schedule:
 def v_zb_pattern(p: int, m: int) -> Schedule:
     """V-ZB fixed pattern: the V-Min block squeezed within 1F1B's memory (p units)."""
     return _cached("v-zb", p, m, float(p))
+
+
+def zbv_handcrafted_pattern(p: int, m: int) -> Schedule:
+    """ZB-V as hand-crafted in *Zero Bubble Pipeline Parallelism* (the order PyTorch's
+    ``ScheduleZBVZeroBubble`` also runs), p units of memory. On rank ``r`` (chunk 0 = stage
+    ``r``, chunk 1 = stage ``2p-1-r``): ``2(p-r)-1`` forwards of chunk 0; ``r`` pairs of
+    forwards (chunk 1, chunk 0); ``p-r`` triples F, B, W of chunk 1; then the steady state
+    F, B, W of chunk 0 and F, B, W of chunk 1; the cool-down runs ``r`` pairs of B (chunk 0,
+    chunk 1), ``p-r`` pairs B, W of chunk 0, and the W's left (chunk 1's first). An op whose
+    microbatch does not exist (``m < 2p``) is skipped, so any m is valid. Unlike the V-ZB
+    block it keeps every W right after its B in the steady state, which holds up better when
+    B and W are unbalanced or links are slow."""
+    _check(p, m, "zbv handcrafted")
+    S = 2 * p
+    ops = []
+    for r in range(p):
+        stage = (r, S - 1 - r)
+        done = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}
+        lst: list[Op] = []
+
+        def emit(kd: str, ch: int) -> None:
+            k = done[kd][ch]
+            if k >= m or (kd == "B" and k >= done["F"][ch]) or (kd == "W" and k >= done["B"][ch]):
+                return  # no such microbatch, or its input is not made yet on this rank
+            done[kd][ch] += 1
+            lst.append(Op(kd, stage[ch], k, r))
+
+        for _ in range(2 * (p - r) - 1):
+            emit("F", 0)
+        for _ in range(r):
+            emit("F", 1)
+            emit("F", 0)
+        for _ in range(p - r):
+            emit("F", 1)
+            emit("B", 1)
+            emit("W", 1)
+        while done["F"][0] < m or done["F"][1] < done["F"][0]:
+            for ch in (0, 1):
+                emit("F", ch)
+                emit("B", ch)
+                emit("W", ch)
+        for _ in range(r):
+            emit("B", 0)
+            emit("B", 1)
+        for _ in range(p - r):
+            emit("B", 0)
+            emit("W", 0)
+        for kd, ch in (("B", 1), ("B", 0), ("W", 1), ("W", 0)):
+            while done[kd][ch] < m:
+                emit(kd, ch)
+        ops.append(lst)
+    return Schedule("zbv-handcrafted", m, v_placement(p), ops, {"pattern": "zbv-handcrafted", "fixed_pattern": True})
 
 
 # --- loop placement (ZB paper) --------------------------------------------------------------
@@ -268,6 +360,20 @@ FIXED_PATTERNS = {
     "v-half": v_half_pattern,
     "v-min": v_min_pattern,
 }
+
+
+#: schedule name -> every published pattern it must match or beat (its fixed pattern first)
+BASELINE_PATTERNS = {name: (fn,) for name, fn in FIXED_PATTERNS.items()}
+BASELINE_PATTERNS["zbv"] = (v_zb_pattern, zbv_handcrafted_pattern)
+
+
+def baseline_patterns(name: str, p: int, m: int) -> list[Schedule]:
+    """Every published pattern standing for schedule ``name`` (see :data:`BASELINE_PATTERNS`)."""
+    try:
+        fns = BASELINE_PATTERNS[name]
+    except KeyError:
+        raise ScheduleError(f"no fixed pattern for {name!r}; known: {', '.join(BASELINE_PATTERNS)}") from None
+    return [fn(p, m) for fn in fns]
 
 
 def fixed_pattern(name: str, p: int, m: int) -> Schedule:

@@ -43,6 +43,20 @@ def score(sched: Schedule, cost: CostModel) -> tuple[float, float]:
         raise
 
 
+def pattern_targets(sched: Schedule, cost: CostModel) -> dict[tuple[str, int, int], float]:
+    """Start time of every op of compute-only ``sched`` under ``cost``, keyed ``(kind,
+    stage, microbatch)``: deadlines for :func:`.greedy.list_schedule` (``targets``)."""
+    from .. import fastsim
+    from ..simulate import simulate
+    res = fastsim.simulate_builtin(sched, cost, eager=True) or simulate(sched, cost)
+    if isinstance(res.times, fastsim.LazyTimes):  # per-rank arrays: no op -> times dict
+        out = {}
+        for rank_ops, starts in zip(sched.ops, res.times.rank_arrays()[0]):
+            out.update(zip([(op.kind, op.stage, op.microbatch) for op in rank_ops], starts))
+        return out
+    return {(op.kind, op.stage, op.microbatch): st for op, (st, _) in res.times.items()}
+
+
 def _key(ms: float, peak: float) -> tuple[float, float]:
     return (round(ms, 6), round(peak, 6))
 
@@ -173,6 +187,8 @@ def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *
         m_sel = max(min(m, math.ceil(full_ops / (3 * S))), 1)
         # at least a few rounds of steady state beyond the fill and the drain
         m_sel = min(m, max(m_sel, 2 * (S // 2) + 4))
+        if 2 * m_sel > m:
+            m_sel = m  # hardly smaller, and close rankings can flip between the sizes: rank at m
     ranked = []
     floor = lower_bound(m_sel) if lower_bound is not None else -1.0
     tried = 0

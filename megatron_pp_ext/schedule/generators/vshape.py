@@ -26,12 +26,15 @@ proved limit apart from a miss of the search.
 
 from __future__ import annotations
 
+import math
+
 from ..costs import CostModel
 from ..ir import Schedule, ScheduleError, v_placement
 from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
-from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern
-from .search import FULL_SEARCH_OPS, search, standard_candidates
+from .greedy import Policy, list_schedule
+from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
+from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
 
 
 def v_budget_units(kind: str, p: int) -> float:
@@ -39,19 +42,46 @@ def v_budget_units(kind: str, p: int) -> float:
     return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
 
 
+#: (label, pattern, policy): the list scheduler with a pattern's timeline as deadlines; the
+#: ones that won on a random sample of sizes, costs and budgets (the other combinations of
+#: W delay and F slack, and the V-ZB block, never did)
+#: (``lean``, large problems: the first two)
+EDF_PATTERNS = [
+    ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=0.0, f_slack=0.0)),
+    ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=math.inf, f_slack=0.0)),
+    ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=0.0)),
+    ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=1.0)),
+    ("pattern-v-half", v_half_pattern, Policy(priority="template", w_delay=1.0, f_slack=0.0)),
+    ("pattern-v-half", v_half_pattern, Policy(priority="template", w_delay=0.0, f_slack=0.0)),
+]
+
+
 def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
                  lean: bool = False) -> list[tuple[str, object]]:
     """Candidate builders ``(label, m -> Schedule)`` for a V schedule within ``budget`` units:
     :func:`.search.standard_candidates` on the V placement, and the paper's fixed patterns
     (the search drops those over the budget). ``lean``: fewer, for large problems."""
-    cands = standard_candidates(name, v_placement(p), cost, budget, lean=lean)
+    placement = v_placement(p)
+    cands = standard_candidates(name, placement, cost, budget, lean=lean)
     for label, fn, units in (("pattern-v-min", v_min_pattern, v_budget_units("v-min", p)),
                              ("pattern-v-half", v_half_pattern, v_budget_units("v-half", p)),
-                             ("pattern-v-zb", v_zb_pattern, v_budget_units("zbv", p))):
+                             ("pattern-v-zb", v_zb_pattern, v_budget_units("zbv", p)),
+                             ("pattern-zbv-hand", zbv_handcrafted_pattern, v_budget_units("zbv", p))):
         # the patterns' peaks are the formulas (tests/test_schedule_targets.py checks it):
         # skip building those that cannot fit (with the default unit activations)
         if units <= budget + 1e-9 or any(a != 0.5 for a in cost.act):
             cands.append((label, lambda mm, fn=fn: fn(p, mm)))
+    # a pattern's timeline under the real costs as deadlines for the list scheduler, which
+    # keeps the budget: the pattern's shape, adapted to the costs and to less memory
+    timelines: dict[tuple[str, int], dict] = {}  # one simulation per pattern and size
+
+    def edf(label: str, fn, pol: Policy, mm: int) -> Schedule:
+        if (label, mm) not in timelines:
+            timelines[(label, mm)] = pattern_targets(fn(p, mm), cost)
+        return list_schedule(name, placement, mm, cost, [budget] * p, pol, targets=timelines[(label, mm)])
+
+    for label, fn, pol in (EDF_PATTERNS[:2] if lean else EDF_PATTERNS):
+        cands.append((f"{label}-edf-{pol.label()}", lambda mm, a=(label, fn, pol): edf(*a, mm)))
     return cands
 
 
