@@ -111,8 +111,8 @@ def schedule_runs() -> list[tuple[str, dict]]:
     for name in schedule_names():
         info = schedule_info(name)
         kw: dict = {"schedule": name}
-        if info.placement == "loop" and info.chunks is None and ("interleaved" in name):
-            kw["vp"] = 2
+        if info.chunks is None and info.min_chunks > 1:
+            kw["vp"] = info.min_chunks
         if info.uses_budget:
             kw["memory_budget"] = BUDGET
         runs.append((name + (" (vp=2)" if kw.get("vp") else "") + (f" ({BUDGET})" if info.uses_budget else ""), kw))

@@ -401,7 +401,8 @@ def _reading(results: list[dict], get) -> list[str]:
                f"{len(total)} grid configurations, so their rows coincide; the overlapped F/B pairs are two "
                "consecutive ops in our IR, so the simulator charges F + B for a pair (no credit for the overlap).")
     # 2. same placement, same family
-    for ours, theirs in (("zbv", "ZBVZeroBubble"), ("interleaved-1f1b", "Interleaved1F1B")):
+    for ours, theirs in (("zbv", "ZBVZeroBubble"), ("interleaved-1f1b", "Interleaved1F1B"),
+                         ("interleaved-zb", "InterleavedZeroBubble")):
         parts, wins, ties, n, mem = [], 0, 0, 0, 0
         for pr in PROFILES:
             pairs = [(r, get("torch", theirs, r["p"], r["m"], pr.key)) for r in ok

@@ -115,6 +115,7 @@ def test_schedules_json(capsys):
     by = {r["name"]: r for r in rows}
     assert by["v-budget"]["uses_budget"] is True and by["1f1b"]["uses_budget"] is False
     assert by["zbv"]["chunks"] == 2 and by["zbv"]["placement"] == "v" and by["zb-h1"]["split_backward"] is True
+    assert by["interleaved-zb"]["min_chunks"] == 2 and by["zb-h1"]["min_chunks"] == 1
 
 
 # --- simulate ------------------------------------------------------------------------------

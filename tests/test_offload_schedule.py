@@ -17,8 +17,8 @@ from megatron_pp_ext.features.offload import (OFFLOAD, RELOAD, OffloadConfig, Tr
 from megatron_pp_ext.features.offload.flags import OffloadFlagError
 from megatron_pp_ext.features.offload.policies import (make_policy, measured_cost, offload_candidates, parse_target,
                                                        reference_offload_time)
-from megatron_pp_ext.schedule import (Op, Schedule, ScheduleError, ValidationError, build_schedule, schedule_names,
-                                      simulate, validate)
+from megatron_pp_ext.schedule import (Op, Schedule, ScheduleError, ValidationError, build_schedule, schedule_info,
+                                      schedule_names, simulate, validate)
 from megatron_pp_ext.schedule.simulate import DeadlockError
 
 EPS = 1e-9
@@ -145,7 +145,7 @@ def test_validator_refuses_malformed_transfers():
 @pytest.mark.parametrize("name", [n for n in schedule_names()])
 def test_every_schedule_family_takes_offload(name):
     kw = {"memory_budget": 3.0} if name == "v-budget" else {}
-    chunks = 2 if name in ("interleaved-1f1b", "grouped-interleaved") else 1
+    chunks = schedule_info(name).min_chunks
     pp, m = 4, 8
     try:
         sched, cost, plan = build_offload_schedule(name, pp, m, chunks=chunks, config="full", **kw)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_pp_ext.schedule import (CostModel, DeadlockError, Op, Schedule, ScheduleError, ValidationError,
                                       build_schedule, insert_comm, loop_placement, parse_memory_budget,
-                                      schedule_names, simulate, v_placement, validate)
+                                      schedule_info, schedule_names, simulate, v_placement, validate)
 
 
 def two_rank_1f1b(m=2):
@@ -139,7 +139,7 @@ def test_validator_memory_budget_message_names_flag():
 @pytest.mark.parametrize("name", [n for n in schedule_names() if n != "v-budget"])
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 9), (5, 10)])
 def test_comm_pass_valid_and_fifo_for_every_schedule(name, p, m):
-    chunks = 2 if name == "interleaved-1f1b" else 1
+    chunks = schedule_info(name).min_chunks
     try:
         sched, cost = build_schedule(name, p, m, chunks=chunks, costs=(1, 1.5, 0.7, 0.1), with_comm=True)
     except ScheduleError as e:  # refused combinations must say why

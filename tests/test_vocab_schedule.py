@@ -13,15 +13,15 @@ from megatron_pp_ext.features.vocab import (VOCAB_KINDS, VocabParallelConfig, bu
                                             with_vocab_comm)
 from megatron_pp_ext.features.vocab.costs import GPTShape, compare_vocab_layouts, vocab_layouts
 from megatron_pp_ext.schedule import (CostModel, Schedule, ScheduleError, ValidationError, build_schedule,
-                                      insert_comm, schedule_names, simulate, validate)
+                                      insert_comm, schedule_info, schedule_names, simulate, validate)
 
 FAMILIES = [s for s in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "v-budget",
-                        "dualpipev", "grouped-interleaved") if s in schedule_names()]
+                        "dualpipev", "grouped-interleaved", "interleaved-zb") if s in schedule_names()]
 S_T = {1: (0.15, 0.3), 2: (0.3, 0.15)}     # per-rank S / T times (one shard matmul = 0.15)
 
 
 def _args(name, p):
-    a = {"chunks": 2 if name.startswith("interleaved") else 1}
+    a = {"chunks": schedule_info(name).min_chunks}
     if name == "v-budget":
         a["memory_budget"] = 0.75 * p
     return a

@@ -524,9 +524,9 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                    if vp > 1 else "its model chunks")
             raise MegatronLMFlagError(f"{opts.flag} always uses {info.chunks} model chunk(s) per rank, but {src} "
                                       f"give(s) {vp}; drop the virtual-pipeline flags")
-        if opts.schedule in ("interleaved-1f1b", "grouped-interleaved") and vp < 2:
+        if vp < info.min_chunks:
             raise MegatronLMFlagError(f"{opts.flag} needs several model chunks per rank: add "
-                                      "--num-virtual-stages-per-pipeline-rank 2 (or more)")
+                                      f"--num-virtual-stages-per-pipeline-rank {info.min_chunks} (or more)")
         if getattr(args, "variable_seq_lengths", False):
             raise MegatronLMFlagError(f"{opts.flag}: variable sequence lengths (--variable-seq-lengths) are not "
                                       "supported by megatron_pp_ext's runtime yet; drop the flag")

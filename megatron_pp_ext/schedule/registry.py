@@ -55,6 +55,7 @@ class ScheduleInfo:
     chunks: int | None = None       # fixed chunk count (V family: 2); None: request.chunks
     split_backward: bool = False    # uses B/W split
     uses_budget: bool = False       # honours --memory-budget
+    min_chunks: int = 1             # fewest chunks per rank it runs with (interleaved: 2)
 
     def chunks_for(self, request: ScheduleRequest) -> int:
         return self.chunks if self.chunks is not None else request.chunks
@@ -64,12 +65,13 @@ _SCHEDULES: dict[str, ScheduleInfo] = {}
 
 
 def register_schedule(name: str, *, description: str, placement: str = "loop", chunks: int | None = None,
-                      split_backward: bool = False, uses_budget: bool = False) -> Callable:
+                      split_backward: bool = False, uses_budget: bool = False, min_chunks: int = 1) -> Callable:
     """Decorator registering a generator under ``name``."""
     def deco(fn: Callable[[ScheduleRequest], Schedule]) -> Callable:
         if name in _SCHEDULES and _SCHEDULES[name].generate is not fn:
             raise ScheduleError(f"schedule {name!r} is already registered")
-        _SCHEDULES[name] = ScheduleInfo(name, fn, description, placement, chunks, split_backward, uses_budget)
+        _SCHEDULES[name] = ScheduleInfo(name, fn, description, placement, chunks, split_backward, uses_budget,
+                                        min_chunks)
         return fn
     return deco
 
@@ -135,6 +137,9 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
         raise ScheduleError(f"--chunks {chunks}: need at least one chunk per rank")
     if info.chunks is not None and chunks not in (1, info.chunks):
         raise ScheduleError(f"schedule {name!r} always uses {info.chunks} chunks per rank; drop --chunks {chunks}")
+    if info.chunks is None and chunks < info.min_chunks:
+        raise ScheduleError(f"schedule {name!r} needs --chunks >= {info.min_chunks} (model chunks per rank); "
+                            "with one chunk use its non-interleaved form (1f1b, zb-h1)")
     budget = parse_memory_budget(memory_budget, pp)
     if budget is not None and not info.uses_budget:
         raise ScheduleError(f"schedule {name!r} has a fixed memory footprint and ignores --memory-budget; "

@@ -21,7 +21,7 @@ SCHEDULES = tuple(schedule_names())
 def schedule_args(name: str, pp: int) -> dict:
     """chunks / memory budget for a registered schedule (v-budget: between V-Min and ZB-V)."""
     info = schedule_info(name)
-    args: dict = {"chunks": 2 if (info.placement == "loop" and name.startswith("interleaved")) else 1}
+    args: dict = {"chunks": info.min_chunks}
     if info.uses_budget:
         args["memory_budget"] = 0.75 * pp
     return args

@@ -16,6 +16,7 @@ def _rows():
             "name": name,
             "placement": info.placement,
             "chunks": info.chunks,            # None: takes --chunks
+            "min_chunks": info.min_chunks,    # fewest --chunks it runs with
             "split_backward": info.split_backward,
             "uses_budget": info.uses_budget,
             "description": info.description,
@@ -31,7 +32,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [[r["name"], r["placement"], "--chunks" if r["chunks"] is None else r["chunks"],
+    table = [[r["name"], r["placement"],
+              r["chunks"] if r["chunks"] is not None else
+              ("--chunks" if r["min_chunks"] <= 1 else f"--chunks>={r['min_chunks']}"),
               "B/W" if r["split_backward"] else "-", "needed" if r["uses_budget"] else "-",
               r["description"]] for r in rows]
     print(format_table(["schedule", "placement", "chunks", "split", "budget", "description"], table,

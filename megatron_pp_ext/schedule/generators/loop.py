@@ -1,4 +1,4 @@
-"""Loop-placement schedules: 1F1B, interleaved 1F1B, ZB-H1, ZB-H2.
+"""Loop-placement schedules: 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, interleaved zero bubble.
 
 ``1f1b`` and ``interleaved-1f1b`` reproduce Megatron-Core's own orders exactly (so the
 runtime can be checked op for op against Megatron-Core). The zero-bubble ones are a search
@@ -6,7 +6,9 @@ runtime can be checked op for op against Megatron-Core). The zero-bubble ones ar
 2p - 1) over cost-aware candidates -- the list scheduler under several rules and as
 earliest-deadline-first against a building block laid out in the real costs -- plus the
 paper's handcrafted ZB-H1/ZB-H2 and 1F1B's own order with B and W split, so they are never
-worse than any of those.
+worse than any of those. ``interleaved-zb`` is the same search on v chunks per rank at 1F1B's
+memory, with PyTorch's interleaved zero-bubble order among its candidates (as is and as
+deadlines for the list scheduler).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from ..ir import Op, Schedule, ScheduleError, loop_placement
 from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
-from .patterns import zb_h1_pattern, zb_h2_pattern
-from .search import FULL_SEARCH_OPS, search, standard_candidates
+from .greedy import Policy, list_schedule
+from .patterns import interleaved_table, interleaved_zb_pattern, zb_h1_pattern, zb_h2_pattern
+from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
 
 
 @register_schedule("1f1b", description="one-forward-one-backward (Megatron-Core's non-interleaved order)")
@@ -32,19 +35,8 @@ def one_f_one_b(req: ScheduleRequest) -> Schedule:
     return Schedule("1f1b", m, loop_placement(p), ops)
 
 
-def interleaved_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) of the k-th forward, Megatron-Core's ``get_schedule_table`` order:
-    ``group`` microbatches per chunk, chunk by chunk, the last group taking what is left."""
-    table = []
-    for lo in range(0, m, group):
-        hi = m if lo + group >= m else lo + group
-        for c in range(v):
-            table += [(mb, c) for mb in range(lo, hi)]
-    return table
-
-
 @register_schedule("interleaved-1f1b", description="interleaved 1F1B over --chunks model chunks per rank "
-                   "(Megatron-Core's virtual-pipeline order)")
+                   "(Megatron-Core's virtual-pipeline order)", min_chunks=2)
 def interleaved(req: ScheduleRequest) -> Schedule:
     p, m, v = req.pp, req.microbatches, req.chunks
     if v < 2:
@@ -122,3 +114,34 @@ def zb_h1(req: ScheduleRequest) -> Schedule:
                    split_backward=True)
 def zb_h2(req: ScheduleRequest) -> Schedule:
     return _zb(req, "zb-h2")
+
+
+#: list-scheduler policies run against the interleaved zero-bubble order's timeline
+_IZB_EDF = (Policy(priority="template", w_delay=0.0, f_slack=0.0),
+            Policy(priority="template", w_delay=float("inf"), f_slack=0.0))
+
+
+@register_schedule("interleaved-zb", description="interleaved zero bubble: --chunks v chunks per rank (loop), "
+                   "B/W split, 1F1B's peak memory (p units)", split_backward=True, min_chunks=2)
+def interleaved_zb(req: ScheduleRequest) -> Schedule:
+    p, m, v = req.pp, req.microbatches, req.chunks
+    placement = loop_placement(p, v)
+    cost = req.cost_model(p * v, v)
+    budget = float(p)
+    lean = p * v * m * 3 > FULL_SEARCH_OPS
+    cands = standard_candidates("interleaved-zb", placement, cost, budget, lean=lean)
+    cands.append(("pattern-interleaved-zb", lambda mm: interleaved_zb_pattern(p, mm, v)))
+    timelines: dict[int, dict] = {}
+
+    def edf(pol: Policy, mm: int) -> Schedule:
+        if mm not in timelines:
+            timelines[mm] = pattern_targets(interleaved_zb_pattern(p, mm, v), cost)
+        return list_schedule("interleaved-zb", placement, mm, cost, [budget] * p, pol, targets=timelines[mm])
+
+    for pol in _IZB_EDF:
+        cands.append((f"pattern-interleaved-zb-edf-{pol.label()}", lambda mm, pol=pol: edf(pol, mm)))
+    sched = search(cands, m, cost, budget=budget, always=["pattern-interleaved-zb"], keep=1 if lean else 2,
+                   lower_bound=lambda mm: makespan_lower_bound(placement, mm, cost, budget).makespan)
+    sched.name = "interleaved-zb"
+    sched.meta["budget_units"] = budget
+    return sched

@@ -342,6 +342,47 @@ def _loop_pattern(name: str, p: int, m: int, warm: list[int], steady: str, tail_
     return Schedule(name, m, loop_placement(p), ops, {"pattern": name, "fixed_pattern": True})
 
 
+def interleaved_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the k-th forward, Megatron-Core's ``get_schedule_table`` order:
+    ``group`` microbatches per chunk, chunk by chunk, the last group taking what is left."""
+    table = []
+    for lo in range(0, m, group):
+        hi = m if lo + group >= m else lo + group
+        for c in range(v):
+            table += [(mb, c) for mb in range(lo, hi)]
+    return table
+
+
+def interleaved_zb_pattern(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved zero bubble, the order PyTorch's ``ScheduleInterleavedZeroBubble`` runs:
+    the interleaved 1F1B order of forwards and backwards (Megatron-Core's table), backward
+    split into B and W, ``(v-1)p + p - r`` warm-up forwards on rank ``r`` (1F1B's peak of p
+    units), then B, F in turn with each W ``r`` B's after its own."""
+    _check(p, m, "interleaved zb")
+    if v < 2:
+        raise ScheduleError(f"interleaved zb needs v >= 2 chunks per rank (got {v})")
+    table = interleaved_table(m, v, p)
+    total = m * v
+    ops = []
+    for r in range(p):
+        warm = min((v - 1) * p + (p - r), total)
+        fwd = [Op("F", c * p + r, mb, r) for mb, c in table]
+        bwd = [Op("B", (v - 1 - c) * p + r, mb, r) for mb, c in table]
+        lst = fwd[:warm]
+        nw = 0
+        for nb, b in enumerate(bwd, start=1):
+            lst.append(b)
+            if nb - nw > r:
+                lst.append(Op("W", bwd[nw].stage, bwd[nw].microbatch, r))
+                nw += 1
+            if warm + nb - 1 < total:
+                lst.append(fwd[warm + nb - 1])
+        lst += [Op("W", b.stage, b.microbatch, r) for b in bwd[nw:]]
+        ops.append(lst)
+    return Schedule("interleaved-zb", m, loop_placement(p, v), ops,
+                    {"pattern": "interleaved-zb", "fixed_pattern": True})
+
+
 def zb_h1_pattern(p: int, m: int) -> Schedule:
     """ZB-H1: 1F1B's warm-up and memory, then B, W, F in turn."""
     return _loop_pattern("zb-h1", p, m, [p - r for r in range(p)], "BWF", False)
@@ -365,6 +406,7 @@ FIXED_PATTERNS = {
 #: schedule name -> every published pattern it must match or beat (its fixed pattern first)
 BASELINE_PATTERNS = {name: (fn,) for name, fn in FIXED_PATTERNS.items()}
 BASELINE_PATTERNS["zbv"] = (v_zb_pattern, zbv_handcrafted_pattern)
+BASELINE_PATTERNS["interleaved-zb"] = (interleaved_zb_pattern,)  # v = 2
 
 
 def baseline_patterns(name: str, p: int, m: int) -> list[Schedule]:
