@@ -102,7 +102,7 @@ def test_schedule_and_reference_aliases():
       "--zero-bubble-pipeline-timers-end-iter", "5"], "must be greater"),
     (["--pipeline-layers-per-stage", "2,x"], "--pipeline-layers-per-stage"),
     (["--enable-vocab-parallel"], "--enable-vocab-parallel runs on megatron_pp_ext's runtime"),
-    (["--activation-offload", "full"], "--activation-offload runs on megatron_pp_ext's runtime"),
+    (["--activation-offload", "full"], "--activation-offload full runs on megatron_pp_ext's runtime"),
     (["--vocab-parallel-algorithm", "1"], "needs --enable-vocab-parallel"),
     (["--pipeline-schedule", "1f1b", "--activation-offload", "chunks"], "--activation-offload-chunks"),
 ])

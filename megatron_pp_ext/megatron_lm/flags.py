@@ -20,10 +20,10 @@ window), ``--enable-zb-runtime`` and the reference's tuning switches (accepted, 
 ``--enable-optimizer-post-validation``, ``--enable-exactly-numeric-match``,
 ``--no-pre-communication-optimization``, ``--zero-bubble-adaptive-memory-limit-percentile``).
 
-The feature flags join the same parser: vocabulary parallelism
-(:mod:`megatron_pp_ext.features.vocab.flags`), activation offload
-(:mod:`megatron_pp_ext.features.offload.flags`) and BPipe
-(:mod:`megatron_pp_ext.features.bpipe.flags`, when that package is present).
+The flags of every registered feature plug-in (:mod:`megatron_pp_ext.trainer.features`:
+vocabulary parallelism, activation offload, BPipe, and any other package with a
+``features/<name>/train.py``) join the same parser and resolve through the same hooks as in
+``mppx train``.
 
 :func:`resolve` checks our flags among themselves; :func:`check_megatron_args` checks them
 against Megatron-LM's own (pipeline size, virtual stages, layer counts, batch sizes) once
@@ -34,7 +34,6 @@ run at these sizes is refused before the model is built.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -60,24 +59,6 @@ _MARK = "_mppx_extra_args_provider"
 
 class MegatronLMFlagError(ValueError):
     """A bad flag or combination of flags; the message names the flag and the fix."""
-
-
-def _feature_flag_modules() -> list[tuple[str, str, str]]:
-    """(module, add function, resolve function) of the feature packages present."""
-    out = [("megatron_pp_ext.features.vocab.flags", "add_vocab_arguments", "vocab_config_from_args"),
-           ("megatron_pp_ext.features.offload.flags", "add_offload_arguments", "offload_config_from_args"),
-           # BPipe: added when its flags module exists (megatron_pp_ext/features/bpipe/flags.py)
-           ("megatron_pp_ext.features.bpipe.flags", "add_bpipe_arguments", "bpipe_config_from_args")]
-    have = []
-    for mod, add, res in out:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name is not None and mod.startswith(e.name):
-                continue  # the feature package is not there (yet): its flags are not added
-            raise
-        have.append((mod, add, res))
-    return have
 
 
 def _schedule_names() -> list[str]:
@@ -142,8 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="pre_communication_optimization", help="(reference) accepted; no effect")
     ref("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=None, metavar="P",
         help="(reference) accepted; no effect (use --pipeline-memory-budget)")
-    for mod, add_fn, _ in _feature_flag_modules():
-        getattr(importlib.import_module(mod), add_fn)(parser)
+    from ..trainer.features import add_feature_arguments
+    add_feature_arguments(parser)   # every registered feature plug-in (features/<name>/train.py)
     return parser
 
 
@@ -194,9 +175,7 @@ class PipelineOptions:
     layers_per_stage: tuple[int, ...] | None = None
     allow_padding: bool = False
     layout_independent_init: bool = False
-    vocab: Any = None                    # VocabParallelConfig or None
-    offload: Any = None                  # OffloadConfig (policy "none" when off) or None
-    bpipe: Any = None                    # BPipeConfig or None
+    features: tuple[tuple[str, Any], ...] = ()  # (name, config) of the feature plug-ins the flags turn on
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -209,9 +188,17 @@ class PipelineOptions:
     def needs_install(self) -> bool:
         return self.active or self.layout_independent_init or self.layers_per_stage is not None
 
+    def feature(self, name: str) -> Any:
+        """The config of the feature plug-in registered as ``name`` if the flags turn it on, else None."""
+        return dict(self.features).get(name)
+
     @property
-    def offload_enabled(self) -> bool:
-        return self.offload is not None and getattr(self.offload, "enabled", False)
+    def offload(self) -> Any:
+        return self.feature("activation_offload")
+
+    @property
+    def bpipe(self) -> Any:
+        return self.feature("bpipe")
 
 
 def _parse_costs(spec: str | None) -> tuple[float, float, float, float]:
@@ -351,30 +338,21 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
         on = (val is False) if dest == "pre_communication_optimization" else bool(val) and val is not None
         if on:
             notes.append(f"{f} is accepted for compatibility with the reference and has no effect: {why}")
-    vocab = offload = bpipe = None
-    for mod, _, res in _feature_flag_modules():
-        try:
-            cfg = getattr(importlib.import_module(mod), res)(args)
-        except ValueError as e:  # the features' flag errors are ValueErrors naming the flag
-            raise MegatronLMFlagError(str(e)) from None
-        if "vocab" in mod:
-            vocab = cfg
-        elif "offload" in mod:
-            offload = cfg
-        elif "bpipe" in mod:
-            bpipe = cfg
+    from ..trainer.features import features_from_args, train_features
+    try:
+        features = features_from_args(args)
+    except ValueError as e:  # the features' flag errors are ValueErrors naming the flag
+        raise MegatronLMFlagError(str(e)) from None
     opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs,
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
-                           vocab=vocab, offload=offload, bpipe=bpipe, notes=tuple(notes), flag=flag)
+                           features=features, notes=tuple(notes), flag=flag)
     if schedule is None:
-        for on, name in ((vocab is not None, "--enable-vocab-parallel"),
-                         (opts.offload_enabled, "--activation-offload"),
-                         (bpipe is not None, "--bpipe")):
-            if on:
-                raise MegatronLMFlagError(f"{name} runs on megatron_pp_ext's runtime: add --pipeline-schedule NAME "
-                                          "(e.g. 1f1b, interleaved-1f1b, zbv)")
+        registry = train_features()
+        for name, cfg in features:
+            raise MegatronLMFlagError(f"{registry[name].flag_of(cfg)} runs on megatron_pp_ext's runtime: add "
+                                      "--pipeline-schedule NAME (e.g. 1f1b, interleaved-1f1b, zbv)")
     return opts
 
 

@@ -40,14 +40,41 @@ import importlib
 import math
 import sys
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
 from .flags import prevalidate, resolve
 
-__all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward"]
+__all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward",
+           "MegatronLMFeature"]
+
+
+class MegatronLMFeature(Protocol):
+    """Hooks of a feature plug-in that changes the model (``TrainFeature.megatron_lm(config)``
+    returns one per process), called here because Megatron-LM builds the model itself; the
+    other features plug in through their trainer hooks (``plan`` / ``attach``) unchanged.
+    Example: :class:`megatron_pp_ext.features.vocab.megatron_lm.VocabMegatronLM`."""
+
+    flag: str              # the flag that turns it on, for error messages
+    reads_all_data: bool   # every pipeline rank reads tokens and labels
+
+    def prepare(self, args: argparse.Namespace, plan: MegatronPlan) -> list[str]:
+        """In ``validate_args``: check and adjust Megatron-LM's arguments (raise ValueError naming
+        the flag and the fix); return notes for the log."""
+
+    def on_model_chunk(self, core: Any, args: argparse.Namespace, plan: MegatronPlan) -> None:
+        """Each model chunk of this rank as Megatron-LM builds it, before DDP wraps it."""
+
+    def executor(self, plan: MegatronPlan, costs: Any) -> Callable:
+        """The forward-backward function to run instead of the plain schedule executor."""
+
+    def before_call(self, kwargs: dict) -> None:
+        """Adjust the forward-backward call's keyword arguments (each iteration)."""
+
+    def close(self) -> None:
+        """Release what it holds (the run is over; another may follow in the same processes)."""
 
 
 class _State:
@@ -59,9 +86,7 @@ class _State:
         self.layout: Any = None
         self.profiler: Any = None       # trainer.profile.Profiler over the profiling window
         self.features: list = []        # planned train-feature plug-ins (offload, BPipe, ...)
-        self.vocab_tied: bool = False   # --enable-vocab-parallel: the user's model ties the embeddings
-        self.vocab_engine: Any = None   # this rank's VocabParallel (built with the model)
-        self.vocab_cores: list = []     # this rank's chunks, collected until the last one is built
+        self.model_features: list = []  # Megatron-LM hooks of features that change the model (vocabulary)
         self.compat: Any = None         # the CPU compatibility layer install() turned on
 
     def patch(self, obj: Any, name: str, value: Any) -> None:
@@ -151,19 +176,19 @@ class ForwardBackward:
         o = plan.options
         self.features = list(features or [])   # [(name, feature, config, FeaturePlan)] of train-feature plug-ins
         factory = next((fp.factory for _, _, _, fp in self.features if fp.factory is not None), None)
-        self.vocab = _STATE.vocab_engine if _STATE is not None else None
-        if self.vocab is not None:  # (validate_args refused a feature that rewrites the schedule next to it)
-            from ..features.vocab.executor import VocabExecutor
-            self.executor = VocabExecutor(o.schedule, self.vocab, chunks=plan.chunks,
-                                          costs=costs if costs is not None else o.costs,
-                                          memory_budget=o.memory_budget, options=_schedule_options(o))
+        self.model_features = list(_STATE.model_features) if _STATE is not None else []
+        costs = costs if costs is not None else o.costs
+        # a feature that changes the model brings its own executor (validate_args refused one
+        # that rewrites the schedule next to it)
+        own = [f.executor(plan, costs) for f in self.model_features if hasattr(f, "executor")]
+        if own:
+            self.executor = own[0]
         elif factory is not None:  # a feature rewrote the schedule (e.g. offload/reload ops)
             self.executor = ScheduleExecutor(factory)
         else:
-            self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks,
-                                             costs=costs if costs is not None else o.costs,
+            self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks, costs=costs,
                                              memory_budget=o.memory_budget, options=_schedule_options(o))
-        if self.vocab is None:
+        if not own:
             self.executor.allow_tied_v = True
         self._call: Callable | None = None
         self._runtimes: list = []
@@ -201,9 +226,8 @@ class ForwardBackward:
         if not kwargs.get("forward_only", False):
             for rt in self._runtimes:
                 rt.start_iteration([])
-        if self.vocab is not None and self.vocab.config.input_embedding:
-            kwargs["data_iterator"], kwargs["tokens"] = _vocab_tokens(kwargs["data_iterator"],
-                                                                      kwargs["num_microbatches"])
+        for f in self.model_features:
+            f.before_call(kwargs)
         pairs = _STATE.tied_pairs if _STATE is not None else []
         orig = config.finalize_model_grads_func
         if pairs and orig is not None and not kwargs.get("forward_only", False):
@@ -274,13 +298,8 @@ def _make_validate_args(orig: Callable) -> Callable:
         if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
             _flag_error(MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size "
                                             "> 1 yet (local expert names are not global); drop one of them"))
-        if opts.vocab is not None:
-            try:
-                _prepare_vocab(args, plan)
-            except MegatronLMFlagError as e:
-                _flag_error(e)
         try:
-            _STATE.features = _plan_features(args, plan)
+            _STATE.model_features, _STATE.features = _plan_features(args, plan)
         except MegatronLMFlagError as e:
             _flag_error(e)
         _STATE.plan = plan
@@ -298,102 +317,41 @@ def _make_validate_args(orig: Callable) -> Callable:
     return validate_args
 
 
-def _prepare_vocab(args, plan: MegatronPlan) -> None:
-    """Vocabulary parallelism: the model is built untied (its shards hold the tied tensor), every
-    rank reads the data (the input embedding needs the input ids everywhere), and the schedule
-    with the vocabulary passes must build at these sizes."""
-    from ..features.vocab.schedule_pass import build_vocab_schedule
-    from .flags import _schedule_options
-
-    o = plan.options
-    # (--save/--load: the shards save under the plain model's keys, features/vocab/checkpoint.py)
-    if getattr(args, "overlap_grad_reduce", False):
-        raise MegatronLMFlagError("--enable-vocab-parallel does not support --overlap-grad-reduce yet; drop "
-                                  "--overlap-grad-reduce")
-    if getattr(args, "use_legacy_models", False):
-        raise MegatronLMFlagError("--enable-vocab-parallel needs Megatron-Core models; drop --use-legacy-models")
-    try:
-        build_vocab_schedule(o.schedule, plan.pp, plan.microbatches, chunks=plan.chunks, costs=o.costs,
-                             memory_budget=o.memory_budget, config=o.vocab, with_comm=True,
-                             options=_schedule_options(o))
-    except ValueError as e:
-        raise MegatronLMFlagError(f"--enable-vocab-parallel with {o.flag}: {e}") from None
-    _STATE.vocab_tied = not getattr(args, "untie_embeddings_and_output_weights", True)
-    args.untie_embeddings_and_output_weights = True
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    plan.notes.append(f"vocabulary parallelism (algorithm {o.vocab.algorithm}): the output layer"
-                      f"{' and the input embedding' if o.vocab.input_embedding else ''} split into {plan.pp * tp} "
-                      f"shards over every pipeline x tensor rank{' (tied)' if _STATE.vocab_tied else ''}; every "
-                      "rank reads the data")
-
-
-def _make_vocab_engine(cores: list, args) -> Any:
-    """Model surgery on this rank's chunks (before DDP), shards loaded from the per-name initial
-    weights of the full embedding / output layer."""
-    from ..features.vocab.model import apply_vocab_parallel
-    V, h = int(args.padded_vocab_size), int(args.hidden_size)
-    o = _STATE.plan.options
-    engine = apply_vocab_parallel(cores, o.vocab, vocab_size=V, tied=_STATE.vocab_tied)
-    std = float(getattr(args, "init_method_std", 0.02))
-    emb = megatron_full_param(int(args.seed), "embedding.word_embeddings.weight", [V, h], std=std)
-    out = emb if _STATE.vocab_tied else megatron_full_param(int(args.seed), "output_layer.weight", [V, h], std=std)
-    engine.shards.load_full(out.to(engine.dtype), None if _STATE.vocab_tied else emb.to(engine.dtype))
-    return engine
-
-
-def _vocab_tokens(data_iterator, num_microbatches: int):
-    """Read this iteration's microbatches from chunk 0's data iterator (handing them back to it
-    through a list) and return (iterators, input ids per microbatch on every tensor-parallel rank)."""
-    from megatron.core import parallel_state as ps
-    from megatron.training import get_args
-    args = get_args()
-    iters = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    shape = (num_microbatches, int(args.micro_batch_size), int(args.seq_length))
-    if iters[0] is not None:
-        batches = [next(iters[0]) for _ in range(num_microbatches)]
-        iters[0] = iter(batches)
-        tokens = torch.stack([b["tokens"] for b in batches]).to(dev, torch.int64)
-    else:
-        tokens = torch.empty(shape, dtype=torch.int64, device=dev)
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(),
-                                    group=ps.get_tensor_model_parallel_group())
-    out = iters if isinstance(data_iterator, (list, tuple)) else iters[0]
-    return out, [tokens[i] for i in range(num_microbatches)]
-
-
-def _plan_features(args, plan: MegatronPlan) -> list:
-    """The train-feature plug-ins (``megatron_pp_ext.features.<name>.train``) the flags turn on,
-    planned against this run: [(name, feature, config, FeaturePlan)]. Vocabulary parallelism is
-    handled by this module itself (it changes the model, not only the schedule)."""
+def _plan_features(args, plan: MegatronPlan) -> tuple[list, list]:
+    """The feature plug-ins (``megatron_pp_ext.features.<name>.train``) the flags turn on, planned
+    against this run: (Megatron-LM hooks of the features that change the model -- their
+    ``megatron_lm(config)``, see :class:`MegatronLMFeature` --, [(name, feature, config,
+    FeaturePlan)] of the others, planned as in ``mppx train``)."""
     from ..trainer.features import PlanContext, train_features
     from .flags import _schedule_options
 
     o = plan.options
+    registry = train_features()
+    model_features: list = []
+    for name, cfg in o.features:
+        hooks_of = getattr(registry[name], "megatron_lm", None)
+        if hooks_of is None:
+            continue
+        hooks = hooks_of(cfg)
+        try:
+            plan.notes.extend(hooks.prepare(args, plan))
+        except ValueError as e:
+            raise MegatronLMFlagError(str(e)) from None
+        model_features.append(hooks)
     out: list = []
     factory = None
     rewritten: list[str] = []
-    registered = train_features()
-    for on, flag, pkg in ((o.offload_enabled, "--activation-offload", "offload"), (o.bpipe is not None, "--bpipe", "bpipe")):
-        if on and not any(pkg in name for name in registered):
-            raise MegatronLMFlagError(f"{flag}: this installation has no runtime plug-in for it "
-                                      f"(megatron_pp_ext/features/{pkg}/train.py); drop {flag}")
-    for name, feature in registered.items():
-        if name == "vocab_parallel":
+    for name, cfg in o.features:
+        feature = registry[name]
+        if getattr(feature, "megatron_lm", None) is not None:
             continue
-        try:
-            cfg = feature.config_from_args(args)
-        except ValueError as e:
-            raise MegatronLMFlagError(str(e)) from None
-        if cfg is None:
-            continue
+        flag = feature.flag_of(cfg)
         if not o.active:
-            raise MegatronLMFlagError(f"{name.replace('_', ' ')} runs on megatron_pp_ext's runtime: add "
-                                      "--pipeline-schedule NAME (e.g. 1f1b, interleaved-1f1b)")
+            raise MegatronLMFlagError(f"{flag} runs on megatron_pp_ext's runtime: add --pipeline-schedule NAME "
+                                      "(e.g. 1f1b, interleaved-1f1b)")
         if o.profile_iters:
-            raise MegatronLMFlagError(f"--pipeline-profile-iters cannot be combined with {name.replace('_', ' ')} "
-                                      "yet (the re-generated schedule would lose its ops); drop one of them")
+            raise MegatronLMFlagError(f"--pipeline-profile-iters cannot be combined with {flag} yet (the "
+                                      "re-generated schedule would lose its ops); drop one of them")
         ctx = PlanContext(cfg=args, pp=plan.pp, chunks=plan.chunks, microbatches=plan.microbatches,
                           schedule=o.schedule, mcore=False, costs=o.costs, memory_budget=o.memory_budget,
                           options=_schedule_options(o), built=None, factory=factory, rewritten_by=tuple(rewritten))
@@ -402,13 +360,18 @@ def _plan_features(args, plan: MegatronPlan) -> list:
         except ValueError as e:
             raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
         if fplan.factory is not None:
-            if o.vocab is not None:
-                raise MegatronLMFlagError(f"--enable-vocab-parallel cannot be combined with {fplan.flag or name} yet "
-                                          "(both rewrite the schedule); drop one of them")
+            if model_features:
+                raise MegatronLMFlagError(f"{model_features[0].flag} cannot be combined with {fplan.flag or flag} "
+                                          "yet (both rewrite the schedule); drop one of them")
             factory = fplan.factory
-            rewritten.append(fplan.flag or name)
+            rewritten.append(fplan.flag or flag)
         out.append((name, feature, cfg, fplan))
-    return out
+    return model_features, out
+
+
+def _reads_all_data() -> bool:
+    """Whether a feature needs tokens and labels on every pipeline rank (vocabulary parallelism)."""
+    return _STATE is not None and any(getattr(f, "reads_all_data", False) for f in _STATE.model_features)
 
 
 def _cpu_backend(args) -> None:
@@ -483,11 +446,8 @@ def _make_get_model(orig: Callable) -> Callable:
             core.mppx_stage = s
             if plan.options.layout_independent_init:
                 _init_chunk(core, margs)
-            if plan.options.vocab is not None:
-                _STATE.vocab_cores.append(core)
-                if len(_STATE.vocab_cores) == plan.chunks:   # the last chunk of this rank: before DDP
-                    _STATE.vocab_engine = _make_vocab_engine(_STATE.vocab_cores, margs)
-                    _STATE.vocab_cores = []
+            for f in _STATE.model_features:   # e.g. vocabulary shards, before DDP wraps the chunk
+                f.on_model_chunk(core, margs, plan)
             return chunk
 
         model = orig(provider, *args, **kwargs)
@@ -670,10 +630,10 @@ def _make_save_checkpoint(orig: Callable) -> Callable:
 def _make_first_or_last(orig: Callable) -> Callable:
     def is_first_or_last_pipeline_stage(vp_stage):
         plan = current_plan()
-        if plan is None or plan.pp < 2 or not (plan.v or plan.options.vocab is not None):
+        if plan is None or plan.pp < 2 or not (plan.v or _reads_all_data()):
             return orig(vp_stage)
-        if plan.options.vocab is not None:
-            return True  # the vocabulary layers on every rank read tokens and labels
+        if _reads_all_data():
+            return True  # e.g. the vocabulary layers on every rank read tokens and labels
         S = plan.num_stages
         stages = _stages_here(plan)
         if vp_stage is None:
@@ -688,7 +648,7 @@ def _make_tp_batch(orig: Callable) -> Callable:
         if plan is not None and plan.pp > 1 and not mtp_on_this_rank:
             S = plan.num_stages
             stages = _stages_here(plan)
-            if plan.options.vocab is not None or (0 in stages and S - 1 in stages):
+            if _reads_all_data() or (0 in stages and S - 1 in stages):
                 # this rank needs tokens and labels: the full broadcast (Megatron's pp=1 / MTP path)
                 mtp_on_this_rank = True
         return orig(data_iterator, mtp_on_this_rank, *args, **kwargs)

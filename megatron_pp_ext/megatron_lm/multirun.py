@@ -125,11 +125,9 @@ def _reset() -> None:
         st.tied_pairs = []
         st.layout = None
         st.features = []
-        if st.vocab_engine is not None:
-            st.vocab_engine.close()
-        st.vocab_engine = None
-        st.vocab_cores = []
-        st.vocab_tied = False
+        for f in st.model_features:
+            f.close()
+        st.model_features = []
 
 
 def _write(spec: dict, results: list) -> None:

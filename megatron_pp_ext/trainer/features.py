@@ -4,7 +4,8 @@ A feature package adds itself to the trainer with :func:`register_train_feature`
 named ``megatron_pp_ext.features.<name>.train`` (imported on first use), through four hooks:
 
 * ``add_arguments(parser)`` / ``config_from_args(args)``: its flags, resolved to a picklable
-  config object, or None when the feature is off;
+  config object, or None when the feature is off; ``flag_of(config)``: the flag that turned it
+  on, for error messages (e.g. ``--activation-offload full``);
 * ``plan(config, ctx)`` (parent process, before any worker starts): validate the combination
   against the run (raise :class:`~.config.TrainConfigError` naming the flag and the fix) and
   return a :class:`FeaturePlan`: a picklable schedule factory ``(pp, m) -> (Schedule, CostModel)``
@@ -16,6 +17,10 @@ named ``megatron_pp_ext.features.<name>.train`` (imported on first use), through
 * ``attach(config, training, plan, device)`` (every worker, after the model and executor exist):
   connect to the executor's ``op_hook``/``op_handlers`` and return a :class:`FeatureRuntime`
   that wraps the forward-backward function and reports per-rank figures each iteration.
+
+A feature that changes the model itself (vocabulary parallelism) also offers
+``megatron_lm(config)``: per-process hooks for Megatron-LM's own loop, where Megatron-LM builds
+the model (:class:`megatron_pp_ext.megatron_lm.integration.MegatronLMFeature`).
 
 Per-rank figures (``FeatureRuntime.metrics``) land in every JSON log row as one list per
 pipeline rank (maximum over tensor/data-parallel ranks); a feature may report
@@ -79,6 +84,7 @@ class TrainFeature(Protocol):
 
     def add_arguments(self, parser) -> None: ...
     def config_from_args(self, args) -> Any | None: ...
+    def flag_of(self, config: Any) -> str: ...
     def plan(self, config: Any, ctx: PlanContext) -> FeaturePlan: ...
     def attach(self, config: Any, training: Any, plan: Any, device: Any) -> FeatureRuntime: ...
 

@@ -30,6 +30,9 @@ class BPipeTrainFeature:
     def config_from_args(self, args) -> BPipeConfig | None:
         return bpipe_config_from_args(args)
 
+    def flag_of(self, cfg: BPipeConfig) -> str:
+        return "--bpipe"
+
     def plan(self, cfg: BPipeConfig, ctx: PlanContext) -> FeaturePlan:
         check_bpipe_combination(cfg, schedule="mcore" if ctx.mcore else ctx.schedule, pp=ctx.pp)
         require_sole_schedule_rewrite(ctx, "--bpipe", BPipeFlagError)

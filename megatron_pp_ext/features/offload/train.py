@@ -52,9 +52,12 @@ class OffloadTrainFeature:
         on = cfg.enabled or cfg.recompute_cheap_ops or cfg.interleave_group_size is not None
         return cfg if on else None
 
-    def plan(self, cfg: OffloadConfig, ctx: PlanContext) -> FeaturePlan:
-        flag = (f"--activation-offload {cfg.policy_spec}" if cfg.enabled else "--offload-recompute-cheap-ops"
+    def flag_of(self, cfg: OffloadConfig) -> str:
+        return (f"--activation-offload {cfg.policy_spec}" if cfg.enabled else "--offload-recompute-cheap-ops"
                 if cfg.recompute_cheap_ops else f"--interleave-group-size {cfg.interleave_group_size}")
+
+    def plan(self, cfg: OffloadConfig, ctx: PlanContext) -> FeaturePlan:
+        flag = self.flag_of(cfg)
         require_sole_schedule_rewrite(ctx, flag, OffloadFlagError)
         from .flags import build_offload_schedule
         from ...schedule.registry import build_schedule

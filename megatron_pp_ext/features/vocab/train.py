@@ -64,6 +64,9 @@ class VocabTrainFeature:
     def config_from_args(self, args) -> VocabParallelConfig | None:
         return vocab_config_from_args(args)
 
+    def flag_of(self, cfg: VocabParallelConfig) -> str:
+        return "--enable-vocab-parallel"
+
     def plan(self, cfg: VocabParallelConfig, ctx: PlanContext) -> FeaturePlan:
         require_sole_schedule_rewrite(ctx, "--enable-vocab-parallel", VocabFlagError)
         if cfg.label_smoothing and (ctx.cfg.reference_iters is None or ctx.cfg.reference_iters > 0):
@@ -85,6 +88,11 @@ class VocabTrainFeature:
         return FeaturePlan(built=(sched, cost), notes=(note,), flag="--enable-vocab-parallel",
                            summary={"algorithm": cfg.algorithm, "input_embedding": cfg.input_embedding,
                                     "label_smoothing": cfg.label_smoothing, "shards": shards})
+
+    def megatron_lm(self, cfg: VocabParallelConfig):
+        """Its hooks in Megatron-LM's own loop, where Megatron-LM builds the model (.megatron_lm)."""
+        from .megatron_lm import VocabMegatronLM
+        return VocabMegatronLM(cfg)
 
     def run_config(self, cfg: VocabParallelConfig, run_config: Any) -> Any:
         from .harness import vocab_run_config
