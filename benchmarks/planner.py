@@ -133,8 +133,9 @@ def main(argv=None) -> int:
             "Produced by `python benchmarks/planner.py` (the same searches as "
             "`mppx plan --model NAME --gpus N --gpu h100 --global-batch-size G`), with the default H100 "
             "efficiency curve (no calibration file). Offload, vocabulary parallelism and BPipe are estimated "
-            "from the papers' formulas (REFERENCE §5-§7), not from our runtime, which does not implement them "
-            "yet.", "", "## Summary", ""]
+            "from the papers' formulas (REFERENCE §5-§7) and the simulated schedules; the runtime that runs "
+            "them (`mppx train`, the Megatron-LM integration) has been measured on CPU for parity and bytes "
+            "only (docs/benchmarks/offload.md, vocab.md, bpipe.md), not for GPU times.", "", "## Summary", ""]
     rows = []
     for s in summaries:
         b = s["best"]

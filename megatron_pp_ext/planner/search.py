@@ -302,7 +302,7 @@ class Planner:
             counts = [2 * (p - r) - 1 for r in range(p)]
         elif name == INTERLEAVED:
             counts = [((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p)]
-        elif name == "zbv":
+        elif name in ("zbv", "interleaved-zb"):   # both generated within 1F1B's p units
             counts = [p] * p
         elif name == "v-half":
             counts = [(p + 2) / 2] * p
