@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from megatron_pp_ext.schedule import CostModel, ScheduleError, ValidationError, build_schedule, simulate, validate
 from megatron_pp_ext.schedule.export import from_torch_rows
+from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound
 from megatron_pp_ext.schedule.generators.patterns import (baseline_patterns, interleaved_zb_pattern,
                                                           zbv_handcrafted_pattern)
 from megatron_pp_ext.schedule.passes.comm import insert_comm_proven
@@ -94,6 +95,7 @@ def test_interleaved_zb_never_behind_torchs_order(p, m, f, b, w, c):
     ours, cost = build_schedule("interleaved-zb", p, m, chunks=2, costs=costs)
     ms = simulate(ours, cost).makespan
     assert ms <= simulate(interleaved_zb_pattern(p, m, 2), cost).makespan + 1e-6
+    assert schedule_lower_bound("interleaved-zb", p, m, costs, chunks=2).makespan <= ms + 1e-6
 
 
 def test_interleaved_zb_needs_chunks():

@@ -153,12 +153,13 @@ def makespan_lower_bound(placement: tuple[int, ...], m: int, cost: CostModel,
 
 
 def schedule_lower_bound(name: str, p: int, m: int, costs=(1.0, 1.0, 1.0, 0.0),
-                         memory_budget: float | None = None) -> Bound:
+                         memory_budget: float | None = None, chunks: int = 2) -> Bound:
     """Lower bound for the registered schedule ``name``'s placement and memory budget.
 
     V family (zbv, v-half, v-min, v-budget): V placement at the schedule's budget (or
-    ``memory_budget``); zb-h1 / zb-h2: loop placement at ``p`` / ``2p - 1`` units;
-    1f1b: loop placement, ``p`` units (1F1B's own peak).
+    ``memory_budget``); interleaved-zb: loop placement with ``chunks`` per rank at ``p``
+    units; zb-h1 / zb-h2: loop placement at ``p`` / ``2p - 1`` units; 1f1b: loop placement,
+    ``p`` units (1F1B's own peak).
     """
     from .vshape import v_budget_units  # late import: vshape imports this module's users
 
@@ -167,6 +168,10 @@ def schedule_lower_bound(name: str, p: int, m: int, costs=(1.0, 1.0, 1.0, 0.0),
         cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), 2 * p, 2)
         budget = memory_budget if memory_budget is not None else v_budget_units(name, p)
         return makespan_lower_bound(v_placement(p), m, cost, budget)
+    if name == "interleaved-zb":
+        cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), p * chunks, chunks)
+        budget = memory_budget if memory_budget is not None else float(p)
+        return makespan_lower_bound(loop_placement(p, chunks), m, cost, budget)
     cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), p, 1)
     budget = memory_budget
     if budget is None:

@@ -288,27 +288,20 @@ def zbv_handcrafted_pattern(p: int, m: int) -> Schedule:
             done[kd][ch] += 1
             lst.append(Op(kd, stage[ch], k, r))
 
-        for _ in range(2 * (p - r) - 1):
-            emit("F", 0)
-        for _ in range(r):
-            emit("F", 1)
-            emit("F", 0)
-        for _ in range(p - r):
-            emit("F", 1)
-            emit("B", 1)
-            emit("W", 1)
-        while done["F"][0] < m or done["F"][1] < done["F"][0]:
-            for ch in (0, 1):
-                emit("F", ch)
-                emit("B", ch)
-                emit("W", ch)
-        for _ in range(r):
-            emit("B", 0)
-            emit("B", 1)
-        for _ in range(p - r):
-            emit("B", 0)
-            emit("W", 0)
-        for kd, ch in (("B", 1), ("B", 0), ("W", 1), ("W", 0)):
+        steady = (("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+        phases = ((2 * (p - r) - 1, (("F", 0),)),                 # warm-up
+                  (r, (("F", 1), ("F", 0))),
+                  (p - r, (("F", 1), ("B", 1), ("W", 1))),
+                  (None, steady),                                  # until every forward ran
+                  (r, (("B", 0), ("B", 1))),                        # cool-down
+                  (p - r, (("B", 0), ("W", 0))))
+        for count, group in phases:
+            n = 0
+            while (n < count) if count is not None else (done["F"][0] < m or done["F"][1] < done["F"][0]):
+                for kd, ch in group:
+                    emit(kd, ch)
+                n += 1
+        for kd, ch in (("B", 1), ("B", 0), ("W", 1), ("W", 0)):  # what is left, chunk 1's W's first
             while done[kd][ch] < m:
                 emit(kd, ch)
         ops.append(lst)
