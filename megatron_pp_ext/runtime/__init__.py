@@ -14,7 +14,7 @@ Names are imported lazily, so ``import megatron_pp_ext.runtime`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "ScheduleExecutor": "executor",
@@ -35,10 +35,4 @@ _EXPORTS = {
     "setup_training": "harness",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

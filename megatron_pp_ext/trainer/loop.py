@@ -21,11 +21,13 @@ weights, same data: every global microbatch, same optimizer) that the losses are
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["train_worker", "reference_worker", "device_for"]
+__all__ = ["train_worker", "reference_worker", "device_for", "worker_device"]
 
 
 def device_for(plan) -> torch.device:
@@ -78,11 +80,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def worker_device(plan) -> Iterator[torch.device]:
+    """The run's device in a worker, with torch's thread count set and, on a CPU, Megatron-Core's
+    CPU compatibility layer on for the duration (off again afterwards, never on a GPU run)."""
+    from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
+    torch.set_num_threads(plan.cfg.threads)
+    device = device_for(plan)
+    compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
+    try:
+        yield device
+    finally:
+        if compat is not None:
+            compat.close()
+
+
 def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
     """The main run on this rank; rank 0 returns the records and the summary, others None."""
     from megatron.core import parallel_state
 
-    from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
     from ..runtime.harness import setup_training
     from .checkpoint import save_checkpoint, should_save
     from .data import build_data
@@ -91,10 +107,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
     from .report import RankZeroLog
 
     c = plan.cfg
-    torch.set_num_threads(c.threads)
-    device = device_for(plan)
-    compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
-    try:
+    with worker_device(plan) as device:
         rank = dist.get_rank()
         t_setup = time.perf_counter()
         tr = setup_training(plan.run_config().replace(device=device.type))
@@ -226,9 +239,6 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
-    finally:
-        if compat is not None:
-            compat.close()
 
 
 def _feature_metrics(features: list, pp_rank: int, plan) -> dict:
@@ -272,15 +282,11 @@ def reference_worker(plan) -> dict:
     """pp=1 on one process: the losses (and gradient norms) of the first ``reference_iters``
     iterations of the same model, initial weights, data and optimizer (after ``--load``: of the
     iterations after the checkpoint, loaded into the pp=1 model)."""
-    from ..runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
     from ..runtime.harness import setup_training
     from .data import build_data
 
     c = plan.cfg
-    torch.set_num_threads(c.threads)
-    device = device_for(plan)
-    compat = enable_cpu_compat() if device.type == "cpu" and not cpu_compat_active() else None
-    try:
+    with worker_device(plan) as device:
         t0 = time.perf_counter()
         tr = setup_training(plan.reference_config().replace(device=device.type))
         data = build_data(plan, device=device)
@@ -300,9 +306,6 @@ def reference_worker(plan) -> dict:
             losses.append(loss / tokens if tokens else float("nan"))
         _sync(device)
         return {"losses": losses, "grad_norms": norms, "time_s": time.perf_counter() - t0}
-    finally:
-        if compat is not None:
-            compat.close()
 
 
 def reference_in_process(plan) -> dict | None:
