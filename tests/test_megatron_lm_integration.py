@@ -7,7 +7,7 @@ processes over gloo (the CPU compatibility layer), a tiny GPT with mock data, no
 layout-independent initial weights, several configurations per launch
 (:mod:`megatron_pp_ext.megatron_lm.multirun`):
 
-* every schedule (Megatron-Core's own 1F1B, our 1f1b, zb-h1, interleaved-1f1b, zbv, v-half, and
+* every schedule (Megatron-Core's own 1F1B, our 1f1b, zb-h1, interleaved-1f1b, interleaved-zb, zbv, v-half, and
   zbv at tp=2) gives the losses of plain Megatron-LM at pp=1 bit for bit, training and validation;
 * tied embeddings under the V placement, and activation offload, likewise; vocabulary
   parallelism within the rounding of a softmax reduced in another order;
@@ -113,6 +113,8 @@ def world4(work) -> dict:
         ("zb-h1", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1"]),
         ("interleaved-1f1b", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-1f1b",
                                             "--num-virtual-stages-per-pipeline-rank", "2"]),
+        ("interleaved-zb", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-zb",
+                                          "--num-virtual-stages-per-pipeline-rank", "2"]),
         ("zbv", UNTIE + PP4 + ["--pipeline-schedule", "zbv"]),
         ("v-half", UNTIE + PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half"]),
         ("zbv-tp2", UNTIE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
@@ -145,7 +147,8 @@ def losses(run: dict) -> tuple[list, list]:
     return [d["lm loss"] for d in run["train"]], [d["lm loss"] for d in run["eval"]]
 
 
-@pytest.mark.parametrize("name", ["mcore-1f1b", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "zbv-tp2"])
+@pytest.mark.parametrize("name", ["mcore-1f1b", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv", "v-half",
+                                  "zbv-tp2"])
 def test_schedule_matches_megatron_pp1_bit_for_bit(world4, world1, name):
     train, evals = losses(world4[name])
     ref_train, ref_eval = losses(world1["pp1"])
