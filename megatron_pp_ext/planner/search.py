@@ -287,30 +287,20 @@ class Planner:
     def _expected_pipe(self, cand: Candidate, costs: StageCosts) -> tuple[PipeResult | None, bool]:
         """Closed-form peak activation units per rank (REFERENCE §2) and whether it is exact.
 
-        Exact for Megatron's own orders (1F1B, interleaved) and for pp=1; for the generated
-        schedules it is the memory the generator may use (a cap: ZB-V at p=16 often needs
-        less), good for ordering but not for rejecting. None for schedules it does not know."""
+        The schedule's registered closed form (``ScheduleInfo.peak_counts``): exact for
+        Megatron's own orders (1F1B, interleaved) and for pp=1; for the generated schedules the
+        papers' figure (ZB-H1/H2: 1F1B's per-rank profile, which the generator's uniform budget
+        may exceed on later ranks; V family: its budget, often not reached), good for ordering
+        but not for rejecting. None for schedules without one."""
         p, v, m = cand.pp, cand.vp, cand.m
         per = [costs.rank_units(r) for r in range(p)]
-        name = cand.schedule
-        exact = p == 1 or name in ("1f1b", INTERLEAVED)
+        info = schedule_info(cand.schedule)
+        exact = p == 1 or info.peak_exact
         if p == 1:
             counts = [1.0]
-        elif name in ("1f1b", "zb-h1"):
-            counts = [p - r for r in range(p)]
-        elif name == "zb-h2":
-            counts = [2 * (p - r) - 1 for r in range(p)]
-        elif name == INTERLEAVED:
-            counts = [((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p)]
-        elif name in ("zbv", "interleaved-zb"):   # both generated within 1F1B's p units
-            counts = [p] * p
-        elif name == "v-half":
-            counts = [(p + 2) / 2] * p
-        elif name == "v-min":
-            counts = [float((p + 4) // 3)] * p
-        elif name == "dualpipev":
-            counts = [p + 0.5] * p
-        elif isinstance(cand.budget, float) and schedule_info(name).uses_budget:
+        elif info.peak_counts is not None:   # registered with the schedule (REFERENCE §2)
+            counts = info.peak_counts(p, v)
+        elif isinstance(cand.budget, float) and info.uses_budget:
             return PipeResult(0.0, (0.0,) * p, tuple(min(cand.budget, m * x) for x in per), ()), False
         else:
             return None, False

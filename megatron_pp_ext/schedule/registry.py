@@ -56,6 +56,11 @@ class ScheduleInfo:
     split_backward: bool = False    # uses B/W split
     uses_budget: bool = False       # honours --memory-budget
     min_chunks: int = 1             # fewest chunks per rank it runs with (interleaved: 2)
+    #: closed-form peak per rank, in microbatches' activations, ``(pp, chunks) -> [count per rank]``
+    #: (REFERENCE §2), or None; ``peak_exact``: the schedule reaches it exactly (Megatron's own
+    #: orders) rather than only staying below it (a generator's budget)
+    peak_counts: Callable[[int, int], list[float]] | None = None
+    peak_exact: bool = False
 
     def chunks_for(self, request: ScheduleRequest) -> int:
         return self.chunks if self.chunks is not None else request.chunks
@@ -65,13 +70,15 @@ _SCHEDULES: dict[str, ScheduleInfo] = {}
 
 
 def register_schedule(name: str, *, description: str, placement: str = "loop", chunks: int | None = None,
-                      split_backward: bool = False, uses_budget: bool = False, min_chunks: int = 1) -> Callable:
+                      split_backward: bool = False, uses_budget: bool = False, min_chunks: int = 1,
+                      peak_counts: Callable[[int, int], list[float]] | None = None,
+                      peak_exact: bool = False) -> Callable:
     """Decorator registering a generator under ``name``."""
     def deco(fn: Callable[[ScheduleRequest], Schedule]) -> Callable:
         if name in _SCHEDULES and _SCHEDULES[name].generate is not fn:
             raise ScheduleError(f"schedule {name!r} is already registered")
         _SCHEDULES[name] = ScheduleInfo(name, fn, description, placement, chunks, split_backward, uses_budget,
-                                        min_chunks)
+                                        min_chunks, peak_counts, peak_exact)
         return fn
     return deco
 

@@ -127,7 +127,8 @@ def dualpipev_ops(p: int, m: int) -> tuple[list[list[Op]], list[list[int]]]:
 
 @register_schedule("dualpipev", description="DualPipeV (DeepSeek): V placement, the F of one chunk overlapped "
                    "with the backward of another microbatch; ~0 bubble at about (p+1)/p of 1F1B's memory; "
-                   "needs --microbatches >= 2*pp", placement="v", chunks=2, split_backward=True)
+                   "needs --microbatches >= 2*pp", placement="v", chunks=2, split_backward=True,
+                   peak_counts=lambda p, v: [p + 0.5] * p)
 def dualpipev(req: ScheduleRequest) -> Schedule:
     p, m = req.pp, req.microbatches
     if p < 2:

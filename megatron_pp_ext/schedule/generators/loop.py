@@ -21,7 +21,12 @@ from .patterns import interleaved_table, interleaved_zb_pattern, zb_h1_pattern, 
 from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
 
 
-@register_schedule("1f1b", description="one-forward-one-backward (Megatron-Core's non-interleaved order)")
+def _one_f_one_b_peak(p: int, v: int) -> list[float]:
+    return [float(p - r) for r in range(p)]
+
+
+@register_schedule("1f1b", description="one-forward-one-backward (Megatron-Core's non-interleaved order)",
+                   peak_counts=_one_f_one_b_peak, peak_exact=True)
 def one_f_one_b(req: ScheduleRequest) -> Schedule:
     p, m = req.pp, req.microbatches
     ops = []
@@ -36,7 +41,8 @@ def one_f_one_b(req: ScheduleRequest) -> Schedule:
 
 
 @register_schedule("interleaved-1f1b", description="interleaved 1F1B over --chunks model chunks per rank "
-                   "(Megatron-Core's virtual-pipeline order)", min_chunks=2)
+                   "(Megatron-Core's virtual-pipeline order)", min_chunks=2, peak_exact=True,
+                   peak_counts=lambda p, v: [((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p)])
 def interleaved(req: ScheduleRequest) -> Schedule:
     p, m, v = req.pp, req.microbatches, req.chunks
     if v < 2:
@@ -105,13 +111,13 @@ def _zb(req: ScheduleRequest, name: str) -> Schedule:
 
 
 @register_schedule("zb-h1", description="zero bubble H1: B/W split, W fills the bubbles, 1F1B's peak memory (p units)",
-                   split_backward=True)
+                   split_backward=True, peak_counts=_one_f_one_b_peak)
 def zb_h1(req: ScheduleRequest) -> Schedule:
     return _zb(req, "zb-h1")
 
 
 @register_schedule("zb-h2", description="zero bubble H2: more warm-up forwards (up to 2p-1 units) for ~0 bubble",
-                   split_backward=True)
+                   split_backward=True, peak_counts=lambda p, v: [2.0 * (p - r) - 1 for r in range(p)])
 def zb_h2(req: ScheduleRequest) -> Schedule:
     return _zb(req, "zb-h2")
 
@@ -122,7 +128,8 @@ _IZB_EDF = (Policy(priority="template", w_delay=0.0, f_slack=0.0),
 
 
 @register_schedule("interleaved-zb", description="interleaved zero bubble: --chunks v chunks per rank (loop), "
-                   "B/W split, 1F1B's peak memory (p units)", split_backward=True, min_chunks=2)
+                   "B/W split, 1F1B's peak memory (p units)", split_backward=True, min_chunks=2,
+                   peak_counts=lambda p, v: [float(p)] * p)
 def interleaved_zb(req: ScheduleRequest) -> Schedule:
     p, m, v = req.pp, req.microbatches, req.chunks
     placement = loop_placement(p, v)

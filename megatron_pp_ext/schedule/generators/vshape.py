@@ -120,19 +120,22 @@ def _v(req: ScheduleRequest, name: str, budget: float) -> Schedule:
 
 
 @register_schedule("zbv", description="ZB-V: V placement, zero bubble at 1F1B's peak memory (p units)",
-                   placement="v", chunks=2, split_backward=True)
+                   placement="v", chunks=2, split_backward=True,
+                   peak_counts=lambda p, v: [v_budget_units("zbv", p)] * p)
 def zbv(req: ScheduleRequest) -> Schedule:
     return _v(req, "zbv", v_budget_units("zbv", req.pp))
 
 
 @register_schedule("v-half", description="V-Half: half of 1F1B's activation memory, about half its bubble",
-                   placement="v", chunks=2, split_backward=True)
+                   placement="v", chunks=2, split_backward=True,
+                   peak_counts=lambda p, v: [v_budget_units("v-half", p)] * p)
 def v_half(req: ScheduleRequest) -> Schedule:
     return _v(req, "v-half", v_budget_units("v-half", req.pp))
 
 
 @register_schedule("v-min", description="V-Min: a third of 1F1B's activation memory",
-                   placement="v", chunks=2, split_backward=True)
+                   placement="v", chunks=2, split_backward=True,
+                   peak_counts=lambda p, v: [v_budget_units("v-min", p)] * p)
 def v_min(req: ScheduleRequest) -> Schedule:
     return _v(req, "v-min", v_budget_units("v-min", req.pp))
 
