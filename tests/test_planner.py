@@ -162,6 +162,16 @@ def test_emitted_flags_follow_the_plan():
     assert "#SBATCH --gpus-per-node=8" in slurm_script(res.best, res.request)
 
 
+def test_interleaved_zb_plans_emit_its_virtual_stages():
+    res = plan(_small_request(schedules=("interleaved-zb",), features=(), pp=(4,), top=1))
+    e = res.best
+    assert e.candidate.schedule == "interleaved-zb" and e.candidate.vp >= 2   # registered min_chunks
+    flags = megatron_flags(e, res.request)
+    assert flags[flags.index("--pipeline-schedule") + 1] == "interleaved-zb"
+    per_stage = int(flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1])
+    assert res.request.model.num_layers // (4 * per_stage) == e.candidate.vp
+
+
 class _HalfActivations(BaseFeature):
     """A test feature: halves activations for a fixed 10 ms per microbatch."""
 
