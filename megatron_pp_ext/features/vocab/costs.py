@@ -166,21 +166,25 @@ def vocab_layouts(shape: GPTShape, pp: int, *, placement: str = "loop", chunks: 
     vocab_static = shape.vocab_params * 18 / GB
     out: dict[str, LayoutOption] = {}
 
+    def with_vocab_at_the_ends(name: str, layers: list[int], note: str) -> LayoutOption:
+        """Costs and static memory with the embedding on the first stage and the output
+        layer + loss on the last (the naive and redistributed layouts)."""
+        tf, tb, tw, act = _stage_costs(shape, hw, layers)
+        tf[last] += of
+        tb[last] += ob
+        tw[last] += ow
+        act[last] += oheld
+        tf[first] += ef
+        tw[first] += eb
+        static = [sum(layers[s] for s in stages_of[r]) * layer_static for r in range(pp)]
+        static[pl[first]] += vocab_static
+        static[pl[last]] += vocab_static * (0 if shape.tied and pl[first] == pl[last] else 1)
+        return LayoutOption(name, CostModel(tuple(tf), tuple(tb), tuple(tw), p2p, tuple(act), bytes_per_unit=GB),
+                            tuple(layers), static, note=note)
+
     # naive: even layers, vocabulary layers on the first / last stage
-    layers = _split(shape.num_layers, S)
-    tf, tb, tw, act = _stage_costs(shape, hw, layers)
-    tf[last] += of
-    tb[last] += ob
-    tw[last] += ow
-    act[last] += oheld
-    tf[first] += ef
-    tw[first] += eb
-    static = [sum(layers[s] for s in stages_of[r]) * layer_static for r in range(pp)]
-    static[pl[first]] += vocab_static
-    static[pl[last]] += vocab_static * (0 if shape.tied and pl[first] == pl[last] else 1)
-    out["naive"] = LayoutOption("naive", CostModel(tuple(tf), tuple(tb), tuple(tw), p2p, tuple(act),
-                                                   bytes_per_unit=GB), tuple(layers), static,
-                                note="embedding on the first stage, output layer + loss on the last")
+    out["naive"] = with_vocab_at_the_ends("naive", _split(shape.num_layers, S),
+                                          "embedding on the first stage, output layer + loss on the last")
 
     # redistribute: whole layers moved off the ranks with the vocabulary layers
     lf, lb, lw = (hw.t_matmul(x) for x in shape.layer_flops())
@@ -200,19 +204,7 @@ def vocab_layouts(shape: GPTShape, pp: int, *, placement: str = "loop", chunks: 
         order = sorted(st, key=lambda s: (s == last, s))
         for s, k in zip(order, sorted(share, reverse=True)):
             layers[s] = k
-    tf, tb, tw, act = _stage_costs(shape, hw, layers)
-    tf[last] += of
-    tb[last] += ob
-    tw[last] += ow
-    act[last] += oheld
-    tf[first] += ef
-    tw[first] += eb
-    static = [sum(layers[s] for s in stages_of[r]) * layer_static for r in range(pp)]
-    static[pl[first]] += vocab_static
-    static[pl[last]] += vocab_static * (0 if shape.tied and pl[first] == pl[last] else 1)
-    out["redistribute"] = LayoutOption("redistribute", CostModel(tuple(tf), tuple(tb), tuple(tw), p2p, tuple(act),
-                                                                 bytes_per_unit=GB), tuple(layers), static,
-                                       note=f"transformer layers per rank {counts}")
+    out["redistribute"] = with_vocab_at_the_ends("redistribute", layers, f"transformer layers per rank {counts}")
 
     # vocabulary parallel: even layers, S/T passes on every rank
     layers = _split(shape.num_layers, S)
