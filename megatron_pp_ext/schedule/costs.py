@@ -12,6 +12,7 @@ reference code and the figures of REFERENCE §2 do; it is the unit of ``--memory
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -106,3 +107,14 @@ class CostModel:
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)
+
+
+def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
+    """``value`` for each of ``n`` stages: one number for all, or ``n`` numbers; every one
+    >= 0. ``what`` names the quantity in the error (e.g. "offload fraction")."""
+    vals = [float(value)] * n if isinstance(value, (int, float)) else [float(x) for x in value]
+    if len(vals) != n:
+        raise ScheduleError(f"{what}: expected {n} per-stage values, got {len(vals)}")
+    if any(v < 0 or math.isnan(v) for v in vals):
+        raise ScheduleError(f"{what}: values must be >= 0, got {vals}")
+    return vals

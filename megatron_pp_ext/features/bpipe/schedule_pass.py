@@ -42,7 +42,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...schedule.costs import CostModel
+from ...schedule.costs import CostModel, per_stage_values
 from ...schedule.ir import (Op, OpKind, Schedule, ScheduleError, comm_channel, placement_kind, register_comm_pair,
                             register_op_kind, register_requirement)
 from ...schedule.simulate import DeadlockError, SimResult, simulate
@@ -69,12 +69,7 @@ class BPipeError(ScheduleError):
 # --- transfer model ---------------------------------------------------------------------------
 
 def _per_stage(value, n: int, what: str) -> list[float]:
-    vals = [float(value)] * n if isinstance(value, (int, float)) else [float(x) for x in value]
-    if len(vals) != n:
-        raise ScheduleError(f"bpipe {what}: expected {n} per-stage values, got {len(vals)}")
-    if any(v < 0 or math.isnan(v) for v in vals):
-        raise ScheduleError(f"bpipe {what}: values must be >= 0, got {vals}")
-    return vals
+    return per_stage_values(value, n, f"bpipe {what}")
 
 
 @dataclass(frozen=True)

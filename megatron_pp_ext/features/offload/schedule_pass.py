@@ -43,7 +43,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ...schedule.costs import CostModel
+from ...schedule.costs import CostModel, per_stage_values
 from ...schedule.ir import Op, OpKind, Schedule, ScheduleError, op_kind, register_op_kind, register_requirement
 from ...schedule.simulate import SimResult, simulate
 from ...schedule.validate import ValidationError, register_check
@@ -64,15 +64,7 @@ MAX_SLOWDOWN_FLAG = "--activation-offload-max-slowdown"
 
 
 def _per_stage(value, n: int, what: str) -> list[float]:
-    if isinstance(value, (int, float)):
-        vals = [float(value)] * n
-    else:
-        vals = [float(x) for x in value]
-        if len(vals) != n:
-            raise ScheduleError(f"offload {what}: expected {n} per-stage values, got {len(vals)}")
-    if any(v < 0 or math.isnan(v) for v in vals):
-        raise ScheduleError(f"offload {what}: values must be >= 0, got {vals}")
-    return vals
+    return per_stage_values(value, n, f"offload {what}")
 
 
 @dataclass(frozen=True)
