@@ -257,3 +257,12 @@ def test_build_schedule_takes_the_costs_flag_string():
     assert (c.t_f[0], c.t_b[0], c.t_w[0], c.comm) == (1.0, 2.0, 1.0, 0.0)
     with pytest.raises(ScheduleError, match="--costs '1,x'"):
         build_schedule("1f1b", 4, 8, costs="1,x")
+
+
+def test_insert_at_gaps_places_ops_before_their_index_in_key_order():
+    from megatron_pp_ext.schedule.passes import insert_at_gaps
+    f0, f1 = Op("F", 0, 0, 0), Op("F", 0, 1, 0)
+    a, b, c, d = (Op("SEND_F", 0, k, 0, 1) for k in range(4))
+    got = insert_at_gaps([f0, f1], {0: [((2,), b), ((1,), a)], 1: [], 2: [((0,), c), ((0,), d)]})
+    assert got == [a, b, f0, f1, c, d]          # keys sort a gap, ties keep their order
+    assert insert_at_gaps([f0, f1], {}) == [f0, f1]

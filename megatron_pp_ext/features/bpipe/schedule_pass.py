@@ -45,6 +45,7 @@ from typing import Sequence
 from ...schedule.costs import CostModel, per_stage_values
 from ...schedule.ir import (Op, OpKind, Schedule, ScheduleError, comm_channel, placement_kind, register_comm_pair,
                             register_op_kind, register_requirement)
+from ...schedule.passes.gaps import insert_at_gaps
 from ...schedule.simulate import DeadlockError, SimResult, simulate
 from ...schedule.validate import ValidationError, register_check
 
@@ -490,14 +491,7 @@ def _build(schedule: Schedule, chosen: dict[int, list[_Cand]], meta: dict) -> Sc
             ins[y].setdefault(c.py_e, []).append((ke, Op(RECV_EVICT, c.stage, c.mb, y, x)))
             ins[x].setdefault(c.px_f, []).append((kf, Op(RECV_FETCH, c.stage, c.mb, x, y)))
             ins[y].setdefault(c.py_f, []).append((kf, Op(SEND_FETCH, c.stage, c.mb, y, x)))
-    new_ops = []
-    for r, rank_ops in enumerate(schedule.ops):
-        out: list[Op] = []
-        for i in range(len(rank_ops) + 1):
-            out.extend(op for _, op in sorted(ins[r].get(i, ()), key=lambda z: z[0]))
-            if i < len(rank_ops):
-                out.append(rank_ops[i])
-        new_ops.append(out)
+    new_ops = [insert_at_gaps(rank_ops, ins[r]) for r, rank_ops in enumerate(schedule.ops)]
     return Schedule(schedule.name, schedule.num_microbatches, schedule.placement, new_ops, meta)
 
 

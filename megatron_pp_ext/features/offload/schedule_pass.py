@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 
 from ...schedule.costs import CostModel, per_stage_values
 from ...schedule.ir import Op, OpKind, Schedule, ScheduleError, op_kind, register_op_kind, register_requirement
+from ...schedule.passes.gaps import insert_at_gaps
 from ...schedule.simulate import SimResult, simulate
 from ...schedule.validate import ValidationError, register_check
 
@@ -372,12 +373,7 @@ def insert_offload(schedule: Schedule, cost: CostModel, pairs: Iterable[tuple[in
             # in one gap: offloads first (they free memory), then reloads, each by planned start
             gaps[k_off].append(((0, off_start[(s, m)], s, m), Op(OFFLOAD, s, m, r)))
             gaps[k_rel].append(((1, t_rel, s, m), Op(RELOAD, s, m, r)))
-        out: list[Op] = []
-        for i in range(len(rank_ops) + 1):
-            out.extend(op for _, op in sorted(gaps.get(i, ()), key=lambda x: x[0]))
-            if i < len(rank_ops):
-                out.append(rank_ops[i])
-        new_ops.append(out)
+        new_ops.append(insert_at_gaps(rank_ops, gaps))
     meta = dict(schedule.meta)
     meta["offload"] = dict(info or {}, pairs=[list(p) for p in pairs])
     return settle_transfers(Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta), cost)

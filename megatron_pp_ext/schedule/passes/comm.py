@@ -32,6 +32,7 @@ from ..costs import CostModel
 from .. import fastsim
 from ..ir import Op, Schedule, op_kind
 from ..simulate import DeadlockError, simulate
+from .gaps import insert_at_gaps
 
 # key tag -> (send kind, stage offset from the producer stage to the consumer stage)
 _SENDS = {"act": ("SEND_F", +1), "grad": ("SEND_B", -1)}
@@ -125,14 +126,7 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
                     k = bisect.bisect_left(starts[dst], t)
                 gaps[dst][k].append((sort_key, Op(_RECV_OF[send_kind], dst_stage, mb, dst, r)))
 
-    new_ops = []
-    for r, rank_ops in enumerate(schedule.ops):
-        out: list[Op] = []
-        for i in range(len(rank_ops) + 1):
-            out.extend(op for _, op in sorted(gaps[r].get(i, ()), key=lambda x: x[0]))
-            if i < len(rank_ops):
-                out.append(rank_ops[i])
-        new_ops.append(out)
+    new_ops = [insert_at_gaps(rank_ops, gaps[r]) for r, rank_ops in enumerate(schedule.ops)]
     meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
 
@@ -193,27 +187,6 @@ def _insert_builtin(schedule: Schedule, prep: "fastsim.Prepared", early: bool) -
             else:
                 kk = bl(starts[dst], t)
             gaps[dst][kk].append((sort_key, mk(recv_kind, dst_stage, mb, dst, r)))
-    new_ops = []
-    for r, rank_ops in enumerate(schedule.ops):
-        g_r = gaps[r]
-        if not g_r:
-            new_ops.append(list(rank_ops))
-            continue
-        out: list[Op] = []
-        prev = 0
-        for i in sorted(g_r):
-            if i > prev:
-                out.extend(rank_ops[prev:i])
-                prev = i
-            g = g_r[i]
-            if len(g) > 1:
-                g.sort(key=_first)
-            out.extend([op for _, op in g])
-        out.extend(rank_ops[prev:])
-        new_ops.append(out)
+    new_ops = [insert_at_gaps(rank_ops, gaps[r]) for r, rank_ops in enumerate(schedule.ops)]
     meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
-
-
-def _first(item: tuple):
-    return item[0]
