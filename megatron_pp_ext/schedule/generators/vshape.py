@@ -13,7 +13,7 @@ the controllable-memory paper (REFERENCE §2-3) over cost-aware candidates:
 - the fixed unit-slot patterns of the paper (:mod:`.patterns`) that fit the budget, so the
   result is never worse than them, and the Zero Bubble paper's handcrafted ZB-V; their
   timelines also serve as deadlines for the list scheduler;
-- outside the band below, a full-rate block found by bounded search (:mod:`.exact_block`).
+- outside the band below, a full-rate block found by bounded search (:mod:`.rank_block`).
 
 The winner is the least makespan under the request's costs (then the least memory).
 
@@ -35,7 +35,7 @@ from ..ir import Schedule, ScheduleError, v_placement
 from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
 from .block import block_order
-from .exact_block import exact_block
+from .rank_block import rank_block
 from .greedy import Policy, list_schedule
 from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
 from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
@@ -81,12 +81,11 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
         # skip building those that cannot fit (with the default unit activations)
         if units <= budget + 1e-9 or any(a != 0.5 for a in cost.act):
             cands.append((label, lambda mm, fn=fn: fn(p, mm)))
-    # outside the band the greedy block layout (.block) finds no room at the full rate; a
-    # bounded search sometimes does (small pipelines): a fraction of a second, so not for the
-    # large problems, where it has never succeeded
-    blk = None if lean or in_v_half_band(cost) else exact_block(placement, cost, budget, node_limit=2500)
+    # outside the band the greedy block layout (.block) finds no room at the full rate; the
+    # rank-by-rank search often does (a fraction of a second, also for large problems)
+    blk = None if in_v_half_band(cost) else rank_block(placement, cost, budget)
     if blk is not None:
-        cands.append(("block-exact", lambda mm: Schedule(name, mm, placement, block_order(blk, placement, mm))))
+        cands.append(("block-full-rate", lambda mm: Schedule(name, mm, placement, block_order(blk, placement, mm))))
     # a pattern's timeline under the real costs as deadlines for the list scheduler, which
     # keeps the budget: the pattern's shape, adapted to the costs and to less memory
     timelines: dict[tuple[str, int], dict] = {}  # one simulation per pattern and size

@@ -1,0 +1,229 @@
+"""A full-rate V building block found rank by rank, from the turn-around outwards.
+
+In a V block every rank r runs six ops of one microbatch per period T: the forwards of its
+two stages (``a`` = F of stage r, ``c`` = F of stage 2p-1-r), their input backwards (``e`` =
+B of stage 2p-1-r, ``g`` = B of stage r) and their two W's. The microbatch's path visits
+rank r four times, so the block is four *strands* through the ranks: ``a`` going out
+(a_r <= a_{r+1} - F - comm), ``c`` coming back, ``e`` going out, ``g`` coming back, joined at
+rank p-1 (c after a, g after e) and at rank 0 (e after c: the loss). At the full rate every
+rank's six ops tile the period (plus the rank's idle time, if its work is below the
+largest), so a rank is one of a finite set of *arrangements*: a cyclic order of the six ops
+and a rotation, on an exact time grid.
+
+The search places rank p-1 first, with the length of the outer loop Z = e - c chosen up
+front, and then each rank inwards-to-outwards (p-2, ..., 0): given the neighbour's times,
+every arrangement of the next rank fixes its four times (a and e as late, c and g as early
+as the chain allows, so waiting is only what the arrangement forces) and its W's (earliest
+after their B). A rank is kept only if its activations, counted exactly on the periodic
+timeline, fit the budget, and only while the ranks still to place can fit it: their F and
+B gaps X = c - a and Y = g - e only grow outwards, by at least two hops per rank and up to
+the next residue at which their two ops do not overlap modulo T (the argument of
+docs/schedules.md, *Limits of the V family*, applied as a bound). Arrangements are tried
+in the order of the memory they add, depth first, with failed states remembered.
+
+Sliding ranks j..0 together in time changes no lifespan (each of them keeps its X, Y and
+Z), so one of a_j, e_j can be taken as late as its strand allows: two rotations per cyclic
+order, not T. Every rank is decided whole, so the budget prunes at once; a search in the
+path's order (F of every stage, then the B's back) decides rank r's forward long before its
+backward and at p = 8 found no full-rate block within 150k nodes. This one finds, at p = 8
+and F:B:W = 1:1.8:0.4, a full-rate block within 6 units in about 0.01 s: 6 is the least any
+one-microbatch block needs there (an exact CP-SAT model of the block agrees; not a
+dependency, docs/schedules.md). Typical cost: well under 0.2 s when it gives up.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from itertools import permutations
+
+from ..costs import CostModel
+from .block import Block
+
+__all__ = ["grid_unit", "rank_block"]
+
+def grid_unit(values: list[float], max_slots: int, period: float) -> float | None:
+    """The largest time unit of which every value is a whole multiple (to 1e-9), or None when
+    the period would need more than ``max_slots`` of them."""
+    fracs = []
+    for v in values:
+        fr = Fraction(v).limit_denominator(1000)
+        if abs(float(fr) - v) > 1e-9:
+            return None
+        fracs.append(fr)
+    nums = [f.numerator for f in fracs if f]
+    if not nums:
+        return None
+    den = 1
+    for f in fracs:
+        den = den * f.denominator // math.gcd(den, f.denominator)
+    g = 0
+    for f in fracs:
+        g = math.gcd(g, f.numerator * (den // f.denominator))
+    unit = g / den
+    return unit if period / unit <= max_slots + 1e-9 else None
+
+
+_A, _C, _E, _G, _WC, _WG = range(6)   # F lo, F hi, B hi, B lo, W hi, W lo (order of _ops)
+
+
+def _arrangements(d: tuple[int, ...], T: int) -> list[tuple[int, ...]]:
+    """Residues of the six ops (durations ``d``, in the order above) for every cyclic order
+    starting with op 0 at time 0; a rank's idle time (T - sum d) goes after one of the ops."""
+    idle = T - sum(d)
+    out = set()
+    for rest in permutations(range(1, 6)):
+        order = (0,) + rest
+        for gap_after in (range(6) if idle else (0,)):
+            res = [0] * 6
+            t = 0
+            for k, op in enumerate(order):
+                res[op] = t
+                t += d[op] + (idle if k == gap_after else 0)
+            out.add(tuple(res))
+    return sorted(out)
+
+
+def _peak(T: int, starts: tuple[int, int], lives: tuple[int, int], acts: tuple[float, float]) -> float:
+    """Largest live activation of two periodic chunks (start residue, lifespan), exactly."""
+    best = 0.0
+    for t in starts:
+        live = 0.0
+        for s, L, a in zip(starts, lives, acts):
+            live += a * (L // T + (1 if (t - s) % T < L % T else 0))
+        best = max(best, live)
+    return best
+
+
+def rank_block(placement: tuple[int, ...], cost: CostModel, budget: float, *,
+               node_limit: int = 1000, z_wraps: int = 8, max_slots: int = 96) -> Block | None:
+    """A V block at the full rate (period = the largest per-rank work) whose activations stay
+    within ``budget`` units on every rank, or None (not a V placement, no exact time grid of
+    at most ``max_slots`` slots per period, or none found within ``node_limit`` ranks placed
+    per outer-loop length; ``z_wraps`` outer-loop lengths are tried, shortest first)."""
+    S = len(placement)
+    p = S // 2
+    if S < 4 or S % 2 or any(placement[s] != min(s, S - 1 - s) for s in range(S)):
+        return None
+    tf, tb, tw, act = cost.t_f, cost.t_b, cost.t_w, cost.act
+    work = [tf[r] + tf[S - 1 - r] + tb[r] + tb[S - 1 - r] + tw[r] + tw[S - 1 - r] for r in range(p)]
+    period = max(work)
+    unit = grid_unit(list(tf) + list(tb) + list(tw) + [cost.comm, period], max_slots, period)
+    if unit is None:
+        return None
+    q = lambda x: round(x / unit)  # noqa: E731 - exact on this grid
+    F, B, W, C, T = [q(x) for x in tf], [q(x) for x in tb], [q(x) for x in tw], q(cost.comm), q(period)
+    lo = list(range(p))
+    hi = [S - 1 - r for r in range(p)]
+    dur = [(F[lo[r]], F[hi[r]], B[hi[r]], B[lo[r]], W[hi[r]], W[lo[r]]) for r in range(p)]
+    arr = {}
+    for r in range(p):
+        arr.setdefault(dur[r], _arrangements(dur[r], T))
+    cap = budget + 1e-9
+    # the shortest outer loop Z_r = e_r - c_r: F of stage hi[r] up to the loss and B back down
+    zlow = [sum(F[s] for s in range(hi[r], S)) + sum(B[s] for s in range(hi[r] + 1, S)) + 2 * r * C
+            for r in range(p)]
+
+    def arc_up(x: int, first: int, second: int) -> int:
+        """Least y >= x with [0, first) and [y, y + second) disjoint modulo T."""
+        k = x % T
+        if first <= k <= T - second:
+            return x
+        return x + (first - k) % T
+
+    def outer_ok(r: int, X: int, Y: int) -> bool:
+        """Ranks r-1 .. 0 (still to place) can fit, given rank r's X and Y."""
+        for j in range(r - 1, -1, -1):
+            X = arc_up(X + F[j] + F[hi[j + 1]] + 2 * C, F[j], F[hi[j]])
+            Y = arc_up(Y + B[j + 1] + B[hi[j]] + 2 * C, B[hi[j]], B[j])
+            Z = arc_up(zlow[j], F[hi[j]], B[hi[j]])
+            avg = act[lo[j]] * (X + Z + Y + B[j] + W[j]) + act[hi[j]] * (Z + B[hi[j]] + W[hi[j]])
+            if avg > cap * T:
+                return False
+        return True
+
+    def fits(r: int, a: int, c: int, e: int, g: int, res: tuple[int, ...], rot: int) -> bool:
+        wc = e + B[hi[r]] + (res[_WC] + rot - e - B[hi[r]]) % T
+        wg = g + B[r] + (res[_WG] + rot - g - B[r]) % T
+        return _peak(T, (a, c), (wg + W[r] - a, wc + W[hi[r]] - c), (act[r], act[hi[r]])) <= cap
+
+    times: list[tuple[int, int, int, int, tuple[int, ...], int] | None] = [None] * p
+    failed: set = set()
+    nodes = 0
+
+    def place(r: int) -> bool | None:
+        """Ranks r-1 .. 0, given rank r in ``times``; None when out of nodes."""
+        nonlocal nodes
+        if r == 0:
+            return True
+        a, c, e, g, _, _ = times[r]
+        key = (r, a % T, c - a, e - a, g - a)
+        if key in failed:
+            return False
+        j = r - 1
+        amax = a - F[j] - C                 # latest a_j
+        cmin = c + F[hi[r]] + C             # earliest c_j
+        emax = e - B[hi[j]] - C             # latest e_j
+        gmin = g + B[r] + C                 # earliest g_j
+        cands = []
+        for res in arr[dur[j]]:
+            # sliding ranks j..0 together changes no lifespan, so one of a_j, e_j is as late
+            # as its strand allows
+            for rot in {(amax - res[_A]) % T, (emax - res[_E]) % T}:
+                da = (amax - res[_A] - rot) % T
+                dc = (res[_C] + rot - cmin) % T
+                de = (emax - res[_E] - rot) % T
+                dg = (res[_G] + rot - gmin) % T
+                ej, cj = emax - de, cmin + dc
+                if ej - cj < zlow[j]:
+                    continue
+                cands.append((da + dg, dc + de, res, rot, amax - da, cj, ej, gmin + dg))
+        cands.sort(key=lambda t: (t[0], t[1]))
+        for _, _, res, rot, aj, cj, ej, gj in cands:
+            if not fits(j, aj, cj, ej, gj, res, rot) or not outer_ok(j, cj - aj, gj - ej):
+                continue
+            nodes += 1
+            if nodes > node_limit:
+                return None
+            times[j] = (aj, cj, ej, gj, res, rot)
+            got = place(j)
+            if got is not False:
+                return got
+        failed.add(key)
+        return False
+
+    last = p - 1
+    for wrap in range(z_wraps):
+        nodes = 0
+        roots = []
+        for res in arr[dur[last]]:
+            a = res[_A]
+            c = a + F[last] + (res[_C] - a - F[last]) % T
+            e = c + zlow[last] + (res[_E] - c - zlow[last]) % T + wrap * T
+            g = e + B[hi[last]] + (res[_G] - e - B[hi[last]]) % T
+            if fits(last, a, c, e, g, res, 0) and outer_ok(last, c - a, g - e):
+                roots.append(((c - a) + (g - e), a, c, e, g, res))
+        roots.sort(key=lambda t: t[0])
+        for _, a, c, e, g, res in roots:
+            times[last] = (a, c, e, g, res, 0)
+            got = place(last)
+            if got:
+                return _to_block(times, placement, F, B, W, T, unit, period)
+            if got is None:
+                break
+    return None
+
+
+def _to_block(times, placement, F, B, W, T, unit, period) -> Block:
+    S = len(placement)
+    p = S // 2
+    xf, xb, xw = [0] * S, [0] * S, [0] * S
+    for r in range(p):
+        a, c, e, g, res, rot = times[r]
+        hi = S - 1 - r
+        xf[r], xf[hi], xb[hi], xb[r] = a, c, e, g
+        xw[hi] = e + B[hi] + (res[_WC] + rot - e - B[hi]) % T
+        xw[r] = g + B[r] + (res[_WG] + rot - g - B[r]) % T
+    base = min(xf)
+    return Block(tuple((x - base) * unit for x in xf), tuple((x - base) * unit for x in xb),
+                 tuple((x - base) * unit for x in xw), period)
