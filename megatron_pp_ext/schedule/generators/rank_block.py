@@ -116,9 +116,10 @@ def rank_block(placement: tuple[int, ...], cost: CostModel, budget: float, *,
     lo = list(range(p))
     hi = [S - 1 - r for r in range(p)]
     dur = [(F[lo[r]], F[hi[r]], B[hi[r]], B[lo[r]], W[hi[r]], W[lo[r]]) for r in range(p)]
-    arr = {}
-    for r in range(p):
-        arr.setdefault(dur[r], _arrangements(dur[r], T))
+    arr: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for d in dur:
+        if d not in arr:
+            arr[d] = _arrangements(d, T)
     cap = budget + 1e-9
     # the shortest outer loop Z_r = e_r - c_r: F of stage hi[r] up to the loss and B back down
     zlow = [sum(F[s] for s in range(hi[r], S)) + sum(B[s] for s in range(hi[r] + 1, S)) + 2 * r * C
@@ -131,8 +132,16 @@ def rank_block(placement: tuple[int, ...], cost: CostModel, budget: float, *,
             return x
         return x + (first - k) % T
 
+    bound_memo: dict[tuple[int, int, int], bool] = {}
+
     def outer_ok(r: int, X: int, Y: int) -> bool:
         """Ranks r-1 .. 0 (still to place) can fit, given rank r's X and Y."""
+        key = (r, X, Y)
+        if key not in bound_memo:
+            bound_memo[key] = _outer_ok(r, X, Y)
+        return bound_memo[key]
+
+    def _outer_ok(r: int, X: int, Y: int) -> bool:
         for j in range(r - 1, -1, -1):
             X = arc_up(X + F[j] + F[hi[j + 1]] + 2 * C, F[j], F[hi[j]])
             Y = arc_up(Y + B[j + 1] + B[hi[j]] + 2 * C, B[hi[j]], B[j])
