@@ -34,8 +34,8 @@ from ..costs import CostModel
 from ..ir import Schedule, ScheduleError, v_placement
 from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
-from .block import block_order
-from .rank_block import rank_block
+from .block import block_order, min_period
+from .rank_block import shortest_rank_block
 from .greedy import Policy, list_schedule
 from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
 from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
@@ -82,10 +82,12 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
         if units <= budget + 1e-9 or any(a != 0.5 for a in cost.act):
             cands.append((label, lambda mm, fn=fn: fn(p, mm)))
     # outside the band the greedy block layout (.block) finds no room at the full rate; the
-    # rank-by-rank search often does (a fraction of a second, also for large problems)
-    blk = None if in_v_half_band(cost) else rank_block(placement, cost, budget)
+    # rank-by-rank search often does, or at a slightly longer period (a fraction of a second)
+    blk = None if in_v_half_band(cost) else shortest_rank_block(
+        placement, cost, budget, max_evals=100_000 if lean else 200_000)
     if blk is not None:
-        cands.append(("block-full-rate", lambda mm: Schedule(name, mm, placement, block_order(blk, placement, mm))))
+        cands.append((f"block-rank-x{blk.period / min_period(placement, cost):.3f}",
+                      lambda mm: Schedule(name, mm, placement, block_order(blk, placement, mm))))
     # a pattern's timeline under the real costs as deadlines for the list scheduler, which
     # keeps the budget: the pattern's shape, adapted to the costs and to less memory
     timelines: dict[tuple[str, int], dict] = {}  # one simulation per pattern and size
