@@ -6,6 +6,7 @@
 * :mod:`.wgrad` — the B/W split of Megatron-Core's linear layers;
 * :mod:`.model` — GPTModel chunks for loop / V placements with layout-independent weights;
 * :mod:`.harness` — a few-step training run that collects losses, gradients and parameters;
+* :mod:`.stepwrap` — :func:`wrap_in_step`, the forward-backward wrapper of feature runtimes;
 * :mod:`.pool` — a pool of forked gloo workers (tests, CPU demo);
 * :mod:`.cpu_compat` — CPU/gloo support for tests and the demo (inactive with CUDA).
 
@@ -22,6 +23,7 @@ _EXPORTS = {
     "ScheduleMismatchError": "executor",
     "get_forward_backward_func": "executor",
     "P2P": "p2p",
+    "wrap_in_step": "stepwrap",
     "WorkerPool": "pool",
     "WorkerError": "pool",
     "PoolTimeout": "pool",

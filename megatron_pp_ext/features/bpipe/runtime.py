@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ...runtime.stepwrap import wrap_in_step
 from .schedule_pass import BPIPE_KINDS, RECV_EVICT, RECV_FETCH, SEND_EVICT, SEND_FETCH
 from .store import PartnerStore
 
@@ -205,15 +206,8 @@ class BPipeRuntime:
 
     def wrap(self, forward_backward: Callable) -> Callable:
         """A forward-backward function (same keyword arguments) that runs ``forward_backward``
-        inside :meth:`step`."""
-        def bpipe_forward_backward(**kwargs):
-            if kwargs.get("forward_only"):
-                return forward_backward(**kwargs)
-            with self.step(kwargs.get("model")):
-                return forward_backward(**kwargs)
-        bpipe_forward_backward.__name__ = f"bpipe[{getattr(forward_backward, '__name__', 'fb')}]"
-        bpipe_forward_backward.runtime = self  # type: ignore[attr-defined]
-        return bpipe_forward_backward
+        inside :meth:`step` (evaluation calls, forward_only=True, unwrapped)."""
+        return wrap_in_step(self, forward_backward, "bpipe", skip_forward_only=True)
 
     # -- transport -------------------------------------------------------------------------------
     def _ensure_groups(self) -> None:

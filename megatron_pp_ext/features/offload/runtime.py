@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ...runtime.stepwrap import wrap_in_step
 from .schedule_pass import OFFLOAD, RELOAD
 from .store import ActivationStore, PinnedHostPool
 
@@ -123,12 +124,7 @@ class OffloadRuntime:
     def wrap(self, forward_backward: Callable) -> Callable:
         """A forward-backward function (same keyword arguments) that runs ``forward_backward``
         inside :meth:`step`."""
-        def offloading_forward_backward(**kwargs):
-            with self.step(kwargs.get("model")):
-                return forward_backward(**kwargs)
-        offloading_forward_backward.__name__ = f"offload[{getattr(forward_backward, '__name__', 'fb')}]"
-        offloading_forward_backward.runtime = self  # type: ignore[attr-defined]
-        return offloading_forward_backward
+        return wrap_in_step(self, forward_backward, "offload")
 
     # -- reporting -----------------------------------------------------------------------------
     def log_fields(self) -> dict:
