@@ -42,6 +42,7 @@ from .block import Block
 
 __all__ = ["grid_unit", "rank_block", "shortest_rank_block"]
 
+
 def grid_unit(values: list[float], max_slots: int, period: float) -> float | None:
     """The largest time unit of which every value is a whole multiple (to 1e-9), or None when
     the period would need more than ``max_slots`` of them."""
@@ -64,7 +65,7 @@ def grid_unit(values: list[float], max_slots: int, period: float) -> float | Non
     return unit if period / unit <= max_slots + 1e-9 else None
 
 
-_A, _C, _E, _G, _WC, _WG = range(6)   # F lo, F hi, B hi, B lo, W hi, W lo (order of _ops)
+_A, _C, _E, _G, _WC, _WG = range(6)   # a rank's ops: F lo, F hi, B hi, B lo, W hi, W lo
 
 
 def _arrangements(d: tuple[int, ...], T: int) -> list[tuple[int, ...]]:
