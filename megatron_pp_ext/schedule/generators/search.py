@@ -117,7 +117,9 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
                         lean: bool = False) -> list[tuple[str, Builder]]:
     """The list scheduler under :func:`search_policies`, and the cost-aware building blocks
     that fit ``budget`` (:func:`.block.fit_blocks`), run in block order and as deadlines for
-    the list scheduler (W's late, or right after their B)."""
+    the list scheduler (W's late, or right after their B; and, below the lean size, the block
+    order's simulated timeline as deadlines: at p=16, m=16, 1:1.8:0.4 that puts V-Half ahead
+    of 1F1B, 48.0% against 48.4% bubble)."""
     p = max(placement) + 1
     limits = [budget] * p
     cands: list[tuple[str, Builder]] = []
@@ -127,11 +129,19 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
 
     for pol in search_policies(lean):
         cands.append((pol.label(), greedy(pol)))
+    timeline_pol = Policy(priority="template", w_delay=1.0, f_slack=0.0)
     for label, blk in fit_blocks(placement, cost, budget):
-        cands.append((label, lambda mm, blk=blk: Schedule(name, mm, placement, block_order(blk, placement, mm))))
+        in_order = (lambda mm, blk=blk: Schedule(name, mm, placement, block_order(blk, placement, mm)))
+        cands.append((label, in_order))
         for wd in ((math.inf,) if lean else (math.inf, 1.0, 0.0)):
             pol = Policy(priority="template", w_delay=wd)
             cands.append((f"{label}-edf-{pol.label()}", greedy(pol, blk.template())))
+        if not lean:
+            # the block order's own timeline (its fill and drain included) as deadlines: the
+            # list scheduler can start the fill and the drain earlier than the block's order
+            cands.append((f"{label}-timeline-edf-{timeline_pol.label()}",
+                          lambda mm, run=in_order: list_schedule(name, placement, mm, cost, limits, timeline_pol,
+                                                                 targets=pattern_targets(run(mm), cost))))
     return cands
 
 
