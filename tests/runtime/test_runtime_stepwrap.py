@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
+
 from megatron_pp_ext.runtime.stepwrap import wrap_in_step
 
 
@@ -51,8 +53,6 @@ def test_step_exits_when_the_call_raises():
         raise RuntimeError("x")
 
     fb = wrap_in_step(rt, boom, "offload")
-    try:
+    with pytest.raises(RuntimeError):
         fb(model="m", forward_only=False)
-    except RuntimeError:
-        pass
     assert rt.events == [("enter", "m"), ("exit", "m")]

@@ -38,7 +38,7 @@ from fractions import Fraction
 from itertools import permutations
 
 from ..costs import CostModel
-from .block import Block
+from .block import Block, min_period
 
 __all__ = ["grid_unit", "rank_block", "shortest_rank_block"]
 
@@ -85,6 +85,11 @@ def _arrangements(d: tuple[int, ...], T: int) -> list[tuple[int, ...]]:
     return sorted(out)
 
 
+def _at_or_after(lo: int, residue: int, T: int) -> int:
+    """The least time >= ``lo`` that is ``residue`` modulo ``T``."""
+    return lo + (residue - lo) % T
+
+
 def _peak(T: int, starts: tuple[int, int], lives: tuple[int, int], acts: tuple[float, float]) -> float:
     """Largest live activation of two periodic chunks (start residue, lifespan), exactly."""
     best = 0.0
@@ -116,8 +121,8 @@ def _rank_block(placement, cost, budget, node_limit, z_wraps, max_slots, period,
     if S < 4 or S % 2 or any(placement[s] != min(s, S - 1 - s) for s in range(S)):
         return None, 0
     tf, tb, tw, act = cost.t_f, cost.t_b, cost.t_w, cost.act
-    work = [tf[r] + tf[S - 1 - r] + tb[r] + tb[S - 1 - r] + tw[r] + tw[S - 1 - r] for r in range(p)]
-    period = max(work) if period is None else max(period, max(work))
+    work = min_period(placement, cost)
+    period = work if period is None else max(period, work)
     unit = grid_unit(list(tf) + list(tb) + list(tw) + [cost.comm, period], max_slots, period)
     if unit is None:
         return None, 0
@@ -161,10 +166,23 @@ def _rank_block(placement, cost, budget, node_limit, z_wraps, max_slots, period,
                 return False
         return True
 
+    def w_starts(r: int, e: int, g: int, res: tuple[int, ...], rot: int) -> tuple[int, int]:
+        """Rank r's two W's (hi stage, lo stage): the earliest after their B at their residues."""
+        return (_at_or_after(e + B[hi[r]], res[_WC] + rot, T), _at_or_after(g + B[r], res[_WG] + rot, T))
+
     def fits(r: int, a: int, c: int, e: int, g: int, res: tuple[int, ...], rot: int) -> bool:
-        wc = e + B[hi[r]] + (res[_WC] + rot - e - B[hi[r]]) % T
-        wg = g + B[r] + (res[_WG] + rot - g - B[r]) % T
+        wc, wg = w_starts(r, e, g, res, rot)
         return _peak(T, (a, c), (wg + W[r] - a, wc + W[hi[r]] - c), (act[r], act[hi[r]])) <= cap
+
+    def to_block() -> Block:
+        xf, xb, xw = [0] * S, [0] * S, [0] * S
+        for r in range(p):
+            a, c, e, g, res, rot = times[r]
+            xf[r], xf[hi[r]], xb[hi[r]], xb[r] = a, c, e, g
+            xw[hi[r]], xw[r] = w_starts(r, e, g, res, rot)
+        base = min(xf)
+        return Block(tuple((x - base) * unit for x in xf), tuple((x - base) * unit for x in xb),
+                     tuple((x - base) * unit for x in xw), period)
 
     times: list[tuple[int, int, int, int, tuple[int, ...], int] | None] = [None] * p
     failed: set = set()
@@ -221,9 +239,9 @@ def _rank_block(placement, cost, budget, node_limit, z_wraps, max_slots, period,
         roots = []
         for res in arr[dur[last]]:
             a = res[_A]
-            c = a + F[last] + (res[_C] - a - F[last]) % T
-            e = c + zlow[last] + (res[_E] - c - zlow[last]) % T + wrap * T
-            g = e + B[hi[last]] + (res[_G] - e - B[hi[last]]) % T
+            c = _at_or_after(a + F[last], res[_C], T)
+            e = _at_or_after(c + zlow[last], res[_E], T) + wrap * T
+            g = _at_or_after(e + B[hi[last]], res[_G], T)
             if fits(last, a, c, e, g, res, 0) and outer_ok(last, c - a, g - e):
                 roots.append(((c - a) + (g - e), a, c, e, g, res))
         roots.sort(key=lambda t: t[0])
@@ -231,27 +249,12 @@ def _rank_block(placement, cost, budget, node_limit, z_wraps, max_slots, period,
             times[last] = (a, c, e, g, res, 0)
             got = place(last)
             if got:
-                return _to_block(times, placement, F, B, W, T, unit, period), evals
+                return to_block(), evals
             if got is None:
                 break
         if evals > max_evals:
             break
     return None, evals
-
-
-def _to_block(times, placement, F, B, W, T, unit, period) -> Block:
-    S = len(placement)
-    p = S // 2
-    xf, xb, xw = [0] * S, [0] * S, [0] * S
-    for r in range(p):
-        a, c, e, g, res, rot = times[r]
-        hi = S - 1 - r
-        xf[r], xf[hi], xb[hi], xb[r] = a, c, e, g
-        xw[hi] = e + B[hi] + (res[_WC] + rot - e - B[hi]) % T
-        xw[r] = g + B[r] + (res[_WG] + rot - g - B[r]) % T
-    base = min(xf)
-    return Block(tuple((x - base) * unit for x in xf), tuple((x - base) * unit for x in xb),
-                 tuple((x - base) * unit for x in xw), period)
 
 
 def shortest_rank_block(placement: tuple[int, ...], cost: CostModel, budget: float, *,
@@ -263,11 +266,8 @@ def shortest_rank_block(placement: tuple[int, ...], cost: CostModel, budget: flo
     time in each rank's period the arrangements loosen, and a few percent of period can buy
     the memory a full-rate block lacks (at p=8, F:B:W = 1:2:1, comm 0.1, V-Half's 5 units fit
     at 1.05 times the work, where the cost-blind stretched layout of :mod:`.block` needed 1.15)."""
-    S = len(placement)
-    p = S // 2
-    tf, tb, tw = cost.t_f, cost.t_b, cost.t_w
-    work = max(tf[r] + tf[S - 1 - r] + tb[r] + tb[S - 1 - r] + tw[r] + tw[S - 1 - r] for r in range(p))
-    unit = grid_unit(list(tf) + list(tb) + list(tw) + [cost.comm, work], max_slots, work)
+    work = min_period(placement, cost)
+    unit = grid_unit(list(cost.t_f) + list(cost.t_b) + list(cost.t_w) + [cost.comm, work], max_slots, work)
     if unit is None:
         return None
     delta = max(1, round(work * step / unit)) * unit

@@ -35,9 +35,9 @@ from ..ir import Schedule, ScheduleError, v_placement
 from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
 from .block import block_order, min_period
-from .rank_block import shortest_rank_block
 from .greedy import Policy, list_schedule
 from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
+from .rank_block import shortest_rank_block
 from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
 
 
