@@ -101,6 +101,10 @@ def full(args, cp_model):
     for i in range(mb):
         if i:
             m.Add(x[i, "F", 0] >= x[i - 1, "F", 0])
+            if args.fifo:  # each stage runs its microbatches in order, per kind
+                for s in range(S):
+                    for kd in "FBW":
+                        m.Add(x[i, kd, s] >= x[i - 1, kd, s] + dur[kd])
         for s in range(S):
             for kd in "FBW":
                 ops[place[s]].append(m.NewFixedSizeIntervalVar(x[i, kd, s], dur[kd], ""))
@@ -140,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=0, help="chunk activations (half units) per rank")
     ap.add_argument("--extra", type=int, default=0, help="block: slots added to the period")
     ap.add_argument("--minimize", action="store_true", help="block: least memory instead of --budget")
+    ap.add_argument("--fifo", action="store_true",
+                    help="full: each stage keeps its microbatches in order within F, B and W (what bit-exact "
+                         "parity with pp=1 needs, and what every generator and the polish keep)")
     ap.add_argument("--seconds", type=float, default=300)
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)

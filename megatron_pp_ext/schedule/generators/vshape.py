@@ -15,7 +15,8 @@ the controllable-memory paper (REFERENCE §2-3) over cost-aware candidates:
   timelines also serve as deadlines for the list scheduler;
 - outside the band below, a full-rate block found by bounded search (:mod:`.rank_block`).
 
-The winner is the least makespan under the request's costs (then the least memory).
+The winner is the least makespan under the request's costs (then the least memory); below
+``POLISH_OPS`` ops a bounded local search on its op order (:mod:`.polish`) improves it further.
 
 Limits. The V-Half block keeps half of 1F1B's memory at full throughput only while a quarter
 period fits an F and a B hop (``T_W + T_F >= T_B`` and ``T_W + T_B >= T_F`` per chunk, close to
@@ -37,8 +38,9 @@ from .bounds import makespan_lower_bound
 from .block import block_order, min_period
 from .greedy import Policy, list_schedule
 from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
+from .polish import polish
 from .rank_block import shortest_rank_block
-from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
+from .search import FULL_SEARCH_OPS, pattern_targets, score, search, standard_candidates
 
 
 def v_budget_units(kind: str, p: int) -> float:
@@ -102,6 +104,14 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
     return cands
 
 
+#: below this many ops (stages x microbatches x 3) the search's winner is polished by local
+#: search (:mod:`.polish`), with about POLISH_WORK / ops moves: the fill and the drain are most
+#: of the bubble there, and that is where the constructive candidates lose most
+POLISH_OPS = 1600
+POLISH_WORK = 3_000_000
+POLISH_PATIENCE = 1500
+
+
 def _v(req: ScheduleRequest, name: str, budget: float) -> Schedule:
     p, m = req.pp, req.microbatches
     if p < 1:
@@ -113,8 +123,11 @@ def _v(req: ScheduleRequest, name: str, budget: float) -> Schedule:
                             f"rank ({need:g}, both of its chunks); raise --memory-budget to at least {need:g}")
     lean = 2 * p * m * 3 > FULL_SEARCH_OPS
     cands = v_candidates(name, p, cost, budget, lean=lean)
-    sched = search(cands, m, cost, budget=budget, keep=1 if lean else 2,
-                   lower_bound=lambda mm: makespan_lower_bound(v_placement(p), mm, cost, budget).makespan)
+    floor = lambda mm: makespan_lower_bound(v_placement(p), mm, cost, budget).makespan  # noqa: E731
+    sched = search(cands, m, cost, budget=budget, keep=1 if lean else 2, lower_bound=floor)
+    ops = 2 * p * m * 3
+    if ops <= POLISH_OPS and score(sched, cost)[0] > floor(m) + 1e-6:
+        sched = polish(sched, cost, budget, max_moves=POLISH_WORK // ops, patience=POLISH_PATIENCE)
     sched.name = name
     sched.meta["budget_units"] = budget
     return sched
