@@ -43,7 +43,8 @@ GPUS = {"A100-like": (220.0, 15.0), "H100-like": (440.0, 21.0)}   # achieved TFL
 def memory_curves(cases, step: float = 0.05) -> list[dict]:
     out = []
     for name, pp, m, chunks, options in cases:
-        s, c = build_schedule(name, pp, m, chunks=chunks, options=dict(options))
+        # unpolished, as build_offload_schedule builds its base (docs/offload.md)
+        s, c = build_schedule(name, pp, m, chunks=chunks, options={"polish": False, **dict(options)})
         base = max(simulate(s, c).peak_memory)
         rows = []
         frac = 1.0
@@ -85,7 +86,7 @@ def throughput_grid(hs, ss, *, pp=8, m=32, chunks=2, layers=64, name="interleave
                 # per-rank costs (the cost model spreads them over the chunks): F, B = W = F
                 cost = CostModel.uniform(S, chunks, f=t_f * chunks, b=t_f * chunks, w=t_f * chunks,
                                          bytes_per_unit=act * chunks)
-                sched, _ = build_schedule(name, pp, m, chunks=chunks, costs=cost)
+                sched, _ = build_schedule(name, pp, m, chunks=chunks, costs=cost, options={"polish": False})
                 d2h_per_unit = act * chunks * t_per_byte
                 tm = TransferModel(d2h_per_unit, link_group=2, max_slowdown=1.0)
                 full = plan_offload(sched, cost, "full", tm)

@@ -379,11 +379,10 @@ def _v_vs_1f1b(results: list[dict], get) -> list[str]:
               "W + 2F >= 2B the repeating V block of one microbatch cannot run at the full rate within "
               "V-Half's memory, and the generator has no block of several microbatches (docs/schedules.md, "
               "*Limits of the V family*); the bound only counts the idle time forced at both ends of the "
-              "pipeline, not a steady-state rate. An exact solver found a V-Half schedule ahead of 1F1B at "
-              "p=8, m=16, 1:1.8:0.4, so that case is a miss of the generator (local search on the op order, "
-              "`generators/polish.py`, brings ours from 33.7% to 30.8% while keeping each stage's "
-              "microbatch order, which bit-exact parity needs); for large m the steady state decides, and whether "
-              "V-Half can keep up with 1F1B there under these costs is not known."]
+              "pipeline, not a steady-state rate. At small m the local search on the op order "
+              "(`generators/polish.py`) takes V-Half at p=8, m=16, 1:1.8:0.4 ahead of 1F1B (an exact solver had "
+              "shown it reachable); for larger m the steady state decides, and whether V-Half can keep up with "
+              "1F1B there under these costs is not known."]
     L.append("")
     return L
 

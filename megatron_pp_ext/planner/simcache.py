@@ -178,7 +178,9 @@ class SimCache:
             t0 = time.process_time()
             try:
                 info = schedule_info(name)
-                sched = info.generate(ScheduleRequest(pp, m, chunks, coarse, budget))
+                # no polish (local search, up to a few seconds per small V schedule): the
+                # schedule a run builds is then at least as fast, within the same memory
+                sched = info.generate(ScheduleRequest(pp, m, chunks, coarse, budget, options={"polish": False}))
             except ScheduleError as e:
                 self._orders[key] = " ".join(str(e).split())[:300]
                 self._dirty["orders"] = True

@@ -237,7 +237,10 @@ def build_offload_schedule(name: str, pp: int, microbatches: int, *, chunks: int
     else:
         cfg = config
         spec = cfg.policy_spec
-    opts = dict(cfg.schedule_options())
+    # the base schedule unpolished (unless asked): the polish (local search on small V schedules)
+    # packs the ops tighter, which shortens the gaps an offload hides its transfers in -- at
+    # p=8, m=16 full offload left 3 units on V-Half instead of 1
+    opts = {"polish": False, **cfg.schedule_options()}
     opts.update(options or {})
     sched, cost = build_schedule(name, pp, microbatches, chunks=chunks, costs=costs, memory_budget=memory_budget,
                                  with_comm=False, options=opts)
