@@ -10,6 +10,8 @@ the start of the F to the end of the W, as in the simulator.
     python benchmarks/exact_v.py block --p 8 --f 5 --b 9 --w 2 --k 1 --minimize
     # the whole schedule, p=8, m=16, within V-Half's memory: least makespan found in 10 min
     python benchmarks/exact_v.py full --p 8 --m 16 --f 5 --b 9 --w 2 --budget 10 --seconds 600
+    # the same with each stage's microbatches kept in order (what bit-exact parity needs)
+    python benchmarks/exact_v.py full --p 8 --m 16 --f 5 --b 9 --w 2 --budget 10 --fifo --seconds 600
 
 ``block``: a steady state that repeats ``k`` microbatches every ``k`` periods (period = the
 per-rank work, plus ``--extra`` slots); ``full``: every op of ``m`` microbatches, minimising
