@@ -59,7 +59,7 @@ class _Timeline:
         self.S = S = schedule.num_stages
         self.p = p = schedule.num_ranks
         self.limits = [x + _EPS for x in limits]
-        self.comm = c = cost.comm
+        c = cost.comm
         wfs = [cost.w_share(s) for s in range(S)]
         n = S * m
         # an op is coded ((stage * m + microbatch) << 2) | kind; per code: duration, memory
@@ -111,7 +111,7 @@ class _Timeline:
         if not self._run([0] * p):
             raise ScheduleError("polish: the schedule deadlocks or exceeds its memory limits")
         fins = [row[-1] for row in self.end if row]
-        self.makespan, self.total = max(fins, default=0.0), sum(fins)
+        self.makespan = max(fins, default=0.0)
 
     # --- timing -------------------------------------------------------------------------
     def _run(self, ptr0: list[int]) -> bool:
@@ -216,10 +216,9 @@ class _Timeline:
                 return False
         return True
 
-    def try_move(self, r: int, i: int, j: int, max_ms: float, max_total: float = float("inf")) -> bool:
+    def try_move(self, r: int, i: int, j: int, max_ms: float) -> bool:
         """Move op ``i`` of rank ``r`` to position ``j``; kept when the makespan is at most
-        ``max_ms`` and the sum of the ranks' finish times at most ``max_total`` (and nothing
-        deadlocks or passes a limit), else undone."""
+        ``max_ms`` (and nothing deadlocks or passes a limit), else undone."""
         lo = min(i, j)
         cut = self._cut(r, lo)
         saved = [(self.start[q][c:], self.end[q][c:], self.ready[q][c:], self.mem[q][c:])
@@ -231,11 +230,10 @@ class _Timeline:
         row.insert(j, row.pop(i))
         ok = self._run(cut)
         if ok:
-            fins = [e[-1] for e in self.end if e]
-            ms, tot = max(fins, default=0.0), sum(fins)
-            ok = ms <= max_ms + _EPS and tot <= max_total + _EPS
+            ms = max((e[-1] for e in self.end if e), default=0.0)
+            ok = ms <= max_ms + _EPS
         if ok:
-            self.makespan, self.total = ms, tot
+            self.makespan = ms
             for pos in range(lo, max(i, j) + 1):
                 self.where[row[pos]] = (r, pos)
             return True
@@ -250,7 +248,7 @@ class _Timeline:
     def critical(self) -> list[tuple[int, int]]:
         """(rank, position) of the ops on a critical path that waited for the op before them
         on their rank rather than for an input."""
-        end, start, ready, order, m = self.end, self.start, self.ready, self.order, self.m
+        end, start, ready, order = self.end, self.start, self.ready, self.order
         r = max((q for q in range(self.p) if end[q]), key=lambda q: end[q][-1])
         i = len(order[r]) - 1
         out = []
@@ -264,25 +262,22 @@ class _Timeline:
                 return out
             if i and end[r][i - 1] >= st - _EPS:
                 out.append((r, i))
+            # the input it waited for: the second one (the B above) when that was the later
             code = order[r][i]
-            k, idx = code & 3, code >> 2
-            s = idx // m
-            if k == _F:
-                dep = ((idx - m) << 2) | _F
-            elif k == _W:
-                dep = self._b_code(idx)
-            else:
-                dep = (idx << 2) | _F
-                if s < self.S - 1:
-                    up = self._b_code(idx + m)
-                    ur, ui = self.where[up]
-                    if end[ur][ui] + (self.comm if self.placement[s + 1] != r else 0.0) >= ready[r][i] - _EPS:
-                        dep = up
-            r, i = self.where[dep]
+            d1, d2 = self.dep1[code], self.dep2[code]
+            if d2 >= 0:
+                ur, ui = self.where[self._made_by(d2)]
+                if end[ur][ui] + self.lat2[code] >= ready[r][i] - _EPS:
+                    d1 = d2
+            r, i = self.where[self._made_by(d1)]
 
-    def _b_code(self, idx: int) -> int:
-        code = (idx << 2) | _B
-        return code if code in self.where else (idx << 2) | _BW
+    def _made_by(self, key: int) -> int:
+        """The op that makes ``fin[key]``: the F (even key) or the B / BW (odd) of its stage
+        and microbatch."""
+        code = (key >> 1) << 2
+        if not key & 1:
+            return code | _F
+        return code | _B if code | _B in self.where else code | _BW
 
     def ops(self) -> list[list[Op]]:
         m = self.m
@@ -310,6 +305,7 @@ def polish(schedule: Schedule, cost: CostModel, limits: list[float] | float, *,
     rng = random.Random(seed)
     crit: list[tuple[int, int]] | None = None
     walk_best, last_gain, walks, idle_walks, walk_start_best = start_ms, 0, 1, 0, start_ms
+    tried = 0
     for move in range(max_moves):
         if patience is not None and move - last_gain > (patience if best_ms < start_ms - _EPS else patience // 3):
             idle_walks = idle_walks + 1 if best_ms >= walk_start_best - _EPS else 0
@@ -319,6 +315,7 @@ def polish(schedule: Schedule, cost: CostModel, limits: list[float] | float, *,
             # this walk is stuck: start another one from the given order (the RNG goes on)
             tl = _Timeline(schedule, cost, lims)
             walk_best, last_gain, walks, crit = tl.makespan, move, walks + 1, None
+        tried = move + 1
         if crit is None:
             crit = tl.critical()
         if crit and rng.random() < 0.5:
@@ -351,5 +348,5 @@ def polish(schedule: Schedule, cost: CostModel, limits: list[float] | float, *,
                    num_microbatches=schedule.num_microbatches, ops=tl.ops(),
                    meta=dict(schedule.meta))
     out.meta.pop("est", None)
-    out.meta["polished"] = {"moves": max_moves, "walks": walks, "before": start_ms, "after": best_ms}
+    out.meta["polished"] = {"moves": tried, "walks": walks, "before": start_ms, "after": best_ms}
     return out
