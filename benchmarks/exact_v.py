@@ -12,6 +12,8 @@ the start of the F to the end of the W, as in the simulator.
     python benchmarks/exact_v.py full --p 8 --m 16 --f 5 --b 9 --w 2 --budget 10 --seconds 600
     # the same with each stage's microbatches kept in order (what bit-exact parity needs)
     python benchmarks/exact_v.py full --p 8 --m 16 --f 5 --b 9 --w 2 --budget 10 --fifo --seconds 600
+    # a proof that V-Half's budget cannot always reach 1F1B: p=3, m=9, 2 units -> OPTIMAL 358 > 352
+    python benchmarks/exact_v.py full --p 3 --m 9 --f 5 --b 9 --w 2 --budget 4 --seconds 600
 
 ``block``: a steady state that repeats ``k`` microbatches every ``k`` periods (period = the
 per-rank work, plus ``--extra`` slots); ``full``: every op of ``m`` microbatches, minimising

@@ -382,7 +382,9 @@ def _v_vs_1f1b(results: list[dict], get) -> list[str]:
               "pipeline, not a steady-state rate. At small m the local search on the op order "
               "(`generators/polish.py`) takes V-Half at p=8, m=16, 1:1.8:0.4 ahead of 1F1B (an exact solver had "
               "shown it reachable); for larger m the steady state decides, and whether V-Half can keep up with "
-              "1F1B there under these costs is not known."]
+              "1F1B there under these costs is not known. That it cannot always is proved at p=3, m=9, "
+              "1:1.8:0.4: an exact solver puts the least makespan of any schedule within V-Half's 2 units at 35.8, "
+              "1F1B's is 35.2 (docs/schedules.md, *Limits of the V family*)."]
     L.append("")
     return L
 
