@@ -163,6 +163,28 @@ def test_simulate_budget_and_comm(capsys):
     assert doc["messages"] > 0 and "comm_wait_per_rank" in doc
 
 
+def test_simulate_compares_with_1f1b(capsys):
+    # B-heavy costs at half of 1F1B's memory: V-Half is slower there, and the report says so
+    rc, out, _ = run_cli(capsys, "simulate", "--schedule", "v-half", "--pp", "8", "--microbatches", "64",
+                         "--costs", "1,1.8,0.4", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    s, c = build_schedule("1f1b", 8, 64, costs=(1, 1.8, 0.4, 0))
+    ref = simulate(s, c)
+    vs = doc["vs_1f1b"]
+    assert vs["makespan"] == pytest.approx(ref.makespan) and vs["max_peak_memory"] == ref.max_peak_memory == 8
+    assert vs["speedup"] == pytest.approx(ref.makespan / doc["makespan"]) and vs["speedup"] < 1
+    rc, out, _ = run_cli(capsys, "simulate", "--schedule", "v-half", "--pp", "8", "--microbatches", "64",
+                         "--costs", "1,1.8,0.4")
+    line = next(x for x in out.splitlines() if x.startswith("vs 1f1b"))
+    assert f"{vs['speedup']:.2f}x speed at 0.62x memory" in line and "mppx compare" in line
+    # ahead of 1F1B: no pointer to compare
+    rc, out, _ = run_cli(capsys, "simulate", "--schedule", "zbv", "--pp", "4", "--microbatches", "8")
+    line = next(x for x in out.splitlines() if x.startswith("vs 1f1b"))
+    assert "mppx compare" not in line and json.loads(run_cli(capsys, "simulate", "--schedule", "zbv", "--pp", "4",
+                                                             "--microbatches", "8", "--json")[1])["vs_1f1b"]["speedup"] > 1
+
+
 def test_simulate_text(capsys):
     rc, out, _ = run_cli(capsys, "simulate", "--schedule", "zb-h1", "--pp", "2", "--microbatches", "4")
     assert rc == 0

@@ -44,7 +44,22 @@ def simulate_report(args) -> dict:
     doc.update(res.to_dict())
     doc["messages"] = sum(res.messages)
     doc["ops_per_rank"] = [len(ops) for ops in sched.ops]
+    doc["vs_1f1b"] = _vs_1f1b(args, res, with_comm=sched.has_comm())
     return doc
+
+
+def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
+    """1F1B at the same pp, microbatches and costs: the baseline every schedule is judged by
+    (None when 1F1B cannot be built there, e.g. fewer microbatches than stages)."""
+    from ...schedule import ScheduleError, simulate
+
+    try:
+        ref_sched, ref_cost = build_from_args(args, "1f1b", chunks=1, memory_budget=None, with_comm=with_comm)
+    except ScheduleError:
+        return None
+    ref = simulate(ref_sched, ref_cost)
+    return {"makespan": ref.makespan, "bubble_rate": ref.bubble_rate, "max_peak_memory": ref.max_peak_memory,
+            "speedup": ref.makespan / res.makespan if res.makespan > 0 else 1.0}
 
 
 def run(args) -> int:
@@ -62,6 +77,12 @@ def run(args) -> int:
     print(f"peak mem  {doc['max_peak_memory']:g} units (busiest rank)"
           + (f" = {_size(max(doc['peak_memory_bytes']))}" if "peak_memory_bytes" in doc else ""))
     print(f"messages  {doc['messages']} p2p messages per iteration")
+    ref = doc["vs_1f1b"]
+    if ref is not None and doc["schedule"] != "1f1b":
+        print(f"vs 1f1b   {ref['speedup']:.2f}x speed at {doc['max_peak_memory'] / ref['max_peak_memory']:.2f}x "
+              f"memory (1f1b: makespan {ref['makespan']:g}, bubble {ref['bubble_rate']:.2%}, "
+              f"peak {ref['max_peak_memory']:g} units)"
+              + ("; 'mppx compare' shows every schedule at these costs" if ref["speedup"] < 1 - 1e-9 else ""))
     headers = ["rank", "busy", "bubble", "peak mem (units)"]
     if "peak_memory_bytes" in doc:
         headers.append("peak mem")
