@@ -178,6 +178,11 @@ def test_simulate_compares_with_1f1b(capsys):
                          "--costs", "1,1.8,0.4")
     line = next(x for x in out.splitlines() if x.startswith("vs 1f1b"))
     assert f"{vs['speedup']:.2f}x speed at 0.62x memory" in line and "mppx compare" in line
+    # --memory-budget is the judged schedule's: 1F1B keeps its own memory (here above the budget)
+    rc, out, _ = run_cli(capsys, "simulate", "--schedule", "v-budget", "--pp", "4", "--microbatches", "8",
+                         "--memory-budget", "0.5x", "--json")
+    vs = json.loads(out)["vs_1f1b"]
+    assert vs is not None and vs["max_peak_memory"] == 4 and json.loads(out)["max_peak_memory"] <= 2
     # ahead of 1F1B: no pointer to compare
     rc, out, _ = run_cli(capsys, "simulate", "--schedule", "zbv", "--pp", "4", "--microbatches", "8")
     line = next(x for x in out.splitlines() if x.startswith("vs 1f1b"))

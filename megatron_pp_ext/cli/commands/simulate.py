@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from ..core import add_schedule_arguments, build_from_args, format_table, parse_bytes, parse_costs, register_command
@@ -53,8 +54,9 @@ def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
     (None when 1F1B cannot be built there, e.g. fewer microbatches than stages)."""
     from ...schedule import ScheduleError, simulate
 
+    plain = argparse.Namespace(**{**vars(args), "memory_budget": None})  # 1F1B's own memory, not --memory-budget
     try:
-        ref_sched, ref_cost = build_from_args(args, "1f1b", chunks=1, memory_budget=None, with_comm=with_comm)
+        ref_sched, ref_cost = build_from_args(plain, "1f1b", chunks=1, with_comm=with_comm)
     except ScheduleError:
         return None
     ref = simulate(ref_sched, ref_cost)
