@@ -8,3 +8,9 @@ chunks), ``features`` (vocab / offload / bpipe), ``megatron_lm`` (integration),
 """
 
 __version__ = "0.1.0"
+
+# Megatron-Core 0.18+ imports triton, and Megatron-LM 0.18+ typing.override (Python 3.12): let
+# them import on a CPU-only Python 3.11 (megatron_pp_ext.compat; no-ops where not needed)
+from .compat import install_import_shims as _install_import_shims
+
+_install_import_shims()

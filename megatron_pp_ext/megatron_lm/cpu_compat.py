@@ -3,8 +3,8 @@ CPU demo of the integration only, never active with CUDA.
 
 :func:`enable_megatron_lm_cpu_compat` adds, on top of the runtime's Megatron-Core layer
 (:func:`megatron_pp_ext.runtime.cpu_compat.enable_cpu_compat`), what Megatron-LM itself needs:
-device count and streams, ``allow_no_cuda``, fused kernels and JIT warm-up, a triton import,
-the GPU-architecture query, the checkpoint writer's queue and p2p send buffers. The
+device count and streams, ``allow_no_cuda``, fused kernels and JIT warm-up, the
+GPU-architecture query, the checkpoint writer's queue and p2p send buffers. The
 integration turns it on when there is no CUDA.
 """
 
@@ -15,32 +15,17 @@ from typing import Any
 
 import torch
 
-from ..runtime.cpu_compat import CpuCompat, enable_cpu_compat
+from ..runtime.cpu_compat import CpuCompat, CpuStream, enable_cpu_compat
 
 __all__ = ["MegatronLMCpuCompat", "enable_megatron_lm_cpu_compat"]
 
 
 
-class _CpuStream:
-    """Stands in for ``torch.cuda.Stream`` on the CPU: work is synchronous, so every wait is a no-op."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
+class _CpuStream(CpuStream):
+    """``torch.cuda.Stream`` on the CPU (see :class:`~megatron_pp_ext.runtime.cpu_compat.CpuStream`)."""
 
     def record_event(self, event: Any = None) -> "_CpuEvent":
         return event if event is not None else _CpuEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 class _CpuEvent:
@@ -63,62 +48,6 @@ class _CpuEvent:
 
     def elapsed_time(self, other: Any) -> float:
         return 0.0
-
-
-class _TritonStub:
-    """Just enough of ``triton`` for a module that *defines* triton kernels to import (they are
-    never launched on the CPU): every attribute is this stub, calling it or decorating with it
-    returns the decorated function."""
-
-    def __init__(self, name: str = "triton") -> None:
-        self.__name__ = name
-
-    def __getattr__(self, name: str) -> "_TritonStub":
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _TritonStub(f"{self.__name__}.{name}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]                     # @triton.jit
-        return lambda fn: fn                   # @triton.jit(...), @triton.autotune(...)
-
-
-#: Megatron-LM modules that import triton unconditionally at import time (they only define kernels).
-_TRITON_IMPORTERS = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
-
-
-def _import_with_triton_stub() -> None:
-    """Import the modules of :data:`_TRITON_IMPORTERS` with a stub ``triton`` in ``sys.modules``
-    and take the stub out again, so that every other ``import triton`` still fails as usual
-    (their ``try: import triton`` fallbacks stay in force)."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    if importlib.util.find_spec("triton") is not None:
-        return
-    stub = types.ModuleType("triton")
-    stub.__getattr__ = _TritonStub("triton").__getattr__  # type: ignore[attr-defined]
-    lang = types.ModuleType("triton.language")
-    lang.__getattr__ = _TritonStub("triton.language").__getattr__  # type: ignore[attr-defined]
-    stub.language = lang  # type: ignore[attr-defined]
-    stub.jit = _TritonStub("triton.jit")  # type: ignore[attr-defined]
-    saved = {k: sys.modules.get(k) for k in ("triton", "triton.language")}
-    sys.modules["triton"], sys.modules["triton.language"] = stub, lang
-    try:
-        for name in _TRITON_IMPORTERS:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass  # not in this Megatron version
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
 
 
 class MegatronLMCpuCompat:
@@ -169,8 +98,6 @@ def enable_megatron_lm_cpu_compat() -> MegatronLMCpuCompat:
     * ``initialize_megatron(allow_no_cuda=True)``; the fused CUDA kernels are not built
       (``megatron.legacy.fused_kernels.load``) and the JIT fusion warm-up is skipped (both
       are CUDA kernels; the model uses the unfused paths on the CPU);
-    * the unconditional ``import triton`` of a kernel-definition module (a stub during that
-      import only, when triton is not installed);
     * the GPU architecture query of argument validation (tp/cp > 1) reports no
       ``CUDA_DEVICE_MAX_CONNECTIONS`` constraint;
     * the result queue of the distributed-checkpoint writer comes from a forked manager process
@@ -180,7 +107,8 @@ def enable_megatron_lm_cpu_compat() -> MegatronLMCpuCompat:
       released the output (``deallocate_pipeline_outputs``); NCCL orders this on the stream.
 
     Inactive (``handle.active is False``) when CUDA is available; refuses a NCCL process group.
-    Call it before ``megatron.training`` is imported (the triton stub must see that import).
+    (The ``import triton`` of Megatron's kernel-definition modules on a machine without triton is
+    :func:`megatron_pp_ext.compat.install_import_shims`' business, active from ``import megatron_pp_ext``.)
     """
     import contextlib
     import importlib
@@ -190,7 +118,6 @@ def enable_megatron_lm_cpu_compat() -> MegatronLMCpuCompat:
     base = enable_cpu_compat()
     h = MegatronLMCpuCompat(True, base=base)
     try:
-        _import_with_triton_stub()
         cuda = torch.cuda
         # one "device" per process (initialisation builds the model-parallel groups and seeds the
         # model-parallel RNG only when it sees a device); every CUDA device argument is the CPU

@@ -12,7 +12,9 @@ the CPU, as scoped and reversible patches:
   ``t.cuda()``, ``t.to("cuda")``) to the CPU (the mode is thread-local: it covers the
   thread that enabled it, which is the thread that runs the schedule);
 * ``torch.cuda.current_device`` returns ``torch.device("cpu")``; ``torch.cuda.synchronize``
-  and ``torch.cuda.empty_cache`` are no-ops;
+  and ``torch.cuda.empty_cache`` are no-ops; ``torch.cuda.current_stream()`` is a synchronous
+  stand-in whose waits are no-ops (megatron-core 0.19's ``start_grad_sync`` asks for it
+  unconditionally);
 * the "CUDA" RNG (``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``) is the CPU default
   generator, so forking the model-parallel RNG tracker really changes the RNG that CPU
@@ -83,6 +85,28 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class CpuStream:
+    """Stands in for a ``torch.cuda.Stream`` on the CPU: work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _RngWarningFilter(logging.Filter):
     # Megatron's tracker warns when the CPU RNG moves inside a fork of the "CUDA" RNG; here
     # the CUDA RNG *is* the CPU RNG, so that is expected (dropout inside the fork).
@@ -126,6 +150,7 @@ class CpuCompat:
         self._patch(cuda, "current_device", lambda: _CPU)
         self._patch(cuda, "synchronize", lambda *a, **k: None)
         self._patch(cuda, "empty_cache", lambda *a, **k: None)
+        self._patch(cuda, "current_stream", lambda *a, **k: CpuStream())
         self._patch(cuda, "get_rng_state", _cpu_get_rng_state)
         self._patch(cuda, "set_rng_state", _cpu_set_rng_state)
         self._patch(cuda, "manual_seed", _cpu_manual_seed)

@@ -356,6 +356,9 @@ class ScheduleExecutor:
         from megatron.core.pipeline_parallel import schedules as msched
         from megatron.core.utils import get_model_config, get_model_type
 
+        from .. import compat
+        compat.check_supported()
+
         models = list(model) if isinstance(model, (list, tuple)) else [model]
         config = get_model_config(models[0])
         model_type = get_model_type(models[0])
@@ -527,7 +530,7 @@ class ScheduleExecutor:
                 out = st.outputs.pop((s, mb))
                 ctx = store.collect((s, mb)) if collect else contextlib.nullcontext()
                 with ctx:
-                    in_grad = msched.backward_step(inp, out, grad, model_type, config)
+                    in_grad = compat.backward_step(inp, out, grad, model_type, config)
             if s > 0:
                 if placement[s - 1] == rank:
                     st.out_grads[(s - 1, mb)] = in_grad
@@ -617,6 +620,7 @@ class ScheduleExecutor:
                         start_chunk_grad_sync(c)
                 idx += 1
             if split:
+                _wgrad.check_split_active(f"in schedule {sched.name!r} on pipeline rank {rank}")
                 _wgrad.check_no_pending_wgrad(store, "before gradient reduction")
             p2p.drain()
         # (no_sync exited: DDP's buckets are back to "last microbatch")

@@ -341,31 +341,39 @@ def global_named_parameters(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
             yield global_param_name(core, local), p
 
 
-def _partition_dims(chunks) -> dict[int, int]:
-    """id(param) -> tensor-parallel partition dim, from the layer types (Megatron only tags
-    the weights with ``partition_dim`` when it initialises them itself)."""
+def _partition_dims(chunks) -> dict[int, tuple[int, int]]:
+    """id(param) -> (tensor-parallel partition dim, partition stride), from the layer types
+    (Megatron-Core tags the weights with ``partition_dim`` / ``partition_stride`` only when it
+    initialises them itself, in some versions). The stride is Megatron-Core's: 2 for the
+    ``linear_fc1`` of a gated MLP (SwiGLU: each rank holds its slice of the gate and its slice of
+    the up projection, ``[gate_r; up_r]``), 1 elsewhere (the fused QKV of grouped-query attention
+    holds whole query groups per rank, ``[q..., k, v]`` of each, so contiguous slices are right)."""
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
-    dims: dict[int, int] = {}
+    dims: dict[int, tuple[int, int]] = {}
     for chunk in chunks:
         for mod in _unwrap(chunk).modules():
             if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
                 for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
                     if isinstance(p, torch.Tensor):
-                        dims[id(p)] = 0
+                        dims[id(p)] = (0, 1)
             elif isinstance(mod, RowParallelLinear) and isinstance(getattr(mod, "weight", None), torch.Tensor):
-                dims[id(mod.weight)] = 1
+                dims[id(mod.weight)] = (1, 1)
+        for mod in _unwrap(chunk).modules():   # gated MLPs (also each expert of a sequential MoE)
+            fc1 = getattr(mod, "linear_fc1", None)
+            if fc1 is not None and getattr(getattr(mod, "config", None), "gated_linear_unit", False):
+                for p in (getattr(fc1, "weight", None), getattr(fc1, "bias", None)):
+                    if isinstance(p, torch.Tensor) and id(p) in dims:
+                        dims[id(p)] = (dims[id(p)][0], 2)
     return dims
 
 
-def _tp_info(param, dims: dict[int, int]) -> tuple[int | None, int]:
+def _tp_info(param, dims: dict[int, tuple[int, int]]) -> tuple[int | None, int]:
+    """(partition dim or None, partition stride) of a parameter: Megatron-Core's own tags when it
+    set them, else what the layer types say."""
     if getattr(param, "tensor_model_parallel", False):
         return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
-    return dims.get(id(param)), int(getattr(param, "partition_stride", 1))
-
-
-def _is_glu_fc1(name: str, spec: ModelSpec | None) -> bool:
-    return spec is not None and spec.variant == "llama" and ".mlp.linear_fc1." in name
+    return dims.get(id(param), (None, 1))
 
 
 def full_param(seed: int, name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -381,42 +389,55 @@ def full_param(seed: int, name: str, shape: Sequence[int]) -> torch.Tensor:
     return 0.05 * torch.randn(*shape, generator=g)
 
 
-def shard_of(full: torch.Tensor, name: str, partition_dim: int | None, tp: int, tp_rank: int,
-             glu: bool = False) -> torch.Tensor:
-    """Tensor-parallel shard ``tp_rank`` of ``full`` as Megatron lays it out.
+def _stride(glu: bool | int, stride: int | None) -> int:
+    # glu=True (the SwiGLU fc1) is stride 2; an int is taken as the stride (param_meta's value)
+    if stride is not None:
+        return int(stride)
+    if glu is True:
+        return 2
+    return int(glu) if glu else 1
 
-    ``glu``: the fused SwiGLU fc1 holds [gate; up] per rank, so each half is cut separately.
+
+def shard_of(full: torch.Tensor, name: str, partition_dim: int | None, tp: int, tp_rank: int,
+             glu: bool | int = False, *, stride: int | None = None) -> torch.Tensor:
+    """Tensor-parallel shard ``tp_rank`` of ``full`` as Megatron-Core lays it out.
+
+    With partition stride ``s`` (``glu=True`` means 2: the fused SwiGLU fc1 holds [gate; up]
+    per rank), ``full`` is cut into ``s * tp`` equal pieces along ``partition_dim`` and rank r
+    holds pieces r, r + tp, ... (Megatron-Core's ``_initialize_affine_weight_cpu``).
     """
     if partition_dim is None or tp == 1:
         return full
-    if glu:
-        gate, up = torch.chunk(full, 2, dim=partition_dim)
-        return torch.cat([torch.chunk(gate, tp, dim=partition_dim)[tp_rank],
-                          torch.chunk(up, tp, dim=partition_dim)[tp_rank]], dim=partition_dim)
-    return torch.chunk(full, tp, dim=partition_dim)[tp_rank].contiguous()
+    s = _stride(glu, stride)
+    n = full.shape[partition_dim]
+    if n % (s * tp):
+        raise ValueError(f"{name}: size {n} along dim {partition_dim} does not split into {s} x {tp} "
+                         "(stride x tensor-parallel size) equal pieces")
+    pieces = torch.split(full, n // (s * tp), dim=partition_dim)
+    return torch.cat(pieces[tp_rank::tp], dim=partition_dim).contiguous()
 
 
-def unshard(shards: Sequence[torch.Tensor], partition_dim: int | None, glu: bool = False) -> torch.Tensor:
+def unshard(shards: Sequence[torch.Tensor], partition_dim: int | None, glu: bool | int = False, *,
+            stride: int | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_of` over all tp ranks (in rank order)."""
     if partition_dim is None or len(shards) == 1:
         return shards[0]
-    if glu:
-        gates = [torch.chunk(s, 2, dim=partition_dim)[0] for s in shards]
-        ups = [torch.chunk(s, 2, dim=partition_dim)[1] for s in shards]
-        return torch.cat([torch.cat(gates, dim=partition_dim), torch.cat(ups, dim=partition_dim)],
-                         dim=partition_dim)
-    return torch.cat(list(shards), dim=partition_dim)
+    s = _stride(glu, stride)
+    parts = [torch.chunk(sh, s, dim=partition_dim) for sh in shards]
+    return torch.cat([parts[r][k] for k in range(s) for r in range(len(shards))], dim=partition_dim)
 
 
-def param_meta(chunks, spec: ModelSpec | None = None) -> dict[str, tuple[int | None, bool]]:
-    """global name -> (tensor-parallel partition dim or None, is-GLU-fc1) for :func:`unshard`."""
+def param_meta(chunks, spec: ModelSpec | None = None) -> dict[str, tuple[int | None, int]]:
+    """global name -> (tensor-parallel partition dim or None, partition stride) for :func:`unshard`
+    (``unshard(shards, dim, stride)``)."""
     dims = _partition_dims(chunks)
-    return {n: (_tp_info(p, dims)[0], _is_glu_fc1(n, spec)) for n, p in global_named_parameters(chunks)}
+    return {n: _tp_info(p, dims) for n, p in global_named_parameters(chunks)}
 
 
 @torch.no_grad()
 def init_weights(chunks, seed: int, spec: ModelSpec | None = None, *, full=None) -> None:
-    """Set every parameter from (seed, global name), cutting tp shards from the full tensor.
+    """Set every parameter from (seed, global name), cutting tp shards from the full tensor
+    (with Megatron-Core's partition stride: the gated MLP's fc1 is [gate; up] per rank).
     ``full(seed, name, shape)`` gives the full tensor (default :func:`full_param`)."""
     full_fn = full_param if full is None else full
     from megatron.core import parallel_state
@@ -425,13 +446,11 @@ def init_weights(chunks, seed: int, spec: ModelSpec | None = None, *, full=None)
     dims = _partition_dims(chunks)
     for name, p in global_named_parameters(chunks):
         dim, stride = _tp_info(p, dims)
-        if stride != 1:
-            raise NotImplementedError(f"{name}: partition_stride {stride} is not supported")
         shape = list(p.shape)
         if dim is not None:
             shape[dim] *= tp
         value = full_fn(seed, name, shape)
-        p.copy_(shard_of(value, name, dim, tp, tp_rank, glu=_is_glu_fc1(name, spec)))
+        p.copy_(shard_of(value, name, dim, tp, tp_rank, stride=stride))
 
 
 def wrap_ddp(chunks, config, **ddp_kwargs) -> list:

@@ -174,6 +174,8 @@ __all__ = [
     "check_no_pending_wgrad",
     "start_grad_sync_after_w",
     "LeftoverWeightGradError",
+    "SplitInactiveError",
+    "check_split_active",
     "TEWgradUnsupportedError",
     "te_available",
     "is_te_wgrad_module",
@@ -202,6 +204,11 @@ class LeftoverWeightGradError(RuntimeError):
 
 class TEWgradUnsupportedError(RuntimeError):
     """A Transformer Engine module cannot defer its weight gradient (version or config)."""
+
+
+class SplitInactiveError(RuntimeError):
+    """A linear layer that the B/W split should split computed its weight gradient in B (or
+    cannot be split exactly): a zero-bubble schedule would silently lose its W ops."""
 
 
 def format_key(key: Hashable) -> str:
@@ -622,14 +629,11 @@ def _wrap_amp(fn_cls) -> None:
         fn_cls._mppx_amp = True
 
 
-def _bind_linear_args(bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                      sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=0,
-                      async_grad_allreduce=None, tp_group=None):
-    # Signature of megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce
-    # after (input, weight).
-    return dict(bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-                grad_output_buffer=grad_output_buffer, tp_group=tp_group)
+def _bind_linear_args(args: tuple, kwargs: dict) -> dict:
+    # the call's arguments after (input, weight), bound with the signature of this
+    # megatron-core's linear_with_grad_accumulation_and_async_allreduce (megatron_pp_ext.compat)
+    from ..compat import bind_linear_call
+    return bind_linear_call(args, kwargs)
 
 
 class _SplitState:
@@ -638,6 +642,11 @@ class _SplitState:
         self.module_ids = module_ids
         self.sp_gather = sp_gather
         self.names: Dict[int, str] = {}
+        #: per module id: forwards seen (a hook), forwards split, and why others were not
+        self.seen: Dict[int, int] = {}
+        self.split: Dict[int, int] = {}
+        self.exempt: Dict[int, str] = {}
+        self.hooks: list = []
 
     def applies_to(self, module) -> bool:
         return self.module_ids is None or id(module) in self.module_ids
@@ -658,15 +667,25 @@ def _make_split_forward_impl(orig: Callable) -> Callable:
         if state is None or not state.applies_to(self) or not torch.is_grad_enabled():
             return orig(self, input, weight, *args, **kwargs)
         try:
-            a = _bind_linear_args(*args, **kwargs)
-        except TypeError:
-            state.store.stats["fallback"] += 1
-            return orig(self, input, weight, *args, **kwargs)
+            a = _bind_linear_args(args, kwargs)
+        except RuntimeError as e:   # compat.LinearCallError: never a silent fallback to W in B
+            raise SplitInactiveError(
+                f"B/W split: {state.names.get(id(self), type(self).__name__)}: {e}; its weight gradient "
+                "cannot be deferred exactly. Use a schedule without a B/W split (1f1b, interleaved-1f1b) "
+                "or a supported megatron-core (megatron_pp_ext.compat.SUPPORTED_TEXT)") from None
         bias = a["bias"]
-        if (not isinstance(weight, torch.Tensor) or not weight.requires_grad or not weight.is_leaf
-                or a["grad_output_buffer"] is not None
-                or not (input.requires_grad or (bias is not None and bias.requires_grad))):
+        reason = None
+        if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+            reason = "frozen weight"
+        elif not weight.is_leaf:
+            reason = "non-leaf weight"
+        elif a["grad_output_buffer"] is not None:
+            reason = "defer_embedding_wgrad_compute (Megatron-Core defers it itself)"
+        elif not (input.requires_grad or (bias is not None and bias.requires_grad)):
+            reason = "no input gradient"
+        if reason is not None:
             state.store.stats["fallback"] += 1
+            state.exempt[id(self)] = reason
             return orig(self, input, weight, *args, **kwargs)
         main_grad = getattr(weight, "main_grad", None) if a["gradient_accumulation_fusion"] else None
         sp = bool(a["sequence_parallel"])
@@ -681,11 +700,40 @@ def _make_split_forward_impl(orig: Callable) -> Callable:
             use_bias=bias is not None, fused=main_grad is not None, main_grad=main_grad,
             allreduce_dgrad=ar, sequence_parallel=sp, tp_group=tp_group, sp_gather=state.sp_gather)
         state.store.stats["split"] += 1
+        state.split[id(self)] = state.split.get(id(self), 0) + 1
         return _SplitLinearFunction.apply(input, weight.detach(), bias, meta)
 
     _forward_impl._mppx_split = True  # type: ignore[attr-defined]
     _forward_impl.__wrapped__ = orig  # type: ignore[attr-defined]
     return _forward_impl
+
+
+def check_split_active(where: str = "") -> None:
+    """Raise :class:`SplitInactiveError` if a linear layer of the split's model chunks ran a
+    forward with grad enabled inside :func:`split_weight_grads` without being split (its weight
+    gradient then ran in B: the zero-bubble schedule would silently lose its W ops). Layers
+    with a reason not to be split (a frozen weight, Megatron's own deferred embedding wgrad)
+    are exempt. Call it inside the context, after the backward ops (the executor does, every
+    training call)."""
+    state = _STATE
+    if state is None or state.module_ids is None:
+        return
+    bad = [state.names.get(i, "?") for i, n in state.seen.items()
+           if n and not state.split.get(i) and i not in state.exempt]
+    if bad:
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise SplitInactiveError(
+            f"B/W split inactive{' ' + where if where else ''}: {', '.join(bad[:4])}{more} ran a forward "
+            "without the split (their weight gradients would run in B, not in W): this megatron-core's "
+            "linear layers do not go through the patched _forward_impl. Use a schedule without a B/W split "
+            "(1f1b, interleaved-1f1b) or a supported megatron-core (docs/compatibility.md)")
+
+
+def _count_forward(state: "_SplitState"):
+    def hook(module, args):
+        if torch.is_grad_enabled():
+            state.seen[id(module)] = state.seen.get(id(module), 0) + 1
+    return hook
 
 
 def _local_linear_classes() -> List[type]:
@@ -699,8 +747,8 @@ def _install_local_patch() -> None:
         orig = cls.__dict__.get("_forward_impl")
         if orig is None:
             raise RuntimeError(
-                f"{cls.__module__}.{cls.__qualname__} has no _forward_impl: this megatron-core "
-                "version is not supported by the B/W split (0.15.x and 0.16.x are)")
+                f"{cls.__module__}.{cls.__qualname__} has no _forward_impl: the B/W split cannot hook this "
+                "megatron-core's linear layers (see docs/compatibility.md for the supported versions)")
         if getattr(orig, "_mppx_split", False):
             raise RuntimeError("split_weight_grads: patch already installed")
         _ORIGINALS[cls] = orig
@@ -950,6 +998,7 @@ def split_weight_grads(store: WeightGradStore,
         models = [models]
     module_ids = None
     names: Dict[int, str] = {}
+    local_mods: list = []
     if models is not None:
         models = list(models)
         local = tuple(_local_linear_classes())
@@ -958,6 +1007,7 @@ def split_weight_grads(store: WeightGradStore,
             for name, mod in model.named_modules():
                 if isinstance(mod, local):
                     module_ids.add(id(mod))
+                    local_mods.append(mod)
                     names[id(mod)] = f"chunk{i}.{name}" if name else f"chunk{i}"
     if te is True and models is None:
         raise ValueError("te=True needs the model chunks (models=...) to find the TE modules")
@@ -969,8 +1019,12 @@ def split_weight_grads(store: WeightGradStore,
     state.names = names
     try:
         _install_local_patch()
+        hook = _count_forward(state)
+        state.hooks = [m.register_forward_pre_hook(hook) for m in local_mods]
     except BaseException:
         _remove_local_patch()
+        for h in state.hooks:
+            h.remove()
         if te_state is not None:
             te_state.close()
         raise
@@ -980,5 +1034,7 @@ def split_weight_grads(store: WeightGradStore,
     finally:
         _STATE = None
         _remove_local_patch()
+        for h in state.hooks:
+            h.remove()
         if te_state is not None:
             te_state.close()

@@ -50,6 +50,39 @@ def test_tp_shards_roundtrip():
     assert not full_param(1, "a", [3]).equal(full_param(2, "a", [3]))
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_strided_shards_are_megatron_cores_layout(tp, stride):
+    """shard_of cuts what Megatron-Core's own initialisation puts on each rank (the SwiGLU fc1
+    has partition stride 2: [gate_r; up_r]), and unshard inverts it."""
+    import torch
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+    full = full_param(3, "decoder.layers.0.mlp.linear_fc1.weight", [16, 4])
+    shards = []
+    for r in range(tp):
+        w = torch.empty(16 // tp, 4)
+        _initialize_affine_weight_cpu(w, 16, 4, 16 // tp, 0, lambda t: t.copy_(full), stride=stride,
+                                      rank=r, world_size=tp)
+        assert w.equal(shard_of(full, "fc1", 0, tp, r, stride=stride))
+        shards.append(w)
+    assert unshard(shards, 0, stride=stride).equal(full)
+    assert getattr(w, "partition_stride") == stride
+    with pytest.raises(ValueError, match="does not split"):
+        shard_of(full[:6], "fc1", 0, 4, 0, stride=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_initialised_llama_gets_the_layout_independent_weights(runs, tp):
+    """With Megatron-Core's own initialisation on (it then tags every tensor-parallel weight,
+    the SwiGLU fc1 with partition stride 2, as megatron-core 0.18+ always does), LLaMA chunks
+    with grouped-query attention (fused QKV) get the same weights as the pp=1 model."""
+    import dataclasses
+    from runtime_helpers import SPECS
+    spec = dataclasses.replace(SPECS["llama"], config_overrides={"perform_initialization": True})
+    cfg = config("llama", schedule="1f1b", pp=2, tp=tp, m=4, steps=1).replace(spec=spec)
+    compare_records(runs(cfg), runs.reference(cfg.replace(spec=SPECS["llama"])), what=f"llama tp={tp}")
+
+
 @pytest.mark.parametrize("variant", ["gpt", "llama"])
 @pytest.mark.parametrize("layout", [
     dict(schedule="zbv", pp=2),                       # V: embedding and loss on rank 0

@@ -1,0 +1,490 @@
+"""Megatron versions: the one module of megatron_pp_ext that knows how they differ.
+
+Supported: **megatron-core 0.16.1 through 0.19.x** (:data:`SUPPORTED`, also declared in
+``setup.py``) and **Megatron-LM core_v0.16.1, core_v0.17.1, core_v0.18.2 and core_v0.19.0**
+(:data:`MEGATRON_LM_TAGS`; ``patches/`` has one patch per tag). Nothing else in the package
+branches on the Megatron version: it calls the functions here, which find out what the loaded
+Megatron can do by probing it (a signature, an attribute, a module) rather than by comparing
+version strings. The version number itself is read only to refuse an unsupported release
+with one clear line at start-up (:func:`check_supported`).
+
+============================================  ==========  ============================================
+difference                                    since       handled by
+============================================  ==========  ============================================
+``import megatron.core`` imports ``triton``   core 0.18   :func:`install_import_shims`: when triton is
+(MoE paged-stash kernels, defined only)                   not installed, those kernel modules get a
+                                                          stub while they execute, nothing else does
+``typing.override`` in Megatron-LM's          LM 0.18     :func:`install_import_shims`: on Python
+training code (a Python 3.12 name)                        < 3.12, present while a ``megatron.training``
+                                                          module executes (``typing_extensions``')
+``schedules.backward_step`` lost              core 0.17   :func:`backward_step` (signature probe)
+``model_type``
+``linear_with_grad_accumulation_and_``        core 0.19   :func:`bind_linear_call` binds the call with
+``async_allreduce`` gained ``gtp_remat_size``             the function's own signature; a value the
+(lost ``async_grad_allreduce``)                           B/W split cannot honour raises
+                                                          :class:`LinearCallError` (never a silent
+                                                          fallback to W inside B)
+``start_grad_sync`` calls                     core 0.19   the CPU compatibility layer
+``torch.cuda.current_stream()``                           (``runtime/cpu_compat.py``, CPU only)
+SwiGLU ``linear_fc1`` tagged                  core 0.18   ``runtime/model.py`` handles every
+``partition_stride`` 2 at any init                        ``partition_stride`` (not version specific)
+``validate_args`` moved from ``initialize``   LM 0.18     :func:`lm_sites` (where each hooked name
+to ``arguments.parse_and_validate_args``;                 is bound in the loaded Megatron-LM)
+``pretrain(cfg_container, ...)`` without
+``extra_args_provider``
+model built by ``cfg_container.model``'s      LM 0.19     :func:`lm_model_builders`; the integration
+builder (``GPTModelBuilder``), not by                     also refuses to train a model that did not
+``get_model(model_provider)``                             go through its stage placement
+``get_forward_backward_func(                  LM 0.19     the integration accepts any arguments and
+schedule_pg_collection=...)``                             checks that its schedule ran
+loss on ``is_pp_last_stage(pg_collection.pp)``  LM 0.19   :func:`lm_sites` (``training.mpu`` and
+                                                          ``training.is_pp_last_stage``)
+``get_batch_on_this_tp_rank`` in              LM 0.18     :func:`lm_sites`, :func:`bind_call`
+``megatron.core.utils``, keyword API
+NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
+(was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
+============================================  ==========  ============================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import threading
+import types
+from typing import Any, Callable
+
+__all__ = [
+    "SUPPORTED", "SUPPORTED_TEXT", "PIP_REQUIREMENT", "MEGATRON_LM_TAGS", "UnsupportedMegatronError",
+    "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
+    "backward_step", "bind_linear_call", "LinearCallError", "bind_call", "lm_sites", "lm_model_builders",
+]
+
+#: supported megatron-core releases: (lowest, first unsupported)
+SUPPORTED = ((0, 16, 1), (0, 20, 0))
+SUPPORTED_TEXT = "megatron-core 0.16.1 through 0.19.x"
+PIP_REQUIREMENT = "megatron-core>=0.16.1,<0.20"
+#: Megatron-LM tags with a patch in patches/ (megatron-lm-<tag>.patch) and their commits
+MEGATRON_LM_TAGS = {
+    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
+    "core_v0.17.1": "266f1c97dca477ca8b92c16087506da2000b0b84",
+    "core_v0.18.2": "571370c829ca768fe37244f4e2e7f28d8accc4ab",
+    "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
+}
+_ALLOW_ENV = "MPPX_ALLOW_UNSUPPORTED_MEGATRON"
+
+
+class UnsupportedMegatronError(RuntimeError):
+    """The installed Megatron-Core is outside :data:`SUPPORTED` (one line, with the fix)."""
+
+
+# --- which Megatron-Core, without importing it -------------------------------------------------
+
+def megatron_core_location() -> str | None:
+    """Directory of the ``megatron.core`` that ``import megatron.core`` loads (None: none).
+    Found without importing it (a Megatron-LM checkout on ``sys.path`` wins over a wheel, as for
+    the import itself)."""
+    mod = sys.modules.get("megatron.core")
+    if mod is not None and getattr(mod, "__file__", None):
+        return os.path.dirname(mod.__file__)
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for base in spec.submodule_search_locations or []:
+        if os.path.isfile(os.path.join(base, "core", "__init__.py")):
+            return os.path.join(base, "core")
+    return None
+
+
+def megatron_core_version() -> tuple[int, int, int] | None:
+    """(major, minor, patch) of the Megatron-Core that would be imported, read from its
+    ``package_info.py`` (None: not installed or unreadable)."""
+    where = megatron_core_location()
+    if where is None:
+        return None
+    try:
+        with open(os.path.join(where, "package_info.py"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    parts = []
+    for key in ("MAJOR", "MINOR", "PATCH"):
+        m = re.search(rf"^{key}\s*=\s*(\d+)", text, re.M)
+        if m is None:
+            return None
+        parts.append(int(m.group(1)))
+    return tuple(parts)  # type: ignore[return-value]
+
+
+_CHECKED: list = []
+
+
+def check_supported() -> None:
+    """Refuse an unsupported Megatron-Core with one line naming the fix
+    (:class:`UnsupportedMegatronError`); ``MPPX_ALLOW_UNSUPPORTED_MEGATRON=1`` turns that into
+    a one-line warning (once per process)."""
+    if _CHECKED:
+        return
+    ver = megatron_core_version()
+    fix = f"pip install '{PIP_REQUIREMENT}' (docs/compatibility.md)"
+    if ver is None:
+        raise UnsupportedMegatronError(f"megatron-core is not installed (or not readable): {fix}")
+    if SUPPORTED[0] <= ver < SUPPORTED[1]:
+        _CHECKED.append(ver)
+        return
+    text = ".".join(map(str, ver))
+    msg = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {text} is installed "
+           f"({megatron_core_location()}): {fix}, or set {_ALLOW_ENV}=1 to try it anyway")
+    if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
+        print(f"megatron_pp_ext: warning: {msg.split(':')[0]}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
+        _CHECKED.append(ver)
+        return
+    raise UnsupportedMegatronError(msg)
+
+
+# --- import shims: triton (core 0.18+) and typing.override (Megatron-LM 0.18+ on Python 3.11) --
+
+#: modules that ``import triton`` unconditionally only to *define* kernels, on the import path of
+#: ``megatron.core`` (the kernels run on CUDA only, where triton is installed with torch)
+_TRITON_KERNEL_MODULES = frozenset({
+    "megatron.core.transformer.moe.paged_stash",        # core 0.18
+    "megatron.core.transformer.moe.ops.paged_stash",    # core 0.19
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+})
+
+
+class _TritonStub:
+    """Just enough of ``triton`` for a module that defines kernels to import: every attribute
+    is a stub; ``@triton.jit`` and ``@triton.autotune(...)`` return the function unchanged."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __getattr__(self, name: str) -> "_TritonStub":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _TritonStub(f"{self.__name__}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+
+def _triton_stub_modules() -> dict:
+    mods = {}
+    for name in ("triton", "triton.language"):
+        m = types.ModuleType(name)
+        m.__getattr__ = _TritonStub(name).__getattr__  # type: ignore[attr-defined]
+        m.__version__ = "0.0.0"   # (version checks that follow a successful import then say "too old")
+        m.__mppx_stub__ = True    # type: ignore[attr-defined]
+        mods[name] = m
+    mods["triton"].language = mods["triton.language"]  # type: ignore[attr-defined]
+    return mods
+
+
+def _override(fn: Any) -> Any:   # typing.override (Python 3.12), as typing_extensions defines it
+    try:
+        fn.__override__ = True
+    except (AttributeError, TypeError):
+        pass
+    return fn
+
+
+class _WindowLoader(importlib.abc.Loader):
+    """Runs the real loader of a module with ``enter()`` / ``exit()`` around its execution."""
+
+    def __init__(self, loader: Any, enter: Callable[[], Any], exit_: Callable[[Any], None]) -> None:
+        self._loader = loader
+        self._enter = enter
+        self._exit = exit_
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        token = self._enter()
+        try:
+            self._loader.exec_module(module)
+        finally:
+            self._exit(token)
+
+    def __getattr__(self, name: str) -> Any:   # get_source, get_code, is_package, ...
+        return getattr(self._loader, name)
+
+
+_SHIM_LOCK = threading.RLock()
+_OVERRIDE_DEPTH = [0]
+
+
+def _triton_enter() -> dict:
+    with _SHIM_LOCK:
+        saved = {k: sys.modules.get(k) for k in ("triton", "triton.language")}
+        if saved["triton"] is not None or importlib.util.find_spec("triton") is not None:
+            return {}     # a triton is there (a real one, or the stub of an enclosing window)
+        sys.modules.update(_triton_stub_modules())
+        return saved
+
+
+def _triton_exit(saved: dict) -> None:
+    with _SHIM_LOCK:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _override_enter() -> bool:
+    import typing
+    with _SHIM_LOCK:
+        if _OVERRIDE_DEPTH[0] == 0 and hasattr(typing, "override"):
+            return False
+        _OVERRIDE_DEPTH[0] += 1
+        typing.override = _override  # type: ignore[attr-defined]
+        return True
+
+
+def _override_exit(added: bool) -> None:
+    import typing
+    if not added:
+        return
+    with _SHIM_LOCK:
+        _OVERRIDE_DEPTH[0] -= 1
+        if _OVERRIDE_DEPTH[0] == 0:
+            try:
+                del typing.override  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+
+
+class _ShimFinder(importlib.abc.MetaPathFinder):
+    """Finds Megatron's modules with the real finders and wraps their loaders in the windows
+    of :func:`install_import_shims`; finds nothing itself."""
+
+    def __init__(self, triton: bool, override: bool) -> None:
+        self.triton = triton
+        self.override = override
+
+    def find_spec(self, name, path=None, target=None):
+        if not name.startswith("megatron."):
+            return None
+        window = None
+        if self.triton and name in _TRITON_KERNEL_MODULES:
+            window = (_triton_enter, _triton_exit)
+        elif self.override and name.startswith("megatron.training"):
+            window = (_override_enter, _override_exit)
+        if window is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _WindowLoader(spec.loader, *window)
+        return spec
+
+
+_FINDER: list = []
+
+
+def install_import_shims() -> None:
+    """Let every supported Megatron import on this interpreter (idempotent, cheap).
+
+    * Without triton (CPU machines: triton comes with CUDA builds of torch), the modules of
+      Megatron-Core that ``import triton`` only to define kernels (0.18+) see a stub while
+      they execute; ``sys.modules`` never keeps it, so every other ``import triton`` (torch's
+      own probes included) still finds no triton. Installing triton (``pip install triton``,
+      which works on CPU) makes this a no-op.
+    * On Python < 3.12, while a ``megatron.training`` module executes, ``typing.override``
+      exists (Megatron-LM's training code from core_v0.18 imports it; a decorator that only
+      marks the method).
+    """
+    with _SHIM_LOCK:
+        if _FINDER:
+            return
+        import typing
+        triton = importlib.util.find_spec("triton") is None
+        override = not hasattr(typing, "override")
+        finder = _ShimFinder(triton, override)
+        _FINDER.append(finder)
+        if triton or override:
+            sys.meta_path.insert(0, finder)
+
+
+# --- Megatron-Core runtime -----------------------------------------------------------------------
+
+def _params(fn: Callable) -> dict:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+_BACKWARD_TAKES_MODEL_TYPE: dict = {}
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    """Megatron-Core's ``schedules.backward_step`` (``model_type`` dropped where the function
+    no longer takes it: core 0.17+)."""
+    from megatron.core.pipeline_parallel import schedules as msched
+
+    fn = msched.backward_step
+    takes = _BACKWARD_TAKES_MODEL_TYPE.get(id(fn))
+    if takes is None:
+        takes = _BACKWARD_TAKES_MODEL_TYPE[id(fn)] = "model_type" in _params(fn)
+    if takes:
+        return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+class LinearCallError(RuntimeError):
+    """A call of Megatron-Core's linear layer that the B/W split cannot run exactly."""
+
+
+#: arguments of ``linear_with_grad_accumulation_and_async_allreduce`` the B/W split implements
+#: (after input and weight), and the values it can run for the others
+_LINEAR_KNOWN = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+                 "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group")
+_LINEAR_NEUTRAL = {"gtp_remat_size": (1, None)}   # core 0.19: generalized-TP weight rematerialisation
+_LINEAR_SIG: dict = {}
+
+
+def bind_linear_call(args: tuple, kwargs: dict) -> dict:
+    """The arguments (after input and weight) of a call of Megatron-Core's
+    ``linear_with_grad_accumulation_and_async_allreduce``, bound with the function's own
+    signature: ``{bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+    grad_output_buffer, tp_group}``. Raises :class:`LinearCallError` for an argument the split
+    does not implement (a new one, or ``gtp_remat_size`` > 1)."""
+    from megatron.core.tensor_parallel import layers
+
+    fn = layers.linear_with_grad_accumulation_and_async_allreduce
+    sig = _LINEAR_SIG.get(id(fn))
+    if sig is None:
+        sig = _LINEAR_SIG[id(fn)] = inspect.signature(fn)
+    try:
+        bound = sig.bind(None, None, *args, **kwargs)
+    except TypeError as e:
+        raise LinearCallError(f"cannot bind the call of linear_with_grad_accumulation_and_async_allreduce "
+                              f"({e}) in this megatron-core") from None
+    bound.apply_defaults()
+    names = list(sig.parameters)[2:]
+    out = {}
+    for name in names:
+        value = bound.arguments.get(name)
+        if name in _LINEAR_KNOWN:
+            out[name] = value
+        elif name in _LINEAR_NEUTRAL:
+            if value not in _LINEAR_NEUTRAL[name]:
+                raise LinearCallError(f"{name}={value!r} (the B/W split implements {name} "
+                                      f"{_LINEAR_NEUTRAL[name][0]} only)")
+        elif sig.parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if value:
+                raise LinearCallError(f"extra arguments {value!r} the B/W split does not know")
+        elif not _is_default(value, sig.parameters[name].default):
+            raise LinearCallError(f"argument {name}={value!r}, which the B/W split does not implement")
+    for name in ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+                 "grad_output_buffer", "tp_group"):
+        out.setdefault(name, None if name in ("bias", "grad_output_buffer", "tp_group") else False)
+    return out
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    try:
+        same = value == default
+    except Exception:  # noqa: BLE001 - e.g. a tensor
+        return False
+    return same is True
+
+
+def bind_call(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    """``fn``'s arguments by name (None when the call does not bind: it is then passed through)."""
+    try:
+        return inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+
+
+# --- Megatron-LM (megatron.training) ---------------------------------------------------------------
+
+def _mod(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def lm_sites() -> dict[str, list[tuple[Any, str]]]:
+    """Where the loaded Megatron-LM binds each name the integration hooks: ``{what: [(module,
+    attribute), ...]}`` (only the bindings that exist; every binding of one function, so a
+    call through any of them is seen):
+
+    * ``parse_args``: the argument parser (``initialize`` calls it up to core_v0.17,
+      ``arguments.parse_and_validate_args`` from core_v0.18);
+    * ``validate_args``: likewise;
+    * ``pretrain``; ``get_model``; ``get_forward_backward_func``; ``train_step``; ``evaluate``;
+      ``save_checkpoint`` (``megatron.training.training``);
+    * ``mpu`` (the ``parallel_state`` view of training.py up to core_v0.18) and
+      ``is_pp_last_stage`` (core_v0.19): which pipeline rank reduces and reports the loss;
+    * ``is_first_or_last_pipeline_stage`` (``megatron.training.utils``);
+    * ``get_batch_on_this_tp_rank`` (``megatron.training.utils``; ``megatron.core.utils`` from
+      core_v0.18).
+    """
+    training = _mod("megatron.training.training")
+    mtraining = _mod("megatron.training")
+    initialize = _mod("megatron.training.initialize")
+    arguments = _mod("megatron.training.arguments")
+    utils = _mod("megatron.training.utils")
+    cutils = _mod("megatron.core.utils")
+
+    def where(name: str, *mods) -> list:
+        out = []
+        for m in mods:
+            if m is not None and name in vars(m):
+                out.append((m, name))
+        return out
+
+    return {
+        "parse_args": where("parse_args", initialize, arguments),
+        "validate_args": where("validate_args", initialize, arguments),
+        "pretrain": where("pretrain", training, mtraining),
+        "get_model": where("get_model", training),
+        "get_forward_backward_func": where("get_forward_backward_func", training),
+        "train_step": where("train_step", training),
+        "evaluate": where("evaluate", training),
+        "save_checkpoint": where("save_checkpoint", training),
+        "mpu": where("mpu", training),
+        "is_pp_last_stage": where("is_pp_last_stage", training),
+        "is_first_or_last_pipeline_stage": where("is_first_or_last_pipeline_stage", utils),
+        "get_batch_on_this_tp_rank": where("get_batch_on_this_tp_rank", utils, cutils),
+    }
+
+
+def lm_model_builders(pretrain_args: inspect.BoundArguments | None) -> list[type]:
+    """The model-builder classes a ``pretrain(...)`` call will build the model with (core_v0.19:
+    ``cfg_container.model.get_builder_cls()``, e.g. ``GPTModelBuilder``); [] when the model
+    comes from ``get_model(model_provider)``."""
+    if pretrain_args is None:
+        return []
+    cfg = pretrain_args.arguments.get("cfg_container")
+    model_cfg = getattr(cfg, "model", None)
+    if model_cfg is None or not hasattr(model_cfg, "get_builder_cls"):
+        return []
+    cls = model_cfg.get_builder_cls()
+    return [cls] if isinstance(cls, type) else []
