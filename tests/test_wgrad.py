@@ -24,13 +24,16 @@ import queue
 import socket
 import tempfile
 import time
+import types
 
 import pytest
 import torch
 
 from megatron_pp_ext.runtime.wgrad import (
     LeftoverWeightGradError,
+    SplitInactiveError,
     TEWgradUnsupportedError,
+    check_split_active,
     WeightGradStore,
     check_no_pending_wgrad,
     format_key,
@@ -380,8 +383,8 @@ def test_split_linear_bits_match_megatron_function():
     bit-identical to Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication, also for
     non-contiguous 3-D inputs (where ATen's matmul strategy depends on the operands'
     requires_grad), without a process group."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, LinearWithGradAccumulationAndAsyncCommunication as MegatronLinear)
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear,
+                                                      linear_with_grad_accumulation_and_async_allreduce as linear)
 
     class Probe(ColumnParallelLinear):
         def __init__(self, weight):
@@ -395,7 +398,7 @@ def test_split_linear_bits_match_megatron_function():
         w = torch.nn.Parameter(0.05 * torch.randn(out, 32, generator=g))
         bias = torch.nn.Parameter(torch.randn(out, generator=g))
         dy = torch.randn(*x.shape[:2], out, generator=g)
-        ref = MegatronLinear.apply(x, w, bias, False, False, False, None, 0, None)
+        ref = linear(x, w, bias, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False)
         ref.backward(dy)
         ref_grads = (x.grad.clone(), w.grad.clone(), bias.grad.clone())
         x.grad = w.grad = bias.grad = None
@@ -411,6 +414,96 @@ def test_split_linear_bits_match_megatron_function():
             assert w.grad is None and torch.equal(x.grad, ref_grads[0]) and torch.equal(bias.grad, ref_grads[2])
             assert store.run((0, 0)) == 1
         assert torch.equal(w.grad, ref_grads[1]), (out, b, transposed)
+
+
+# ------------------------------------------------------------------------------------------
+# Never a silent fallback (every supported megatron-core)
+# ------------------------------------------------------------------------------------------
+
+
+def test_linear_call_binds_with_this_megatron_cores_signature():
+    """The split binds the arguments of this megatron-core's
+    linear_with_grad_accumulation_and_async_allreduce (0.19 added gtp_remat_size and dropped
+    async_grad_allreduce); a value it cannot honour is an error, not a fallback."""
+    from megatron_pp_ext.compat import LinearCallError, bind_linear_call
+
+    a = bind_linear_call((None, True, False, False), {"tp_group": None})
+    assert a["gradient_accumulation_fusion"] is True and a["allreduce_dgrad"] is False
+    assert a["grad_output_buffer"] is None and a["sequence_parallel"] is False
+    with pytest.raises(LinearCallError, match="gtp_remat_size"):
+        bind_linear_call((None, False, False, False), {"gtp_remat_size": 2})
+    with pytest.raises(LinearCallError):
+        bind_linear_call((None, False, False, False), {"an_argument_from_the_future": 1})
+
+
+def test_every_linear_layer_is_split(megatron_env):
+    model = _build()
+    store = WeightGradStore()
+    with split_weight_grads(store, [model]):
+        loss = _loss(model, 0)
+        with store.collect((0, 0)):
+            loss.backward()
+        check_split_active()
+        store.run((0, 0))
+    assert store.stats["split"] == len(_linear_modules(model)) and store.stats["fallback"] == 0
+
+
+def test_unbindable_linear_call_is_an_error_not_a_fallback(megatron_env):
+    """Linear layers that pass an argument the split does not implement (as megatron-core 0.19
+    passes gtp_remat_size): the forward raises (it used to run the unsplit layer: W inside B)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    model = _build()
+    with split_weight_grads(WeightGradStore(), [model]):
+        split_impl = ColumnParallelLinear.__dict__["_forward_impl"]
+
+        def future_call(self, input, weight, *args, **kwargs):  # noqa: A002
+            return split_impl(self, input, weight, *args, an_argument_from_the_future=2, **kwargs)
+
+        ColumnParallelLinear._forward_impl = future_call
+        try:
+            with pytest.raises(SplitInactiveError, match="cannot be deferred exactly"):
+                _loss(model, 0)
+        finally:
+            ColumnParallelLinear._forward_impl = split_impl
+
+
+def test_layer_that_bypasses_the_split_is_reported(megatron_env, monkeypatch):
+    """A megatron-core whose linear layers no longer call _forward_impl (the patch point):
+    check_split_active names them (the executor calls it after every training iteration)."""
+    from megatron.core.tensor_parallel import layers
+
+    def bypass(self, input_, weight=None, **kwargs):
+        w = self.weight if weight is None else weight
+        out = layers.linear_with_grad_accumulation_and_async_allreduce(
+            input_, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False)
+        return out, getattr(self, "bias", None)
+
+    model = _build()
+    fc2 = [m for m in _linear_modules(model) if isinstance(m, layers.RowParallelLinear)][0]
+    monkeypatch.setattr(fc2, "forward", types.MethodType(bypass, fc2))
+    store = WeightGradStore()
+    with split_weight_grads(store, [model]):
+        loss = _loss(model, 0)
+        with store.collect((0, 0)):
+            loss.backward()
+        with pytest.raises(SplitInactiveError, match="ran a forward without the split"):
+            check_split_active("in a test")
+        store.flush()
+
+
+def test_frozen_weights_are_exempt(megatron_env):
+    model = _build()
+    for m in _linear_modules(model)[:2]:
+        m.weight.requires_grad_(False)
+    store = WeightGradStore()
+    with split_weight_grads(store, [model]):
+        loss = _loss(model, 0)
+        with store.collect((0, 0)):
+            loss.backward()
+        check_split_active()       # (frozen: nothing to defer)
+        store.flush()
+    assert store.stats["fallback"] == 2
 
 
 # ------------------------------------------------------------------------------------------

@@ -183,6 +183,34 @@ def test_tied_embeddings_v_placement_refused(pool):
     assert all(r["error"] == "NotImplementedError" and "tied" in r["message"] for r in res), res
 
 
+# -- never a silent fallback ------------------------------------------------------------------------
+
+def _run_without_the_split_patch(cfg):
+    """One step with the B/W split's layer patch made ineffective (as if this megatron-core's
+    linear layers no longer went through it): the zero-bubble schedule must refuse, not run W
+    inside B."""
+    from megatron_pp_ext.runtime import wgrad
+    from megatron_pp_ext.runtime.harness import setup_training
+    tr = setup_training(cfg)
+    saved = wgrad._install_local_patch
+    wgrad._install_local_patch = lambda: None
+    try:
+        tr.step(0)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        wgrad._install_local_patch = saved
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_split_schedule_refuses_to_run_without_the_split(pool, schedule):
+    res = pool.run(_run_without_the_split_patch, 2, cfg=config("gpt", schedule=schedule, pp=2, m=4, steps=1))
+    for r in res:
+        assert r is not None and r[0] == "SplitInactiveError", r
+        assert "ran a forward without the split" in r[1] and "linear_fc1" in r[1]
+
+
 # -- profiling hooks ------------------------------------------------------------------------------
 
 def test_timings_and_op_hook(pool):
