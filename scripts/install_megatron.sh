@@ -1,14 +1,16 @@
 #!/bin/bash
-# Get Megatron-LM core_v0.16.1, apply megatron_pp_ext's patch to it, and install the plugin.
+# Get a supported Megatron-LM tag, apply megatron_pp_ext's patch for it, and install the plugin.
 #
-#   scripts/install_megatron.sh [DIR]          # clone into DIR (default ./megatron-lm)
-#   MEGATRON_LM_DIR=~/megatron-lm scripts/install_megatron.sh   # use an existing checkout
+#   scripts/install_megatron.sh [--tag TAG] [DIR]     # clone TAG into DIR (default ./megatron-lm)
+#   MEGATRON_LM_DIR=~/megatron-lm scripts/install_megatron.sh --tag TAG   # use an existing checkout
+#
+# TAG: core_v0.16.1 (default), core_v0.17.1, core_v0.18.2 or core_v0.19.0 (each has its patch,
+# patches/megatron-lm-TAG.patch; docs/compatibility.md); MEGATRON_LM_TAG=TAG works as well.
 #
 # Steps (each skipped when already done):
-#   1. clone https://github.com/NVIDIA/Megatron-LM at tag $MEGATRON_LM_TAG (default core_v0.16.1),
-#      or check that $MEGATRON_LM_DIR is a checkout of it (a different commit is an error unless
-#      MPPX_ALLOW_OTHER_COMMIT=1);
-#   2. git apply patches/megatron-lm-core_v0.16.1.patch at the checkout's root (NO_PATCH=1 skips it:
+#   1. clone https://github.com/NVIDIA/Megatron-LM at TAG, or check that $MEGATRON_LM_DIR is a
+#      checkout of it (a different commit is an error unless MPPX_ALLOW_OTHER_COMMIT=1);
+#   2. git apply patches/megatron-lm-TAG.patch at the checkout's root (NO_PATCH=1 skips it:
 #      then start training with `torchrun ... -m megatron_pp_ext.launch PATH/pretrain_gpt.py ...`);
 #   3. pip install -e this repository (megatron_pp_ext) and Megatron-LM's Python requirements
 #      (NO_PIP=1 skips it; PIP="python -m pip" by default);
@@ -18,15 +20,35 @@
 set -euo pipefail
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TAG="${MEGATRON_LM_TAG:-core_v0.16.1}"
-EXPECTED_COMMIT="${MEGATRON_LM_COMMIT:-55ac7082517c3878ae653c07c09c534b8aed49f6}"
-URL="${MEGATRON_LM_REPO:-https://github.com/NVIDIA/Megatron-LM.git}"
-PATCH="$REPO_DIR/patches/megatron-lm-core_v0.16.1.patch"
-DIR="${MEGATRON_LM_DIR:-${1:-$PWD/megatron-lm}}"
-PIP="${PIP:-python -m pip}"
-
 say() { echo "install_megatron: $*"; }
-die() { echo "install_megatron: error: $*" >&2; exit 1; }
+die() { echo "install_megatron: error: $*" >&2; exit 2; }
+
+TAG="${MEGATRON_LM_TAG:-core_v0.16.1}"
+POS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --tag) [ $# -ge 2 ] || die "--tag needs a value: one of core_v0.16.1 core_v0.17.1 core_v0.18.2 core_v0.19.0"
+           TAG="$2"; shift 2 ;;
+    --tag=*) TAG="${1#--tag=}"; shift ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -*) die "unknown option $1 (usage: install_megatron.sh [--tag TAG] [DIR])" ;;
+    *) POS+=("$1"); shift ;;
+    esac
+done
+[ "${#POS[@]}" -le 1 ] || die "one checkout directory at most (got ${POS[*]})"
+# the commit of each supported tag (megatron_pp_ext/compat.py MEGATRON_LM_TAGS)
+case "$TAG" in
+core_v0.16.1) TAG_COMMIT=55ac7082517c3878ae653c07c09c534b8aed49f6 ;;
+core_v0.17.1) TAG_COMMIT=266f1c97dca477ca8b92c16087506da2000b0b84 ;;
+core_v0.18.2) TAG_COMMIT=571370c829ca768fe37244f4e2e7f28d8accc4ab ;;
+core_v0.19.0) TAG_COMMIT=5be9626709af2722333bf54797c954c09edeada3 ;;
+*) die "--tag $TAG is not supported; use one of core_v0.16.1 core_v0.17.1 core_v0.18.2 core_v0.19.0 (docs/compatibility.md)" ;;
+esac
+EXPECTED_COMMIT="${MEGATRON_LM_COMMIT:-$TAG_COMMIT}"
+URL="${MEGATRON_LM_REPO:-https://github.com/NVIDIA/Megatron-LM.git}"
+PATCH="$REPO_DIR/patches/megatron-lm-$TAG.patch"
+DIR="${MEGATRON_LM_DIR:-${POS[0]:-$PWD/megatron-lm}}"
+PIP="${PIP:-python -m pip}"
 
 # 1. the checkout
 if [ -d "$DIR/.git" ] || [ -f "$DIR/.git" ]; then
@@ -41,7 +63,7 @@ if [ "$HEAD_COMMIT" != "$EXPECTED_COMMIT" ]; then
     if [ "${MPPX_ALLOW_OTHER_COMMIT:-0}" = 1 ]; then
         say "warning: $DIR is at $HEAD_COMMIT, not $TAG ($EXPECTED_COMMIT); continuing (MPPX_ALLOW_OTHER_COMMIT=1)"
     else
-        die "$DIR is at $HEAD_COMMIT, not $TAG ($EXPECTED_COMMIT): run 'git -C $DIR checkout $TAG' (or set MPPX_ALLOW_OTHER_COMMIT=1 to try anyway)"
+        die "$DIR is at $HEAD_COMMIT, not $TAG ($EXPECTED_COMMIT): run 'git -C $DIR checkout $TAG', pass the checkout's tag with --tag, or set MPPX_ALLOW_OTHER_COMMIT=1 to try anyway"
     fi
 fi
 

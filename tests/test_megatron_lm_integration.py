@@ -1,9 +1,12 @@
-"""Megatron-LM's pretrain_gpt.py with megatron_pp_ext, against a real checkout (MEGATRON_LM_DIR).
+"""Megatron-LM's training loop with megatron_pp_ext: a real checkout's ``pretrain_gpt.py``
+(``MEGATRON_LM_DIR``), or else the training loop the megatron-core wheel carries (0.19+) driven
+by tests/megatron_lm_wheel/pretrain_gpt.py.
 
-Megatron-LM cannot come from the package registry, so these tests run only when
-``MEGATRON_LM_DIR`` points at a checkout of core_v0.16.1 (scripts/install_megatron.sh) and its
-Python requirements are importable; they are skipped with the reason otherwise. They run on CPU
-processes over gloo (the CPU compatibility layer), a tiny GPT with mock data, no dropout and
+With ``MEGATRON_LM_DIR`` pointing at a checkout of a supported tag (core_v0.16.1, core_v0.17.1,
+core_v0.18.2, core_v0.19.0; scripts/install_megatron.sh --tag TAG) its ``pretrain_gpt.py`` runs;
+without it, the wheel's ``megatron.training`` runs under our small entry point (CI). Skipped with
+the reason when neither is there or Megatron-LM's Python requirements are missing. They run on
+CPU processes over gloo (the CPU compatibility layer), a tiny GPT with mock data, no dropout and
 layout-independent initial weights, several configurations per launch
 (:mod:`megatron_pp_ext.megatron_lm.multirun`):
 
@@ -13,9 +16,13 @@ layout-independent initial weights, several configurations per launch
   parallelism within the rounding of a softmax reduced in another order;
 * a checkpoint saved under zbv resumes under zbv, under Megatron-Core's own 1F1B and at pp=1 with
   the losses of the uninterrupted run (global layer numbering in the checkpoint);
+* LLaMA shapes (SwiGLU with its strided fc1, grouped-query attention) at tp 1 and 2 with
+  layout-independent initialisation;
+* never a silent fallback: a training loop that would run Megatron's own schedule, or a model
+  built around our stage placement, stops with one line;
 * flag errors end the run with status 2 and one line naming the flag;
-* the patch applies, and the patched ``pretrain_gpt.py`` runs ``--pipeline-schedule zbv`` without
-  the launcher;
+* (checkout only) the tag's patch applies, and the patched ``pretrain_gpt.py`` runs
+  ``--pipeline-schedule zbv`` without the launcher;
 * the launch scripts' arguments parse with Megatron-LM's own parser plus our flags.
 """
 
@@ -33,23 +40,50 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pp_ext.compat import MEGATRON_LM_TAGS, megatron_core_location
+
 ROOT = Path(__file__).resolve().parents[1]
 MLM = os.environ.get("MEGATRON_LM_DIR")
-COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+WHEEL_SCRIPT = ROOT / "tests" / "megatron_lm_wheel" / "pretrain_gpt.py"
+SCRIPT = Path(MLM) / "pretrain_gpt.py" if MLM else WHEEL_SCRIPT
 NEEDED = ("six", "regex", "yaml", "pydantic")
 
 
-def _skip_reason() -> str | None:
+def _checkout_tag() -> str | None:
     if not MLM:
-        return ("MEGATRON_LM_DIR is not set: point it at a Megatron-LM core_v0.16.1 checkout "
-                "(scripts/install_megatron.sh) to run the Megatron-LM integration tests")
-    if not (Path(MLM) / "pretrain_gpt.py").is_file():
-        return f"MEGATRON_LM_DIR={MLM} has no pretrain_gpt.py (not a Megatron-LM checkout)"
+        return None
+    head = subprocess.run(["git", "-C", MLM, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return next((t for t, c in MEGATRON_LM_TAGS.items() if c == head), None)
+
+
+def _wheel_training_loop() -> bool:
+    """The installed megatron-core carries Megatron-LM's training loop with the API our entry
+    point drives (core_v0.19: the model from gpt_config_from_args)."""
+    core = megatron_core_location()
+    if core is None:
+        return False
+    utils = Path(core).parent / "training" / "argument_utils.py"
+    return utils.is_file() and "def gpt_config_from_args" in utils.read_text()
+
+
+def _skip_reason() -> str | None:
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
         return (f"Megatron-LM's Python requirements are missing ({', '.join(missing)}): "
                 "pip install -e '.[megatron-lm]' (six regex pyyaml pydantic pybind11)")
+    if MLM:
+        if not (Path(MLM) / "pretrain_gpt.py").is_file():
+            return f"MEGATRON_LM_DIR={MLM} has no pretrain_gpt.py (not a Megatron-LM checkout)"
+        return None
+    if not _wheel_training_loop():
+        return ("neither MEGATRON_LM_DIR (a Megatron-LM checkout: scripts/install_megatron.sh --tag TAG) nor a "
+                "megatron-core wheel carrying Megatron-LM's core_v0.19 training loop (megatron-core 0.19.x)")
     return None
+
+
+def _needs_checkout():
+    if not MLM:
+        pytest.skip("needs a Megatron-LM checkout: set MEGATRON_LM_DIR (scripts/install_megatron.sh --tag TAG)")
 
 
 pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
@@ -57,7 +91,7 @@ pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason
 
 COMMON = """--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16
   --micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 200 --transformer-impl local
   --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
   --no-persist-layer-norm --no-rope-fusion --attention-dropout 0 --hidden-dropout 0 --clip-grad 0
   --log-interval 1 --eval-iters 1 --eval-interval 1000 --seed 1234 --num-workers 0 --use-cpu-initialization
@@ -83,7 +117,7 @@ def _tail(text: str, n: int = 60) -> str:
 
 
 def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]) -> dict:
-    spec = {"script": str(Path(MLM) / "pretrain_gpt.py"), "common": COMMON, "out": str(tmp / f"{name}.json"),
+    spec = {"script": str(SCRIPT), "common": COMMON, "out": str(tmp / f"{name}.json"),
             "runs": [{"name": n, "args": a} for n, a in runs]}
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
@@ -203,7 +237,7 @@ def test_vocabulary_parallel_checkpoint_resumes_exactly(world4):
 
 def test_flag_error_ends_the_run_with_one_line(work):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
-           "-m", "megatron_pp_ext.launch", str(Path(MLM) / "pretrain_gpt.py"), *COMMON, *UNTIE,
+           "-m", "megatron_pp_ext.launch", str(SCRIPT), *COMMON, *UNTIE,
            "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zbv"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work, timeout=300)
     assert r.returncode != 0
@@ -212,26 +246,33 @@ def test_flag_error_ends_the_run_with_one_line(work):
 
 
 def test_patch_applies_to_the_checkout():
-    patch = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
+    _needs_checkout()
+    tag = _checkout_tag()
+    if tag is None:
+        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag ({', '.join(MEGATRON_LM_TAGS)})")
+    patch = ROOT / "patches" / f"megatron-lm-{tag}.patch"
     fwd = subprocess.run(["git", "-C", MLM, "apply", "--check", str(patch)], capture_output=True, text=True)
     rev = subprocess.run(["git", "-C", MLM, "apply", "--reverse", "--check", str(patch)], capture_output=True, text=True)
     assert fwd.returncode == 0 or rev.returncode == 0, fwd.stderr  # applies (or is applied already)
 
 
 def test_patched_pretrain_gpt_runs_zbv_without_launcher(work, world1):
-    """install_megatron.sh on a clone of the checkout, then plain ``torchrun pretrain_gpt.py``."""
+    """install_megatron.sh --tag TAG on a clone of the checkout, then plain ``torchrun pretrain_gpt.py``."""
+    _needs_checkout()
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    head = subprocess.run(["git", "-C", MLM, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tag = _checkout_tag()
+    if tag is None:
+        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag ({', '.join(MEGATRON_LM_TAGS)})")
+    head = MEGATRON_LM_TAGS[tag]
     clone = work / "megatron-lm-patched"
     subprocess.run(["git", "clone", "-q", "--shared", MLM, str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", head], check=True)
-    env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", MPPX_ALLOW_OTHER_COMMIT="1" if head != COMMIT else "0",
-               PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh")], capture_output=True, text=True,
-                       env=env, timeout=300)
+    env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh"), "--tag", tag], capture_output=True,
+                       text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "applied megatron-lm-core_v0.16.1.patch" in r.stdout
+    assert f"applied megatron-lm-{tag}.patch" in r.stdout
     env = dict(_env(), PYTHONPATH=os.pathsep.join([str(clone)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
            str(clone / "pretrain_gpt.py"), *COMMON, *UNTIE, "--pipeline-model-parallel-size", "2",
@@ -272,7 +313,25 @@ def test_script_flags_parse_with_megatron_lm_parser(work):
         "    except SystemExit:\n"
         "        bad.append(args)\n"
         "print('BAD', len(bad)); [print(b) for b in bad[:3]]\n")
-    env = dict(_env(), PYTHONPATH=os.pathsep.join([MLM] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(_env(), PYTHONPATH=os.pathsep.join(([MLM] if MLM else []) + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run([sys.executable, "-c", code, str(work / "script_args.json")], capture_output=True, text=True,
                        env=env, cwd=work, timeout=300)
     assert r.returncode == 0 and "BAD 0" in r.stdout, _tail(r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("hook,text", [
+    ("schedule", "was about to run"),
+    ("model", "were built without megatron_pp_ext's stage placement"),
+])
+def test_never_a_silent_fallback(work, hook, text):
+    """A Megatron-LM that would hand the training step its own schedule, or build the model
+    without our stage placement (as core_v0.19's GPTModelBuilder did before the integration hooked
+    it), stops before the first step with one line; it does not train something else."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+           str(ROOT / "tests" / "megatron_lm_wheel" / "unhooked.py"), hook, str(SCRIPT), *COMMON, *UNTIE,
+           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--train-iters", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, _tail(out)
+    assert text in out and "megatron_pp_ext: " in out, _tail(out)
+    assert not re.search(r"iteration\s+1/", out), "a training step ran"

@@ -44,6 +44,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from .. import compat
 from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
 from .flags import prevalidate, resolve
 
@@ -88,6 +89,8 @@ class _State:
         self.features: list = []        # planned train-feature plug-ins (offload, BPipe, ...)
         self.model_features: list = []  # Megatron-LM hooks of features that change the model (vocabulary)
         self.compat: Any = None         # the CPU compatibility layer install() turned on
+        self.wrappers: dict = {}        # id(original function) -> our wrapper
+        self.model_checked = False      # the model chunks went through our stage placement
 
     def patch(self, obj: Any, name: str, value: Any) -> None:
         if obj is None:
@@ -192,6 +195,7 @@ class ForwardBackward:
             self.executor.allow_tied_v = True
         self._call: Callable | None = None
         self._runtimes: list = []
+        self.calls = 0          # calls so far (the training step checks that its call reached us)
         self.__name__ = f"megatron_pp_ext[{o.schedule}]"
 
     def _attach(self, models: list, config: Any) -> Callable:
@@ -218,6 +222,7 @@ class ForwardBackward:
     def __call__(self, **kwargs: Any):
         from megatron.core.utils import get_model_config
 
+        self.calls += 1
         model = kwargs["model"]
         models = list(model) if isinstance(model, (list, tuple)) else [model]
         config = get_model_config(models[0])
@@ -393,18 +398,35 @@ def _flag_error(e: Exception) -> None:
 
 def _make_pretrain(orig: Callable) -> Callable:
     def pretrain(*args: Any, **kwargs: Any):
-        names = ("train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func",
-                 "process_non_loss_data_func", "extra_args_provider", "args_defaults", "get_embedding_ranks")
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
-        provider = bound.get("extra_args_provider")
-        if not is_our_provider(provider):
-            bound["extra_args_provider"] = extra_args_provider(provider)
-        bound["get_embedding_ranks"] = _embedding_ranks(bound.get("get_embedding_ranks"))
-        pos = [bound.pop(n) for n in names[:4]]
-        return orig(*pos, **bound)
+        bound = compat.bind_call(orig, args, kwargs)
+        if bound is None:                      # not a call we understand: Megatron-LM's own error
+            return orig(*args, **kwargs)
+        params = bound.signature.parameters
+        provider = bound.arguments.get("extra_args_provider")
+        if "extra_args_provider" in params and not is_our_provider(provider):
+            bound.arguments["extra_args_provider"] = extra_args_provider(provider)
+        if "get_embedding_ranks" in params:
+            bound.arguments["get_embedding_ranks"] = _embedding_ranks(bound.arguments.get("get_embedding_ranks"))
+        # a model built by cfg_container.model's builder (not get_model): place its chunks too
+        for cls in compat.lm_model_builders(bound):
+            if not getattr(cls.__dict__.get("build_model"), "_mppx_wrapped", False) and _STATE is not None:
+                _STATE.patch(cls, "build_model", _make_build_model(cls.build_model))
+        return orig(*bound.args, **bound.kwargs)
     pretrain.__wrapped__ = orig  # type: ignore[attr-defined]
     return pretrain
+
+
+def _make_parse_args(orig: Callable) -> Callable:
+    """Megatron-LM's parser with our flags (and every feature's) added to it."""
+    def parse_args(*args: Any, **kwargs: Any):
+        bound = compat.bind_call(orig, args, kwargs)
+        if bound is not None and "extra_args_provider" in bound.signature.parameters:
+            provider = bound.arguments.get("extra_args_provider")
+            if not is_our_provider(provider):
+                bound.arguments["extra_args_provider"] = extra_args_provider(provider)
+            return orig(*bound.args, **bound.kwargs)
+        return orig(*args, **kwargs)
+    return parse_args
 
 
 def _embedding_ranks(orig: Callable | None) -> Callable:
@@ -423,37 +445,89 @@ def _embedding_ranks(orig: Callable | None) -> Callable:
     return get_embedding_ranks
 
 
+def _place_chunk(build: Callable, bound) -> Any:
+    """Build one model chunk with our stage placement: pre/post-process from the placement (V:
+    the embedding and the loss on rank 0), then the layout-independent initial weights and the
+    features' hooks (before DDP wraps the chunk)."""
+    plan = current_plan()
+    if plan is None or not plan.options.needs_install:
+        return build(*bound.args, **bound.kwargs)
+    from megatron.training import get_args
+    margs = get_args()
+    S = plan.num_stages
+    vp_stage = bound.arguments.get("vp_stage")
+    if plan.pp > 1:
+        stages = _stages_here(plan)
+        s = stages[vp_stage if vp_stage is not None else 0]
+        bound.arguments["pre_process"], bound.arguments["post_process"] = (s == 0), (s == S - 1)
+    else:
+        s = 0
+    chunk = build(*bound.args, **bound.kwargs)
+    core = _core(chunk)
+    core.mppx_stage = s
+    if plan.options.layout_independent_init:
+        _init_chunk(core, margs)
+    for f in _STATE.model_features:   # e.g. vocabulary shards, before DDP wraps the chunk
+        f.on_model_chunk(core, margs, plan)
+    return chunk
+
+
 def _make_get_model(orig: Callable) -> Callable:
     def get_model(model_provider_func, *args: Any, **kwargs: Any):
         plan = current_plan()
         if plan is None or not (plan.options.needs_install):
             return orig(model_provider_func, *args, **kwargs)
-        from megatron.training import get_args
-        margs = get_args()
-        S = plan.num_stages
 
         def provider(*pargs: Any, **pkw: Any):
-            vp_stage = pkw.get("vp_stage")
-            if plan.pp > 1:
-                stages = _stages_here(plan)
-                s = stages[vp_stage if vp_stage is not None else 0]
-                pkw["pre_process"], pkw["post_process"] = (s == 0), (s == S - 1)
-                pargs = ()
-            else:
-                s = 0
-            chunk = model_provider_func(*pargs, **pkw)
-            core = _core(chunk)
-            core.mppx_stage = s
-            if plan.options.layout_independent_init:
-                _init_chunk(core, margs)
-            for f in _STATE.model_features:   # e.g. vocabulary shards, before DDP wraps the chunk
-                f.on_model_chunk(core, margs, plan)
-            return chunk
+            pkw.setdefault("pre_process", True)
+            pkw.setdefault("post_process", True)
+            bound = compat.bind_call(model_provider_func, pargs, pkw)
+            if bound is None:
+                raise TypeError(f"megatron_pp_ext: cannot call the model provider {model_provider_func!r} with "
+                                f"pre_process/post_process/vp_stage ({pargs}, {sorted(pkw)})")
+            return _place_chunk(model_provider_func, bound)
 
         model = orig(provider, *args, **kwargs)
-        _STATE.tied_pairs = _tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
+        _after_model_built(model, plan)
         return model
     return get_model
+
+
+def _make_build_model(orig: Callable) -> Callable:
+    """A model builder's ``build_model(pg_collection, pre_process, post_process, vp_stage)``
+    (Megatron-LM core_v0.19 builds the model from ``cfg_container.model``, not ``get_model``)."""
+    def build_model(self, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        bound = compat.bind_call(orig, (self,) + args, kwargs)
+        if plan is None or not plan.options.needs_install or bound is None:
+            return orig(self, *args, **kwargs)
+        return _place_chunk(orig, bound)
+    build_model._mppx_wrapped = True  # type: ignore[attr-defined]
+    build_model.__wrapped__ = orig    # type: ignore[attr-defined]
+    return build_model
+
+
+def _after_model_built(model, plan: MegatronPlan) -> None:
+    _STATE.tied_pairs = _tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
+
+
+def _check_model_placed(model) -> None:
+    """Refuse to train a model that did not go through our stage placement (a Megatron-LM
+    that builds it another way would otherwise run our schedule on Megatron's own layout)."""
+    plan = current_plan()
+    if plan is None or not plan.options.needs_install or _STATE is None or _STATE.model_checked:
+        return
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    missing = [i for i, c in enumerate(chunks) if getattr(_core(c), "mppx_stage", None) is None]
+    if missing:
+        raise RuntimeError(
+            f"megatron_pp_ext: model chunk(s) {missing} were built without megatron_pp_ext's stage placement "
+            f"(and layout-independent initialisation): this Megatron-LM builds its model in a way the "
+            f"integration does not hook, so {plan.options.flag} cannot run; see docs/compatibility.md for the "
+            "supported Megatron-LM versions")
+    if plan.v and not _STATE.tied_pairs:
+        _after_model_built(list(chunks), plan)
+    _STATE.model_checked = True
 
 
 def _core(model):
@@ -484,12 +558,35 @@ def _tied_pairs(model: list) -> list:
 def _make_get_fb(orig: Callable) -> Callable:
     def get_forward_backward_func(*args: Any, **kwargs: Any):
         plan = current_plan()
-        if plan is None or not plan.options.active or args or kwargs:
+        if plan is None or not plan.options.active:
             return orig(*args, **kwargs)
+        # (whatever Megatron-LM passes -- pp_size, vp_size, schedule_pg_collection -- our schedule
+        # runs; it takes its process groups from the call, as Megatron-Core's schedules do)
         if _STATE.fb is None:
             _STATE.fb = ForwardBackward(plan, features=_STATE.features)
         return _STATE.fb
     return get_forward_backward_func
+
+
+def _is_ours(fn: Any) -> bool:
+    seen = 0
+    while fn is not None and seen < 8:
+        if isinstance(fn, ForwardBackward):
+            return True
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "forward_backward_func", None)
+        seen += 1
+    return False
+
+
+def _make_is_pp_last_stage(orig: Callable) -> Callable:
+    """``is_pp_last_stage(pp_group)`` as training.py asks it (core_v0.19: which rank reduces and
+    reports the loss): under the V placement, the pipeline rank that holds the loss."""
+    def is_pp_last_stage(pp_group, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        if plan is not None and plan.v and pp_group is not None and pp_group.size() == plan.pp:
+            return pp_group.rank() == plan.loss_rank
+        return orig(pp_group, *args, **kwargs)
+    return is_pp_last_stage
 
 
 class _MpuView(types.ModuleType):
@@ -534,6 +631,16 @@ def _make_train_step(orig: Callable) -> Callable:
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args: Any, **kwargs: Any):
         plan = current_plan()
+        active = plan is not None and plan.options.active
+        if plan is not None and plan.options.needs_install:
+            _check_model_placed(model)
+        if active and not _is_ours(forward_backward_func):
+            raise RuntimeError(
+                f"megatron_pp_ext: {plan.options.flag} was requested, but Megatron-LM's training step was about to "
+                f"run {getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
+                "schedule (this Megatron-LM obtains its forward-backward function in a way the integration does not "
+                "hook); see docs/compatibility.md for the supported versions")
+        calls = _STATE.fb.calls if active and _STATE.fb is not None else 0
         prof = _STATE.profiler if _STATE is not None else None
         it = kwargs.get("iteration", args[0] if args else None)
         profiling = (prof is not None and it is not None and isinstance(forward_backward_func, ForwardBackward)
@@ -544,6 +651,9 @@ def _make_train_step(orig: Callable) -> Callable:
             ex.sync_timings = torch.cuda.is_available()
         out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args, **kwargs)
+        if active and (_STATE.fb is None or _STATE.fb.calls == calls):
+            raise RuntimeError(f"megatron_pp_ext: {plan.options.flag} was requested, but Megatron-LM's training step "
+                               "ran without calling megatron_pp_ext's schedule; see docs/compatibility.md")
         if profiling:
             ex.record_timings = False
             ex.sync_timings = False
@@ -643,16 +753,53 @@ def _make_first_or_last(orig: Callable) -> Callable:
 
 
 def _make_tp_batch(orig: Callable) -> Callable:
-    def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False, *args: Any, **kwargs: Any):
+    """``get_batch_on_this_tp_rank`` (``megatron.training.utils``, or ``megatron.core.utils`` with
+    keyword arguments from core_v0.18): a rank that holds the first and the last stage (V
+    placement, vocabulary parallelism) gets tokens *and* labels, through Megatron's own
+    ``mtp_on_this_rank`` path (the full broadcast)."""
+    def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any):
         plan = current_plan()
-        if plan is not None and plan.pp > 1 and not mtp_on_this_rank:
+        if plan is not None and plan.pp > 1:
             S = plan.num_stages
             stages = _stages_here(plan)
             if _reads_all_data() or (0 in stages and S - 1 in stages):
-                # this rank needs tokens and labels: the full broadcast (Megatron's pp=1 / MTP path)
-                mtp_on_this_rank = True
-        return orig(data_iterator, mtp_on_this_rank, *args, **kwargs)
+                bound = compat.bind_call(orig, args, kwargs)
+                if bound is not None and "mtp_on_this_rank" in bound.signature.parameters:
+                    bound.arguments["mtp_on_this_rank"] = True
+                    return orig(*bound.args, **bound.kwargs)
+        return orig(*args, **kwargs)
+    get_batch_on_this_tp_rank.__wrapped__ = orig  # type: ignore[attr-defined]
     return get_batch_on_this_tp_rank
+
+
+def _make_compile_helpers(orig: Callable) -> Callable:
+    """Megatron's dataset helpers (C++): use the build that matches this interpreter when there is
+    one (a wheel ships it prebuilt, without the Makefile), else build it for this interpreter
+    (``make`` alone builds for whatever ``python3`` is first on PATH)."""
+    def compile_helpers(*args: Any, **kwargs: Any):
+        import importlib.util
+        import os
+        import subprocess
+        import sysconfig
+
+        from megatron.core.datasets import utils as dutils
+        here = os.path.dirname(os.path.abspath(dutils.__file__))
+        ext = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        built = os.path.join(here, "helpers_cpp" + ext)
+        if os.path.isfile(built) and (not os.path.isfile(os.path.join(here, "helpers.cpp"))
+                                      or os.path.getmtime(built) >= os.path.getmtime(os.path.join(here, "helpers.cpp"))):
+            return None
+        if not os.path.isfile(os.path.join(here, "Makefile")):
+            return orig(*args, **kwargs)
+        inc = ""
+        if importlib.util.find_spec("pybind11") is not None:
+            import pybind11
+            inc = f"-I{sysconfig.get_paths()['include']} -I{pybind11.get_include()}"
+        cmd = ["make", "-C", here, f"LIBEXT={ext}"] + ([f"CPPFLAGS={inc}"] if inc else [])
+        if subprocess.run(cmd).returncode != 0:
+            return orig(*args, **kwargs)
+        return None
+    return compile_helpers
 
 
 # --- install / uninstall ----------------------------------------------------------------------
@@ -671,38 +818,43 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
         if namespace is not None:
             _patch_namespace(namespace)
         return
-    compat = None
+    compat.install_import_shims()
+    compat.check_supported()
+    cpu = None
     if cpu_compat is None:
         cpu_compat = not torch.cuda.is_available()
     if cpu_compat:
         from .cpu_compat import enable_megatron_lm_cpu_compat
-        compat = enable_megatron_lm_cpu_compat()
+        cpu = enable_megatron_lm_cpu_compat()
     training = _mod("megatron.training.training")
     if training is None:
-        if compat is not None:
-            compat.close()
+        if cpu is not None:
+            cpu.close()
         raise ImportError("megatron_pp_ext.megatron_lm.install(): megatron.training is not importable; run from a "
-                          "Megatron-LM checkout (core_v0.16.1; see scripts/install_megatron.sh) or put it on "
-                          "PYTHONPATH")
+                          "Megatron-LM checkout (scripts/install_megatron.sh --tag TAG) or install megatron-core "
+                          "0.17+ (its wheel carries megatron.training); see docs/compatibility.md")
     st = _State()
-    st.compat = compat
+    st.compat = cpu
     _STATE = st
     try:
-        mtraining = _mod("megatron.training")
-        initialize = _mod("megatron.training.initialize")
-        utils = _mod("megatron.training.utils")
-        new_pretrain = _make_pretrain(training.pretrain)
-        st.patch(training, "pretrain", new_pretrain)
-        st.patch(mtraining, "pretrain", new_pretrain)
-        st.patch(initialize, "validate_args", _make_validate_args(initialize.validate_args))
-        st.patch(training, "get_model", _make_get_model(training.get_model))
-        st.patch(training, "get_forward_backward_func", _make_get_fb(training.get_forward_backward_func))
-        st.patch(training, "train_step", _make_profiled(_make_train_step(training.train_step)))
-        st.patch(training, "evaluate", _make_evaluate(training.evaluate))
-        st.patch(training, "save_checkpoint", _make_save_checkpoint(training.save_checkpoint))
-        st.patch(training, "mpu", _MpuView(training.mpu))
-        st.patch(utils, "is_first_or_last_pipeline_stage", _make_first_or_last(utils.is_first_or_last_pipeline_stage))
-        st.patch(utils, "get_batch_on_this_tp_rank", _make_tp_batch(utils.get_batch_on_this_tp_rank))
+        sites = compat.lm_sites()
+        makers = {"parse_args": _make_parse_args, "validate_args": _make_validate_args, "pretrain": _make_pretrain,
+                  "get_model": _make_get_model, "get_forward_backward_func": _make_get_fb,
+                  "train_step": lambda f: _make_profiled(_make_train_step(f)), "evaluate": _make_evaluate,
+                  "save_checkpoint": _make_save_checkpoint, "mpu": _MpuView, "is_pp_last_stage": _make_is_pp_last_stage,
+                  "is_first_or_last_pipeline_stage": _make_first_or_last,
+                  "get_batch_on_this_tp_rank": _make_tp_batch}
+        for what, make in makers.items():
+            wrapped: dict = {}      # one wrapper per original function, at every site that binds it
+            for mod, name in sites[what]:
+                orig = getattr(mod, name)
+                if id(orig) not in wrapped:
+                    wrapped[id(orig)] = make(orig)
+                    st.wrappers[id(orig)] = wrapped[id(orig)]
+                st.patch(mod, name, wrapped[id(orig)])
+        dutils = _mod("megatron.core.datasets.utils")
+        if dutils is not None and hasattr(dutils, "compile_helpers"):
+            st.patch(dutils, "compile_helpers", _make_compile_helpers(dutils.compile_helpers))
         if namespace is not None:
             _patch_namespace(namespace)
     except BaseException:
@@ -723,13 +875,13 @@ def _make_profiled(train_step: Callable) -> Callable:
 
 
 def _patch_namespace(ns: dict) -> None:
-    utils = _mod("megatron.training.utils")
-    training = _mod("megatron.training.training")
-    for name, src in (("pretrain", training), ("is_first_or_last_pipeline_stage", utils),
-                      ("get_batch_on_this_tp_rank", utils)):
-        if name in ns and src is not None and ns[name] is not getattr(src, name):
-            _STATE.saved.append((ns, name, ns[name], True))
-            ns[name] = getattr(src, name)
+    """Names a script imported before :func:`install` (``from megatron.training import pretrain``):
+    every one that is a function we patched gets our wrapper."""
+    for name, value in list(ns.items()):
+        wrapper = _STATE.wrappers.get(id(value))
+        if wrapper is not None and wrapper is not value:
+            _STATE.saved.append((ns, name, value, True))
+            ns[name] = wrapper
 
 
 def uninstall() -> None:

@@ -123,6 +123,7 @@ def _reset() -> None:
         st.fb = None
         st.profiler = None
         st.tied_pairs = []
+        st.model_checked = False
         st.layout = None
         st.features = []
         for f in st.model_features:
