@@ -41,6 +41,8 @@ loss on ``is_pp_last_stage(pg_collection.pp)``  LM 0.19   :func:`lm_sites` (``tr
                                                           ``training.is_pp_last_stage``)
 ``get_batch_on_this_tp_rank`` in              LM 0.18     :func:`lm_sites`, :func:`bind_call`
 ``megatron.core.utils``, keyword API
+checkpoint writer's result queue renamed     core 0.19   :func:`names_of` (the CPU layer patches it)
+``get_write_results_queue``
 NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
 (was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
 ============================================  ==========  ============================================
@@ -63,7 +65,7 @@ from typing import Any, Callable
 __all__ = [
     "SUPPORTED", "SUPPORTED_TEXT", "PIP_REQUIREMENT", "MEGATRON_LM_TAGS", "UnsupportedMegatronError",
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
-    "backward_step", "bind_linear_call", "LinearCallError", "bind_call", "lm_sites", "lm_model_builders",
+    "backward_step", "bind_linear_call", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -411,6 +413,20 @@ def _is_default(value: Any, default: Any) -> bool:
     except Exception:  # noqa: BLE001 - e.g. a tensor
         return False
     return same is True
+
+
+#: names one thing has had across the supported releases (newest last)
+_RENAMED = {
+    # the distributed checkpoint writer's result queue (core 0.19 made it public, with an argument)
+    "checkpoint_results_queue": ("_get_write_results_queue", "get_write_results_queue"),
+}
+
+
+def names_of(what: str, module: Any) -> list[str]:
+    """The names under which ``module`` defines ``what`` (see ``_RENAMED``) in this release."""
+    if module is None:
+        return []
+    return [n for n in _RENAMED[what] if n in vars(module)]
 
 
 def bind_call(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:

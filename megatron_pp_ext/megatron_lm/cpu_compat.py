@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import compat as _compat
 from ..runtime.cpu_compat import CpuCompat, CpuStream, enable_cpu_compat
 
 __all__ = ["MegatronLMCpuCompat", "enable_megatron_lm_cpu_compat"]
@@ -161,16 +162,16 @@ def enable_megatron_lm_cpu_compat() -> MegatronLMCpuCompat:
         h._patch(arguments, "get_device_arch_version", lambda: 10)
         h._patch(utils, "get_device_arch_version", lambda: 10)
         fsa = mod("megatron.core.dist_checkpointing.strategies.filesystem_async")
-        if fsa is not None and hasattr(fsa, "_get_write_results_queue"):
-            def _get_write_results_queue():
+        for name in _compat.names_of("checkpoint_results_queue", fsa):
+            def _get_write_results_queue(*a: Any, _fsa=fsa, **k: Any):
                 # a forked (not spawned) manager: a spawned child re-imports the training script
                 # without this layer (and, on a CPU machine, without triton)
-                if fsa._results_queue is None:
+                if _fsa._results_queue is None:
                     import multiprocessing as mp
-                    fsa._results_queue = mp.get_context("fork").Manager().Queue()
-                return fsa._results_queue
+                    _fsa._results_queue = mp.get_context("fork").Manager().Queue()
+                return _fsa._results_queue
 
-            h._patch(fsa, "_get_write_results_queue", _get_write_results_queue)
+            h._patch(fsa, name, _get_write_results_queue)
         if p2p is not None and hasattr(p2p, "_p2p_ops"):
             orig_ops = p2p._p2p_ops
 
