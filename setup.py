@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_pp_ext", "megatron_pp_ext.*"]),
     install_requires=[
-        "megatron-core>=0.15",
+        "megatron-core>=0.16.1,<0.20",  # megatron_pp_ext.compat.SUPPORTED; docs/compatibility.md
         "torch",
         "numpy",
         "matplotlib",

@@ -143,14 +143,13 @@ def check_supported() -> None:
     if SUPPORTED[0] <= ver < SUPPORTED[1]:
         _CHECKED.append(ver)
         return
-    text = ".".join(map(str, ver))
-    msg = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {text} is installed "
-           f"({megatron_core_location()}): {fix}, or set {_ALLOW_ENV}=1 to try it anyway")
+    what = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {'.'.join(map(str, ver))} is installed "
+            f"({megatron_core_location()})")
     if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
-        print(f"megatron_pp_ext: warning: {msg.split(':')[0]}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
+        print(f"megatron_pp_ext: warning: {what}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
         _CHECKED.append(ver)
         return
-    raise UnsupportedMegatronError(msg)
+    raise UnsupportedMegatronError(f"{what}: {fix}, or set {_ALLOW_ENV}=1 to try it anyway")
 
 
 # --- import shims: triton (core 0.18+) and typing.override (Megatron-LM 0.18+ on Python 3.11) --

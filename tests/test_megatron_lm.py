@@ -253,7 +253,13 @@ def fake_megatron(monkeypatch):
     ini = types.ModuleType("megatron.training.initialize")
     ut = types.ModuleType("megatron.training.utils")
     sentinel = object()
-    tr.pretrain = lambda *a, **k: ("pretrain", a, k)
+    def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                 process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},  # noqa: B006
+                 get_embedding_ranks=None, **k):
+        return ("pretrain", (train_valid_test_dataset_provider, model_provider, model_type, forward_step_func),
+                dict(k, extra_args_provider=extra_args_provider, get_embedding_ranks=get_embedding_ranks))
+
+    tr.pretrain = pretrain
     tr.get_model = lambda provider, *a, **k: ["model"]
     tr.get_forward_backward_func = lambda *a, **k: sentinel
     tr.train_step = lambda *a, **k: ({}, 0, False, False, 0, None, None, 0)
@@ -349,8 +355,9 @@ def test_megatron_full_param_is_a_function_of_seed_and_name():
 
 # --- patch ----------------------------------------------------------------------------------------
 
-def test_patch_is_small_and_only_calls_the_package():
-    patch = (ROOT / "patches" / "megatron-lm-core_v0.16.1.patch").read_text()
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"])
+def test_patch_is_small_and_only_calls_the_package(tag):
+    patch = (ROOT / "patches" / f"megatron-lm-{tag}.patch").read_text()
     files = re.findall(r"^diff --git a/(\S+) b/", patch, flags=re.M)
     assert files == ["pretrain_gpt.py"]
     added = [ln[1:] for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
@@ -358,6 +365,28 @@ def test_patch_is_small_and_only_calls_the_package():
     assert len(added) <= 6 and len(removed) <= 2
     code = "\n".join(added)
     assert "mppx_megatron_lm.install()" in code and "mppx_megatron_lm.extra_args_provider(" in code
+
+
+def test_one_patch_per_supported_tag_and_the_install_script_knows_them():
+    from megatron_pp_ext.compat import MEGATRON_LM_TAGS
+    assert sorted(p.name for p in (ROOT / "patches").glob("*.patch")) == sorted(
+        f"megatron-lm-{t}.patch" for t in MEGATRON_LM_TAGS)
+    script = (SCRIPTS / "install_megatron.sh").read_text()
+    for tag, commit in MEGATRON_LM_TAGS.items():
+        assert f"{tag}) TAG_COMMIT={commit} ;;" in script
+
+
+def test_install_script_refuses_an_unknown_tag_in_one_line():
+    r = subprocess.run(["bash", str(SCRIPTS / "install_megatron.sh"), "--tag", "core_v0.20.0", "/nonexistent"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("install_megatron: error: --tag core_v0.20.0 is not supported; use one of "
+                                "core_v0.16.1 core_v0.17.1 core_v0.18.2 core_v0.19.0 (docs/compatibility.md)")
+
+
+def test_setup_declares_the_supported_range():
+    from megatron_pp_ext.compat import PIP_REQUIREMENT
+    assert f'"{PIP_REQUIREMENT}"' in (ROOT / "setup.py").read_text()
 
 
 # --- scripts ----------------------------------------------------------------------------------------

@@ -819,7 +819,10 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
             _patch_namespace(namespace)
         return
     compat.install_import_shims()
-    compat.check_supported()
+    try:
+        compat.check_supported()
+    except compat.UnsupportedMegatronError as e:
+        _flag_error(e)
     cpu = None
     if cpu_compat is None:
         cpu_compat = not torch.cuda.is_available()

@@ -21,11 +21,15 @@ def run(args) -> int:
 
     # Megatron-Core warns that Transformer Engine / apex are missing (expected on CPU)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|TE).*")
+    from ...compat import UnsupportedMegatronError, check_supported
     from ...trainer.config import TrainConfigError, config_from_args
     from ...trainer.launcher import TrainRunError, train
 
     try:
+        check_supported()       # (one line before anything starts: the supported megatron-core range)
         return train(config_from_args(args))
+    except UnsupportedMegatronError as e:
+        raise CLIError(str(e)) from None
     except TrainConfigError as e:
         raise CLIError(str(e)) from None
     except TrainRunError as e:

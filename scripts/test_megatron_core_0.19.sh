@@ -1,0 +1,31 @@
+#!/bin/bash
+# The tests that touch Megatron, on the newest supported megatron-core (0.19.2), in a venv of
+# their own: the runtime parity suite, the B/W split, the trainer, the version layer and the
+# Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
+# driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
+# full suite on megatron-core 0.16.1, so CI covers both ends of the supported range.
+#
+#   scripts/test_megatron_core_0.19.sh [PYTEST ARGS]     # default: the test files below, -q
+#
+# Environment: MPPX_VENV_019 (default .venv-mcore-0.19; re-used when it exists), PYTHON (the
+# interpreter the venv is made from; default python3). On Python 3.11 megatron-core 0.17+ is
+# installed from its cp311 wheel with --ignore-requires-python (the registry declares >=3.12);
+# torch 2.13.0 CPU, no triton (megatron_pp_ext.compat lets 0.18+ import without it; see
+# docs/compatibility.md).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${MPPX_VENV_019:-.venv-mcore-0.19}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0
+    "$VENV/bin/pip" install -q "numpy<2.5" packaging
+    "$VENV/bin/pip" install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+    "$VENV/bin/pip" install -q -e ".[test,megatron-lm]"
+fi
+if [ $# -eq 0 ]; then
+    set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer.py tests/test_trainer_checkpoint.py \
+        tests/test_trainer_features.py tests/test_compat.py tests/test_megatron_lm_integration.py
+fi
+echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"
+exec "$VENV/bin/python" -m pytest "$@"

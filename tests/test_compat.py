@@ -1,0 +1,109 @@
+"""megatron_pp_ext.compat: the supported Megatron-Core range at start-up, and the import shims.
+
+The version check runs in subprocesses with a stand-in ``megatron/core/package_info.py`` first on
+``PYTHONPATH`` (the check reads the version of the Megatron-Core that would be imported, without
+importing it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_megatron(tmp_path: Path, version: tuple[int, int, int]) -> Path:
+    core = tmp_path / "fake" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise ImportError('a stand-in: never imported by the check')\n")
+    (core / "package_info.py").write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\n".format(*version))
+    return tmp_path / "fake"
+
+
+def _run(args: list[str], fake: Path | None, **env: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(p) for p in (fake, ROOT) if p is not None] + [os.environ.get("PYTHONPATH", "")])
+    e = {k: v for k, v in os.environ.items() if k != "MPPX_ALLOW_UNSUPPORTED_MEGATRON"}
+    e.update(PYTHONPATH=path, **env)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=300)
+
+
+CHECK = ["-c", "from megatron_pp_ext import compat; compat.check_supported(); print('supported', compat.megatron_core_version())"]
+
+
+def test_this_environment_is_supported():
+    r = _run(CHECK, None)
+    assert r.returncode == 0 and "supported" in r.stdout, r.stderr
+    ver = compat.megatron_core_version()
+    assert ver is not None and compat.SUPPORTED[0] <= ver < compat.SUPPORTED[1]
+
+
+@pytest.mark.parametrize("version", [(0, 20, 0), (0, 15, 3), (1, 0, 0)])
+def test_unsupported_version_is_one_clear_line(tmp_path, version):
+    r = _run(CHECK, _fake_megatron(tmp_path, version))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron_pp_ext.compat.UnsupportedMegatronError: megatron_pp_ext supports "
+                           "megatron-core 0.16.1 through 0.19.x, but megatron-core " + ".".join(map(str, version)))
+    assert "pip install 'megatron-core>=0.16.1,<0.20'" in last and "MPPX_ALLOW_UNSUPPORTED_MEGATRON=1" in last
+
+
+def test_unsupported_version_can_be_tried_with_a_warning(tmp_path):
+    r = _run(CHECK, _fake_megatron(tmp_path, (0, 20, 0)), MPPX_ALLOW_UNSUPPORTED_MEGATRON="1")
+    assert r.returncode == 0 and "supported (0, 20, 0)" in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatron_pp_ext: warning: megatron_pp_ext supports megatron-core "
+                                                   "0.16.1 through 0.19.x, but megatron-core 0.20.0 is installed")
+    assert lines[0].endswith("trying anyway (MPPX_ALLOW_UNSUPPORTED_MEGATRON=1)")
+
+
+def test_mppx_train_refuses_an_unsupported_version_before_starting(tmp_path):
+    r = _run(["-m", "megatron_pp_ext.cli", "train", "--iters", "1"], _fake_megatron(tmp_path, (0, 20, 1)))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mppx: error: megatron_pp_ext supports megatron-core 0.16.1 "
+                                                   "through 0.19.x, but megatron-core 0.20.1 is installed")
+
+
+def test_megatron_lm_install_refuses_an_unsupported_version(tmp_path):
+    code = "import megatron_pp_ext.megatron_lm as m; m.install(cpu_compat=False)"
+    r = _run(["-c", code], _fake_megatron(tmp_path, (0, 21, 0)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stdout.strip().startswith("megatron_pp_ext: error: megatron_pp_ext supports megatron-core 0.16.1")
+
+
+def test_import_shims_leave_no_trace():
+    """After ``import megatron_pp_ext`` Megatron-Core and Megatron-LM's training loop import on
+    this interpreter (0.18+ need triton and typing.override); neither a triton stub nor
+    typing.override is left behind for anything else to find."""
+    code = ("import importlib.util, sys, typing, megatron_pp_ext\n"
+            "had = importlib.util.find_spec('triton') is not None\n"
+            "import megatron.core, megatron.core.pipeline_parallel.schedules\n"
+            "try:\n    import megatron.training.training\nexcept ImportError as e:\n    print('no training loop', e)\n"
+            "stub = getattr(sys.modules.get('triton'), '__mppx_stub__', False)\n"
+            "print('triton', had, importlib.util.find_spec('triton') is not None, stub)\n"
+            "print('override', hasattr(typing, 'override'))\n")
+    r = _run(["-W", "ignore", "-c", code], None)
+    assert r.returncode == 0, r.stderr[-3000:]
+    triton = next(l for l in r.stdout.splitlines() if l.startswith("triton"))
+    had, found, stub = triton.split()[1:]
+    assert found == had and stub == "False"
+    assert ("override True" in r.stdout) == (sys.version_info >= (3, 12))
+
+
+def test_backward_step_follows_the_signature(monkeypatch):
+    """megatron-core 0.17 dropped ``model_type`` from schedules.backward_step."""
+    from megatron.core.pipeline_parallel import schedules
+
+    seen = []
+    monkeypatch.setattr(schedules, "backward_step", lambda i, o, g, config: seen.append(("new", config)) or "dx")
+    assert compat.backward_step(1, 2, 3, "mt", "cfg") == "dx" and seen == [("new", "cfg")]
+    monkeypatch.setattr(schedules, "backward_step", lambda i, o, g, model_type, config: seen.append((model_type, config)))
+    compat.backward_step(1, 2, 3, "mt", "cfg")
+    assert seen[-1] == ("mt", "cfg")
