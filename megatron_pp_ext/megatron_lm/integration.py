@@ -1,32 +1,40 @@
 """Route Megatron-LM's training loop to megatron_pp_ext's runtime: :func:`install` / :func:`uninstall`.
 
 :func:`install` patches names in Megatron-LM's modules at run time (each saved and restored by
-:func:`uninstall`); every patched function falls through to the original unless our flags ask
-for something, so a run without them is stock Megatron-LM:
+:func:`uninstall`), at every module that binds them in the loaded release
+(:func:`megatron_pp_ext.compat.lm_sites`: Megatron-LM core_v0.16.1 through core_v0.19.0); every
+patched function falls through to the original unless our flags ask for something, so a run
+without them is stock Megatron-LM:
 
-=================================================  ==========================================================
-patched (module namespace)                          why
-=================================================  ==========================================================
-``megatron.training.pretrain`` (and ``.training``)  chain our ``extra_args_provider``; tied-embedding ranks
-                                                    under the V placement (``get_embedding_ranks``)
-``megatron.training.initialize.validate_args``      resolve and check our flags against Megatron-LM's own
-                                                    (:mod:`.flags`); impose the layer layout (V placement,
-                                                    uneven splits) with global layer numbers
-``training.get_model``                              pre/post-process of each chunk from the placement (V: the
-                                                    embedding and the loss on rank 0), layout-independent
-                                                    initial weights, tied copies on one rank kept equal
-``training.get_forward_backward_func``              our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`
-``training.train_step`` / ``training.evaluate``     the profiling window and re-scheduling; under V the
-                                                    loss is computed on pipeline rank 0 and handed to the
-                                                    last pipeline rank, where Megatron-LM logs it
-``training.mpu``                                    a view of ``parallel_state`` whose
-                                                    ``is_pipeline_last_stage(ignore_virtual=True)`` means
-                                                    "holds the loss" (the two loss reductions of
-                                                    training.py); Megatron-Core itself is untouched
-``megatron.training.utils.is_first_or_last_pipeline_stage``  which chunks read data (V: both chunks of rank 0)
-``megatron.training.utils.get_batch_on_this_tp_rank``        a rank holding the first and the last stage gets
-                                                    tokens *and* labels from its tensor-parallel source
-=================================================  ==========================================================
+=====================================================  ======================================================
+patched                                                 why
+=====================================================  ======================================================
+``parse_args`` (``initialize`` / ``arguments``)         our flags (and every feature's) join Megatron-LM's parser
+``validate_args`` (``initialize`` / ``arguments``)      resolve and check our flags against Megatron-LM's own
+                                                        (:mod:`.flags`); impose the layer layout (V placement,
+                                                        uneven splits) with global layer numbers
+``pretrain``                                            tied-embedding ranks under the V placement
+                                                        (``get_embedding_ranks``); a model builder of
+                                                        ``cfg_container.model`` (core_v0.19) gets the placement
+``get_model`` / a builder's ``build_model``             pre/post-process of each chunk from the placement (V: the
+                                                        embedding and the loss on rank 0), layout-independent
+                                                        initial weights, tied copies on one rank kept equal
+``get_forward_backward_func``                           our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`,
+                                                        whatever arguments Megatron-LM passes
+``train_step`` / ``evaluate``                           the profiling window and re-scheduling; under V the
+                                                        loss is computed on pipeline rank 0 and handed to the
+                                                        last pipeline rank, where Megatron-LM logs it. A step
+                                                        that would run another schedule, or a model that did not
+                                                        go through our placement, is refused (never silently)
+``training.mpu`` / ``training.is_pp_last_stage``        "is the last pipeline stage" in training.py's loss
+                                                        reductions means "holds the loss"; Megatron-Core itself
+                                                        is untouched
+``is_first_or_last_pipeline_stage``                     which chunks read data (V: both chunks of rank 0)
+``get_batch_on_this_tp_rank`` (training or core utils)  a rank holding the first and the last stage gets
+                                                        tokens *and* labels from its tensor-parallel source
+``compile_helpers`` (``megatron.core.datasets.utils``)  the dataset helpers for this interpreter (a wheel's
+                                                        prebuilt ones, or ``make`` with this Python's suffix)
+=====================================================  ======================================================
 
 Call :func:`install` before the training script imports ``megatron.training`` names (the patch
 puts it at the top of ``pretrain_gpt.py``; ``python -m megatron_pp_ext.launch`` does it before
@@ -520,11 +528,10 @@ def _check_model_placed(model) -> None:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     missing = [i for i, c in enumerate(chunks) if getattr(_core(c), "mppx_stage", None) is None]
     if missing:
-        raise RuntimeError(
-            f"megatron_pp_ext: model chunk(s) {missing} were built without megatron_pp_ext's stage placement "
-            f"(and layout-independent initialisation): this Megatron-LM builds its model in a way the "
-            f"integration does not hook, so {plan.options.flag} cannot run; see docs/compatibility.md for the "
-            "supported Megatron-LM versions")
+        _flag_error(RuntimeError(
+            f"model chunk(s) {missing} were built without megatron_pp_ext's stage placement (and layout-independent "
+            f"initialisation): this Megatron-LM builds its model in a way the integration does not hook, so "
+            f"{plan.options.flag} cannot run; see docs/compatibility.md for the supported Megatron-LM versions"))
     if plan.v and not _STATE.tied_pairs:
         _after_model_built(list(chunks), plan)
     _STATE.model_checked = True
@@ -635,11 +642,11 @@ def _make_train_step(orig: Callable) -> Callable:
         if plan is not None and plan.options.needs_install:
             _check_model_placed(model)
         if active and not _is_ours(forward_backward_func):
-            raise RuntimeError(
-                f"megatron_pp_ext: {plan.options.flag} was requested, but Megatron-LM's training step was about to "
-                f"run {getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
+            _flag_error(RuntimeError(
+                f"{plan.options.flag} was requested, but Megatron-LM's training step was about to run "
+                f"{getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
                 "schedule (this Megatron-LM obtains its forward-backward function in a way the integration does not "
-                "hook); see docs/compatibility.md for the supported versions")
+                "hook); see docs/compatibility.md for the supported versions"))
         calls = _STATE.fb.calls if active and _STATE.fb is not None else 0
         prof = _STATE.profiler if _STATE is not None else None
         it = kwargs.get("iteration", args[0] if args else None)
@@ -652,8 +659,8 @@ def _make_train_step(orig: Callable) -> Callable:
         out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args, **kwargs)
         if active and (_STATE.fb is None or _STATE.fb.calls == calls):
-            raise RuntimeError(f"megatron_pp_ext: {plan.options.flag} was requested, but Megatron-LM's training step "
-                               "ran without calling megatron_pp_ext's schedule; see docs/compatibility.md")
+            _flag_error(RuntimeError(f"{plan.options.flag} was requested, but Megatron-LM's training step ran without "
+                                     "calling megatron_pp_ext's schedule; see docs/compatibility.md"))
         if profiling:
             ex.record_timings = False
             ex.sync_timings = False
