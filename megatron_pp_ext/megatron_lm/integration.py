@@ -19,6 +19,8 @@ patched (module namespace)                          why
 ``training.train_step`` / ``training.evaluate``     the profiling window and re-scheduling; under V the
                                                     loss is computed on pipeline rank 0 and handed to the
                                                     last pipeline rank, where Megatron-LM logs it
+``training.Float16Module``                          ``--bf16`` / ``--fp16``: casts by the chunk's own first /
+                                                    last stage (:mod:`megatron_pp_ext.runtime.precision`)
 ``training.mpu``                                    a view of ``parallel_state`` whose
                                                     ``is_pipeline_last_stage(ignore_virtual=True)`` means
                                                     "holds the loss" (the two loss reductions of
@@ -701,6 +703,9 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
         st.patch(training, "evaluate", _make_evaluate(training.evaluate))
         st.patch(training, "save_checkpoint", _make_save_checkpoint(training.save_checkpoint))
         st.patch(training, "mpu", _MpuView(training.mpu))
+        if hasattr(training, "Float16Module"):  # --bf16/--fp16 casts by the chunk's own stage (V placement)
+            from ..runtime.precision import stage_float16_module_class
+            st.patch(training, "Float16Module", stage_float16_module_class())
         st.patch(utils, "is_first_or_last_pipeline_stage", _make_first_or_last(utils.is_first_or_last_pipeline_stage))
         st.patch(utils, "get_batch_on_this_tp_rank", _make_tp_batch(utils.get_batch_on_this_tp_rank))
         if namespace is not None:

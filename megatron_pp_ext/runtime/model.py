@@ -303,7 +303,23 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         chunks.append(model)
     if init:
         init_weights(chunks, seed, spec)
+    tag_tensor_parallel(chunks)
     return chunks
+
+
+def tag_tensor_parallel(chunks) -> None:
+    """Give every tensor-parallel weight Megatron's ``tensor_model_parallel`` / ``partition_dim``
+    attributes where the layer did not (megatron-core <= 0.17 sets them only when it initialises
+    the weights itself, and we build with ``perform_initialization=False``). Without them the
+    gradient norm (``param_is_not_tensor_parallel_duplicate``) counts every sharded weight on tp
+    rank 0 only: at tp=2 the norm, and so clipping, was wrong."""
+    dims = _partition_dims(chunks)
+    for chunk in chunks:
+        for p in _unwrap(chunk).parameters():
+            if id(p) in dims and not getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = True
+                p.partition_dim = dims[id(p)]
+                p.partition_stride = int(getattr(p, "partition_stride", 1))
 
 
 # --- names, deterministic init, tensor-parallel shards -------------------------------------

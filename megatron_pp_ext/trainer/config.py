@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .options import add_training_arguments, check_training_options, options_from_args, run_options
+
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
            "config_from_args", "MCORE", "DEFAULTS"]
 
@@ -63,7 +65,22 @@ class TrainConfig:
     # training
     iters: int = 20
     lr: float = 1e-3
-    distributed_optimizer: bool = False   # --use-distributed-optimizer (GPU)
+    # precision, data parallelism, clipping, recomputation (trainer/options.py; Megatron-LM's flags)
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False   # --use-distributed-optimizer
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    clip_grad: float = 0.0
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     seed: int = 1234
     data_path: str | None = None
     # run
@@ -210,7 +227,7 @@ class Plan:
                          memory_budget=self.memory_budget, costs=self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
-                         config_overrides=self._overrides(), distributed_optimizer=c.distributed_optimizer)
+                         config_overrides=self._overrides(), **run_options(c, tp=c.tp))
         if c.features:
             from .features import feature_run_config
             run = feature_run_config(c.features, run)
@@ -223,7 +240,8 @@ class Plan:
         return RunConfig(spec=dataclasses.replace(self.model_spec(), layers_per_stage=None), tp=1, pp=1, dp=1,
                          schedule=None, chunks=1, num_microbatches=self.global_microbatches,
                          micro_batch_size=c.micro_batch_size, seq_length=c.seq, steps=self.reference_iters,
-                         eval_iters=0, seed=c.seed, lr=c.lr, config_overrides=self._overrides())
+                         eval_iters=0, seed=c.seed, lr=c.lr, config_overrides=self._overrides(),
+                         **run_options(c, tp=1))
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -331,6 +349,12 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     ffn = c.ffn if c.ffn is not None else (2 * c.hidden if c.model == "llama" else 4 * c.hidden)
     _check_model(c, kv, ffn)
 
+    # -- precision, data parallelism, clipping, recomputation (Megatron-LM's rules) ---------
+    opt_errors, opt_notes = check_training_options(c, tp=c.tp, layers_per_stage=(1,))
+    if opt_errors:
+        _fail(opt_errors[0])
+    notes.extend(opt_notes)
+
     # -- schedule and chunks -----------------------------------------------------------
     names = _schedule_names()
     if c.schedule not in names:
@@ -405,6 +429,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                   f"chunk(s) per rank); use --layers {_divisors_near(layers, S)}, or give an uneven split "
                   f"with --layers-per-stage")
         lps = (layers // S,) * S
+    opt_errors, _ = check_training_options(c, tp=c.tp, layers_per_stage=lps)  # (--recompute-num-layers vs stages)
+    if opt_errors:
+        _fail(opt_errors[0])
 
     # -- placement, schedule (validated now, with send/recv, as the workers will build it) -------
     from ..schedule import loop_placement, v_placement
@@ -528,9 +555,6 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         _fail(f"--timeout {c.timeout}: must be positive (seconds)")
     device = _resolve_device(c.device, launch, world)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
-    if c.distributed_optimizer and device != "cuda":
-        _fail("--use-distributed-optimizer needs GPUs (Megatron-Core's DistributedOptimizer takes CUDA tensors and "
-              "reduce-scatters gradients, which gloo cannot); drop it on CPU, or use --device cuda")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
     return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
@@ -622,9 +646,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "our schedules, 0 = off)")
     g = parser.add_argument_group("training")
     g.add_argument("--iters", type=_int(1, 20), default=d.iters, metavar="N", help="iterations (default: 20)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron-Core's DistributedOptimizer: optimizer state sharded over data-parallel ranks "
-                        "(GPU only)")
     g.add_argument("--lr", type=_float_pos, default=d.lr, metavar="LR", help="Adam learning rate (default: 1e-3)")
     g.add_argument("--seed", type=_int(0, 1234), default=d.seed, metavar="S",
                    help="seed of the initial weights (a function of the seed and each parameter's global "
@@ -632,6 +653,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", default=None, metavar="PREFIX",
                    help="a tokenized corpus: Megatron indexed dataset PREFIX.bin/PREFIX.idx (default: "
                         "Megatron-Core's MockGPTDataset)")
+    add_training_arguments(parser)  # precision, distributed optimizer, SP, clipping, recomputation
     g = parser.add_argument_group("run and output")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); auto: cuda when there is a GPU "
@@ -681,8 +703,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
-        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr,
-        distributed_optimizer=args.use_distributed_optimizer, seed=args.seed, data_path=args.data_path,
+        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, **options_from_args(args),
+        seed=args.seed, data_path=args.data_path,
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)

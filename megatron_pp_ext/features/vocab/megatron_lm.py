@@ -47,9 +47,6 @@ class VocabMegatronLM:
 
         o = plan.options
         # (--save/--load: the shards save under the plain model's keys, .checkpoint)
-        if getattr(args, "overlap_grad_reduce", False):
-            raise ValueError("--enable-vocab-parallel does not support --overlap-grad-reduce yet; drop "
-                             "--overlap-grad-reduce")
         if getattr(args, "use_legacy_models", False):
             raise ValueError("--enable-vocab-parallel needs Megatron-Core models; drop --use-legacy-models")
         try:
