@@ -61,7 +61,6 @@ def train_error(capsys, *argv) -> str:
     (["--schedule", "v-budget", "--memory-budget", "0.1"], "raise --memory-budget"),
     (["--schedule", "zbv", "--memory-budget", "2"], "ignores --memory-budget"),
     (["--schedule", "mcore", "--memory-budget", "2"], "--memory-budget is for our schedules"),
-    (["--tie-embeddings"], "--tie-embeddings with schedule 'zbv'"),
     (["--vp", "3"], "--vp 3: schedule 'zbv' always uses 2 model chunks per rank"),
     (["--schedule", "mcore", "--vp", "2", "--global-batch-size", "6"], "Megatron-Core's interleaved schedule needs"),
     (["--schedule", "mcore", "--profile-iters", "2"], "--profile-iters re-generates one of our schedules"),

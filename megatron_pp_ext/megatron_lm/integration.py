@@ -48,6 +48,7 @@ import torch
 
 from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
 from .flags import prevalidate, resolve
+from ..runtime.tied import tied_pairs, with_tied_sum
 
 __all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward",
            "MegatronLMFeature"]
@@ -233,33 +234,12 @@ class ForwardBackward:
         pairs = _STATE.tied_pairs if _STATE is not None else []
         orig = config.finalize_model_grads_func
         if pairs and orig is not None and not kwargs.get("forward_only", False):
-            def finalize(models_, num_tokens=None, **kw):
-                orig(models_, num_tokens, **kw)
-                _sum_tied_grads(pairs)
-            config.finalize_model_grads_func = finalize
+            config.finalize_model_grads_func = with_tied_sum(orig, pairs)
             try:
                 return self._call(**kwargs)
             finally:
                 config.finalize_model_grads_func = orig
         return self._call(**kwargs)
-
-
-def _grad_of(p: torch.nn.Parameter):
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
-
-
-@torch.no_grad()
-def _sum_tied_grads(pairs) -> None:
-    """The embedding and the output layer of tied embeddings on one rank (V placement): both get
-    the sum of their gradients, as Megatron's embedding all-reduce does across two ranks."""
-    for emb, out in pairs:
-        ge, go = _grad_of(emb), _grad_of(out)
-        if ge is None or go is None:
-            continue
-        total = ge + go
-        ge.copy_(total)
-        go.copy_(total)
 
 
 # --- patched Megatron-LM functions --------------------------------------------------------------
@@ -453,7 +433,7 @@ def _make_get_model(orig: Callable) -> Callable:
             return chunk
 
         model = orig(provider, *args, **kwargs)
-        _STATE.tied_pairs = _tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
+        _STATE.tied_pairs = tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
         return model
     return get_model
 
@@ -462,25 +442,6 @@ def _core(model):
     while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
         model = model.module
     return model
-
-
-@torch.no_grad()
-def _tied_pairs(model: list) -> list:
-    """(embedding weight, output weight) of tied embeddings held by one rank (V placement), the
-    output copy set to the embedding's value (Megatron initialises it on another rank otherwise)."""
-    cores = [_core(m) for m in model]
-    first = next((c for c in cores if getattr(c, "pre_process", False)), None)
-    last = next((c for c in cores if getattr(c, "post_process", False)), None)
-    if first is None or last is None or first is last:
-        return []
-    if not getattr(last, "share_embeddings_and_output_weights", False):
-        return []
-    emb = first.embedding.word_embeddings.weight
-    out = last.output_layer.weight
-    if out is None or emb is out:
-        return []
-    out.copy_(emb)
-    return [(emb, out)]
 
 
 def _make_get_fb(orig: Callable) -> Callable:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .precision import PRECISIONS, precision_dtype, precision_overrides, wrap_float16
+from .tied import tied_pairs, v_embedding_ranks, with_tied_sum
 from .model import (ModelSpec, build_model_chunks, global_named_parameters, make_config, param_meta,
                     unshard, wrap_ddp)
 
@@ -264,10 +265,12 @@ def setup_training(cfg: RunConfig) -> Training:
     v = len(placement) // cfg.pp
     # (the default group is gloo already on CPU: no extra gloo copies of the dp groups)
     gloo_default = dist.get_backend() == "gloo"
+    v_shape = cfg.pp > 1 and placement[0] == placement[-1]
+    extra_groups = {"get_embedding_ranks": v_embedding_ranks} if v_shape else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=v if v > 1 else None,
-        create_gloo_process_groups=not gloo_default)
+        create_gloo_process_groups=not gloo_default, **extra_groups)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
 
@@ -294,6 +297,7 @@ def setup_training(cfg: RunConfig) -> Training:
         raise ValueError("overlap_param_gather (--overlap-param-gather) needs the distributed optimizer "
                          "(--use-distributed-optimizer), as in Megatron-LM")
     extra = cfg.model_hook(chunks, config, cfg) if cfg.model_hook is not None else None
+    pairs = tied_pairs(chunks) if v_shape else []   # tied embeddings, both copies on this rank
     meta = param_meta(chunks, cfg.spec)
     if cfg.precision != "fp32":
         # Megatron-LM's get_model(): Float16Module casts the chunk (same Parameter objects, so the
@@ -306,7 +310,7 @@ def setup_training(cfg: RunConfig) -> Training:
                      average_in_collective=False)
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model, use_gloo_process_groups=not gloo_default)
 
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = with_tied_sum(finalize_model_grads, pairs) if pairs else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if cfg.overlap_grad_reduce:
@@ -324,6 +328,8 @@ def setup_training(cfg: RunConfig) -> Training:
         make = ScheduleExecutor if cfg.executor_factory is None else partial(cfg.executor_factory, cfg, extra)
         executor = make(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget, costs=cfg.costs,
                         record_timings=cfg.record_timings, **cfg.executor_options)
+        if cfg.spec.tie_embeddings and v_shape and hasattr(executor, "allow_tied_v"):
+            executor.allow_tied_v = True   # (the copies are summed after finalize_model_grads: runtime.tied)
         fb = executor
     return Training(cfg, config, model, optimizer, fb, executor, tuple(placement), meta, extra)
 

@@ -282,9 +282,6 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if S > 1 else 0
     stages = chunk_stages(placement)[pp_rank]
     v = len(stages)
-    if spec.tie_embeddings and S > 1 and placement[0] == placement[-1]:
-        raise NotImplementedError("tied embeddings with the first and last stage on the same rank (V "
-                                  "placement) are not supported yet; use tie_embeddings=False")
     layer_spec = _layer_spec(spec)
     chunks = []
     for c, s in enumerate(stages):

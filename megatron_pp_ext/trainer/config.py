@@ -441,17 +441,6 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         placement = v_placement(c.pp)
     else:
         placement = loop_placement(c.pp, chunks)
-    tied_v_ok = False
-    if c.features:
-        from .features import train_features
-        reg = train_features()
-        tied_v_ok = any(getattr(reg[n], "allows_tied_v_placement", False) for n, _ in c.features)
-    if c.tie_embeddings and pipelined and placement[0] == placement[-1] and not tied_v_ok:
-        _fail(f"--tie-embeddings with schedule {c.schedule!r}: its V placement puts the first and the last "
-              "stage on rank 0, which the runtime does not support with tied embeddings yet; drop "
-              "--tie-embeddings, use a loop schedule (1f1b, zb-h1, ...), or add --enable-vocab-parallel (its shards "
-              "hold the tied embedding on every rank)")
-
     from ..cli.core import CLIError, parse_costs
     try:
         costs = parse_costs(c.costs)
@@ -609,7 +598,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MLP hidden size (default: 4 x hidden for gpt, 2 x hidden for llama's SwiGLU)")
     g.add_argument("--vocab", type=_int(4, 256), default=d.vocab, metavar="V", help="vocabulary size (default: 256)")
     g.add_argument("--tie-embeddings", action="store_true",
-                   help="share the input embedding and the output layer (loop schedules only)")
+                   help="share the input embedding and the output layer (any schedule; under a V placement both "
+                        "copies are on rank 0 and their gradients are summed there)")
     g.add_argument("--seq", type=_int(2, 32), default=d.seq, metavar="S", help="sequence length (default: 32)")
     g.add_argument("--dropout", type=_float_pos, default=d.dropout, metavar="P",
                    help="hidden and attention dropout (default: 0; with dropout the pp=1 comparison is "

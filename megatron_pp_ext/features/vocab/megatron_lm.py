@@ -33,7 +33,6 @@ class VocabMegatronLM:
 
     flag = "--enable-vocab-parallel"
     reads_all_data = True          # the vocabulary layers on every rank read tokens and labels
-    allows_tied_v_placement = True  # the shards hold the tied embedding on every rank
 
     def __init__(self, cfg: VocabParallelConfig) -> None:
         self.cfg = cfg
