@@ -459,7 +459,9 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
       ``is_pp_last_stage`` (core_v0.19): which pipeline rank reduces and reports the loss;
     * ``is_first_or_last_pipeline_stage`` (``megatron.training.utils``);
     * ``get_batch_on_this_tp_rank`` (``megatron.training.utils``; ``megatron.core.utils`` from
-      core_v0.18).
+      core_v0.18);
+    * ``Float16Module`` (as ``get_model`` uses it; a core_v0.19 builder takes it as a default
+      argument of ``build_distributed_models`` instead, see :func:`lm_model_builders`).
     """
     training = _mod("megatron.training.training")
     mtraining = _mod("megatron.training")
@@ -488,6 +490,7 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
         "is_pp_last_stage": where("is_pp_last_stage", training),
         "is_first_or_last_pipeline_stage": where("is_first_or_last_pipeline_stage", utils),
         "get_batch_on_this_tp_rank": where("get_batch_on_this_tp_rank", utils, cutils),
+        "Float16Module": where("Float16Module", training),
     }
 
 

@@ -61,7 +61,6 @@ def train_error(capsys, *argv) -> str:
     (["--schedule", "v-budget", "--memory-budget", "0.1"], "raise --memory-budget"),
     (["--schedule", "zbv", "--memory-budget", "2"], "ignores --memory-budget"),
     (["--schedule", "mcore", "--memory-budget", "2"], "--memory-budget is for our schedules"),
-    (["--tie-embeddings"], "--tie-embeddings with schedule 'zbv'"),
     (["--vp", "3"], "--vp 3: schedule 'zbv' always uses 2 model chunks per rank"),
     (["--schedule", "mcore", "--vp", "2", "--global-batch-size", "6"], "Megatron-Core's interleaved schedule needs"),
     (["--schedule", "mcore", "--profile-iters", "2"], "--profile-iters re-generates one of our schedules"),
@@ -246,3 +245,23 @@ def test_train_end_to_end_llama_tp_mcore(tmp_path):
     assert "schedule mcore (Megatron-Core's own 1F1B)" in r.stdout
     recs = [json.loads(ln) for ln in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and len(recs[0]["peak_activation_bytes"]) == 2
+
+
+def test_crowded_local_launch_is_announced_before_forking():
+    from megatron_pp_ext.trainer.launcher import crowding_note
+    assert crowding_note(4, 4) is None and crowding_note(2, 16) is None
+    note = crowding_note(64, 2)
+    assert note.startswith("note: 64 local processes will share 2 CPU core(s) (32 per core); starting them takes about")
+
+
+def test_transformer_impl_auto_is_the_verified_local_path(monkeypatch):
+    """Until Transformer Engine's B/W split has run on a GPU, auto must not pick it, and says so."""
+    import megatron_pp_ext.trainer.config as config_mod
+    from megatron_pp_ext.trainer.config import _resolve_transformer_impl
+    monkeypatch.setattr("megatron_pp_ext.runtime.model.transformer_engine_available", lambda: True)
+    assert _resolve_transformer_impl("auto", "cuda") == "local"
+    assert _resolve_transformer_impl("auto", "cpu") == "local"
+    monkeypatch.setattr(config_mod, "_resolve_device", lambda requested, launch, world: "cuda")
+    plan = make_plan(TrainConfig())
+    assert plan.transformer_impl == "local"
+    assert any(n.startswith("--transformer-impl auto: Megatron-Core's local layers") for n in plan.notes)

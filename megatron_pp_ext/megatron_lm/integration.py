@@ -6,36 +6,7 @@
 patched function falls through to the original unless our flags ask for something, so a run
 without them is stock Megatron-LM:
 
-=====================================================  ======================================================
-patched                                                 why
-=====================================================  ======================================================
-``parse_args`` (``initialize`` / ``arguments``)         our flags (and every feature's) join Megatron-LM's parser
-``validate_args`` (``initialize`` / ``arguments``)      resolve and check our flags against Megatron-LM's own
-                                                        (:mod:`.flags`); impose the layer layout (V placement,
-                                                        uneven splits) with global layer numbers
-``pretrain``                                            tied-embedding ranks under the V placement
-                                                        (``get_embedding_ranks``); a model builder of
-                                                        ``cfg_container.model`` (core_v0.19) gets the placement
-``get_model`` / a builder's ``build_model``             pre/post-process of each chunk from the placement (V: the
-                                                        embedding and the loss on rank 0), layout-independent
-                                                        initial weights, tied copies on one rank kept equal
-``get_forward_backward_func``                           our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`,
-                                                        whatever arguments Megatron-LM passes
-``train_step`` / ``evaluate``                           the profiling window and re-scheduling; under V the
-                                                        loss is computed on pipeline rank 0 and handed to the
-                                                        last pipeline rank, where Megatron-LM logs it. A step
-                                                        that would run another schedule, or a model that did not
-                                                        go through our placement, is refused (never silently)
-``training.mpu`` / ``training.is_pp_last_stage``        "is the last pipeline stage" in training.py's loss
-                                                        reductions means "holds the loss"; Megatron-Core itself
-                                                        is untouched
-``is_first_or_last_pipeline_stage``                     which chunks read data (V: both chunks of rank 0)
-``get_batch_on_this_tp_rank`` (training or core utils)  a rank holding the first and the last stage gets
-                                                        tokens *and* labels from its tensor-parallel source
-``compile_helpers`` (``megatron.core.datasets.utils``)  the dataset helpers for this interpreter (a wheel's
-                                                        prebuilt ones, or ``make`` with this Python's suffix)
-=====================================================  ======================================================
-
+=====================================================  ===============================================
 Call :func:`install` before the training script imports ``megatron.training`` names (the patch
 puts it at the top of ``pretrain_gpt.py``; ``python -m megatron_pp_ext.launch`` does it before
 running the script), or pass the script's ``globals()`` as ``namespace``.
@@ -55,6 +26,7 @@ import torch
 from .. import compat
 from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
 from .flags import prevalidate, resolve
+from ..runtime.tied import tied_pairs, with_tied_sum
 
 __all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward",
            "MegatronLMFeature"]
@@ -244,33 +216,12 @@ class ForwardBackward:
         pairs = _STATE.tied_pairs if _STATE is not None else []
         orig = config.finalize_model_grads_func
         if pairs and orig is not None and not kwargs.get("forward_only", False):
-            def finalize(models_, num_tokens=None, **kw):
-                orig(models_, num_tokens, **kw)
-                _sum_tied_grads(pairs)
-            config.finalize_model_grads_func = finalize
+            config.finalize_model_grads_func = with_tied_sum(orig, pairs)
             try:
                 return self._call(**kwargs)
             finally:
                 config.finalize_model_grads_func = orig
         return self._call(**kwargs)
-
-
-def _grad_of(p: torch.nn.Parameter):
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
-
-
-@torch.no_grad()
-def _sum_tied_grads(pairs) -> None:
-    """The embedding and the output layer of tied embeddings on one rank (V placement): both get
-    the sum of their gradients, as Megatron's embedding all-reduce does across two ranks."""
-    for emb, out in pairs:
-        ge, go = _grad_of(emb), _grad_of(out)
-        if ge is None or go is None:
-            continue
-        total = ge + go
-        ge.copy_(total)
-        go.copy_(total)
 
 
 # --- patched Megatron-LM functions --------------------------------------------------------------
@@ -419,6 +370,9 @@ def _make_pretrain(orig: Callable) -> Callable:
         for cls in compat.lm_model_builders(bound):
             if not getattr(cls.__dict__.get("build_model"), "_mppx_wrapped", False) and _STATE is not None:
                 _STATE.patch(cls, "build_model", _make_build_model(cls.build_model))
+                if "build_distributed_models" in vars(cls):
+                    _STATE.patch(cls, "build_distributed_models",
+                                 _make_build_distributed_models(cls.build_distributed_models))
         return orig(*bound.args, **bound.kwargs)
     pretrain.__wrapped__ = orig  # type: ignore[attr-defined]
     return pretrain
@@ -516,7 +470,7 @@ def _make_build_model(orig: Callable) -> Callable:
 
 
 def _after_model_built(model, plan: MegatronPlan) -> None:
-    _STATE.tied_pairs = _tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
+    _STATE.tied_pairs = tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
 
 
 def _check_model_placed(model) -> None:
@@ -541,25 +495,6 @@ def _core(model):
     while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
         model = model.module
     return model
-
-
-@torch.no_grad()
-def _tied_pairs(model: list) -> list:
-    """(embedding weight, output weight) of tied embeddings held by one rank (V placement), the
-    output copy set to the embedding's value (Megatron initialises it on another rank otherwise)."""
-    cores = [_core(m) for m in model]
-    first = next((c for c in cores if getattr(c, "pre_process", False)), None)
-    last = next((c for c in cores if getattr(c, "post_process", False)), None)
-    if first is None or last is None or first is last:
-        return []
-    if not getattr(last, "share_embeddings_and_output_weights", False):
-        return []
-    emb = first.embedding.word_embeddings.weight
-    out = last.output_layer.weight
-    if out is None or emb is out:
-        return []
-    out.copy_(emb)
-    return [(emb, out)]
 
 
 def _make_get_fb(orig: Callable) -> Callable:
@@ -779,6 +714,29 @@ def _make_tp_batch(orig: Callable) -> Callable:
     return get_batch_on_this_tp_rank
 
 
+def _stage_float16(orig: type) -> type:
+    """``--bf16`` / ``--fp16``: Float16Module whose casts follow the chunk's own first / last stage
+    (the V placement; :mod:`megatron_pp_ext.runtime.precision`)."""
+    from ..runtime.precision import stage_float16_module_class
+    return stage_float16_module_class()
+
+
+def _make_build_distributed_models(orig: Callable) -> Callable:
+    """A model builder's ``build_distributed_models`` (core_v0.19): its mixed-precision wrapper
+    (a default argument, Megatron-Core's ``Float16Module``) gets the stage-aware casts."""
+    def build_distributed_models(self, *args: Any, **kwargs: Any):
+        bound = compat.bind_call(orig, (self,) + args, kwargs)
+        if bound is not None and "mixed_precision_wrapper" in bound.signature.parameters:
+            bound.apply_defaults()
+            wrapper = bound.arguments.get("mixed_precision_wrapper")
+            if isinstance(wrapper, type) and wrapper.__name__ == "Float16Module":
+                bound.arguments["mixed_precision_wrapper"] = _stage_float16(wrapper)
+            return orig(*bound.args, **bound.kwargs)
+        return orig(self, *args, **kwargs)
+    build_distributed_models._mppx_wrapped = True  # type: ignore[attr-defined]
+    return build_distributed_models
+
+
 def _make_compile_helpers(orig: Callable) -> Callable:
     """Megatron's dataset helpers (C++): use the build that matches this interpreter when there is
     one (a wheel ships it prebuilt, without the Makefile), else build it for this interpreter
@@ -853,7 +811,7 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
                   "train_step": lambda f: _make_profiled(_make_train_step(f)), "evaluate": _make_evaluate,
                   "save_checkpoint": _make_save_checkpoint, "mpu": _MpuView, "is_pp_last_stage": _make_is_pp_last_stage,
                   "is_first_or_last_pipeline_stage": _make_first_or_last,
-                  "get_batch_on_this_tp_rank": _make_tp_batch}
+                  "get_batch_on_this_tp_rank": _make_tp_batch, "Float16Module": _stage_float16}
         for what, make in makers.items():
             wrapped: dict = {}      # one wrapper per original function, at every site that binds it
             for mod, name in sites[what]:

@@ -11,6 +11,14 @@ the CPU, as scoped and reversible patches:
   a torch call (``device="cuda"``, ``device=0``, ``device=torch.device("cuda")``,
   ``t.cuda()``, ``t.to("cuda")``) to the CPU (the mode is thread-local: it covers the
   thread that enabled it, which is the thread that runs the schedule);
+* ``t.type()`` (no argument) names the CUDA tensor type of a CPU tensor
+  (``"torch.cuda.BFloat16Tensor"``): Megatron-Core's mixed-precision and distributed optimizers
+  accept parameters only by those names;
+* Megatron-Core's torch norm (``WrappedTorchNorm``, what its local layer spec uses without
+  apex) builds the same torch LayerNorm / RMSNorm but tags its weights ``sequence_parallel``
+  instead of refusing sequence parallelism, so SP runs on a CPU;
+* the distributed optimizer's "fully_reshardable" checkpoint load keeps torch Adam's
+  per-parameter ``step`` (Megatron-Core assumes apex's or TE's Adam, which has none);
 * ``torch.cuda.current_device`` returns ``torch.device("cpu")``; ``torch.cuda.synchronize``
   and ``torch.cuda.empty_cache`` are no-ops; ``torch.cuda.current_stream()`` is a synchronous
   stand-in whose waits are no-ops (megatron-core 0.19's ``start_grad_sync`` asks for it
@@ -67,6 +75,7 @@ def _is_cuda_device(dev: Any) -> bool:
 
 _TENSOR_TO = torch.Tensor.to
 _TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_TYPE = torch.Tensor.type
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -77,6 +86,11 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is _TENSOR_CUDA:
             # t.cuda(device=None, non_blocking=False, memory_format=...) -> t on the CPU
             return args[0]
+        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
+            # t.type() -> "torch.cuda.BFloat16Tensor" for a CPU tensor: Megatron's optimizers accept
+            # only CUDA type strings (Float16OptimizerWithFloat16Params, DistributedOptimizer)
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs)
             kwargs["device"] = _CPU
@@ -105,6 +119,42 @@ class CpuStream:
 
     def query(self) -> bool:
         return True
+
+
+def _sequence_parallel_torch_norm(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                                  zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    """``WrappedTorchNorm`` (torch's LayerNorm / RMSNorm, Megatron-Core's norm without apex, so
+    always on a CPU) that also works under sequence parallelism: Megatron-Core refuses it there
+    only because it does not tag its weights ``sequence_parallel``, which ``finalize_model_grads``
+    needs to all-reduce their gradients over the tp group (apex's and TE's norms tag theirs)."""
+    if config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+    elif config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+    else:
+        raise ValueError(f"CPU compat: normalization {config.normalization!r} is not supported by torch's norms; "
+                         "use LayerNorm or RMSNorm")
+    for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+        if getattr(config, flag, False):
+            raise ValueError(f"CPU compat: {flag} needs apex or Transformer Engine (GPU); turn it off on CPU")
+    for p in norm.parameters():
+        setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+    return norm
+
+
+def _keep_torch_adam_step(orig):
+    """Without apex / Transformer Engine the distributed optimizer runs torch's Adam, whose
+    per-parameter state has a ``step`` that the "fully_reshardable" checkpoint format does not
+    store (it restores the step from the common state first); loading then failed with
+    ``KeyError: 'step'``. The wrapper hands the already-restored step back to the copy."""
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state.get(main, {})
+        if "step" in state and "step" not in tensors:
+            tensors = dict(tensors, step=state["step"])
+        return orig(self, model_param, tensors)
+    return set_states
 
 
 class _RngWarningFilter(logging.Filter):
@@ -169,6 +219,19 @@ class CpuCompat:
             self._logger = logging.getLogger(mrandom.__name__)
             self._filter = _RngWarningFilter()
             self._logger.addFilter(self._filter)
+        try:
+            from megatron.core.transformer import torch_norm
+        except ImportError:  # pragma: no cover
+            torch_norm = None
+        if torch_norm is not None and hasattr(torch_norm, "WrappedTorchNorm"):
+            self._patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_torch_norm))
+        try:
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        except ImportError:  # pragma: no cover
+            DistributedOptimizer = None
+        if DistributedOptimizer is not None and hasattr(DistributedOptimizer, "_set_main_param_and_optimizer_states"):
+            self._patch(DistributedOptimizer, "_set_main_param_and_optimizer_states",
+                        _keep_torch_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states))
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
 

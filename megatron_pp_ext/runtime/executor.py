@@ -27,8 +27,10 @@ rank before any op runs):
 Around the ops it does what Megatron-Core's schedules do: loss scaling and averaging inside
 ``forward_step`` (``num_tokens`` / ``calculate_per_token_loss``), ``config.grad_scale_func`` on
 the last stage, DDP ``no_sync`` for the whole iteration, ``grad_sync_func`` (or
-``start_grad_sync`` with ``overlap_grad_reduce``) for each chunk right after its last
-weight-gradient op, and ``config.finalize_model_grads_func`` after the last W (with the token
+``start_grad_sync`` with ``overlap_grad_reduce``) for each chunk right after the last op that
+adds to its gradients (its last W under the B/W split), ``param_sync_func``
+(``overlap_param_gather``) for every chunk before the first op (:func:`sync_points`), and
+``config.finalize_model_grads_func`` after the last W (with the token
 count broadcast from the rank that holds the loss, which is rank 0 under the V placement).
 ``forward_only=True`` runs the forward ops of the same schedule (with communication placed
 again for them) for every schedule.
@@ -56,7 +58,8 @@ import torch.distributed as dist
 from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
 from .p2p import P2P, Transfer, message_key
 
-__all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook"]
+__all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook",
+           "SyncPoints", "sync_points", "GRAD_OP_KINDS"]
 
 _COMPUTE = {"F", "B", "W", "BW"}
 _COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
@@ -186,6 +189,13 @@ class ScheduleExecutor:
         self.last_timings: list[OpTiming] | None = None
         self.last_schedule: Schedule | None = None
         self.last_p2p_bytes: tuple[int, int] = (0, 0)
+        #: ("param" | "grad", chunk, op index) of every DP hook the last call started (-1: before the first op)
+        self.last_sync_log: list[tuple[str, int, int]] = []
+        #: feature op kinds that add to parameter gradients (they delay every chunk's reduction)
+        self.grad_op_kinds: set[str] = set()
+        #: feature op kinds that read parameters outside a module's forward: with
+        #: overlap_param_gather the first of them waits for every all-gather of this rank
+        self.param_op_kinds: set[str] = set()
         self.state: _State | None = None
         self.__name__ = f"ScheduleExecutor[{schedule if isinstance(schedule, str) else getattr(schedule, 'name', 'custom')}]"
         if isinstance(schedule, str):  # unknown names fail now, not at the first step
@@ -428,14 +438,10 @@ class ScheduleExecutor:
         ops = sched.ops[rank]
         chunk_of = {s: c for c, s in enumerate(stages)}
         placement = sched.placement
-        # index of the last weight-gradient op of each chunk: its DP reduction can start after it
-        last_grad_op: dict[int, int] = {}
-        first_f_op: dict[int, int] = {}
-        for i, op in enumerate(ops):
-            if op.kind in ("B", "W", "BW"):
-                last_grad_op[chunk_of[op.stage]] = i
-            if op.kind == "F" and chunk_of[op.stage] not in first_f_op:
-                first_f_op[chunk_of[op.stage]] = i
+        points = sync_points(ops, chunk_of, GRAD_OP_KINDS | frozenset(self.grad_op_kinds))
+        grad_sync_fns = _per_chunk(grad_sync_func, len(models))
+        param_sync_fns = _per_chunk(param_sync_func, len(models))
+        sync_log: list[tuple[str, int, int]] = []
         first_mb = {}
         for op in ops:
             if op.kind == "F":
@@ -486,8 +492,6 @@ class ScheduleExecutor:
             nonlocal total_num_tokens
             s, mb = op.stage, op.microbatch
             c = chunk_of[s]
-            if isinstance(param_sync_func, (list, tuple)) and first_f_op.get(c) == idx:
-                param_sync_func[c](models[c].parameters())
             inp = st.inputs.pop((s, mb), None)
             if s > 0 and inp is None:
                 raise RuntimeError(f"rank {rank}: {op} has no input (missing receive or hand-over)")
@@ -559,17 +563,33 @@ class ScheduleExecutor:
                     st.out_grads[(op.stage, op.microbatch)] = buf
 
         def start_chunk_grad_sync(c: int) -> None:
-            if isinstance(grad_sync_func, (list, tuple)):
-                grad_sync_func[c](models[c].parameters())
-            elif grad_sync_func is None:
+            if store is not None:
+                # a bucket reduced now would miss the weight gradients still queued for its W ops
+                queued = [k for k in store.pending() if isinstance(k, tuple) and chunk_of.get(k[0]) == c]
+                if queued:
+                    raise RuntimeError(f"rank {rank}: the gradient reduction of model chunk {c} would start while "
+                                       f"its W ops {queued[:4]} are still queued (executor sync point bug)")
+            if grad_sync_fns is not None:
+                grad_sync_fns[c](models[c].parameters())
+            else:
                 ddp_config = getattr(models[c], "ddp_config", None)
-                if ddp_config is not None and ddp_config.overlap_grad_reduce and hasattr(models[c], "start_grad_sync"):
-                    models[c].start_grad_sync()
+                if ddp_config is None or not ddp_config.overlap_grad_reduce or not hasattr(models[c], "start_grad_sync"):
+                    return
+                models[c].start_grad_sync()
+            sync_log.append(("grad", c, idx))
+
+        if param_sync_fns is not None:
+            # every chunk's parameter all-gather, dispatched now in the order of first use; DDP's
+            # forward pre-hooks make each module's first forward wait for its own bucket
+            for c in points.param_order:
+                param_sync_fns[c](models[c].parameters())
+                sync_log.append(("param", c, -1))
 
         # no_sync for the whole iteration: DDP must not start reducing a bucket while later
         # backward/W ops of this rank still add to it.
         no_sync = config.no_sync_func
         store = _wgrad.WeightGradStore(require_key=False) if split else None
+        params_ready = False
         idx = 0
         with contextlib.ExitStack() as stack:
             if train and no_sync is not None:
@@ -608,15 +628,17 @@ class ScheduleExecutor:
                     if split:
                         store.run((op.stage, op.microbatch))
                 else:
+                    if op.kind in self.param_op_kinds and not params_ready:
+                        wait_param_gathers(models)  # (no module forward, so no DDP pre-hook waits for them)
+                        params_ready = True
                     self.op_handlers[op.kind](self, op, {"state": st, "models": models, "rank": rank,
                                                          "schedule": sched, "config": config})
                 te = now()
                 hook(op, "after")
                 if timings is not None:
                     timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, *span(ts, te)))
-                if train and op.kind in ("B", "W", "BW"):
-                    c = chunk_of[op.stage]
-                    if last_grad_op.get(c) == idx:
+                if train:
+                    for c in points.grad_after.get(idx, ()):
                         start_chunk_grad_sync(c)
                 idx += 1
             if split:
@@ -628,9 +650,6 @@ class ScheduleExecutor:
                      if getattr(st, k)]
         if leftovers:
             raise RuntimeError(f"rank {rank}: schedule {sched.name!r} left tensors behind in {leftovers}")
-
-        if train and grad_sync_func is not None and not isinstance(grad_sync_func, (list, tuple)):
-            grad_sync_func([p for m in models for p in m.parameters()])
 
         if config.finalize_model_grads_func is not None and train:
             msched.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
@@ -653,7 +672,74 @@ class ScheduleExecutor:
         self.last_timings = _event_times(timings, ev0) if events else timings
         self.last_schedule = sched
         self.last_p2p_bytes = (p2p.bytes_sent, p2p.bytes_received)
+        self.last_sync_log = sync_log
         return forward_data_store
+
+
+#: op kinds that add to the parameter gradients of their stage's chunk
+GRAD_OP_KINDS = frozenset({"B", "W", "BW"})
+
+
+@dataclass(frozen=True)
+class SyncPoints:
+    """When the executor starts the data-parallel hooks of this rank's chunks.
+
+    ``grad_after``: op index -> chunks whose gradient reduction (``grad_sync_func``, or DDP's
+    ``start_grad_sync`` with ``overlap_grad_reduce``) starts right after that op: the last op
+    that adds to one of the chunk's gradients. With the B/W split that is the chunk's last W,
+    not its last B (the weight gradients of every linear layer arrive in W), and a feature op of
+    a gradient-writing kind (``executor.grad_op_kinds``, e.g. the vocabulary T pass) delays every
+    chunk, since it may write into any of them. A bucket reduced earlier would miss the
+    contributions that arrive after it started.
+    ``param_order``: chunks in the order of their first forward; with ``param_sync_func``
+    (``overlap_param_gather``) their all-gathers are dispatched in this order before the first
+    op, and DDP's forward pre-hooks make every module's first forward wait for its bucket.
+    """
+
+    grad_after: dict
+    param_order: tuple
+
+
+def sync_points(ops: Sequence[Op], chunk_of: dict, grad_kinds: frozenset = GRAD_OP_KINDS) -> SyncPoints:
+    """The :class:`SyncPoints` of one rank's op list (``chunk_of``: stage -> chunk index)."""
+    last: dict[int, int] = {}
+    feature_last = -1
+    first_f: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.kind in GRAD_OP_KINDS:
+            last[chunk_of[op.stage]] = i
+        elif op.kind in grad_kinds:
+            feature_last = i
+        if op.kind == "F":
+            first_f.setdefault(chunk_of[op.stage], i)
+    grad_after: dict[int, list] = {}
+    for c in sorted(set(last) | (set(chunk_of.values()) if feature_last >= 0 else set())):
+        grad_after.setdefault(max(last.get(c, -1), feature_last), []).append(c)
+    return SyncPoints({i: tuple(cs) for i, cs in grad_after.items()},
+                      tuple(sorted(first_f, key=first_f.get)))
+
+
+def wait_param_gathers(models: Sequence) -> None:
+    """Wait for every outstanding parameter all-gather of these DDP chunks (overlap_param_gather);
+    what DDP's forward pre-hooks do module by module, for code that reads parameters directly."""
+    for m in models:
+        ddp_config = getattr(m, "ddp_config", None)
+        if ddp_config is None or not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
+            continue
+        for group in list(m.bucket_groups) + list(getattr(m, "expert_parallel_bucket_groups", [])):
+            group.finish_param_sync(skip_next_bucket_dispatch=True)
+
+
+def _per_chunk(fn, n: int):
+    """Megatron's ``grad_sync_func`` / ``param_sync_func``: a list (one per chunk) or one function
+    for every chunk (as Megatron-Core's interleaved schedule treats it)."""
+    if fn is None:
+        return None
+    if isinstance(fn, (list, tuple)):
+        if len(fn) != n:
+            raise ScheduleMismatchError(f"{len(fn)} sync functions for {n} model chunks")
+        return list(fn)
+    return [fn] * n
 
 
 def _device_of(models: list) -> torch.device:

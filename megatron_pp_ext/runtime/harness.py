@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Sequence
 
 import torch
 
+from .precision import PRECISIONS, precision_dtype, precision_overrides, wrap_float16
+from .tied import tied_pairs, v_embedding_ranks, with_tied_sum
 from .model import (ModelSpec, build_model_chunks, global_named_parameters, make_config, param_meta,
                     unshard, wrap_ddp)
 
@@ -60,9 +63,28 @@ class RunConfig:
     lr: float = 1e-2
     optimizer: str = "adam"          # or "sgd" (no per-element normalisation: see the tests)
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False   # with the distributed optimizer only (as in Megatron-LM)
     distributed_optimizer: bool = False  # Megatron's DistributedOptimizer (optimizer state sharded over dp)
     sequence_parallel: bool = False
+    #: "fp32", "bf16" or "fp16": Megatron-LM's --bf16 / --fp16 (Float16Module, fp32 main params and
+    #: gradients, fp16 with a loss scaler: dynamic unless ``loss_scale`` is given)
+    precision: str = "fp32"
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    clip_grad: float = 0.0               # Megatron's --clip-grad (0: no clipping)
+    #: parity checks of clipping: the gradient norm each optimizer step clips with, instead of the
+    #: one it computes (a sum of squares whose order depends on the layout); the computed one is
+    #: still reported (``optimizer_steps[i]["computed_grad_norm"]``)
+    grad_norm_override: tuple | None = None
+    #: activation recomputation, Megatron-LM's --recompute-granularity / -method / -num-layers;
+    #: ``recompute=True`` is the old spelling of full / uniform / 1
     recompute: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     deallocate_pipeline_outputs: bool = True
     record_timings: bool = False
     config_overrides: dict = field(default_factory=dict, hash=False)
@@ -139,6 +161,37 @@ def forward_step(data_iterator, model, *, loss: str = "per_token"):
 
 # --- the run -------------------------------------------------------------------------------
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+
+
+def recompute_overrides(cfg: RunConfig) -> dict:
+    """TransformerConfig fields of Megatron-LM's --recompute-granularity / -method / -num-layers."""
+    gran, method, num = cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+    if cfg.recompute and gran is None:
+        gran, method, num = "full", "uniform", 1
+    if gran is None:
+        return {}
+    if gran not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity {gran!r}: use one of {RECOMPUTE_GRANULARITIES}")
+    if gran == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": method or "uniform",
+            "recompute_num_layers": 1 if num is None else num}
+
+
+def optimizer_config(cfg: RunConfig):
+    """Megatron-Core's OptimizerConfig for ``cfg`` (as Megatron-LM builds it from its flags)."""
+    from megatron.core.optimizer import OptimizerConfig
+    dtype = precision_dtype(cfg.precision)
+    return OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=cfg.clip_grad,
+                           adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=cfg.precision == "bf16",
+                           fp16=cfg.precision == "fp16", params_dtype=dtype, loss_scale=cfg.loss_scale,
+                           initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+                           loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
+                           use_distributed_optimizer=cfg.distributed_optimizer,
+                           overlap_param_gather=cfg.overlap_param_gather)
+
+
 def _placement(cfg: RunConfig):
     from ..schedule import loop_placement, v_placement
     if cfg.schedule is None:
@@ -202,7 +255,7 @@ def setup_training(cfg: RunConfig) -> Training:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -212,10 +265,12 @@ def setup_training(cfg: RunConfig) -> Training:
     v = len(placement) // cfg.pp
     # (the default group is gloo already on CPU: no extra gloo copies of the dp groups)
     gloo_default = dist.get_backend() == "gloo"
+    v_shape = cfg.pp > 1 and placement[0] == placement[-1]
+    extra_groups = {"get_embedding_ranks": v_embedding_ranks} if v_shape else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=v if v > 1 else None,
-        create_gloo_process_groups=not gloo_default)
+        create_gloo_process_groups=not gloo_default, **extra_groups)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
 
@@ -228,8 +283,8 @@ def setup_training(cfg: RunConfig) -> Training:
         overrides.setdefault("batch_p2p_comm", False)
     if cfg.loss == "per_token_global":
         overrides.setdefault("calculate_per_token_loss", True)
-    if cfg.recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    overrides.update(recompute_overrides(cfg))
+    overrides.update(precision_overrides(cfg.precision))
     config = make_config(cfg.spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None,
                          **overrides)
     chunks = build_model_chunks(cfg.spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
@@ -238,25 +293,30 @@ def setup_training(cfg: RunConfig) -> Training:
         chunks = [c.to(torch.device("cuda", torch.cuda.current_device())) for c in chunks]
     elif device != "cpu":
         raise ValueError(f"RunConfig.device {device!r}: use 'cpu', 'cuda' or None")
-    if cfg.distributed_optimizer and device != "cuda":
-        raise ValueError("distributed_optimizer (--use-distributed-optimizer) needs CUDA: Megatron-Core's "
-                         "DistributedOptimizer accepts only CUDA tensors and reduce-scatters gradients, which gloo "
-                         "cannot; drop it on CPU")
+    if cfg.overlap_param_gather and not cfg.distributed_optimizer:
+        raise ValueError("overlap_param_gather (--overlap-param-gather) needs the distributed optimizer "
+                         "(--use-distributed-optimizer), as in Megatron-LM")
     extra = cfg.model_hook(chunks, config, cfg) if cfg.model_hook is not None else None
+    pairs = tied_pairs(chunks) if v_shape else []   # tied embeddings, both copies on this rank
     meta = param_meta(chunks, cfg.spec)
+    if cfg.precision != "fp32":
+        # Megatron-LM's get_model(): Float16Module casts the chunk (same Parameter objects, so the
+        # stage and tp attributes stay) and the first stage's input / last stage's output.
+        chunks = wrap_float16(chunks, config)
     model = wrap_ddp(chunks, config, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                     overlap_param_gather=cfg.overlap_param_gather, align_param_gather=cfg.overlap_param_gather,
                      use_distributed_optimizer=cfg.distributed_optimizer,
+                     grad_reduce_in_fp32=cfg.precision != "fp32",  # Megatron-LM's default with --bf16/--fp16
                      average_in_collective=False)
-    opt_config = OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=0.01, clip_grad=0.0,
-                                 adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=False, fp16=False,
-                                 params_dtype=torch.float32, use_distributed_optimizer=cfg.distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=not gloo_default)
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), model, use_gloo_process_groups=not gloo_default)
 
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = with_tied_sum(finalize_model_grads, pairs) if pairs else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if cfg.overlap_grad_reduce:
         config.grad_sync_func = [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
+    if cfg.overlap_param_gather:  # (align_param_gather, Megatron-LM's default)
+        config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
 
     executor = None
     if cfg.schedule is None:
@@ -268,8 +328,64 @@ def setup_training(cfg: RunConfig) -> Training:
         make = ScheduleExecutor if cfg.executor_factory is None else partial(cfg.executor_factory, cfg, extra)
         executor = make(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget, costs=cfg.costs,
                         record_timings=cfg.record_timings, **cfg.executor_options)
+        if cfg.spec.tie_embeddings and v_shape and hasattr(executor, "allow_tied_v"):
+            executor.allow_tied_v = True   # (the copies are summed after finalize_model_grads: runtime.tied)
         fb = executor
     return Training(cfg, config, model, optimizer, fb, executor, tuple(placement), meta, extra)
+
+
+def optimizer_step(optimizer, grad_norm_override: float | None = None) -> dict:
+    """``optimizer.step()``; what it reports: whether it updated (fp16 skips a step whose
+    gradients overflowed), the gradient norm (before clipping, as Megatron logs it; None where
+    the optimizer computes none) and the loss scale (fp16 only). ``grad_norm_override``: the
+    norm to clip with instead of the computed one (see RunConfig.grad_norm_override)."""
+    computed: list[float] = []
+    if grad_norm_override is None:
+        ok, grad_norm, _ = optimizer.step()
+    else:
+        from megatron.core.optimizer import optimizer as mopt
+        orig = mopt.get_grad_norm_fp32
+
+        def forced(*args, **kwargs):
+            computed.append(float(orig(*args, **kwargs)))
+            return grad_norm_override
+
+        mopt.get_grad_norm_fp32 = forced
+        try:
+            ok, grad_norm, _ = optimizer.step()
+        finally:
+            mopt.get_grad_norm_fp32 = orig
+    scale = float(optimizer.get_loss_scale().item()) if optimizer.config.fp16 else None
+    rec = {"update_successful": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm),
+           "loss_scale": scale}
+    if computed:
+        rec["computed_grad_norm"] = computed[-1]
+    return rec
+
+
+def reduced_main_grads(model: list) -> dict:
+    """Every parameter's data-parallel-reduced gradient (``main_grad``) by global name.
+
+    With the distributed optimizer each data-parallel rank holds the reduced gradient only for
+    its own shard of each bucket (the reduce-scatter leaves the rest as local partial sums), so
+    the shards are all-gathered here (a copy: the buffers are not touched)."""
+    import torch.distributed as dist
+    full: dict[int, torch.Tensor] = {}
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            continue
+        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+        for buffer in list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            pg = buffer.data_parallel_group
+            size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+            for bucket in buffer.buckets:
+                gathered = torch.empty_like(bucket.grad_data)
+                dist.all_gather_into_tensor(gathered, shard_buffer(bucket.grad_data, size)[rank].contiguous(), group=pg)
+                for p in bucket.params_list:
+                    start, end, _ = buffer.param_index_map[p]
+                    full[id(p)] = gathered[start - bucket.offset:end - bucket.offset].view(p.shape)
+    return {n: full.get(id(p), p.main_grad).detach().clone() for n, p in global_named_parameters(model)}
 
 
 def run_training(cfg: RunConfig) -> dict:
@@ -280,13 +396,15 @@ def run_training(cfg: RunConfig) -> dict:
     tr = setup_training(cfg)
     losses: list = []
     grads_per_step: list = []
+    optimizer_steps: list = []
     for step in range(cfg.steps):
         out = tr.step(step)
         losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
         if cfg.forward_only:
             continue
-        grads_per_step.append({n: p.main_grad.detach().clone() for n, p in global_named_parameters(tr.model)})
-        tr.optimizer.step()
+        grads_per_step.append(reduced_main_grads(tr.model))
+        forced = cfg.grad_norm_override[step] if cfg.grad_norm_override is not None else None
+        optimizer_steps.append(optimizer_step(tr.optimizer, forced))
     eval_losses: list = []
     for e in range(cfg.eval_iters):  # evaluation, as Megatron-LM's evaluate() calls it
         with torch.no_grad():
@@ -301,6 +419,7 @@ def run_training(cfg: RunConfig) -> dict:
         "losses": losses,
         "eval_losses": eval_losses,
         "grads": None if cfg.forward_only else grads_per_step,
+        "optimizer_steps": optimizer_steps,
         "params": {n: p.detach().clone() for n, p in global_named_parameters(tr.model)},
         "meta": tr.meta,
         "timings": tr.executor.last_timings if tr.executor is not None and cfg.record_timings else None,
@@ -338,17 +457,33 @@ def merge_results(results: Sequence[dict], cfg: RunConfig) -> dict:
             dim, glu = meta[name]
             full = unshard([by_tp[i] for i in sorted(by_tp)], dim, glu)
             if name in out:
-                if not torch.equal(out[name], full):
+                if not same_bits(out[name], full):
                     raise AssertionError(f"{key} {name} differs between its copies (data-parallel replicas "
                                          "or tied embedding copies)")
                 continue
             out[name] = full
         return out
 
+    steps = results[0].get("optimizer_steps")
+    for r in results[1:]:
+        if r.get("optimizer_steps") != steps:
+            raise AssertionError(f"optimizer steps differ between ranks 0 and {r['rank']}: {steps} vs "
+                                 f"{r.get('optimizer_steps')} (grad norm / loss scale / skipped step)")
     grads = None
     if results[0]["grads"] is not None:
         grads = [join("grads", s) for s in range(len(results[0]["grads"]))]
-    return {"losses": losses, "eval_losses": eval_losses, "grads": grads, "params": join("params")}
+    return {"losses": losses, "eval_losses": eval_losses, "grads": grads, "params": join("params"),
+            "optimizer_steps": steps}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (fp16 runs meet inf/NaN gradients while the
+    loss scale settles; those are compared as equal when both sides have them)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 class ParityMismatch(AssertionError):
@@ -364,25 +499,30 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: float | None = None,
-                    what: str = "") -> dict:
+                    what: str = "", norm_rtol: float = 1e-6, exact_steps: int = 0) -> dict:
     """Compare two merged records (losses of every step and microbatch, evaluation losses,
     gradients of every step, final parameters).
 
     ``rtol == 0``: everything must be bit-exact. Otherwise: every microbatch loss within
     ``rtol`` (relative), the gradients of every step and the final parameters within ``rtol``
     as a whole (||got - ref|| / ||ref|| over all tensors) and each tensor within
-    ``tensor_rtol`` (default ``10 * rtol``). Returns the worst errors seen.
+    ``tensor_rtol`` (default ``10 * rtol``); the losses and gradients of the first
+    ``exact_steps`` training steps bit-exact all the same. The optimizer steps (records of
+    :func:`optimizer_step`): the same skipped steps and loss scales, gradient norms within
+    ``norm_rtol`` (0: bit-exact; the default 1e-6 because the norm is a sum of squares taken per
+    rank and all-reduced, so its order follows the layout even where the gradients are
+    bit-exact). Returns the worst errors seen.
     """
     if tensor_rtol is None:
         tensor_rtol = 10 * rtol
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "grad_tensor": 0.0, "param_tensor": 0.0}
     problems: list[str] = []
 
-    def exact(kind: str, name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    def exact(kind: str, name: str, a: torch.Tensor, b: torch.Tensor, strict: bool = False) -> bool:
         if a.shape != b.shape:
             problems.append(f"{kind} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
             return False
-        if rtol == 0.0 and not torch.equal(a, b):
+        if (rtol == 0.0 or strict) and not same_bits(a, b):
             problems.append(f"{kind} {name}: not bit-exact (rel err {rel_error(a, b):.3e})")
             return False
         return True
@@ -400,7 +540,8 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
             for i, (a, b) in enumerate(zip(gl, rl)):
                 for k in b:
                     name = f"{label} {s} microbatch {i} {k!r}"
-                    if exact("loss", name, a[k], b[k]) and rtol > 0:
+                    strict = label == "step" and s < exact_steps
+                    if exact("loss", name, a[k], b[k], strict) and rtol > 0:
                         e = rel_error(a[k], b[k])
                         worst["loss"] = max(worst["loss"], e)
                         if e > rtol:
@@ -409,17 +550,18 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
     if got["grads"] is not None and ref["grads"] is not None:
         if len(got["grads"]) != len(ref["grads"]):
             problems.append(f"gradients of {len(got['grads'])} steps vs {len(ref['grads'])}")
-        pairs += [("grad", f"step {s}", g, r) for s, (g, r) in enumerate(zip(got["grads"], ref["grads"]))]
+        pairs += [("grad", f"step {s}", g, r, s < exact_steps)
+                  for s, (g, r) in enumerate(zip(got["grads"], ref["grads"]))]
     if got["params"] is not None and ref["params"] is not None:
-        pairs.append(("param", "final", got["params"], ref["params"]))
-    for kind, where, g, r in pairs:
+        pairs.append(("param", "final", got["params"], ref["params"], False))
+    for kind, where, g, r, strict in pairs:
         if set(g) != set(r):
             problems.append(f"{kind}s: names differ: only here {sorted(set(g) - set(r))[:5]}, "
                             f"only in reference {sorted(set(r) - set(g))[:5]}")
         num = den = 0.0
         for name in sorted(set(g) & set(r)):
             a, b = g[name], r[name]
-            if not exact(kind, f"{where} {name}", a, b) or rtol == 0:
+            if not exact(kind, f"{where} {name}", a, b, strict) or rtol == 0:
                 continue
             e = rel_error(a, b)
             worst[kind + "_tensor"] = max(worst[kind + "_tensor"], e)
@@ -432,6 +574,23 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
             worst[kind] = max(worst[kind], e)
             if e > rtol:
                 problems.append(f"{kind}s {where} (all tensors): rel err {e:.3e} > {rtol:.1e}")
+    gsteps, rsteps = got.get("optimizer_steps"), ref.get("optimizer_steps")
+    if gsteps is not None and rsteps is not None:
+        if len(gsteps) != len(rsteps):
+            problems.append(f"{len(gsteps)} optimizer steps vs {len(rsteps)}")
+        worst["grad_norm"] = 0.0
+        for s, (a, b) in enumerate(zip(gsteps, rsteps)):
+            for k in ("update_successful", "loss_scale"):
+                if a.get(k) != b.get(k):
+                    problems.append(f"optimizer step {s}: {k} {a.get(k)} vs {b.get(k)}")
+            na, nb = a.get("grad_norm"), b.get("grad_norm")
+            if (na is None) != (nb is None):
+                problems.append(f"optimizer step {s}: grad norm {na} vs {nb}")
+            elif na is not None and not (na == nb or (math.isnan(na) and math.isnan(nb))):
+                e = abs(na - nb) / abs(nb) if nb else abs(na - nb)
+                worst["grad_norm"] = max(worst["grad_norm"], e)
+                if e > norm_rtol:
+                    problems.append(f"optimizer step {s}: grad norm {na!r} vs {nb!r} (rel err {e:.2e} > {norm_rtol:.1e})")
     if problems:
         head = f"{what}: " if what else ""
         raise ParityMismatch(head + f"{len(problems)} mismatches (rtol={rtol}):\n  " + "\n  ".join(problems[:20]))

@@ -282,9 +282,6 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if S > 1 else 0
     stages = chunk_stages(placement)[pp_rank]
     v = len(stages)
-    if spec.tie_embeddings and S > 1 and placement[0] == placement[-1]:
-        raise NotImplementedError("tied embeddings with the first and last stage on the same rank (V "
-                                  "placement) are not supported yet; use tie_embeddings=False")
     layer_spec = _layer_spec(spec)
     chunks = []
     for c, s in enumerate(stages):
@@ -303,7 +300,22 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         chunks.append(model)
     if init:
         init_weights(chunks, seed, spec)
+    tag_tensor_parallel(chunks)
     return chunks
+
+
+def tag_tensor_parallel(chunks) -> None:
+    """Give every tensor-parallel weight Megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` attributes where the layer did not (megatron-core <= 0.17 sets them only when it initialises
+    the weights itself, and we build with ``perform_initialization=False``). Without them the
+    gradient norm (``param_is_not_tensor_parallel_duplicate``) counts every sharded weight on tp
+    rank 0 only: at tp=2 the norm, and so clipping, was wrong."""
+    dims = _partition_dims(chunks)
+    for chunk in chunks:
+        for p in _unwrap(chunk).parameters():
+            if id(p) in dims and not getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = True
+                p.partition_dim, p.partition_stride = dims[id(p)]
 
 
 # --- names, deterministic init, tensor-parallel shards -------------------------------------

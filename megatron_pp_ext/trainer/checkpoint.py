@@ -29,9 +29,11 @@ the uninterrupted run would have read. A resumed run therefore continues with bi
 losses for any schedule, and can resume under another layout or schedule (the tensors are
 resharded by Megatron-Core; only the RNG state is per layout, which matters with dropout).
 
-``--load`` follows Megatron-LM: a directory without ``latest_checkpointed_iteration.txt``
-(or that does not exist) starts the run from scratch with a warning, so ``--save DIR --load
-DIR`` restarts a job wherever it stopped. Everything else that would not resume correctly is
+``--load`` follows Megatron-LM where it is safe: a directory without
+``latest_checkpointed_iteration.txt`` starts the run from scratch with a warning, and so does a
+``--load`` directory that does not exist yet when it is also the ``--save`` directory, so
+``--save DIR --load DIR`` restarts a job wherever it stopped; any other ``--load`` path that does
+not exist (a typo) is refused. Everything else that would not resume correctly is
 refused before any worker starts (:func:`plan_resume`).
 
 **Features** that build the model differently (a ``run_config`` hook) must say how their state
@@ -67,6 +69,9 @@ __all__ = ["TRACKER", "META", "FORMAT", "Resume", "CheckpointPart", "PartContext
            "checkpoint_parts", "iteration_dir", "read_tracker", "find_checkpoint", "plan_resume", "check_save",
            "save_checkpoint", "load_checkpoint", "model_sharded_state_dict", "should_save", "MODEL_FLAGS",
            "check_features"]
+
+#: how the optimizer state is laid out in a checkpoint (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "mppx_checkpoint.json"
@@ -168,6 +173,29 @@ def _layout(plan_like: dict) -> dict:
     return {k: plan_like[k] for k in ("pp", "tp", "dp", "chunks", "placement", "layers_per_stage")}
 
 
+def _optimizer_format(c) -> tuple[str, bool]:
+    """What the optimizer state of a checkpoint looks like: fp32 or mixed precision (fp32 main
+    parameters beside bf16/fp16 weights), plain or distributed optimizer."""
+    get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+    mixed = bool(get("bf16", False) or get("fp16", False))
+    return ("mixed" if mixed else "fp32"), bool(get("distributed_optimizer", False))
+
+
+def _check_optimizer_format(cfg, saved: dict, directory: str) -> None:
+    was, now = _optimizer_format(saved), _optimizer_format(cfg)
+    if was == now:
+        return
+
+    def flags(fmt, c) -> str:
+        get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+        out = [f for f, k in (("--bf16", "bf16"), ("--fp16", "fp16")) if get(k, False)] or ["fp32"]
+        return " ".join(out + (["--use-distributed-optimizer"] if fmt[1] else ["the plain optimizer"]))
+
+    raise _config_error(f"--load {cfg.load}: the optimizer state in {directory} was saved with {flags(was, saved)}, "
+                        f"this run has {flags(now, cfg)}; Megatron-Core stores the two differently: run with the "
+                        "saved precision and optimizer flags")
+
+
 def plan_resume(cfg, layout: dict, derived: dict) -> tuple[Resume | None, list[str]]:
     """Check ``--load`` against the request; returns (Resume or None, notes for the log).
 
@@ -180,13 +208,19 @@ def plan_resume(cfg, layout: dict, derived: dict) -> tuple[Resume | None, list[s
         return None, notes
     found = find_checkpoint(cfg.load)
     if found is None:
-        why = "does not exist" if not os.path.exists(cfg.load) else f"has no {TRACKER}"
+        same_as_save = cfg.save is not None and os.path.abspath(cfg.save) == os.path.abspath(cfg.load)
+        if not os.path.exists(cfg.load) and not same_as_save:
+            raise _config_error(f"--load {cfg.load}: no such directory; check the path (to start from scratch when "
+                                "no checkpoint is there yet, as Megatron-LM does, give the same directory to --save "
+                                "and --load)")
+        why = "does not exist yet" if not os.path.exists(cfg.load) else f"has no {TRACKER}"
         notes.append(f"WARNING: --load {cfg.load} {why}: no checkpoint to resume from, training starts from "
                      "scratch (as Megatron-LM does)")
         return None, notes
     directory, meta = found
     check_features(cfg, "--load")
     saved = meta["config"]
+    _check_optimizer_format(cfg, saved, directory)
     for key, flag, attr in MODEL_FLAGS:
         now = derived[attr] if attr else getattr(cfg, key)
         was = saved.get(key)
@@ -430,8 +464,61 @@ def _meta(plan, iteration: int) -> dict:
     return json.loads(json.dumps(meta, default=str))
 
 
+def _gather_params(model: list) -> None:
+    """With ``--overlap-param-gather`` the distributed optimizer's step updates only each data-
+    parallel rank's shard; the full parameters arrive with the next iteration's all-gather. A
+    checkpoint saved in between would hold stale weights (the resumed run then differs), so the
+    all-gather runs now, synchronously, as Megatron-LM does before it saves."""
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+def _untie_adam_steps(optimizer) -> None:
+    """Give every parameter's torch-Adam ``step`` its own tensor. Megatron-Core's distributed
+    optimizer, without apex / Transformer Engine (so on a CPU), restores the step as *one* tensor
+    shared by every parameter's state, and torch's Adam increments it in place once per
+    parameter: the bias correction of every later step was wrong (a resumed run diverged from
+    the uninterrupted one at its second iteration)."""
+    import torch
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        seen: set = set()
+        for state in (getattr(inner, "state", None) or {}).values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(state["step"]))
+
+
+def _init_empty_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam states before its loading state dict is built.
+
+    Without apex or Transformer Engine (always on a CPU) Megatron-Core's
+    ``DistributedOptimizer.state_dict()`` reads the step from the per-parameter states, which do
+    not exist before the first step. Megatron's own remedy (``_init_optimizer_states_with_dummy_
+    values``: a step with zero gradients) runs here at lr 0 and weight decay 0, so the parameters
+    do not move; the loaded checkpoint then replaces every state and the step."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner.state or not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            continue
+        saved = [(g, g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+        for g, _, _ in saved:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        try:
+            opt._init_optimizer_states_with_dummy_values()
+        finally:
+            for g, lr, wd in saved:
+                g["lr"], g["weight_decay"] = lr, wd
+
+
 def _state_dict(tr, plan, iteration: int, directory: str, *, loading: bool) -> tuple[dict, dict, list]:
     """(sharded state dict of model chunks, parts and optimizer; the model part; the active parts)."""
+    if loading:
+        _init_empty_optimizer_state(tr.optimizer)
     model_sd = model_sharded_state_dict(tr.model)
     parts = _active_parts(plan)
     sd: dict = dict(model_sd)
@@ -440,7 +527,9 @@ def _state_dict(tr, plan, iteration: int, directory: str, *, loading: bool) -> t
     if part_sd:
         sd["parts"] = part_sd
     # the optimizer finds each parameter's ShardedTensor among the model's (and the parts') entries
-    sd["optimizer"] = tr.optimizer.sharded_state_dict(dict(sd), is_loading=loading)
+    # (the distributed optimizer's state in its canonical per-parameter form, so the checkpoint
+    # loads at other pp / tp / dp and into the plain optimizer; all optimizers accept the key)
+    sd["optimizer"] = tr.optimizer.sharded_state_dict(dict(sd), is_loading=loading, metadata=OPTIMIZER_METADATA)
     return sd, model_sd, parts
 
 
@@ -505,6 +594,7 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
     dp_group = parallel_state.get_data_parallel_group()
     states: list = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(states, _rng_state(device), group=dp_group)
+    _gather_params(tr.model)
     sd, _, parts = _state_dict(tr, plan, iteration, directory, loading=False)
     sd["rng_state"] = _rng_sharded_object(states)
     meta = _meta(plan, iteration)
@@ -543,6 +633,7 @@ def load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
         i = int(key[len("model"):] or 0)
         _core(tr.model[i]).load_state_dict(loaded[key], strict=True)
     tr.optimizer.load_state_dict(loaded["optimizer"])
+    _untie_adam_steps(tr.optimizer)
     if int(loaded["iteration"]) != resume.iteration:
         raise RuntimeError(f"{directory}: the checkpoint says iteration {loaded['iteration']}, "
                            f"{META} says {resume.iteration}")

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .options import add_training_arguments, check_training_options, options_from_args, run_options
+
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
            "config_from_args", "MCORE", "DEFAULTS"]
 
@@ -47,7 +49,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     seq: int = 32
     dropout: float = 0.0
-    transformer_impl: str = "auto"       # auto: transformer_engine on GPUs with TE installed, else local
+    transformer_impl: str = "auto"       # auto: local (TE's B/W split is not verified on a GPU yet)
     # batch and layout
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default: 2 * pp microbatches per data-parallel rank
@@ -63,7 +65,22 @@ class TrainConfig:
     # training
     iters: int = 20
     lr: float = 1e-3
-    distributed_optimizer: bool = False   # --use-distributed-optimizer (GPU)
+    # precision, data parallelism, clipping, recomputation (trainer/options.py; Megatron-LM's flags)
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False   # --use-distributed-optimizer
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    clip_grad: float = 0.0
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     seed: int = 1234
     data_path: str | None = None
     # run
@@ -210,7 +227,7 @@ class Plan:
                          memory_budget=self.memory_budget, costs=self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
-                         config_overrides=self._overrides(), distributed_optimizer=c.distributed_optimizer)
+                         config_overrides=self._overrides(), **run_options(c, tp=c.tp))
         if c.features:
             from .features import feature_run_config
             run = feature_run_config(c.features, run)
@@ -223,7 +240,8 @@ class Plan:
         return RunConfig(spec=dataclasses.replace(self.model_spec(), layers_per_stage=None), tp=1, pp=1, dp=1,
                          schedule=None, chunks=1, num_microbatches=self.global_microbatches,
                          micro_batch_size=c.micro_batch_size, seq_length=c.seq, steps=self.reference_iters,
-                         eval_iters=0, seed=c.seed, lr=c.lr, config_overrides=self._overrides())
+                         eval_iters=0, seed=c.seed, lr=c.lr, config_overrides=self._overrides(),
+                         **run_options(c, tp=1))
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -268,7 +286,7 @@ def _schedule_names() -> list[str]:
 
 
 def _resolve_transformer_impl(requested: str, device: str) -> str:
-    """``--transformer-impl``: auto picks Transformer Engine on GPUs where it is installed."""
+    """``--transformer-impl``: auto is the verified path (Megatron-Core's local spec)."""
     from ..runtime.model import transformer_engine_available
     if requested not in ("auto", "local", "transformer_engine"):
         _fail(f"--transformer-impl {requested!r}: use auto, local or transformer_engine")
@@ -282,7 +300,14 @@ def _resolve_transformer_impl(requested: str, device: str) -> str:
             _fail("--transformer-impl transformer_engine: Transformer Engine is not installed (pip install "
                   "transformer_engine[pytorch]); use --transformer-impl local")
         return "transformer_engine"
-    return "transformer_engine" if device == "cuda" and transformer_engine_available() else "local"
+    # auto: the path that has been verified. Transformer Engine's B/W split (backward_dw) has
+    # not run on a GPU in this project yet, so auto stays on the local spec (make_plan says so).
+    return "local"
+
+
+def _te_installed() -> bool:
+    from ..runtime.model import transformer_engine_available
+    return transformer_engine_available()
 
 
 def _resolve_device(requested: str, launch: Launch, world: int | None) -> str:
@@ -330,6 +355,12 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     kv = c.kv_heads if c.kv_heads is not None else (max(1, c.heads // 2) if c.model == "llama" else c.heads)
     ffn = c.ffn if c.ffn is not None else (2 * c.hidden if c.model == "llama" else 4 * c.hidden)
     _check_model(c, kv, ffn)
+
+    # -- precision, data parallelism, clipping, recomputation (Megatron-LM's rules) ---------
+    opt_errors, opt_notes = check_training_options(c, tp=c.tp, layers_per_stage=(1,))
+    if opt_errors:
+        _fail(opt_errors[0])
+    notes.extend(opt_notes)
 
     # -- schedule and chunks -----------------------------------------------------------
     names = _schedule_names()
@@ -405,6 +436,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                   f"chunk(s) per rank); use --layers {_divisors_near(layers, S)}, or give an uneven split "
                   f"with --layers-per-stage")
         lps = (layers // S,) * S
+    opt_errors, _ = check_training_options(c, tp=c.tp, layers_per_stage=lps)  # (--recompute-num-layers vs stages)
+    if opt_errors:
+        _fail(opt_errors[0])
 
     # -- placement, schedule (validated now, with send/recv, as the workers will build it) -------
     from ..schedule import loop_placement, v_placement
@@ -414,17 +448,6 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         placement = v_placement(c.pp)
     else:
         placement = loop_placement(c.pp, chunks)
-    tied_v_ok = False
-    if c.features:
-        from .features import train_features
-        reg = train_features()
-        tied_v_ok = any(getattr(reg[n], "allows_tied_v_placement", False) for n, _ in c.features)
-    if c.tie_embeddings and pipelined and placement[0] == placement[-1] and not tied_v_ok:
-        _fail(f"--tie-embeddings with schedule {c.schedule!r}: its V placement puts the first and the last "
-              "stage on rank 0, which the runtime does not support with tied embeddings yet; drop "
-              "--tie-embeddings, use a loop schedule (1f1b, zb-h1, ...), or add --enable-vocab-parallel (its shards "
-              "hold the tied embedding on every rank)")
-
     from ..cli.core import CLIError, parse_costs
     try:
         costs = parse_costs(c.costs)
@@ -528,9 +551,10 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         _fail(f"--timeout {c.timeout}: must be positive (seconds)")
     device = _resolve_device(c.device, launch, world)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
-    if c.distributed_optimizer and device != "cuda":
-        _fail("--use-distributed-optimizer needs GPUs (Megatron-Core's DistributedOptimizer takes CUDA tensors and "
-              "reduce-scatters gradients, which gloo cannot); drop it on CPU, or use --device cuda")
+    if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
+        notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "
+                     "B/W-split path has not been verified on a GPU yet (use --transformer-impl transformer_engine "
+                     "to try it)")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
     return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
@@ -585,14 +609,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MLP hidden size (default: 4 x hidden for gpt, 2 x hidden for llama's SwiGLU)")
     g.add_argument("--vocab", type=_int(4, 256), default=d.vocab, metavar="V", help="vocabulary size (default: 256)")
     g.add_argument("--tie-embeddings", action="store_true",
-                   help="share the input embedding and the output layer (loop schedules only)")
+                   help="share the input embedding and the output layer (any schedule; under a V placement both "
+                        "copies are on rank 0 and their gradients are summed there)")
     g.add_argument("--seq", type=_int(2, 32), default=d.seq, metavar="S", help="sequence length (default: 32)")
     g.add_argument("--dropout", type=_float_pos, default=d.dropout, metavar="P",
                    help="hidden and attention dropout (default: 0; with dropout the pp=1 comparison is "
                         "statistical, not exact)")
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
                    help="layer implementation: Megatron-Core's local spec or the Transformer Engine spec (default "
-                        "auto: transformer_engine on GPUs with TE installed, else local)")
+                        "auto: local, the verified path; TE's B/W split has not run on a GPU here yet)")
     g = parser.add_argument_group("batch and layout")
     g.add_argument("--micro-batch-size", type=_int(1, 1), default=d.micro_batch_size, metavar="B",
                    help="sequences per microbatch (default: 1)")
@@ -622,9 +647,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "our schedules, 0 = off)")
     g = parser.add_argument_group("training")
     g.add_argument("--iters", type=_int(1, 20), default=d.iters, metavar="N", help="iterations (default: 20)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron-Core's DistributedOptimizer: optimizer state sharded over data-parallel ranks "
-                        "(GPU only)")
     g.add_argument("--lr", type=_float_pos, default=d.lr, metavar="LR", help="Adam learning rate (default: 1e-3)")
     g.add_argument("--seed", type=_int(0, 1234), default=d.seed, metavar="S",
                    help="seed of the initial weights (a function of the seed and each parameter's global "
@@ -632,6 +654,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", default=None, metavar="PREFIX",
                    help="a tokenized corpus: Megatron indexed dataset PREFIX.bin/PREFIX.idx (default: "
                         "Megatron-Core's MockGPTDataset)")
+    add_training_arguments(parser)  # precision, distributed optimizer, SP, clipping, recomputation
     g = parser.add_argument_group("run and output")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); auto: cuda when there is a GPU "
@@ -681,8 +704,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
-        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr,
-        distributed_optimizer=args.use_distributed_optimizer, seed=args.seed, data_path=args.data_path,
+        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, **options_from_args(args),
+        seed=args.seed, data_path=args.data_path,
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)

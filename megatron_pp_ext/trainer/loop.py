@@ -59,20 +59,24 @@ def _loss_sums(out: list) -> tuple[float, float]:
     return loss, tokens
 
 
-def _grad_norm(optimizer, step_result) -> float:
-    gn = step_result[1] if isinstance(step_result, tuple) and len(step_result) > 1 else None
-    return float(gn) if gn is not None else float("nan")
-
-
-def _step_optimizer(optimizer) -> float:
-    res = optimizer.step()
-    gn = _grad_norm(optimizer, res)
-    if gn != gn:  # NaN: an optimizer that only reports the norm when clipping
+def _step_optimizer(optimizer) -> dict:
+    """``optimizer.step()`` and what the log reports of it: the gradient norm before clipping (as
+    Megatron-LM logs it; NaN where the optimizer skipped the step), after clipping, the loss scale
+    (fp16; NaN otherwise) and whether the step was skipped (fp16 overflow)."""
+    from ..runtime.harness import optimizer_step
+    res = optimizer_step(optimizer)
+    gn = res["grad_norm"]
+    if gn is None and res["update_successful"]:  # an optimizer that only reports the norm when clipping
         try:
             gn = float(optimizer.get_grad_norm())
-        except Exception:
-            pass
-    return gn
+        except Exception:  # noqa: BLE001 - the log shows NaN then
+            gn = None
+    gn = float("nan") if gn is None else float(gn)
+    clip = float(getattr(optimizer.config, "clip_grad", 0.0) or 0.0)
+    after = gn * min(1.0, clip / (gn + 1.0e-6)) if clip > 0 and gn == gn else gn  # Megatron's clip coefficient
+    scale = res["loss_scale"]
+    return {"grad_norm": gn, "grad_norm_after_clip": after,
+            "loss_scale": float("nan") if scale is None else scale, "skipped": not res["update_successful"]}
 
 
 def _sync(device: torch.device) -> None:
@@ -165,7 +169,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 t_fb = time.perf_counter() - t0
                 peak = meter.activation_peak()
                 saved_peak = meter.saved_peak()
-                grad_norm = _step_optimizer(tr.optimizer)
+                stepped = _step_optimizer(tr.optimizer)
                 _sync(device)
                 dt = time.perf_counter() - t0
                 if profiling:
@@ -173,7 +177,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     tr.executor.record_timings = False
                 loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
                 row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
-                                    float(peak), float(saved_peak), grad_norm], dtype=torch.float64, device=device)
+                                    float(peak), float(saved_peak), stepped["grad_norm"], stepped["grad_norm_after_clip"],
+                                    stepped["loss_scale"], float(stepped["skipped"])],
+                                   dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
@@ -270,6 +276,9 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         "iteration": it + 1,
         "loss": loss / tokens if tokens else float("nan"),
         "grad_norm": rows[0][10],
+        "grad_norm_after_clip": rows[0][11],
+        "loss_scale": None if rows[0][12] != rows[0][12] else rows[0][12],   # (NaN: no loss scaling)
+        "skipped": bool(rows[0][13]),
         "time_s": max(r[6] for r in rows),
         "fb_time_s": max(r[7] for r in rows),
         "peak_activation_bytes": peaks,
@@ -302,7 +311,7 @@ def reference_worker(plan) -> dict:
         for it in range(start, start + plan.reference_iters):
             out = tr.step(it, iters=[iter(data.microbatches(it, 0, G))])
             loss, tokens = _loss_sums(out)
-            norms.append(_step_optimizer(tr.optimizer))
+            norms.append(_step_optimizer(tr.optimizer)["grad_norm"])
             losses.append(loss / tokens if tokens else float("nan"))
         _sync(device)
         return {"losses": losses, "grad_norms": norms, "time_s": time.perf_counter() - t0}

@@ -116,8 +116,15 @@ class RankZeroLog:
         i = rec["iteration"]
         if i == 1 or i == c.iters or i % c.log_interval == 0:
             peaks = " ".join(fmt_bytes(b) for b in rec["peak_activation_bytes"])
+            extra = ""
+            if c.clip_grad > 0 and rec.get("grad_norm_after_clip") is not None:
+                extra += f" (clipped {rec['grad_norm_after_clip']:.4f})"
+            if rec.get("loss_scale") is not None:
+                extra += f"  loss scale {rec['loss_scale']:g}"
+            if rec.get("skipped"):
+                extra += "  [skipped: inf/nan gradients]"
             self.line(f"iter {i:>{len(str(c.iters))}}/{c.iters}  loss {rec['loss']:.6f}  "
-                      f"grad norm {rec['grad_norm']:.4f}  {rec['time_s']:.3f} s  "
+                      f"grad norm {rec['grad_norm']:.4f}{extra}  {rec['time_s']:.3f} s  "
                       f"activation peak per rank: {peaks}" + ("  [profiling]" if rec.get("profiling") else ""))
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
@@ -213,6 +220,7 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
     lines.append(f"batch: {plan.microbatches} microbatches x {c.micro_batch_size} sequence(s) per data-parallel rank "
                  f"(global batch {plan.global_microbatches * c.micro_batch_size}); {c.iters} iterations, Adam lr "
                  f"{c.lr:g}, seed {c.seed}; data: {data}")
+    lines.append("training: " + training_label(c, plan))
     if sim_info:
         fig = sim_info.get("figure")
         lines.append(f"schedule {sim_info.get('schedule')}: simulated bubble {sim_info['bubble_rate']:.1%}, peak "
@@ -223,6 +231,28 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
         lines.append(f"note: {n}")
     lines.append(f"set up in {setup_s:.1f} s; log {plan.text_log}, JSON log {plan.json_log}")
     return lines
+
+
+def training_label(c, plan) -> str:
+    """One line: precision, optimizer, overlaps, sequence parallelism, clipping, recomputation."""
+    if c.fp16:
+        prec = "fp16 (" + (f"static loss scale {c.loss_scale:g}" if c.loss_scale is not None
+                           else f"dynamic loss scale from {c.initial_loss_scale:g}") + ")"
+    else:
+        prec = "bf16" if c.bf16 else "fp32"
+    parts = [prec + (", fp32 main parameters and gradients" if c.bf16 or c.fp16 else "")]
+    parts.append("distributed optimizer" if c.distributed_optimizer else "optimizer replicated over dp")
+    overlaps = [n for n, on in (("grad reduce", c.overlap_grad_reduce), ("param gather", c.overlap_param_gather)) if on]
+    if overlaps:
+        parts.append("overlapped " + " and ".join(overlaps))
+    if c.sequence_parallel and c.tp > 1:
+        parts.append("sequence parallel")
+    parts.append(f"clip grad {c.clip_grad:g}" if c.clip_grad > 0 else "no clipping")
+    if c.recompute_granularity == "full":
+        parts.append(f"full recomputation ({c.recompute_method}, {c.recompute_num_layers or 1} layer(s))")
+    elif c.recompute_granularity == "selective":
+        parts.append("selective recomputation")
+    return ", ".join(parts)
 
 
 def compare_losses(losses: list[float], ref: list[float], plan) -> dict:

@@ -130,3 +130,102 @@ def op_trace(cfg) -> dict:
     return {"ops": [str(o) for o in sched.ops[rank]], "seen": seen,
             "timings": [(t.op, t.kind, t.start, t.end) for t in tr.executor.last_timings],
             "bytes": tr.executor.last_p2p_bytes, "rank": dist.get_rank()}
+
+
+# --- the data-parallel hooks of the executor, with deliberate mistakes (test_runtime_sync_order) ----
+
+def _patch_sync(mutation: str, synchronous_reduce: bool) -> list:
+    """Patch the executor's sync points (``mutation``) and/or make every gradient reduction complete
+    when it is dispatched; returns the undo list."""
+    import types
+
+    import megatron_pp_ext.runtime.executor as ex
+    from megatron.core.distributed import DistributedDataParallel
+
+    undo = []
+    orig_points = ex.sync_points
+    if mutation == "w_ignored":      # the reduction starts after a chunk's last B, before its W ops
+        def points(ops, chunk_of, grad_kinds=ex.GRAD_OP_KINDS):
+            hidden = [types.SimpleNamespace(kind="X", stage=o.stage, microbatch=o.microbatch) if o.kind == "W" else o
+                      for o in ops]
+            return orig_points(hidden, chunk_of, grad_kinds)
+    elif mutation == "feature_ignored":  # feature ops that add to gradients do not delay it
+        def points(ops, chunk_of, grad_kinds=ex.GRAD_OP_KINDS):
+            return orig_points(ops, chunk_of, ex.GRAD_OP_KINDS)
+    elif mutation:
+        raise ValueError(mutation)
+    if mutation:
+        ex.sync_points = points
+        undo.append((ex, "sync_points", orig_points))
+    if synchronous_reduce:
+        orig = DistributedDataParallel.start_grad_sync
+
+        def start_and_wait(self, *a, **k):
+            orig(self, *a, **k)
+            for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+                if group.grad_reduce_handle is not None:
+                    group.grad_reduce_handle.wait()
+
+        DistributedDataParallel.start_grad_sync = start_and_wait
+        undo.append((DistributedDataParallel, "start_grad_sync", orig))
+    return undo
+
+
+def run_with_sync_mutation(cfg, *, mutation: str = "", synchronous_reduce: bool = False, vocab=None) -> dict:
+    """``run_training`` (or the vocabulary-parallel run with ``vocab``) with :func:`_patch_sync`."""
+    from megatron_pp_ext.runtime.harness import run_training
+    undo = _patch_sync(mutation, synchronous_reduce)
+    try:
+        if vocab is not None:
+            from megatron_pp_ext.features.vocab.harness import run_vocab_training
+            return run_vocab_training(cfg, vocab)
+        return run_training(cfg)
+    finally:
+        for obj, name, old in reversed(undo):
+            setattr(obj, name, old)
+
+
+def sync_log_run(cfg) -> dict:
+    """Two iterations; the executor's log of the hooks it started, and this rank's ops."""
+    from megatron.core import parallel_state
+    from megatron_pp_ext.runtime.harness import optimizer_step, setup_training
+
+    tr = setup_training(cfg)
+    logs = []
+    for step in range(2):
+        tr.step(step)
+        logs.append(list(tr.executor.last_sync_log))
+        optimizer_step(tr.optimizer)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    sched = tr.executor.last_schedule
+    return {"logs": logs, "ops": [(o.kind, o.stage, o.microbatch) for o in sched.ops[rank]],
+            "stages": sched.stages_of(rank)}
+
+
+def param_gather_watch_run(cfg, *, drop_pre_hooks: bool = False) -> dict:
+    """Two iterations with overlap_param_gather, watching every module's forward: how many ran
+    while the all-gather of one of their parameters was still outstanding. ``drop_pre_hooks``
+    removes DDP's waiting pre-hooks (the mistake the watch must see)."""
+    from megatron_pp_ext.runtime.harness import optimizer_step, setup_training
+
+    tr = setup_training(cfg)
+    seen = {"forwards": 0, "outstanding": 0}
+    for chunk in tr.model:
+        if drop_pre_hooks:
+            chunk.disable_forward_pre_hook(param_sync=False)
+        groups = chunk.param_to_bucket_group
+
+        def watch(module, args, groups=groups):
+            params = [p for p in module.parameters(recurse=False) if p in groups]
+            if params:
+                seen["forwards"] += 1
+                if any(groups[p].param_gather_handle is not None or not groups[p].param_gather_dispatched
+                       for p in params):
+                    seen["outstanding"] += 1
+
+        for module in chunk.module.modules():
+            module.register_forward_pre_hook(watch)   # (after DDP's own pre-hook)
+    for step in range(1 if drop_pre_hooks else 2):  # (without the waits the next dispatch would assert)
+        tr.step(step)
+        optimizer_step(tr.optimizer)
+    return seen

@@ -109,3 +109,23 @@ def test_auto_planned_from_measured_bandwidth_and_times(pool):
     for rep in reports:
         assert [rep["auto"][k]["pairs"] for k in (0.0, 0.5)] == [strict["pairs"], lenient["pairs"]]  # same plan
         assert all(e["exact"] for e in rep["auto"].values())
+
+
+BF16_DISTOPT = (("precision", "bf16"), ("distributed_optimizer", True), ("overlap_grad_reduce", True),
+                ("overlap_param_gather", True))
+
+
+@pytest.mark.parametrize("name,chunks", [("zb-h1", 1), ("zbv", 1)])
+def test_offload_bf16_distributed_optimizer_exact(pool, name, chunks):
+    """bf16 + distributed optimizer + both overlaps: offload only moves the (bf16) saved tensors,
+    so losses and gradients stay bit-identical to the same run without offload (which the
+    training-configuration matrix checks against pp=1)."""
+    reports = pool.run(offload_policies_run, 2, schedule=name, pp=2, microbatches=4, chunks=chunks,
+                       policies=("none", "full"), steps=2, run_options=BF16_DISTOPT)
+    for rep in reports:
+        full = rep["policies"]["full"]
+        assert full["exact"], (rep["pp_rank"], full["max_grad_diff"])
+    busiest = max(reports, key=lambda rep: rep["policies"]["none"]["peak_activation_bytes"])
+    full = busiest["policies"]["full"]
+    assert full["offloads_on_rank"] and full["peak_offloaded_bytes"] > 0
+    assert full["peak_activation_bytes"] < busiest["policies"]["none"]["peak_activation_bytes"]

@@ -42,6 +42,27 @@ def test_redirects_cuda_to_cpu_and_restores_everything():
 
 
 @needs_cpu_only
+def test_optimizer_type_names_and_sequence_parallel_norm_are_scoped():
+    """Megatron's mixed-precision / distributed optimizers accept parameters by CUDA type name,
+    and its torch norm refuses sequence parallelism: both only while the layer is on."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron_pp_ext.runtime.model import ModelSpec, make_config
+
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    assert t.type() == "torch.BFloat16Tensor"
+    sp = make_config(ModelSpec("llama", num_layers=2, hidden_size=32, num_attention_heads=4), sequence_parallel=True,
+                     tensor_model_parallel_size=2)
+    with enable_cpu_compat():
+        assert t.type() == "torch.cuda.BFloat16Tensor" and torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float32).dtype == torch.float32          # (the converting form is untouched)
+        norm = WrappedTorchNorm(sp, 32, eps=1e-5)
+        assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    assert t.type() == "torch.BFloat16Tensor"
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(sp, 32)
+
+
+@needs_cpu_only
 def test_nested_enable_is_a_noop_and_close_is_idempotent():
     h = enable_cpu_compat()
     try:

@@ -45,7 +45,7 @@ def predict_peaks(schedule: Schedule, forward_bytes: dict[int, float], evictable
 
 def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshold: float | None = None,
          transfer_time: float = 0.0, num_layers: int = 7, variant: str = "gpt", steps: int = 1,
-         seed: int = 1234, synchronous: bool | None = None) -> dict:
+         seed: int = 1234, synchronous: bool | None = None, run_options: tuple = ()) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -55,7 +55,7 @@ def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshol
 
     plain = BPipeScheduleFactory(schedule, chunks=chunks, threshold=float("inf"), transfer_time=transfer_time)
     cfg = RunConfig(spec=tiny_spec(variant, num_layers), pp=pp, schedule=plain, chunks=chunks,
-                    num_microbatches=microbatches, steps=1, seed=seed)
+                    num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
     tr = setup_training(cfg)
     rank = parallel_state.get_pipeline_model_parallel_rank()
 

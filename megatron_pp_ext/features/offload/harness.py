@@ -36,8 +36,8 @@ def tiny_spec(variant: str = "gpt", num_layers: int = 7):
 
 
 def _grads(tr) -> dict:
-    from ...runtime.model import global_named_parameters
-    return {n: p.main_grad.detach().clone() for n, p in global_named_parameters(tr.model)}
+    from ...runtime.harness import reduced_main_grads
+    return reduced_main_grads(tr.model)
 
 
 def _same_losses(a: list, b: list) -> bool:
@@ -75,8 +75,9 @@ def _predict(schedule: Schedule, runtime_none, runtime_full, rank: int) -> dict:
 def offload_policies_run(*, schedule: str, pp: int, microbatches: int, chunks: int = 1,
                          policies: Sequence[str] = ("none", "full"), variant: str = "gpt", num_layers: int = 7,
                          recompute_cheap_ops: bool = False, min_tensor_bytes: int = 1024, steps: int = 2,
-                         options: tuple = (), seed: int = 1234) -> dict:
-    """Worker function (every rank): see the module docstring. Returns this rank's report."""
+                         options: tuple = (), seed: int = 1234, run_options: tuple = ()) -> dict:
+    """Worker function (every rank): see the module docstring. Returns this rank's report.
+    ``run_options``: (name, value) pairs of RunConfig fields (precision, distributed optimizer, ...)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -88,7 +89,7 @@ def offload_policies_run(*, schedule: str, pp: int, microbatches: int, chunks: i
     options = tuple(tuple(kv) for kv in options)
     base_factory = OffloadScheduleFactory(schedule, policy="none", chunks=chunks, options=options)
     cfg = RunConfig(spec=tiny_spec(variant, num_layers), pp=pp, schedule=base_factory, chunks=chunks,
-                    num_microbatches=microbatches, steps=1, seed=seed)
+                    num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
     tr = setup_training(cfg)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     ref_out = tr.step(0)

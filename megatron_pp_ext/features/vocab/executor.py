@@ -187,6 +187,12 @@ class VocabExecutor:
         handlers = dict(executor_kwargs.pop("op_handlers", None) or {})
         handlers.update(vocab_op_handlers(engine))
         self.inner = ScheduleExecutor(self._factory, op_handlers=handlers, **executor_kwargs)
+        # T adds the output layer's weight gradient, VEB the input embedding's: a chunk's
+        # data-parallel reduction starts after them (overlap_grad_reduce)
+        self.inner.grad_op_kinds |= {VT, VEB}
+        # and these read the vocabulary shards directly (no module forward, no DDP pre-hook):
+        # with overlap_param_gather they wait for the all-gathers first
+        self.inner.param_op_kinds |= {VEF, VEIN, VS, VSE, VT, VEB}
         self.__name__ = f"VocabExecutor[{schedule}, algorithm {engine.config.algorithm}]"
 
     def _factory(self, pp: int, m: int):
@@ -227,12 +233,6 @@ class VocabExecutor:
                  micro_batch_size: int, forward_only: bool = False, tokens=None, **kwargs) -> list:
         from megatron.core import parallel_state
 
-        for chunk in (model if isinstance(model, (list, tuple)) else [model]):
-            ddp = getattr(chunk, "ddp_config", None)
-            if ddp is not None and ddp.overlap_grad_reduce and not forward_only:
-                raise VocabConfigError("vocabulary parallelism with overlap_grad_reduce (--overlap-grad-reduce) needs "
-                                       "the executor to start chunk 0's gradient reduction after the last T / "
-                                       "embedding-gradient op; use overlap_grad_reduce=False until it does")
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.schedule_for(pp, num_microbatches, forward_only)
         toks = tokens if tokens is not None else self.tokens

@@ -19,9 +19,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ...runtime.harness import RunConfig, Training, merge_results
+from ...runtime.harness import RunConfig, Training, merge_results, reduced_main_grads
 from ...runtime.model import full_param, global_named_parameters
 from .config import VocabParallelConfig
+from .model import core_of
 
 __all__ = ["VocabTraining", "setup_vocab_training", "run_vocab_training", "merge_vocab_results",
            "OUTPUT_NAME", "EMBEDDING_NAME"]
@@ -117,9 +118,9 @@ def run_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig, *, measure: bo
             losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
             if cfg.forward_only:
                 continue
-            named = list(global_named_parameters(tr.model))
-            grads.append({n: p.main_grad.detach().clone() for n, p in named if not _is_vocab(n)})
-            vgrads.append({n: p.main_grad.detach().clone() for n, p in named if _is_vocab(n)})
+            reduced = reduced_main_grads(tr.model)
+            grads.append({n: g for n, g in reduced.items() if not _is_vocab(n)})
+            vgrads.append({n: g for n, g in reduced.items() if _is_vocab(n)})
             tr.optimizer.step()
         eval_losses: list = []
         for e in range(getattr(cfg, "eval_iters", 0)):  # evaluation, as Megatron-LM's evaluate() calls it
@@ -133,7 +134,7 @@ def run_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig, *, measure: bo
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "dp_rank": tr.dp_rank,
-            "holds_loss": any(getattr(c.module, "post_process", False) for c in tr.model),
+            "holds_loss": any(getattr(core_of(c), "post_process", False) for c in tr.model),
             "losses": losses,
             "eval_losses": eval_losses,
             "grads": None if cfg.forward_only else grads,

@@ -33,7 +33,6 @@ class VocabMegatronLM:
 
     flag = "--enable-vocab-parallel"
     reads_all_data = True          # the vocabulary layers on every rank read tokens and labels
-    allows_tied_v_placement = True  # the shards hold the tied embedding on every rank
 
     def __init__(self, cfg: VocabParallelConfig) -> None:
         self.cfg = cfg
@@ -47,9 +46,6 @@ class VocabMegatronLM:
 
         o = plan.options
         # (--save/--load: the shards save under the plain model's keys, .checkpoint)
-        if getattr(args, "overlap_grad_reduce", False):
-            raise ValueError("--enable-vocab-parallel does not support --overlap-grad-reduce yet; drop "
-                             "--overlap-grad-reduce")
         if getattr(args, "use_legacy_models", False):
             raise ValueError("--enable-vocab-parallel needs Megatron-Core models; drop --use-legacy-models")
         try:

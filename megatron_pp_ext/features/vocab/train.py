@@ -53,7 +53,6 @@ class VocabTrainFeature:
     name: str = "vocab_parallel"
     #: the shards hold the tied embedding on every rank, so a V placement (first and last stage
     #: on rank 0) can tie input and output embeddings
-    allows_tied_v_placement: bool = True
     #: --save / --load: the shards and the stubs implement ``sharded_state_dict`` (the plain
     #: model's keys over the full vocabulary, see .checkpoint), no checkpoint part of their own
     model_state_only: bool = True
