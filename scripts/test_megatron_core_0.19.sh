@@ -24,8 +24,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/pip" install -q -e ".[test,megatron-lm]"
 fi
 if [ $# -eq 0 ]; then
-    set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer.py tests/test_trainer_checkpoint.py \
-        tests/test_trainer_features.py tests/test_compat.py tests/test_megatron_lm_integration.py
+    set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer*.py tests/test_compat.py \
+        tests/test_megatron_lm_integration.py
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"
 exec "$VENV/bin/python" -m pytest "$@"
