@@ -16,11 +16,14 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer
 @needs_cpu_only
 def test_redirects_cuda_to_cpu_and_restores_everything():
     originals = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state,
-                 torch.cuda.set_rng_state, torch.cuda.manual_seed)
+                 torch.cuda.set_rng_state, torch.cuda.manual_seed, torch.cuda.current_stream)
     with enable_cpu_compat() as h:
         assert h.active and cpu_compat_active()
         assert torch.cuda.current_device() == torch.device("cpu")
         torch.cuda.synchronize()
+        stream = torch.cuda.current_stream()       # (megatron-core 0.19's start_grad_sync asks for it)
+        stream.wait_event(None)
+        stream.wait_stream(stream)
         for t in (torch.zeros(2, device="cuda"), torch.empty(3, device=torch.cuda.current_device()),
                   torch.ones(1, device=0), torch.tensor([1.0], device="cuda:0"), torch.ones(2).cuda(),
                   torch.ones(2).to("cuda"), torch.ones(2).to(device="cuda"), torch.ones(2).cuda(0)):
@@ -36,7 +39,7 @@ def test_redirects_cuda_to_cpu_and_restores_everything():
         assert torch.equal(b, torch.rand(3))
     assert not cpu_compat_active()
     assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state,
-            torch.cuda.set_rng_state, torch.cuda.manual_seed) == originals
+            torch.cuda.set_rng_state, torch.cuda.manual_seed, torch.cuda.current_stream) == originals
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
 
