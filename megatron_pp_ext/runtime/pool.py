@@ -30,6 +30,7 @@ import gc
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -147,11 +148,15 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
             # groups): gloo groups stop their threads only when the last reference goes.
             del fn, kwargs
             gc.collect()
+        # plain pickle, not the connection's ForkingPickler: that one shares tensors through file
+        # descriptors, and every tensor a test keeps (cached references) would keep one open (the
+        # suite ran out of descriptors)
         try:
-            conn.send((task_id, ok, payload))
+            data = pickle.dumps((task_id, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # unpicklable result
-            conn.send((task_id, False, "the result could not be sent back to the parent:\n"
-                       + traceback.format_exc()))
+            data = pickle.dumps((task_id, False, "the result could not be sent back to the parent:\n"
+                                 + traceback.format_exc()))
+        conn.send_bytes(data)
     os._exit(0)
 
 
@@ -300,7 +305,7 @@ class WorkerPool:
                             pending.pop(conn, None)
                         continue
                     i = pending.pop(r)
-                    got_id, ok, payload = r.recv()
+                    got_id, ok, payload = pickle.loads(r.recv_bytes())
                     if got_id != task_id:  # a stale answer cannot happen after a restart
                         raise RuntimeError(f"worker {i}: answer for task {got_id}, expected {task_id}")
                     if ok:
