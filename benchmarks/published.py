@@ -347,11 +347,23 @@ def combine(results: list[dict]) -> list[dict]:
 # --- markdown --------------------------------------------------------------------------------
 
 def verdict(rec: dict) -> str:
-    """'win', 'tie', 'loss' of ours (at no more than the published peak) against the published order."""
+    """'win', 'tie' or 'loss' of ours (within the published order's peak) against the published
+    order; 'more memory' where ours is slower only because the published order needs more memory
+    than our schedule of the family may use and none of ours runs at that memory (torch's
+    interleaved zero bubble when p does not divide m: interleaved-zb keeps p units)."""
     o = rec["ours"]
-    if o["peak"] > rec["peak"] + EPS or o["makespan"] > rec["makespan"] + EPS:
+    if o["peak"] > rec["peak"] + EPS:
+        return "loss"
+    if o["makespan"] > rec["makespan"] + EPS:
+        budget = FAMILY_UNITS.get(SOURCE[rec["source"]].ours)
+        if budget is not None and rec["peak"] > budget(rec["p"]) + EPS and o["name"] == rec["family"]["name"]:
+            return "more memory"
         return "loss"
     return "win" if o["makespan"] < rec["makespan"] - EPS else "tie"
+
+
+#: families whose memory is fixed and that no other schedule of ours replaces at more memory
+FAMILY_UNITS = {"interleaved-zb": lambda p: float(p)}
 
 
 def _num(x: float) -> str:
@@ -367,7 +379,7 @@ def _cell(rec: dict | None) -> str:
         return f"{_num(rec['makespan'])} / {rec['peak']:g} · ours refused"
     o = rec["ours"]
     d = 100.0 * (o["makespan"] - rec["makespan"]) / rec["makespan"]
-    mark = {"win": "**", "tie": "", "loss": "!! "}[verdict(rec)]
+    mark = {"win": "**", "tie": "", "loss": "!! ", "more memory": "(more memory) "}[verdict(rec)]
     star = "*" if o["name"] != rec["family"]["name"] else ""
     txt = (f"{_num(rec['makespan'])} / {rec['peak']:g} · {_num(o['makespan'])}{star} / {o['peak']:g}"
            + (f" ({d:+.1f}%)" if abs(d) >= 0.05 else ""))
@@ -393,25 +405,40 @@ def render(results: list[dict], command: str, commit: str | None, level: int = 2
                      + (" (2 chunks)" if s.ours in OURS_CHUNKS else "") + ".")
     L += ["", "Cells: published makespan / peak memory (units) · ours makespan / peak, and ours against "
           "theirs in percent of their makespan. **bold**: ours faster; `!!`: ours slower or over their "
-          "memory; `*`: ours is `v-budget` at the published order's peak (it needs less memory than our "
+          "memory; `(more memory)`: the published order holds more memory than ours may (see above); "
+          "`*`: ours is `v-budget` at the published order's peak (it needs less memory than our "
           "schedule of the family, or that one is slower); `refused`: the published generator did not "
           "produce a valid order; `n/a`: DualPipeV needs m >= 2p.", ""]
     # summary
-    L += ["| published | configurations | ours faster | equal | ours slower | largest gain |",
-          "|---|---|---|---|---|---|"]
+    L += ["| published | configurations | ours faster | equal | ours slower | theirs at more memory | "
+          "largest gain | largest loss |", "|---|---|---|---|---|---|---|---|"]
     for s in SOURCES:
         recs = [r for r in ok if r["source"] == s.key]
         if not recs:
             continue
         v = [verdict(r) for r in recs]
-        gain = max((100.0 * (r["makespan"] - r["ours"]["makespan"]) / r["makespan"] for r in recs), default=0.0)
+        diff = [100.0 * (r["makespan"] - r["ours"]["makespan"]) / r["makespan"] for r in recs]
+        gain = max([d for d in diff if d > 0], default=0.0)
+        lost = max([-d for d, x in zip(diff, v) if x == "loss"], default=0.0)
+        more = [-d for d, x in zip(diff, v) if x == "more memory"]
         L.append(f"| {s.key} | {len(recs)} | {v.count('win')} | {v.count('tie')} | {v.count('loss')} | "
-                 f"{gain:.1f}% |")
+                 + (f"{len(more)} (ours up to {max(more):.1f}% slower)" if more else "0")
+                 + f" | {gain:.1f}% | {lost:.1f}% |")
     refused = [r for r in results if "refused" in r]
     L.append("")
-    losses = [r for r in ok if verdict(r) == "loss"]
-    L.append(f"Ours at or below the published makespan within the published peak in {len(ok) - len(losses)} of "
-             f"{len(ok)} comparisons; {len(losses)} behind.")
+    v = [verdict(r) for r in ok]
+    losses = [r for r, x in zip(ok, v) if x == "loss"]
+    more = [r for r, x in zip(ok, v) if x == "more memory"]
+    L.append(f"Ours at or below the published makespan within the published peak in {v.count('win') + v.count('tie')} "
+             f"of {len(ok)} comparisons; {len(losses)} behind at no more memory"
+             + (f"; {len(more)} where the published order holds more memory than ours may use "
+                f"({', '.join(sorted({r['source'] for r in more}))}, when p does not divide m: its rounds of "
+                "m // (m // p) > p microbatches hold up to "
+                f"{max(r['peak'] / r['p'] for r in more):.2f}p units, interleaved-zb keeps p) and is faster there"
+                if more else "") + ".")
+    for r in losses:
+        L.append(f"- behind: {r['source']} at p={r['p']}, m={r['m']}, `{r['profile']}`: {_num(r['makespan'])} "
+                 f"against ours {_num(r['ours']['makespan'])}.")
     if refused:
         L.append("")
         L.append("Published generators that produced no valid order: " + "; ".join(
