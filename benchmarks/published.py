@@ -398,7 +398,8 @@ def render(results: list[dict], command: str, commit: str | None, level: int = 2
          "copied into this project) and from torch 2.13; each order is converted to our IR, passes our "
          "validator (complete, deadlock-free) and is timed by our simulator under the same costs as ours "
          "(each chunk half of a rank's F/B/W, `comm` on every cross-rank dependency, an activation held "
-         "from F to W). `benchmarks/published.py` has the details.", ""]
+         "from F to W). `benchmarks/published.py` has the details. The checkout: `git clone "
+         "https://github.com/sail-sg/zero-bubble-pipeline-parallelism PATH` at the commit above.", ""]
     for s in SOURCES:
         if any(r["source"] == s.key for r in results):
             L.append(f"- **{s.key}**: {s.what}; ours: `{s.ours}`"
