@@ -31,8 +31,6 @@ stage 2p-1-r), 2 (B of chunk 1), 3 (B of chunk 0), 4 (W, numbered in B order in 
 
 from __future__ import annotations
 
-import heapq
-
 from ..ir import Op, Schedule, ScheduleError, v_placement
 
 _SLOTS = 6
@@ -84,17 +82,18 @@ def _deps(ranks: _Ranks, r: int, c: int) -> int:
     return d
 
 
-def _order(ranks: _Ranks):
-    """Ops in time order (slot, rank, type, microbatch), each list (rank, type) in microbatch
-    order; the slot an op is taken at is its slot when its turn comes."""
-    m, types = ranks.m, ranks.types
-    heap = [(ranks.slot[r][t * m], r, t, 0) for r in range(ranks.p) for t in range(types)]
-    heapq.heapify(heap)
-    while heap:
-        x, r, t, k = heapq.heappop(heap)
-        yield r, t * m + k
-        if k + 1 < ranks.count(t):
-            heapq.heappush(heap, (ranks.slot[r][t * m + k + 1], r, t, k + 1))
+def _order(ranks: _Ranks) -> list[tuple[int, int]]:
+    """Ops in time order (slot, rank, type, microbatch) as (rank, code). The passes below move
+    an op only when its turn comes, and only earlier, so the order of the slots they start from
+    is the order they visit (each (rank, type) list is in microbatch order, slots increasing)."""
+    m = ranks.m
+    keyed = []
+    for r, sl in enumerate(ranks.slot):
+        for c, x in enumerate(sl):
+            t, k = (4, c - 4 * m) if c >= 4 * m else divmod(c, m)
+            keyed.append((x, r, t, k, c))
+    keyed.sort()
+    return [(r, c) for _, r, _, _, c in keyed]
 
 
 def _compact(ranks: _Ranks) -> None:
