@@ -119,7 +119,7 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
     that fit ``budget`` (:func:`.block.fit_blocks`), run in block order and as deadlines for
     the list scheduler (W's late, or right after their B; and, below the lean size, the block
     order's simulated timeline as deadlines: at p=16, m=16, 1:1.8:0.4 that puts V-Half ahead
-    of 1F1B, 48.0% against 48.4% bubble)."""
+    of 1F1B, 47.3% against 48.4% bubble with the polish)."""
     p = max(placement) + 1
     limits = [budget] * p
     cands: list[tuple[str, Builder]] = []
