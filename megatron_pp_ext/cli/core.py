@@ -204,9 +204,12 @@ def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
         raise CLIError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. --costs 1,2,1,0.1")
     if len(vals) == 3:
         vals.append(0.0)
+    from ..schedule.costs import check_cost_numbers
+    try:
+        check_cost_numbers(vals, spec)
+    except ScheduleError as e:
+        raise CLIError(str(e)) from None
     f, b, w, comm = vals
-    if not all(math.isfinite(x) for x in vals) or f <= 0 or b <= 0 or w < 0 or comm < 0:
-        raise CLIError(f"--costs {spec!r}: F and B must be > 0, W and COMM >= 0 (finite), e.g. --costs 1,2,1,0")
     return (f, b, w, comm)
 
 

@@ -18,10 +18,11 @@ def configure(parser):
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def simulate_report(args) -> dict:
-    """The JSON document of ``mppx simulate --json``."""
+def simulate_report(args, bar=None) -> dict:
+    """The JSON document of ``mppx simulate --json`` (``bar``: a progress bar to tell the steps)."""
     from ...schedule import simulate
 
+    step = bar.step if bar is not None else (lambda text: None)
     sched, cost = build_from_args(args)
     changes = {}
     if args.bytes_per_unit is not None:
@@ -30,6 +31,7 @@ def simulate_report(args) -> dict:
         changes["bytes_per_message"] = parse_bytes(args.bytes_per_message, "--bytes-per-message")
     if changes:
         cost = cost.with_(**changes)
+    step("simulating")
     res = simulate(sched, cost)
     f, b, w, comm = parse_costs(args.costs)
     doc = {
@@ -45,6 +47,7 @@ def simulate_report(args) -> dict:
     doc.update(res.to_dict())
     doc["messages"] = sum(res.messages)
     doc["ops_per_rank"] = [len(ops) for ops in sched.ops]
+    step("1F1B for comparison")
     doc["vs_1f1b"] = _vs_1f1b(args, res, with_comm=sched.has_comm())
     return doc
 
@@ -65,7 +68,10 @@ def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
 
 
 def run(args) -> int:
-    doc = simulate_report(args)
+    from ..progress import progress
+
+    with progress(f"mppx simulate {args.schedule}") as bar:
+        doc = simulate_report(args, bar)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
