@@ -220,3 +220,60 @@ def test_viz_largest_allowed_figure_is_drawn(capsys, tmp_path):
     rc = main(["viz", "--schedule", "zbv", "--pp", "2", "--microbatches", str(m), "-o", str(tmp_path / "ok.png")])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "ok.png").stat().st_size > 0
+
+
+# --- mppx plan: out-of-range cluster, search and calibration values ----------------------------
+
+PLAN = ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--memory", "nan"], "--memory"), (["--memory", "0"], "--memory"), (["--memory", "-3"], "--memory"),
+    (["--memory", "2"], "--memory"),
+    (["--peak-tflops", "-5"], "--peak-tflops"), (["--peak-tflops", "1e-9"], "--peak-tflops"),
+    (["--peak-tflops", "inf"], "--peak-tflops"),
+    (["--nvlink-gbps", "0"], "--nvlink-gbps"), (["--net-gbps", "nan"], "--net-gbps"),
+    (["--host-gbps", "-1"], "--host-gbps"),
+    (["--time-limit", "0"], "--time-limit"), (["--time-limit", "nan"], "--time-limit"),
+    (["--time-limit", "-1"], "--time-limit"),
+    (["--time-limit", "1e-9"], "raise --time-limit"),
+    (["--budgets", "nan"], "--budgets"), (["--budgets", "fit,0"], "--budgets"),
+])
+def test_plan_refuses_out_of_range_values(capsys, extra, needle):
+    line = one_line_error(capsys, *PLAN, *extra)
+    assert needle in line
+    assert "OOM" not in line and "use more GPUs" not in line  # not a misleading verdict
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"efficiency": {"gemm_max": 5}}, "gemm_max"),       # an MFU above 100% otherwise
+    ({"efficiency": {"hbm": float("nan")}}, "hbm"),
+    ({"efficiency": {"gemm_half": 0}}, "gemm_half"),
+    ({"efficiency": 3}, "'efficiency' must be an object"),
+    ({"gemm_points": [{"x": 1e5, "efficiency": float("nan")}]}, "efficiency must be a finite number"),
+    ({"gemm_points": [{"y": 1}]}, "has no 'efficiency'"),
+    ({"gemm_points": 7}, "must be a list"),
+    ({"layer_points": [{"mbs": 1, "forward_ms": float("nan")}]}, "forward_ms"),
+    ({"layer_points": [{"mbs": 0, "forward_ms": 3}]}, "mbs and tp"),
+])
+def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(doc))
+    assert needle in one_line_error(capsys, *PLAN, "--calibration", str(path))
+
+
+def test_planner_library_refuses_the_same_values():
+    from megatron_pp_ext.planner import PlannerError, PlanRequest, get_model, make_cluster
+    from megatron_pp_ext.planner.timing import Efficiency
+
+    with pytest.raises(PlannerError, match="--memory"):
+        make_cluster("h100", 8, memory_gib=float("nan"))
+    with pytest.raises(PlannerError, match="--peak-tflops"):
+        make_cluster("h100", 8, peak_tflops=0.0)
+    with pytest.raises(PlannerError, match="gemm_max"):
+        Efficiency(gemm_max=1.5)
+    cluster = make_cluster("h100", 8)
+    with pytest.raises(PlannerError, match="--time-limit"):
+        PlanRequest(get_model("llama2-7b"), cluster, 64, time_limit=0.0)
+    with pytest.raises(PlannerError, match="--budgets"):
+        PlanRequest(get_model("llama2-7b"), cluster, 64, budgets=("nan",))
