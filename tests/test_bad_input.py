@@ -277,3 +277,14 @@ def test_planner_library_refuses_the_same_values():
         PlanRequest(get_model("llama2-7b"), cluster, 64, time_limit=0.0)
     with pytest.raises(PlannerError, match="--budgets"):
         PlanRequest(get_model("llama2-7b"), cluster, 64, budgets=("nan",))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--schedule", "v-budget", "--memory-budget", "nan"], "--memory-budget 'nan'"),
+    (["--schedule", "v-budget", "--memory-budget", "inf"], "--memory-budget 'inf'"),
+    (["--schedule", "zbv", "--costs", "1,nan,1"], "--costs"),
+    (["--schedule", "zbv", "--costs", "1e308,1e308,1e308"], "--costs"),
+])
+def test_train_refuses_bad_budget_and_costs_before_starting(capsys, tmp_path, extra, needle):
+    assert needle in one_line_error(capsys, "train", "--out", str(tmp_path / "run"), *extra)
+    assert not (tmp_path / "run").exists()
