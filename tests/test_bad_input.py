@@ -67,6 +67,11 @@ def test_costs_below_the_simulators_resolution_are_refused():
         validate(s, c)
 
 
+def test_a_tiny_w_or_comm_is_accepted():
+    s, c = build_schedule("zb-h1", 4, 8, costs=(1, 1, 6e-8, 1e-12))
+    assert simulate(s, c).makespan > 0
+
+
 def test_tiny_but_resolvable_costs_give_the_scaled_result():
     s, c = build_schedule("zb-h1", 4, 8, costs=(1, 2, 1, 0))
     s2, c2 = build_schedule("zb-h1", 4, 8, costs=(1e-6, 2e-6, 1e-6, 0))
@@ -179,6 +184,7 @@ def test_simulate_check_false_is_the_raw_simulator():
     (["simulate", "--schedule", "zbv", "--costs", "1e308,1e308,1e308"], "--costs"),
     (["simulate", "--schedule", "zbv", "--costs", "1e-12,1e-12,1e-12"], "--costs"),
     (["simulate", "--schedule", "zbv", "--costs", "1,1,1,nan"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1,1e-9,1"], "--costs"),
     (["simulate", "--schedule", "zbv", "--costs", "1,inf,1"], "--costs"),
     (["compare", "--costs", "1e308,1,1"], "--costs"),
     (["viz", "--schedule", "zbv", "--costs", "nan,1,1", "-o", "x.png"], "--costs"),

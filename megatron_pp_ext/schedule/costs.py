@@ -22,8 +22,8 @@ from .ir import ScheduleError
 #: the simulator rounds times to 9 decimals (simulate._round): a positive time below this
 #: would vanish, one a little above it would lose its digits
 MIN_TIME = 1e-9
-#: a request's positive ``--costs`` numbers (per rank) must be at least this: 1000x the rounding
-#: step, so no schedule is decided by rounding
+#: a request's F and B (``--costs``, per rank) must be at least this: 1000x the rounding step,
+#: so no schedule is decided by rounding
 MIN_REQUEST_COST = 1e-6
 #: the total time of an iteration must stay below this, far from float overflow (1.8e308)
 MAX_TOTAL_TIME = 1e300
@@ -161,18 +161,19 @@ class CostModel:
 
 
 def check_cost_numbers(vals: Sequence[float], spec: object = None) -> None:
-    """The rule of ``--costs F,B,W,COMM`` (per rank): all finite, F and B > 0, W and COMM >= 0,
-    each positive one at least :data:`MIN_REQUEST_COST`, and their sum finite."""
+    """The rule of ``--costs F,B,W,COMM`` (per rank): all finite, F and B at least
+    :data:`MIN_REQUEST_COST` (so the simulator's rounding never decides a schedule; a smaller W
+    or COMM only rounds towards 0, which changes nothing), W and COMM >= 0, their sum below
+    :data:`MAX_TOTAL_TIME`."""
     shown = spec if spec is not None else ",".join(f"{x:g}" for x in vals)
     f, b, w, comm = vals
     if not all(math.isfinite(x) for x in vals) or not (f > 0 and b > 0 and w >= 0 and comm >= 0):
         raise ScheduleError(f"--costs {shown!r}: F and B must be > 0, W and COMM >= 0 (finite numbers), "
                             "e.g. --costs 1,2,1,0")
-    small = [x for x in vals if 0 < x < MIN_REQUEST_COST]
-    if small:
-        raise ScheduleError(f"--costs {shown!r}: {small[0]:g} is below {MIN_REQUEST_COST:g}, where the "
-                            "simulator's rounding would decide the schedule; give the costs in a smaller unit "
-                            "(e.g. microseconds), or 0 for W or COMM")
+    if min(f, b) < MIN_REQUEST_COST:
+        raise ScheduleError(f"--costs {shown!r}: F and B must be at least {MIN_REQUEST_COST:g}, where the "
+                            "simulator's rounding (9 decimals) would decide the schedule; give the costs in a "
+                            "smaller unit (e.g. microseconds instead of seconds)")
     if not sum(vals) < MAX_TOTAL_TIME:
         raise ScheduleError(f"--costs {shown!r}: the numbers are too large to simulate (their sum must stay "
                             f"below {MAX_TOTAL_TIME:g}); give the costs in a larger unit, e.g. --costs 1,2,1")
