@@ -294,3 +294,31 @@ def test_planner_library_refuses_the_same_values():
 def test_train_refuses_bad_budget_and_costs_before_starting(capsys, tmp_path, extra, needle):
     assert needle in one_line_error(capsys, "train", "--out", str(tmp_path / "run"), *extra)
     assert not (tmp_path / "run").exists()
+
+
+# --- long work: a progress bar on a terminal only ----------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["compare", "--pp", "2", "--microbatches", "4"], "mppx compare"),
+    (["simulate", "--schedule", "zbv", "--pp", "2", "--microbatches", "4"], "1F1B for comparison"),
+])
+def test_progress_bar_on_a_terminal_once_the_work_is_long(capsys, monkeypatch, argv, needle):
+    from megatron_pp_ext.cli import progress
+
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""              # not a terminal: nothing extra
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)     # as if every step had taken long
+    monkeypatch.setattr(progress, "REDRAW_S", 0.0)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert needle in err and "elapsed" in err
+    assert needle not in out                          # the report itself is unchanged
+
+
+def test_progress_waits_for_long_work(capsys, monkeypatch):
+    from megatron_pp_ext.cli import progress
+
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]) == 0
+    assert capsys.readouterr().err == ""              # well under DELAY_S: no bar

@@ -14,8 +14,9 @@ from typing import Iterator
 
 from ..schedule.progress import listening
 
-#: seconds of work before a bar appears
+#: seconds of work before a bar appears, and between two redraws
 DELAY_S = 2.0
+REDRAW_S = 0.1
 
 
 class Progress:
@@ -31,7 +32,7 @@ class Progress:
         fmt = ("{desc}: {n_fmt}/{total_fmt} {unit}s |{bar:20}| {elapsed} elapsed{postfix}" if total else
                "{desc}: {elapsed} elapsed, step {n_fmt}{postfix}")
         self.bar = tqdm(total=total, desc=desc, unit=unit, file=stream, leave=False, delay=DELAY_S,
-                        mininterval=0.1, dynamic_ncols=True, bar_format=fmt, disable=not _is_terminal(stream))
+                        mininterval=REDRAW_S, dynamic_ncols=True, bar_format=fmt, disable=not _is_terminal(stream))
 
     def step(self, text: str) -> None:
         """A new step starts (the core's reports land here)."""
