@@ -56,6 +56,12 @@ def test_costs_that_overflow_over_the_microbatches_are_refused():
         build_schedule("1f1b", 2, 10**6, costs=(1e295, 1e295, 1e295, 0))
 
 
+def test_schedules_too_large_to_build_are_refused_before_any_work():
+    from megatron_pp_ext.schedule.registry import MAX_OPS
+    with pytest.raises(ScheduleError, match="--microbatches"):
+        build_schedule("zbv", 64, MAX_OPS, costs=(1, 1, 1, 0))
+
+
 def test_costs_below_the_simulators_resolution_are_refused():
     with pytest.raises(ScheduleError, match="smaller unit"):
         build_schedule("zbv", 4, 8, costs=(1e-12, 1e-12, 1e-12, 0))
@@ -200,6 +206,10 @@ def test_simulate_check_false_is_the_raw_simulator():
     (["export", "--schedule", "zbv", "-o", "/proc/x.json"], "-o"),
     (["simulate", "--schedule", "zbv", "--bytes-per-unit", "nanGiB"], "--bytes-per-unit"),
     (["simulate", "--schedule", "zbv", "--bytes-per-message", "1e999"], "--bytes-per-message"),
+    (["simulate", "--schedule", "zbv", "--bytes-per-unit", "0.0000001"], "--bytes-per-unit"),
+    (["simulate", "--schedule", "1f1b", "--pp", "99999999999", "--microbatches", "1"], "fewer ranks (--pp)"),
+    (["simulate", "--schedule", "1f1b", "--microbatches", "99999999999"], "--microbatches 833333 or fewer"),
+    (["export", "--schedule", "zbv", "--pp", "64", "--microbatches", "100000", "--format", "json"], "ops"),
 ])
 def test_cli_bad_values_give_one_line(capsys, tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)

@@ -228,8 +228,8 @@ def parse_bytes(text: str, flag: str) -> float:
         value = float(num) * _BYTE_UNITS[unit]
     except (ValueError, KeyError):
         raise CLIError(f"{flag} {text!r}: give a size such as 2GiB, 512MB or 1.5e9 (bytes)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise CLIError(f"{flag} {text!r}: must be a positive size, e.g. 2GiB")
+    if not math.isfinite(value) or value < 1:
+        raise CLIError(f"{flag} {text!r}: must be a finite size of at least 1 byte, e.g. 2GiB")
     return value
 
 

@@ -127,6 +127,22 @@ def parse_memory_budget(value: str | float | None, pp: int) -> float | None:
     return units
 
 
+#: the most compute ops (stages x microbatches x 3) a build may have: p=64, m=4096 with two chunks
+#: per rank is 1.6 million ops and takes minutes and gigabytes; beyond this it would not finish
+MAX_OPS = 10_000_000
+
+
+def check_size(pp: int, chunks: int, microbatches: int) -> None:
+    """Refuse a schedule too large to build (ScheduleError naming the flags), before any work."""
+    ops = pp * chunks * microbatches * 3
+    if ops > MAX_OPS:
+        most = MAX_OPS // (pp * chunks * 3)
+        fix = (f"use --microbatches {most} or fewer (the schedule's pattern repeats)" if most >= 1 else
+               "use fewer ranks (--pp) or chunks per rank (--chunks)")
+        raise ScheduleError(f"--pp {pp} x --chunks {chunks} x --microbatches {microbatches}: {ops:,} ops, more than "
+                            f"the {MAX_OPS:,} a schedule can be built with here; {fix}")
+
+
 def _parse_cost_numbers(costs: str | Sequence[float]) -> tuple[float, float, float, float]:
     """F, B, W, COMM from ``"F,B,W[,COMM]"`` or a sequence, validated like ``--costs``."""
     c = CostModel.from_spec(costs, 1, 1)
@@ -150,6 +166,7 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
     if info.chunks is None and chunks < info.min_chunks:
         raise ScheduleError(f"schedule {name!r} needs --chunks >= {info.min_chunks} (model chunks per rank); "
                             "with one chunk use its non-interleaved form (1f1b, zb-h1)")
+    check_size(pp, info.chunks or chunks, microbatches)
     budget = parse_memory_budget(memory_budget, pp)
     if budget is not None and not info.uses_budget:
         raise ScheduleError(f"schedule {name!r} has a fixed memory footprint and ignores --memory-budget; "
