@@ -27,6 +27,8 @@ def test_budget_above_zbv_does_not_spend_memory_for_nothing():
     ms, pk = run("v-budget", 4, 16, (1, 1, 1, 0), 8)
     assert ms <= ms_z + EPS
     assert pk <= pk_z + EPS and pk == 4
+    s, _ = build_schedule("v-budget", 4, 16, memory_budget=8)
+    assert s.meta["budget_units"] == 8 and s.meta["budget_rung"] == 4  # asked for, and where it was found
 
 
 def test_makespan_is_monotone_in_the_budget_p8():

@@ -16,7 +16,9 @@ ZB-V's makespan at 4). :func:`ladder_search` makes the budget a monotone knob on
 - ladder points are searched from the top down and the descent stops where the lower bound of
   :mod:`.bounds` at a point exceeds the best makespan found (no schedule there could tie it).
 
-Each search is cached per request, so the ladder's shared points are built once per process.
+Each search is cached per request (cost models without ``extra``), so the ladder's shared
+points are built once per process. The result's ``meta["budget_units"]`` is the budget asked
+for, ``meta["budget_rung"]`` the ladder point whose search gave it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ from ..progress import report
 from .bounds import makespan_lower_bound
 from .search import score
 
-_EPS = 1e-9
 _CACHE: "OrderedDict[tuple, Schedule]" = OrderedDict()
 _CACHE_SIZE = 64
 #: schedules with more ops than this are not cached (their searches dwarf the lookup anyway)
 _CACHE_MAX_OPS = 50_000
 
 
-def ladder_step(cost: CostModel, p: int) -> float | None:
+def ladder_step(cost: CostModel) -> float | None:
     """The ladder's step: one chunk's activation when every stage holds the same and frees it
     whole (peaks are then multiples of it), else None (the budget is then not snapped)."""
     acts = set(cost.act)
@@ -65,7 +66,7 @@ def ladder_search(build: Callable[[float], Schedule], p: int, m: int, cost: Cost
     placement = v_placement(p)
     need = max(cost.act[r] + cost.act[2 * p - 1 - r] for r in range(p))
     cap = m * need
-    step = ladder_step(cost, p)
+    step = ladder_step(cost)
     points = ladder(budget, need, cap, step)
     best: tuple[tuple[float, float], float, Schedule] | None = None
     bound = 0.0  # the largest lower bound seen: valid for every lower budget too
@@ -75,14 +76,15 @@ def ladder_search(build: Callable[[float], Schedule], p: int, m: int, cost: Cost
             if bound > best[0][0] + 1e-6:
                 break  # nothing within b (or less) can reach the best makespan
         report(f"v-budget: searching at {b:g} units")
-        sched = _cached(build, key + (b,), b)
+        sched = _cached(build, key + (b,), b) if not cost.extra else build(b)
         ms, pk = score(sched, cost)
         cand = ((round(ms, 9), round(pk, 9)), b, sched)
         if best is None or cand[0] < best[0]:
             best = cand
     assert best is not None
     sched = best[2]
-    sched.meta["budget_units"] = best[1]  # the ladder point whose search it won
+    sched.meta["budget_units"] = budget      # what it was asked for (and is validated against)
+    sched.meta["budget_rung"] = best[1]      # the ladder point whose search it won
     return sched
 
 
