@@ -37,7 +37,8 @@ class Table:
     heading: str                 # the nearest heading above it ("### 1f1b, seq 2048")
     caption: str                 # the last text line between that heading and the table ("p = 4"), or ""
     header: str                  # the header row
-    rows: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)      # normalised (whitespace) for comparing
+    raw: list[str] = field(default_factory=list)       # as written
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -63,6 +64,7 @@ def tables(md: str) -> list[Table]:
             i += 2
             while i < len(lines) and lines[i].strip().startswith("|"):
                 t.rows.append(_norm(lines[i]))
+                t.raw.append(lines[i].rstrip())
                 i += 1
             out.append(t)
             continue
@@ -121,7 +123,7 @@ def update(doc: str, generated: str) -> tuple[str, list[str]]:
         elif line.startswith("|") and i + 1 < len(lines) and lines[i + 1].strip().startswith("|-"):
             key = (heading, caption, _norm(line))
             if key in gen:
-                out += [lines[i], lines[i + 1]] + [r for r in gen[key].rows]
+                out += [lines[i], lines[i + 1]] + gen[key].raw
                 used.add(key)
                 i += 2
                 while i < len(lines) and lines[i].strip().startswith("|"):
