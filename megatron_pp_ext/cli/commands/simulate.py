@@ -23,12 +23,12 @@ def simulate_report(args, bar=None) -> dict:
     from ...schedule import simulate
 
     step = bar.step if bar is not None else (lambda text: None)
-    sched, cost = build_from_args(args)
-    changes = {}
+    changes = {}  # every flag is checked before the (possibly long) build
     if args.bytes_per_unit is not None:
         changes["bytes_per_unit"] = parse_bytes(args.bytes_per_unit, "--bytes-per-unit")
     if args.bytes_per_message is not None:
         changes["bytes_per_message"] = parse_bytes(args.bytes_per_message, "--bytes-per-message")
+    sched, cost = build_from_args(args)
     if changes:
         cost = cost.with_(**changes)
     step("simulating")
