@@ -332,3 +332,10 @@ def test_progress_waits_for_long_work(capsys, monkeypatch):
     monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
     assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]) == 0
     assert capsys.readouterr().err == ""              # well under DELAY_S: no bar
+
+
+def test_simulate_checks_its_byte_flags_before_building(capsys, monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("built before the flags were checked")
+    monkeypatch.setattr("megatron_pp_ext.cli.commands.simulate.build_from_args", no_build)
+    assert "--bytes-per-unit" in one_line_error(capsys, "simulate", "--schedule", "zbv", "--bytes-per-unit", "nan")
