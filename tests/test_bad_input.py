@@ -193,6 +193,8 @@ def test_simulate_check_false_is_the_raw_simulator():
     (["simulate", "--schedule", "zbv", "--costs", "1,1e-9,1"], "--costs"),
     (["simulate", "--schedule", "zbv", "--costs", "1,inf,1"], "--costs"),
     (["compare", "--costs", "1e308,1,1"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1e299,1e299,1e299"], "--costs"),
+    (["compare", "--schedules", ","], "--schedules"),
     (["viz", "--schedule", "zbv", "--costs", "nan,1,1", "-o", "x.png"], "--costs"),
     (["export", "--schedule", "zbv", "--costs", "1,1,-1", "--format", "json"], "--costs"),
     (["simulate", "--schedule", "v-budget", "--memory-budget", "nan"], "--memory-budget"),

@@ -154,7 +154,10 @@ class CostModel:
                 vals.append(0.0)
         check_cost_numbers(vals, spec)
         f, b, w, comm = vals
-        return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
+        try:
+            return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
+        except ScheduleError as e:  # e.g. one microbatch over all stages too long to simulate
+            raise ScheduleError(f"--costs {spec!r}: {e}") from None
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)

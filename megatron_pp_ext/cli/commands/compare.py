@@ -49,6 +49,10 @@ def compare_rows(args) -> tuple[list[dict], list[dict]]:
     costs = parse_costs(args.costs)
     budget_units = parse_memory_budget(args.memory_budget, args.pp)
     names = schedule_names()
+    if args.schedules is not None and not [n for n in args.schedules.split(",") if n.strip()]:
+        if args.schedules.strip():
+            raise CLIError(f"--schedules {args.schedules!r}: no schedule named; give names such as 1f1b,zbv "
+                           "('mppx schedules' lists them)")
     if args.schedules:
         wanted = [n.strip() for n in args.schedules.split(",") if n.strip()]
         for n in wanted:
