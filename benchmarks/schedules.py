@@ -282,15 +282,7 @@ def render(results: list[dict], command: str, wall: float, jobs: int, extra_cpu:
 
     # --- full tables
     L += ["## All configurations", "", "Cells: bubble / peak memory (units)."]
-    for pr in PROFILES:
-        L += ["", f"### `{pr.key}`: {pr.label}"]
-        for p in PS:
-            ms = [k * p for k in M_FACTORS]
-            L += ["", f"p = {p}", "", "| schedule | " + " | ".join(f"m={m}" for m in ms) + " |",
-                  "|---|" + "---|" * len(ms)]
-            for kind, name in rows:
-                L.append(f"| {row_label(name)} | " + " | ".join(_cell(get(kind, name, p, m, pr.key)) for m in ms)
-                         + " |")
+    L += _config_tables(get, rows, PROFILES, PS)
 
     # --- send/recv
     L += ["", f"## With send/recv ops (p={p0}, m={m0}, `comm` profile)", "",
@@ -339,6 +331,41 @@ def render(results: list[dict], command: str, wall: float, jobs: int, extra_cpu:
         L += ["", "Refusals:", ""] + [f"- {row_label(n)}: {msg}" for n, msg in refused]
     L.append("")
     return "\n".join(L)
+
+
+def _config_tables(get, rows, profiles, ps) -> list[str]:
+    """The tables of "All configurations": per profile and p, every schedule over m."""
+    L: list[str] = []
+    for pr in profiles:
+        L += ["", f"### `{pr.key}`: {pr.label}"]
+        for p in ps:
+            ms = [k * p for k in M_FACTORS]
+            L += ["", f"p = {p}", "", "| schedule | " + " | ".join(f"m={m}" for m in ms) + " |",
+                  "|---|" + "---|" * len(ms)]
+            for kind, name in rows:
+                L.append(f"| {row_label(name)} | " + " | ".join(_cell(get(kind, name, p, m, pr.key)) for m in ms)
+                         + " |")
+    return L
+
+
+#: what ``doc_tables(quick=True)`` recomputes: every schedule at p=4, m = p..8p, one profile
+QUICK_P, QUICK_PROFILE = 4, "unbalanced"
+
+
+def doc_tables(quick: bool = False) -> str:
+    """The deterministic tables of docs/benchmarks/schedules.md (everything but the generation
+    times), for benchmarks/doccheck.py; ``quick``: the :data:`QUICK_PROFILE` table at p = :data:`QUICK_P`."""
+    if not quick:
+        text = render(run(min(os.cpu_count() or 1, 2)), "", 0.0, 1)
+        return text[:text.index("## Generation time")]
+    results: list[dict] = []
+    for t in make_tasks():
+        if t[2] == QUICK_P:
+            results += task(t[0], t[1], t[2], t[3], (QUICK_PROFILE,))
+    idx = {(r["kind"], r["name"], r["p"], r["m"], r["profile"]): r for r in results}
+    get = lambda kind, name, p, m, pk: idx.get((kind, name, p, m, pk))  # noqa: E731
+    return "\n".join(["## All configurations"] + _config_tables(get, _rows(results), [PROFILE[QUICK_PROFILE]],
+                                                                 [QUICK_P]))
 
 
 def _v_vs_1f1b(results: list[dict], get) -> list[str]:

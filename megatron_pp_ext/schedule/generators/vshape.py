@@ -227,6 +227,15 @@ def v_min(req: ScheduleRequest) -> Schedule:
                    "(units, or a fraction of 1F1B such as 0.6x)", placement="v", chunks=2,
                    split_backward=True, uses_budget=True)
 def v_budget(req: ScheduleRequest) -> Schedule:
+    """The V search at every budget of a ladder up to ``--memory-budget`` (:mod:`.budget_ladder`):
+    a larger budget never gives a slower schedule, nor a larger peak at the same makespan."""
     if req.memory_budget is None:
         raise ScheduleError("v-budget needs --memory-budget (units, e.g. 3, or a fraction of 1F1B, e.g. 0.5x)")
-    return _v(req, "v-budget", req.memory_budget)
+    from .budget_ladder import ladder_search
+
+    cost = req.cost_model(2 * req.pp, 2)
+    need = max(cost.act[r] + cost.act[2 * req.pp - 1 - r] for r in range(req.pp))
+    if req.memory_budget + 1e-9 < need:
+        return _v(req, "v-budget", req.memory_budget)  # its error names the budget needed
+    key = ("v-budget", req.pp, req.microbatches, cost, repr(sorted(req.options.items())))
+    return ladder_search(lambda b: _v(req, "v-budget", b), req.pp, req.microbatches, cost, req.memory_budget, key)
