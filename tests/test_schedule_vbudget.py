@@ -76,3 +76,14 @@ def test_larger_budget_never_slower_nor_more_memory_at_equal_makespan(case):
         assert ms_hi <= ms_z + EPS
         if ms_hi >= ms_z - EPS:
             assert pk_hi <= pk_z + EPS
+
+
+def test_large_problems_search_few_rungs_on_a_fixed_grid():
+    """The grid depends on the problem, not the budget: nested ladders (monotone), few rungs at
+    large sizes (generation time), every half unit at small ones."""
+    from megatron_pp_ext.schedule.generators.budget_ladder import coarse_step, ladder
+    assert coarse_step(0.5, 1.0, 8.0, 3 * 2 * 8 * 16) == 0.5
+    big = coarse_step(0.5, 1.0, 32.0, 3 * 2 * 32 * 256)
+    assert big == 8.0
+    low, high = ladder(20.0, 1.0, 256.0, big), ladder(30.0, 1.0, 256.0, big)
+    assert set(low) <= set(high) and len(high) <= 5

@@ -7,8 +7,9 @@ ZB-V's makespan at 4). :func:`ladder_search` makes the budget a monotone knob on
 
 - the budget is snapped down to a *ladder* ``need, need + step, ...`` (``need``: one
   microbatch on the fullest rank; ``step``: the activation of one chunk's microbatch when all
-  stages hold the same, so every schedule within the budget is also within the snapped one),
-  and capped at what holding every microbatch at once takes;
+  stages hold the same, so every schedule within the budget is also within the snapped one;
+  for large problems a whole multiple of it, so that the searches stay within the generation
+  time: :func:`coarse_step`), and capped at what holding every microbatch at once takes;
 - the result is the best, by makespan and then peak memory, of the searches at every ladder
   point up to the snapped budget. So a larger budget sees every schedule a smaller one sees:
   its makespan is never larger, and at an equal makespan its peak is never larger either (ZB-V
@@ -49,6 +50,24 @@ def ladder_step(cost: CostModel) -> float | None:
     return None
 
 
+#: ladder points searched at most, scaled by the problem: about LADDER_EFFORT / ops of them
+#: (each search costs roughly in proportion to the ops), never fewer than MIN_RUNGS. At p=8,
+#: m=16 every half unit is a rung; at p=32, m=256 about 4 (generation stays under 2 s there).
+LADDER_EFFORT = 200_000
+MIN_RUNGS = 4
+
+
+def coarse_step(step: float, need: float, span_top: float, ops: int) -> float:
+    """The ladder's step for a problem of ``ops`` ops: ``step`` times the smallest integer that
+    keeps the rungs between ``need`` and ``span_top`` (ZB-V's memory) within the effort. The
+    grid depends on the problem only, not on the budget asked, so the ladders of two budgets
+    are nested and a larger budget still sees every rung a smaller one sees."""
+    rungs = max(MIN_RUNGS, LADDER_EFFORT // max(1, ops))
+    span = max(0.0, span_top - need)
+    k = max(1, math.ceil(span / (rungs * step) - 1e-9))
+    return step * k
+
+
 def ladder(budget: float, need: float, cap: float, step: float | None) -> list[float]:
     """Budgets to search, highest first: ``budget`` snapped down to ``need + k*step`` (within
     ``cap``), then every lower ladder point down to ``need``."""
@@ -67,6 +86,9 @@ def ladder_search(build: Callable[[float], Schedule], p: int, m: int, cost: Cost
     need = max(cost.act[r] + cost.act[2 * p - 1 - r] for r in range(p))
     cap = m * need
     step = ladder_step(cost)
+    if step is not None:
+        ops = 3 * 2 * p * m
+        step = coarse_step(step, need, 2 * p * max(cost.act), ops)
     points = ladder(budget, need, cap, step)
     best: tuple[tuple[float, float], float, Schedule] | None = None
     bound = 0.0  # the largest lower bound seen: valid for every lower budget too
