@@ -92,6 +92,33 @@ def figure(path: Path) -> None:
                               f"without {_fmt(with_.base.peak_memory)}")
 
 
+def sim_tables(sim: list[dict]) -> list[str]:
+    """Section 1's heading and tables (deterministic)."""
+    L: list[str] = []
+    L.append("## 1. Simulated per-rank peak memory and makespan")
+    L.append("")
+    for name, _ in SCHEDULES:
+        L.append(f"### {name}")
+        L.append("")
+        L.append("| p | m | profile | peak per rank without | peak per rank with BPipe | busiest: without -> with | "
+                 "held for partner | evictions | makespan without -> with |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sim:
+            if r["schedule"] != name:
+                continue
+            L.append(f"| {r['p']} | {r['m']} | {r['profile']} | {_fmt(r['peak_without'])} | {_fmt(r['peak_with'])} "
+                     f"| {r['max_without']:g} -> {r['max_with']:g} ({r['max_with'] / r['max_without'] - 1:+.0%}) "
+                     f"| {_fmt(r['held'])} | {r['evictions']} | {r['makespan_without']:g} -> "
+                     f"{r['makespan_with']:g} ({r['slowdown']:+.1%}) |")
+        L.append("")
+    return L
+
+
+def doc_tables(quick: bool = False) -> str:
+    """The simulated tables of docs/benchmarks/bpipe.md, for benchmarks/doccheck.py (``quick``: p=4, m=2p)."""
+    return "\n".join(sim_tables(simulated(ps=(4,), m_factors=(2,)) if quick else simulated()))
+
+
 def write(path: Path, sim: list[dict], meas: list[dict] | None, seconds: float, fig: str | None) -> None:
     L = ["# BPipe benchmark", ""]
     L.append(f"Produced by `python benchmarks/bpipe.py` in {seconds:.0f} s on {platform.machine()} "
@@ -110,22 +137,7 @@ def write(path: Path, sim: list[dict], meas: list[dict] | None, seconds: float, 
     for prof, x, why in PROFILES:
         L.append(f"- **{prof}**, X = {x}: {why}.")
     L.append("")
-    L.append("## 1. Simulated per-rank peak memory and makespan")
-    L.append("")
-    for name, _ in SCHEDULES:
-        L.append(f"### {name}")
-        L.append("")
-        L.append("| p | m | profile | peak per rank without | peak per rank with BPipe | busiest: without -> with | "
-                 "held for partner | evictions | makespan without -> with |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
-        for r in sim:
-            if r["schedule"] != name:
-                continue
-            L.append(f"| {r['p']} | {r['m']} | {r['profile']} | {_fmt(r['peak_without'])} | {_fmt(r['peak_with'])} "
-                     f"| {r['max_without']:g} -> {r['max_with']:g} ({r['max_with'] / r['max_without'] - 1:+.0%}) "
-                     f"| {_fmt(r['held'])} | {r['evictions']} | {r['makespan_without']:g} -> "
-                     f"{r['makespan_with']:g} ({r['slowdown']:+.1%}) |")
-        L.append("")
+    L += sim_tables(sim)
     def rng(rows) -> str:
         vals = sorted(r["max_with"] / r["max_without"] for r in rows)
         return f"{vals[0]:.0%}" if vals[0] == vals[-1] else f"{vals[0]:.0%}-{vals[-1]:.0%}"

@@ -36,6 +36,10 @@ from megatron_pp_ext.features.offload import (TransferModel, build_offload_sched
 from megatron_pp_ext.schedule import CostModel, ScheduleError, build_schedule, simulate  # noqa: E402
 
 GPUS = {"A100-like": (220.0, 15.0), "H100-like": (440.0, 21.0)}   # achieved TFLOPS, GB/s per direction
+#: section 1's schedules (name, p, m, chunks, options) and section 2's grid of h and s
+CURVE_CASES = [("interleaved-1f1b", 8, 32, 2, ()), ("1f1b", 8, 32, 1, ()),
+               ("grouped-interleaved", 8, 32, 2, (("group_size", 4),)), ("zbv", 8, 32, 1, ())]
+HS, SS = (2048, 4096, 8192, 12288), (1024, 4096, 16384)
 
 
 # --- 1. memory vs offloaded share ---------------------------------------------------------------
@@ -75,11 +79,13 @@ def layer_costs(h: int, s: int, layers_per_stage: int, tflops: float, gbps: floa
     return t_f, act, 1.0 / (gbps * 1e9)
 
 
-def throughput_grid(hs, ss, *, pp=8, m=32, chunks=2, layers=64, name="interleaved-1f1b") -> list[dict]:
+def throughput_grid(hs, ss, *, pp=8, m=32, chunks=2, layers=64, name="interleaved-1f1b",
+                    gpus=tuple(GPUS)) -> list[dict]:
     rows = []
     S = pp * chunks
     lps = layers // S
-    for gpu, (tflops, gbps) in GPUS.items():
+    for gpu in gpus:
+        tflops, gbps = GPUS[gpu]
         for h in hs:
             for s in ss:
                 t_f, act, t_per_byte = layer_costs(h, s, lps, tflops, gbps)
@@ -194,21 +200,9 @@ def _case(c) -> str:
     return f"{name} (p={pp}, m={m}{extra})"
 
 
-def render(curves, grid, meas, bw, gpu, seconds: float) -> str:
-    L = ["# Activation offload benchmark (PipeOffload)", "",
-         f"Produced by `python benchmarks/offload.py` in {seconds:.0f} s on {platform.machine()} "
-         f"({os.cpu_count()} CPUs, shared); the simulated tables are deterministic.", "",
-         "Memory is in activation *units* (one microbatch's activation on one rank, REFERENCE §1); "
-         "*peak* is the busiest rank's peak device activation memory relative to the same schedule "
-         "without offload; *share* is the share of all activation bytes of the iteration moved to the host. "
-         "`none`/`full`/`chunks:K`/`selective:T`/`auto` are the policies of `--activation-offload` "
-         "(docs/offload.md).", ""]
-    L += ["Summary: selective offload lowers the peak faster than the share of bytes it moves on the loop "
-          "schedules (section 1); on the V schedules the floor is what W holds between a backward and its W "
-          "(the reload comes before B), so offload there buys less. Hiding the transfers needs "
-          "k = transfer / compute well below 1 per link: large h (section 2). On the CPU the measured "
-          "device-resident bytes of every rank equal the simulator's prediction (section 3).", ""]
-
+def sim_tables(curves, grid) -> list[str]:
+    """Sections 1 and 2 (simulated, deterministic)."""
+    L: list[str] = []
     L += ["## 1. Peak activation memory vs offloaded share (simulated, free transfers)", "",
           "Offloading a share *a* of every activation lowers the peak by *a* (the linear reference: "
           "peak = 1 - share). `selective` moves the activations with the longest lifespan first, and only on the "
@@ -243,6 +237,35 @@ def render(curves, grid, meas, bw, gpu, seconds: float) -> str:
                  f"{_pct(r['own_share'])} | {_pct(r['own_peak'])} | {r['ref_offload_time']:.3f} |")
     L += ["", "Activation bytes grow with s·h per layer while compute grows with s·h² (+ s²·h): the larger h "
           "(and s), the more of the activations hide behind compute (REFERENCE §5).", ""]
+
+    return L
+
+
+def doc_tables(quick: bool = False) -> str:
+    """The simulated tables of docs/benchmarks/offload.md, for benchmarks/doccheck.py (``quick``: the
+    1f1b curve and the A100-like row at h=2048, s=1024 only)."""
+    if quick:
+        return "\n".join(sim_tables(memory_curves([CURVE_CASES[1]]),
+                                     throughput_grid((2048,), (1024,), gpus=("A100-like",))))
+    return "\n".join(sim_tables(memory_curves(CURVE_CASES), throughput_grid(HS, SS)))
+
+
+def render(curves, grid, meas, bw, gpu, seconds: float) -> str:
+    L = ["# Activation offload benchmark (PipeOffload)", "",
+         f"Produced by `python benchmarks/offload.py` in {seconds:.0f} s on {platform.machine()} "
+         f"({os.cpu_count()} CPUs, shared); the simulated tables are deterministic.", "",
+         "Memory is in activation *units* (one microbatch's activation on one rank, REFERENCE §1); "
+         "*peak* is the busiest rank's peak device activation memory relative to the same schedule "
+         "without offload; *share* is the share of all activation bytes of the iteration moved to the host. "
+         "`none`/`full`/`chunks:K`/`selective:T`/`auto` are the policies of `--activation-offload` "
+         "(docs/offload.md).", ""]
+    L += ["Summary: selective offload lowers the peak faster than the share of bytes it moves on the loop "
+          "schedules (section 1); on the V schedules the floor is what W holds between a backward and its W "
+          "(the reload comes before B), so offload there buys less. Hiding the transfers needs "
+          "k = transfer / compute well below 1 per link: large h (section 2). On the CPU the measured "
+          "device-resident bytes of every rank equal the simulator's prediction (section 3).", ""]
+
+    L += sim_tables(curves, grid)
 
     L += ["## 3. Measured on CPU: peak device-resident activation bytes per rank", ""]
     if meas is None:
@@ -300,9 +323,7 @@ def main(argv=None) -> int:
         hs, ss = (4096,), (2048,)
         meas_cases = [("1f1b", 2, 4, 1, ())]
     else:
-        curve_cases = [("interleaved-1f1b", 8, 32, 2, ()), ("1f1b", 8, 32, 1, ()),
-                       ("grouped-interleaved", 8, 32, 2, (("group_size", 4),)), ("zbv", 8, 32, 1, ())]
-        hs, ss = (2048, 4096, 8192, 12288), (1024, 4096, 16384)
+        curve_cases, hs, ss = CURVE_CASES, HS, SS
         meas_cases = [("1f1b", 4, 8, 1, ()), ("interleaved-1f1b", 4, 8, 2, ()), ("zbv", 4, 8, 1, ()),
                       ("grouped-interleaved", 4, 8, 2, (("group_size", 1),))]
     curves = memory_curves(curve_cases)

@@ -108,26 +108,8 @@ def run_case(name: str, gpus: int, batch: int, cache: SimCache, time_limit: floa
     return lines, summary
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "planner.md"))
-    ap.add_argument("--cases", default=None, help="comma-separated model:gpus[:batch] (default: the four cases)")
-    ap.add_argument("--time-limit", type=float, default=900.0, help="seconds of simulation per search")
-    args = ap.parse_args(argv)
-    cases = CASES
-    if args.cases:
-        cases = []
-        for item in args.cases.split(","):
-            parts = item.split(":")
-            batch = int(parts[2]) if len(parts) > 2 else 1024
-            cases.append((parts[0], int(parts[1]), batch))
-    cache = SimCache()
-    body, summaries = [], []
-    for name, gpus, batch in cases:
-        print(f"planning {name} on {gpus} GPUs ...", file=sys.stderr, flush=True)
-        lines, summ = run_case(name, gpus, batch, cache, args.time_limit)
-        body += lines
-        summaries.append(summ)
+def render(summaries: list[dict], body: list[str]) -> str:
+    """The whole document from the cases' summaries and sections."""
     head = ["# Planner predictions: LLaMA-2 70B and GPT-3 175B on H100", "",
             f"**{DISCLAIMER}** No GPU measurement is behind any number on this page.", "",
             "Produced by `python benchmarks/planner.py` (the same searches as "
@@ -174,6 +156,48 @@ def main(argv=None) -> int:
              "parallel layout; a family row is the best plan restricted to that family, its last column the "
              "throughput gain over the best Megatron 1F1B/interleaved plan without features.", ""]
     text = "\n".join(head + body)
+    return text
+
+
+#: the case ``doc_tables(quick=True)`` re-plans (a few seconds of CPU)
+QUICK_CASE = ("llama2-70b", 512, 1024)
+
+
+def doc_tables(quick: bool = False) -> str:
+    """The document's tables (all deterministic: model predictions), for benchmarks/doccheck.py;
+    ``quick``: the :data:`QUICK_CASE` section only."""
+    cache = SimCache(disk=not quick)
+    if quick:
+        return "\n".join(run_case(*QUICK_CASE, cache, 900.0)[0])
+    body, summaries = [], []
+    for case in CASES:
+        lines, summ = run_case(*case, cache, 900.0)
+        body += lines
+        summaries.append(summ)
+    return render(summaries, body)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "planner.md"))
+    ap.add_argument("--cases", default=None, help="comma-separated model:gpus[:batch] (default: the four cases)")
+    ap.add_argument("--time-limit", type=float, default=900.0, help="seconds of simulation per search")
+    args = ap.parse_args(argv)
+    cases = CASES
+    if args.cases:
+        cases = []
+        for item in args.cases.split(","):
+            parts = item.split(":")
+            batch = int(parts[2]) if len(parts) > 2 else 1024
+            cases.append((parts[0], int(parts[1]), batch))
+    cache = SimCache()
+    body, summaries = [], []
+    for name, gpus, batch in cases:
+        print(f"planning {name} on {gpus} GPUs ...", file=sys.stderr, flush=True)
+        lines, summ = run_case(name, gpus, batch, cache, args.time_limit)
+        body += lines
+        summaries.append(summ)
+    text = render(summaries, body)
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:

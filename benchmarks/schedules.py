@@ -1,6 +1,6 @@
 """Benchmark every registered schedule against PyTorch pipelining's own schedules.
 
-    python benchmarks/schedules.py                     # writes docs/benchmarks/schedules.md
+    python benchmarks/schedules.py --zbpp PATH         # writes docs/benchmarks/schedules.md
     python benchmarks/schedules.py --jobs 1 --out /tmp/s.md
 
 For p in {4, 8, 16}, m in {p, 2p, 4p, 8p} and four cost profiles, each schedule is built
@@ -9,7 +9,9 @@ For p in {4, 8, 16}, m in {p, 2p, 4p, 8p} and four cost profiles, each schedule 
 GPU, no process group, converted with ``export.from_torch_rows``) and evaluated by OUR
 simulator under the same per-stage cost model: bubble rate of the busiest rank and peak
 activation memory in units (REFERENCE §1). Also: the same with send/recv ops inserted (our
-comm pass) and the generation time per schedule, up to p=32, m=256.
+comm pass) and the generation time per schedule, up to p=32, m=256. With ``--zbpp PATH`` (a
+checkout of sail-sg/zero-bubble-pipeline-parallelism) also the side-by-side comparison with the
+published generators themselves (``benchmarks/published.py``).
 
 Results are deterministic (no randomness anywhere); only the timings vary from run to run.
 Work is spread over ``--jobs`` processes (default: the CPU count, at most 8).
@@ -28,7 +30,10 @@ from megatron_pp_ext.schedule import (CostModel, ScheduleError, build_schedule, 
                                       schedule_names, simulate, validate)
 from megatron_pp_ext.schedule.export import from_torch_rows
 from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound
-from megatron_pp_ext.schedule.generators.patterns import _v_pattern_cached
+from megatron_pp_ext.schedule.generators.patterns import clear_pattern_caches
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import published  # noqa: E402  (benchmarks/published.py, beside this file)
 
 PS = (4, 8, 16)
 M_FACTORS = (1, 2, 4, 8)
@@ -93,7 +98,7 @@ def _chunks(name: str) -> int:
 def _cold() -> None:
     """Forget what earlier builds in this worker cached (the fixed patterns), so that each timing
     is that of a build in a fresh process."""
-    _v_pattern_cached.cache_clear()
+    clear_pattern_caches()
 
 
 def _our_build(name: str, p: int, m: int, prof: Profile):
@@ -224,13 +229,13 @@ def _rows(results: list[dict]) -> list[tuple[str, str]]:
     return [("ours", n) for n in our_rows()] + [("torch", n) for n in TORCH]
 
 
-def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
+def render(results: list[dict], command: str, wall: float, jobs: int, extra_cpu: float = 0.0) -> str:
     idx = {(r["kind"], r["name"], r["p"], r["m"], r["profile"]): r for r in results}
     get = lambda kind, name, p, m, pk: idx.get((kind, name, p, m, pk))  # noqa: E731
     rows = _rows(results)
     L: list[str] = []
     L += ["# Schedule benchmark: bubble, peak memory and generation time", "",
-          f"Produced by `{command}` ({sum(r.get('task_cpu', 0.0) for r in results):.0f} s of CPU time in "
+          f"Produced by `{command}` ({extra_cpu + sum(r.get('task_cpu', 0.0) for r in results):.0f} s of CPU time in "
           f"{jobs} worker process(es), {wall:.0f} s wall time; the tables are deterministic, only the timings "
           "vary).", "",
           "- **Bubble**: 1 - busy / makespan of the busiest rank, in percent (REFERENCE §1), from our event "
@@ -277,15 +282,7 @@ def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
 
     # --- full tables
     L += ["## All configurations", "", "Cells: bubble / peak memory (units)."]
-    for pr in PROFILES:
-        L += ["", f"### `{pr.key}`: {pr.label}"]
-        for p in PS:
-            ms = [k * p for k in M_FACTORS]
-            L += ["", f"p = {p}", "", "| schedule | " + " | ".join(f"m={m}" for m in ms) + " |",
-                  "|---|" + "---|" * len(ms)]
-            for kind, name in rows:
-                L.append(f"| {row_label(name)} | " + " | ".join(_cell(get(kind, name, p, m, pr.key)) for m in ms)
-                         + " |")
+    L += _config_tables(get, rows, PROFILES, PS)
 
     # --- send/recv
     L += ["", f"## With send/recv ops (p={p0}, m={m0}, `comm` profile)", "",
@@ -334,6 +331,41 @@ def render(results: list[dict], command: str, wall: float, jobs: int) -> str:
         L += ["", "Refusals:", ""] + [f"- {row_label(n)}: {msg}" for n, msg in refused]
     L.append("")
     return "\n".join(L)
+
+
+def _config_tables(get, rows, profiles, ps) -> list[str]:
+    """The tables of "All configurations": per profile and p, every schedule over m."""
+    L: list[str] = []
+    for pr in profiles:
+        L += ["", f"### `{pr.key}`: {pr.label}"]
+        for p in ps:
+            ms = [k * p for k in M_FACTORS]
+            L += ["", f"p = {p}", "", "| schedule | " + " | ".join(f"m={m}" for m in ms) + " |",
+                  "|---|" + "---|" * len(ms)]
+            for kind, name in rows:
+                L.append(f"| {row_label(name)} | " + " | ".join(_cell(get(kind, name, p, m, pr.key)) for m in ms)
+                         + " |")
+    return L
+
+
+#: what ``doc_tables(quick=True)`` recomputes: every schedule at p=4, m = p..8p, one profile
+QUICK_P, QUICK_PROFILE = 4, "unbalanced"
+
+
+def doc_tables(quick: bool = False) -> str:
+    """The deterministic tables of docs/benchmarks/schedules.md (everything but the generation
+    times), for benchmarks/doccheck.py; ``quick``: the :data:`QUICK_PROFILE` table at p = :data:`QUICK_P`."""
+    if not quick:
+        text = render(run(min(os.cpu_count() or 1, 2)), "", 0.0, 1)
+        return text[:text.index("## Generation time")]
+    results: list[dict] = []
+    for t in make_tasks():
+        if t[2] == QUICK_P:
+            results += task(t[0], t[1], t[2], t[3], (QUICK_PROFILE,))
+    idx = {(r["kind"], r["name"], r["p"], r["m"], r["profile"]): r for r in results}
+    get = lambda kind, name, p, m, pk: idx.get((kind, name, p, m, pk))  # noqa: E731
+    return "\n".join(["## All configurations"] + _config_tables(get, _rows(results), [PROFILE[QUICK_PROFILE]],
+                                                                 [QUICK_P]))
 
 
 def _v_vs_1f1b(results: list[dict], get) -> list[str]:
@@ -468,17 +500,29 @@ def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--out", default=os.path.join(here, "..", "docs", "benchmarks", "schedules.md"))
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8))
+    ap.add_argument("--zbpp", help="a checkout of sail-sg/zero-bubble-pipeline-parallelism: adds the comparison "
+                    "with the published generators themselves (benchmarks/published.py)")
     args = ap.parse_args(argv)
+    if args.zbpp:
+        published.load_zbpp(args.zbpp)  # a wrong path fails now, not after the long part
     t0 = time.perf_counter()
     results = run(args.jobs)
+    pub = published.run(args.zbpp, args.jobs) if args.zbpp else None
     wall = time.perf_counter() - t0
     extra = list(sys.argv[1:] if argv is None else argv)
     command = " ".join(["python benchmarks/schedules.py"] + extra)
-    text = render(results, command, wall, args.jobs)
+    text = render(results, command, wall, args.jobs, extra_cpu=sum(r.get("task_cpu", 0.0) for r in pub or []))
+    if pub is not None:
+        section = published.render(pub, command, published.zbpp_commit(args.zbpp))
+    else:
+        section = ("## Against the published generators themselves\n\nNot run: give `--zbpp PATH` (a checkout of "
+                   "sail-sg/zero-bubble-pipeline-parallelism), see `benchmarks/published.py`.\n")
+    head, sep, tail = text.partition("## V schedules against 1F1B")
+    text = head + section + "\n" + sep + tail
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)
-    cpu = sum(r.get("task_cpu", 0.0) for r in results)
+    cpu = sum(r.get("task_cpu", 0.0) for r in results + (pub or []))
     print(f"wrote {os.path.normpath(args.out)} in {wall:.0f} s ({cpu:.0f} s CPU in {args.jobs} workers)")
     return 0
 

@@ -33,6 +33,8 @@ VOCABS = (32 * 1024, 64 * 1024, 128 * 1024, 256 * 1024)
 SEQS = (2048, 4096)
 SCHEDULES = ("1f1b", "v-half")
 P, M = 8, 32
+#: the configurations ``doc_tables(quick=True)`` recomputes (the test suite's drift check)
+QUICK = (("1f1b", 2048, 32 * 1024), ("v-half", 4096, 128 * 1024))
 
 
 def _one(args):
@@ -42,8 +44,8 @@ def _one(args):
     return schedule, seq, vocab, rows, time.time() - t
 
 
-def simulated(jobs: int, quick: bool) -> list:
-    todo = [(s, seq, v) for s in SCHEDULES for seq in SEQS for v in VOCABS]
+def simulated(jobs: int, quick: bool, todo: list | None = None) -> list:
+    todo = todo or [(s, seq, v) for s in SCHEDULES for seq in SEQS for v in VOCABS]
     if quick:
         todo = [(s, 2048, v) for s in SCHEDULES for v in (VOCABS[0], VOCABS[-1])]
     if jobs <= 1:
@@ -56,7 +58,14 @@ def _k(v: int) -> str:
     return f"{v // 1024}k"
 
 
-def simulated_md(results: list) -> list[str]:
+def doc_tables(quick: bool = False) -> str:
+    """The simulated tables of docs/benchmarks/vocab.md (deterministic), for benchmarks/doccheck.py;
+    ``quick``: only the :data:`QUICK` configurations, and no MFU-trend tables (they span all)."""
+    results = simulated(1, False, list(QUICK)) if quick else simulated(min(2, os.cpu_count() or 1), False)
+    return "\n".join(simulated_md(results, trend=not quick))
+
+
+def simulated_md(results: list, trend: bool = True) -> list[str]:
     hw = Hardware()
     out = ["## Simulated: ~4B GPT, p=8", "",
            f"32 layers, h=3072, FFN 4h, flash attention, micro-batch 1, {M} microbatches, p={P}; "
@@ -87,6 +96,8 @@ def simulated_md(results: list) -> list[str]:
                                + ("-" if sp is None else f"{sp:.2f}x") + f" | {r['mfu']:.1%} | {r['max_peak_gb']:.1f} | "
                                + " ".join(f"{x:.1f}" for x in r["peak_gb"]) + " |")
             out.append("")
+            if not trend:
+                continue
             # the trend line: MFU per layout as the vocabulary grows
             out += ["MFU as the vocabulary grows:", "",
                     "| layout | " + " | ".join(_k(k[2]) for k in keys) + " | 256k / 32k |",

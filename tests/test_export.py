@@ -37,7 +37,7 @@ def test_json_round_trip_exact_meta_and_cost_extra():
     s, c = build("1f1b", 3, 4)
     s.meta.update(pairs=[(0, 1), (2, 3)], by_stage={0: "a", (1, 2): [1.5, None]}, flag=True,
                   nested={"__tuple__": 1}, x=0.1 + 0.2)
-    c = CostModel(t_f=(0.1, 1 / 3, 2.0), t_b=(1.0, 1.0, 1e-12), t_w=(0.0, 0.5, 0.25), comm=0.07,
+    c = CostModel(t_f=(0.1, 1 / 3, 2.0), t_b=(1.0, 1.0, 3e-9), t_w=(0.0, 0.5, 0.25), comm=0.07,
                   act=(1.0, 0.5, 0.25), w_fraction=0.9, bytes_per_unit=3.5e9, bytes_per_message=1 << 20,
                   extra={"profile": (1, 2), 3: "int key"})
     back, cost = loads_json_with_cost(dumps_json(s, c, indent=2))

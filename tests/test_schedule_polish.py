@@ -110,12 +110,12 @@ def stage_orders_kept(sched: Schedule) -> bool:
 
 def test_v_half_p8_m16_unbalanced_moves_ahead_of_1f1b():
     """A benchmark case the polish closed: the search's best V-Half at p=8, m=16, F:B:W =
-    1:1.8:0.4 has makespan 77.2, 1F1B 73.6."""
+    1:1.8:0.4 has makespan 77.0 (the V-Half block reordered in phases), 1F1B 73.6."""
     sched, cost = build_schedule("v-half", 8, 16, costs=UNBALANCED)
     one, c1 = build_schedule("1f1b", 8, 16, costs=UNBALANCED)
     assert 2 * 8 * 16 * 3 <= POLISH_OPS
     info = sched.meta["polished"]
-    assert info["before"] == pytest.approx(77.2)
+    assert info["before"] == pytest.approx(77.0)
     res = simulate(sched, cost)
     assert res.makespan == pytest.approx(info["after"]) and res.max_peak_memory <= 5
     assert res.bubble_rate < simulate(one, c1).bubble_rate
@@ -127,7 +127,7 @@ def test_polish_can_be_turned_off():
     req = ScheduleRequest(8, 16, costs=UNBALANCED, options={"polish": False})
     sched = schedule_info("v-half").generate(req)
     assert "polished" not in sched.meta
-    assert simulate(sched, req.cost_model(16, 2)).makespan == pytest.approx(77.2)
+    assert simulate(sched, req.cost_model(16, 2)).makespan == pytest.approx(77.0)
 
 
 def test_moves_past_the_same_kind_and_stage_are_refused():

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pp_ext.schedule import CostModel, build_schedule, simulate
-from megatron_pp_ext.schedule.generators.block import Block, block_peak
+from megatron_pp_ext.schedule.generators.block import Block, block_peak, min_period
 from megatron_pp_ext.schedule.generators.rank_block import grid_unit, rank_block, shortest_rank_block
-from megatron_pp_ext.schedule.generators.vshape import in_v_half_band
+from megatron_pp_ext.schedule.generators.vshape import in_v_half_band, v_budget_units
 from megatron_pp_ext.schedule.ir import loop_placement, v_placement
 
 UNBALANCED = (1.0, 1.8, 0.4, 0.0)
@@ -67,16 +67,55 @@ def test_full_rate_block_with_comm_latency():
     check_block(blk, p, cost, 6.0)
 
 
-@settings(max_examples=40, deadline=None)
+def block_expected(p: int, cost: CostModel, budget: float, comm: float) -> bool:
+    """Where a full-rate block must be found (on the costs' time grid): with 2p units, where
+    memory does not bind (any period's lifespans fit); without latency from ZB-V's p units up,
+    and inside the V-Half band from V-Half's memory up (the paper's block). Over the test grid
+    below the search finds one at every such point (3584 points swept: none missed)."""
+    if budget >= 2 * p:
+        return True
+    return comm == 0 and (budget >= p or (in_v_half_band(cost) and budget >= v_budget_units("v-half", p)))
+
+
+def on_grid(p: int, cost: CostModel) -> bool:
+    P = min_period(v_placement(p), cost)
+    return grid_unit(list(cost.t_f) + list(cost.t_b) + list(cost.t_w) + [cost.comm, P], 96, P) is not None
+
+
+@settings(max_examples=60, deadline=None)
 @given(p=st.integers(2, 8), f=st.sampled_from([0.5, 1.0, 1.5, 2.0]), b=st.sampled_from([0.5, 1.0, 1.8, 2.5]),
        w=st.sampled_from([0.0, 0.2, 0.4, 1.0]), comm=st.sampled_from([0.0, 0.1]),
-       frac=st.sampled_from([0.5, 0.75, 1.0]))
-def test_every_block_found_is_valid(p, f, b, w, comm, frac):
+       frac=st.sampled_from([0.5, 0.75, 1.0, 2.0]))
+def test_blocks_are_found_where_memory_allows_and_every_block_found_is_valid(p, f, b, w, comm, frac):
     cost = CostModel.uniform(2 * p, 2, f=f, b=b, w=w, comm=comm)
     budget = max(1.0, frac * p)
     blk = rank_block(v_placement(p), cost, budget)
+    if not on_grid(p, cost):
+        assert blk is None          # no exact time grid: the search does not run
+        return
+    if block_expected(p, cost, budget, comm):
+        assert blk is not None, "no full-rate block found where one exists"
     if blk is not None:
         check_block(blk, p, cost, budget)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_blocks_found_on_the_whole_grid_where_memory_allows(p):
+    found = off_grid = 0
+    for f in (0.5, 1.0, 1.5, 2.0):
+        for b in (0.5, 1.0, 1.8, 2.5):
+            for w in (0.0, 0.2, 0.4, 1.0):
+                cost = CostModel.uniform(2 * p, 2, f=f, b=b, w=w)
+                for budget in (float(p), 2.0 * p):
+                    blk = rank_block(v_placement(p), cost, budget)
+                    if not on_grid(p, cost):
+                        assert blk is None
+                        off_grid += 1
+                        continue
+                    assert blk is not None, (f, b, w, budget)
+                    check_block(blk, p, cost, budget)
+                    found += 1
+    assert found + off_grid == 128 and found >= 120   # (2.0, 2.5, 0.4): 98 slots per period, over 96
 
 
 def test_unequal_stage_costs_leave_idle_time_in_the_arrangement():

@@ -148,5 +148,5 @@ def test_never_worse_than_fixed_pattern_and_above_lower_bound(name, p, m):
 @pytest.mark.parametrize("p,m", GRID)
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zbv", "v-half"])
 def test_beats_1f1b(name, p, m):
-    # from the V-Half budget up, never worse than 1F1B (uniform costs: strictly better)
-    assert run(name, p, m)[0] < run("1f1b", p, m)[0] + EPS
+    # from the V-Half budget up, strictly less bubble than 1F1B at uniform costs (a tie fails)
+    assert run(name, p, m)[0] < run("1f1b", p, m)[0] - EPS

@@ -204,9 +204,12 @@ def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
         raise CLIError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. --costs 1,2,1,0.1")
     if len(vals) == 3:
         vals.append(0.0)
+    from ..schedule.costs import check_cost_numbers
+    try:
+        check_cost_numbers(vals, spec)
+    except ScheduleError as e:
+        raise CLIError(str(e)) from None
     f, b, w, comm = vals
-    if not all(math.isfinite(x) for x in vals) or f <= 0 or b <= 0 or w < 0 or comm < 0:
-        raise CLIError(f"--costs {spec!r}: F and B must be > 0, W and COMM >= 0 (finite), e.g. --costs 1,2,1,0")
     return (f, b, w, comm)
 
 
@@ -225,8 +228,8 @@ def parse_bytes(text: str, flag: str) -> float:
         value = float(num) * _BYTE_UNITS[unit]
     except (ValueError, KeyError):
         raise CLIError(f"{flag} {text!r}: give a size such as 2GiB, 512MB or 1.5e9 (bytes)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise CLIError(f"{flag} {text!r}: must be a positive size, e.g. 2GiB")
+    if not math.isfinite(value) or value < 1:
+        raise CLIError(f"{flag} {text!r}: must be a finite size of at least 1 byte, e.g. 2GiB")
     return value
 
 

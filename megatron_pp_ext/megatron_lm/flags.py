@@ -325,6 +325,12 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
             if value is not None:
                 raise MegatronLMFlagError(f"{name} is {what}; it needs --pipeline-schedule NAME (e.g. {example}): "
                                           "Megatron-Core's own schedule ignores it")
+    if budget is not None:  # its form now (NaN, inf, <= 0 refused); its size once pp is known
+        from ..schedule import ScheduleError, parse_memory_budget
+        try:
+            parse_memory_budget(budget, 1)
+        except ScheduleError as e:
+            raise MegatronLMFlagError(str(e).replace("--memory-budget", "--pipeline-memory-budget")) from None
     if budget is not None and schedule is not None:
         from ..schedule.registry import schedule_info
         if not schedule_info(schedule).uses_budget:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from .memory import RECOMPUTE_MODES, StagePart, StaticMemory
-from .presets import ClusterSpec, ModelSpec
+from .presets import ClusterSpec, ModelSpec, PlannerError
 from .simcache import PipeResult
 from .timing import Efficiency, default_efficiency
 
@@ -38,6 +38,21 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if self.efficiency is None:
             object.__setattr__(self, "efficiency", default_efficiency(self.cluster.gpu))
+        if not (isinstance(self.time_limit, (int, float)) and math.isfinite(self.time_limit) and self.time_limit > 0):
+            raise PlannerError(f"--time-limit {self.time_limit!r}: give the CPU seconds the search may take, a "
+                               "finite number > 0 (default 120)")
+        from ..schedule import ScheduleError, parse_memory_budget
+        for spec in self.budgets:
+            if spec != "fit":
+                try:
+                    parse_memory_budget(spec, 1)
+                except ScheduleError:
+                    raise PlannerError(f"--budgets {spec!r}: give 'fit', units (e.g. 4) or a fraction of 1F1B "
+                                       "(e.g. 0.5x), finite and > 0") from None
+        for name, flag in (("global_batch", "--global-batch-size"), ("top", "--top"), ("max_vp", "--max-vp")):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise PlannerError(f"{flag} {v!r}: must be a whole number >= 1")
 
     def with_(self, **changes) -> "PlanRequest":
         return replace(self, **changes)

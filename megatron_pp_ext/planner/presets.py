@@ -135,6 +135,28 @@ class GPUSpec:
     nvlink_latency_us: float = 8.0
     net_latency_us: float = 20.0
 
+    def __post_init__(self) -> None:
+        for name, (lo, hi, flag, what, example) in _GPU_RANGES.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
+                raise PlannerError(f"{flag} {value!r}: {what} must be a number from {lo:g} to {hi:g} "
+                                   f"(the h100 preset has {example}); fix {flag}")
+
+
+#: field -> (lowest, highest, flag, what, h100 value): a GPU outside these is not one the time
+#: and memory models describe (below 1 TFLOPS or 4 GiB they would report plans, and MFUs, for
+#: no real GPU)
+_GPU_RANGES = {
+    "memory_gib": (4.0, 16384.0, "--memory", "GPU memory in GiB", 79.6),
+    "peak_tflops": (1.0, 100000.0, "--peak-tflops", "the dense bf16 peak in TFLOPS", 989),
+    "hbm_gbps": (1.0, 1e6, "GPUSpec.hbm_gbps", "HBM bandwidth in GB/s", 3350),
+    "nvlink_gbps": (0.01, 1e6, "--nvlink-gbps", "intra-node bandwidth in GB/s", 400),
+    "net_gbps": (0.01, 1e6, "--net-gbps", "inter-node bandwidth per GPU in GB/s", 45),
+    "host_gbps": (0.01, 1e6, "--host-gbps", "device-to-host bandwidth in GB/s", 21),
+    "nvlink_latency_us": (0.0, 1e6, "GPUSpec.nvlink_latency_us", "NVLink latency in us", 8),
+    "net_latency_us": (0.0, 1e6, "GPUSpec.net_latency_us", "network latency in us", 20),
+}
+
 
 GPU_PRESETS: dict[str, GPUSpec] = {
     # A100-SXM4-80GB: 312 TF bf16, 2.0 TB/s HBM2e, NVLink3 (~230 GB/s all-reduce busbw),
@@ -167,6 +189,14 @@ class ClusterSpec:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise PlannerError(f"cluster needs >= 1 node and >= 1 GPU per node, got {self.nodes} x "
                                f"{self.gpus_per_node}")
+        if not (math.isfinite(self.reserved_gib) and self.reserved_gib >= 0):
+            raise PlannerError(f"cluster reserved_gib must be finite and >= 0, got {self.reserved_gib!r}")
+        if not (math.isfinite(self.fragmentation) and 0 <= self.fragmentation < 1):
+            raise PlannerError(f"cluster fragmentation must be in [0, 1), got {self.fragmentation!r}")
+        if self.usable_bytes <= 0:
+            raise PlannerError(f"--memory {self.gpu.memory_gib:g}: nothing is left for the model after the "
+                               f"{self.reserved_gib:g} GiB reserved for CUDA/NCCL and "
+                               f"{self.fragmentation:.0%} allocator slack; give the GPU's real memory in GiB")
 
     @property
     def num_gpus(self) -> int:

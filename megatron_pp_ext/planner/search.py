@@ -469,6 +469,10 @@ class Planner:
         min_gpus = max(1, math.ceil(need / self.usable))
         ex = (self.rej.examples("memory") or self.rej.examples("schedule")
               or self.rej.examples("divisibility") or ["-"])[0]
+        if c.get("time limit"):  # not proved that nothing fits: the search ran out of time first
+            return (f"--time-limit {req.time_limit:g}: the search stopped after {req.time_limit:g} s of CPU, "
+                    f"before any configuration of {model.name} was found to fit ({dict(c)} rejected); raise "
+                    "--time-limit (default 120)")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
                 f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
                 f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "

@@ -53,6 +53,27 @@ class Efficiency:
     dp_overlap: bool = True             # --overlap-grad-reduce / --overlap-param-gather
     source: str = "default"
 
+    def __post_init__(self) -> None:
+        """Fractions of peak in (0, 1] (an efficiency above 1 would report an MFU no GPU reaches),
+        the half-points > 0, the overhead >= 0 and the overlap in [0, 1]."""
+        def bad(name: str, rule: str) -> PlannerError:
+            return PlannerError(f"efficiency {name}={getattr(self, name)!r}: must be {rule} (--calibration "
+                                "or Efficiency(...)); see docs/planner.md")
+        for name in ("gemm_max", "flash_fwd", "flash_bwd", "attn_bmm", "hbm"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1):
+                raise bad(name, "a fraction of peak in (0, 1]")
+        for name in ("gemm_half", "attn_half"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise bad(name, "a finite number > 0")
+        if not (isinstance(self.layer_overhead_us, (int, float)) and math.isfinite(self.layer_overhead_us)
+                and self.layer_overhead_us >= 0):
+            raise bad("layer_overhead_us", "a finite number >= 0")
+        if not (isinstance(self.tp_overlap, (int, float)) and math.isfinite(self.tp_overlap)
+                and 0 <= self.tp_overlap <= 1):
+            raise bad("tp_overlap", "a fraction in [0, 1]")
+
     def gemm(self, x: float) -> float:
         return self.gemm_max * x / (x + self.gemm_half)
 
@@ -295,20 +316,27 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
         raise PlannerError(f"--calibration {path}: expected a JSON object")
     eff = base
     over = doc.get("efficiency", {})
+    if not isinstance(over, dict):
+        raise PlannerError(f"--calibration {path}: 'efficiency' must be an object of field: number")
     bad = set(over) - _EFF_FIELDS
     if bad:
         raise PlannerError(f"--calibration {path}: unknown efficiency fields {sorted(bad)}; known: "
                            f"{sorted(_EFF_FIELDS)}")
     if over:
-        eff = eff.with_(**over)
+        try:
+            eff = eff.with_(**over)
+        except PlannerError as e:
+            raise PlannerError(f"--calibration {path}: {e}") from None
     points: list[tuple[float, float]] = []
-    for p in doc.get("gemm_points", []):
-        x = p.get("x") or (p.get("tokens", 0) * p.get("hidden_per_tp", 0))
-        points.append((x, p["efficiency"]))
-    for p in doc.get("layer_points", []):
+    for p in _entries(doc, "gemm_points", path):
+        x = p.get("x") or (_num(p, "tokens", path, 0) * _num(p, "hidden_per_tp", path, 0))
+        points.append((_finite(x, "x", path), _num(p, "efficiency", path)))
+    for p in _entries(doc, "layer_points", path):
         if model is None or cluster is None:
             raise PlannerError("--calibration: layer_points need the planned model and cluster")
-        mbs, tp, ms = int(p["mbs"]), int(p.get("tp", 1)), float(p["forward_ms"])
+        mbs, tp, ms = int(_num(p, "mbs", path)), int(_num(p, "tp", path, 1)), _num(p, "forward_ms", path)
+        if mbs < 1 or tp < 1 or ms <= 0:
+            raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be >= 1 and forward_ms > 0")
         lt = layer_times(model, cluster, eff, mbs, tp)
         other = lt.f - lt.detail["gemm_f"]
         t_gemm = ms * 1e-3 - other
@@ -319,6 +347,27 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
     if points:
         eff = fit_gemm_curve(points, eff)
     return eff.with_(source=f"calibrated from {path}")
+
+
+def _entries(doc: dict, key: str, path: str) -> list[dict]:
+    items = doc.get(key, [])
+    if not isinstance(items, list) or not all(isinstance(p, dict) for p in items):
+        raise PlannerError(f"--calibration {path}: {key!r} must be a list of objects (docs/planner.md)")
+    return items
+
+
+def _finite(value, name: str, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlannerError(f"--calibration {path}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _num(entry: dict, name: str, path: str, default: float | None = None) -> float:
+    if name not in entry:
+        if default is None:
+            raise PlannerError(f"--calibration {path}: {entry} has no {name!r} (docs/planner.md)")
+        return default
+    return _finite(entry[name], name, path)
 
 
 __all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_flops",

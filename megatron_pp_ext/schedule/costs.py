@@ -19,6 +19,16 @@ from typing import Sequence
 from .ir import ScheduleError
 
 
+#: the simulator rounds times to 9 decimals (simulate._round): a positive time below this
+#: would vanish, one a little above it would lose its digits
+MIN_TIME = 1e-9
+#: a request's F and B (``--costs``, per rank) must be at least this: 1000x the rounding step,
+#: so no schedule is decided by rounding
+MIN_REQUEST_COST = 1e-6
+#: the total time of an iteration must stay below this, far from float overflow (1.8e308)
+MAX_TOTAL_TIME = 1e300
+
+
 def _per_stage(value: float | Sequence[float], n: int, what: str) -> tuple[float, ...]:
     if isinstance(value, (int, float)):
         vals = (float(value),) * n
@@ -26,8 +36,22 @@ def _per_stage(value: float | Sequence[float], n: int, what: str) -> tuple[float
         vals = tuple(float(x) for x in value)
         if len(vals) != n:
             raise ScheduleError(f"{what}: expected {n} per-stage values, got {len(vals)}")
-    if any(x < 0 for x in vals):
-        raise ScheduleError(f"{what}: costs must be >= 0, got {vals}")
+    if any(not (x >= 0 and math.isfinite(x)) for x in vals):
+        raise ScheduleError(f"{what}: costs must be finite and >= 0, got {vals}")
+    return vals
+
+
+def _checked(values: Sequence[float], what: str, n: int | None = None) -> tuple[float, ...]:
+    """``values`` as floats, each finite and >= 0 (the error names ``what``)."""
+    try:
+        vals = tuple(float(x) for x in values)
+    except (TypeError, ValueError):
+        raise ScheduleError(f"CostModel {what}: expected numbers, got {values!r}") from None
+    if n is not None and len(vals) != n:
+        raise ScheduleError(f"CostModel {what}: expected {n} per-stage values, got {len(vals)}")
+    bad = [x for x in vals if not (math.isfinite(x) and x >= 0)]
+    if bad:
+        raise ScheduleError(f"CostModel {what}: every value must be finite and >= 0, got {bad[0]!r} in {vals}")
     return vals
 
 
@@ -49,6 +73,8 @@ class CostModel:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        """Every time, the latency and every activation finite and >= 0 (NaN, inf and negative
+        values are refused: they would give NaN bubbles, zero peaks or false deadlocks)."""
         n = len(self.t_f)
         if not (len(self.t_b) == len(self.t_w) == n) or n == 0:
             raise ScheduleError("t_f, t_b, t_w must have one value per stage")
@@ -56,6 +82,10 @@ class CostModel:
             raise ScheduleError("act must have one value per stage (use CostModel.uniform)")
         if len(self.act) != n:
             raise ScheduleError(f"act: expected {n} per-stage values, got {len(self.act)}")
+        for name in ("t_f", "t_b", "t_w", "act"):
+            object.__setattr__(self, name, _checked(getattr(self, name), name, n))
+        comm = _checked((self.comm,), "comm latency")[0]
+        object.__setattr__(self, "comm", comm)
         if not 0.0 <= self.w_fraction <= 1.0:
             raise ScheduleError(f"w_fraction must be in [0, 1], got {self.w_fraction}")
         if self.w_fraction_per_stage is not None:
@@ -63,8 +93,30 @@ class CostModel:
             if len(per) != n or not all(0.0 <= w <= 1.0 for w in per):
                 raise ScheduleError(f"w_fraction_per_stage: expected {n} values in [0, 1], got {per}")
             object.__setattr__(self, "w_fraction_per_stage", per)
-        if self.comm < 0:
-            raise ScheduleError(f"comm latency must be >= 0, got {self.comm}")
+        for name in ("bytes_per_unit", "bytes_per_message"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ScheduleError(f"CostModel {name} must be a finite number > 0 (or None), got {v!r}")
+        total = sum(self.t_f) + sum(self.t_b) + sum(self.t_w) + 2 * n * comm
+        if not total < MAX_TOTAL_TIME:
+            raise ScheduleError(f"CostModel: the times of one microbatch add up to {total:g}, too large to "
+                                "simulate; give the costs in a larger unit (e.g. seconds instead of nanoseconds)")
+
+    def check_scale(self, num_microbatches: int, flag: str = "costs") -> None:
+        """Raise ScheduleError when ``num_microbatches`` microbatches under these times would
+        not survive the simulator's arithmetic: a positive F or B below :data:`MIN_TIME`
+        (rounded to zero time) or a total time of :data:`MAX_TOTAL_TIME` or more (overflow).
+        ``flag`` names the input in the message (e.g. ``--costs``)."""
+        small = [x for x in self.t_f + self.t_b if 0 < x < MIN_TIME]
+        if small:
+            raise ScheduleError(f"{flag}: a time of {small[0]:g} per stage is below the simulator's resolution "
+                                f"({MIN_TIME:g}); give the costs in a smaller unit (e.g. microseconds instead "
+                                "of seconds)")
+        total = num_microbatches * (sum(self.t_f) + sum(self.t_b) + sum(self.t_w) + 2 * self.num_stages * self.comm)
+        if not total < MAX_TOTAL_TIME:
+            raise ScheduleError(f"{flag}: {num_microbatches} microbatches take {total:g} time units in all, too "
+                                "large to simulate; give the costs in a larger unit (e.g. seconds instead of "
+                                "nanoseconds)")
 
     def w_share(self, stage: int) -> float:
         """Share of stage ``stage``'s activation that only its W frees."""
@@ -100,13 +152,34 @@ class CostModel:
                 raise ScheduleError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. 1,2,1,0")
             if len(vals) == 3:
                 vals.append(0.0)
+        check_cost_numbers(vals, spec)
         f, b, w, comm = vals
-        if f <= 0 or b <= 0 or w < 0 or comm < 0:
-            raise ScheduleError(f"--costs {spec!r}: F and B must be > 0, W and COMM >= 0")
-        return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
+        try:
+            return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
+        except ScheduleError as e:  # e.g. one microbatch over all stages too long to simulate
+            raise ScheduleError(f"--costs {spec!r}: {e}") from None
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)
+
+
+def check_cost_numbers(vals: Sequence[float], spec: object = None) -> None:
+    """The rule of ``--costs F,B,W,COMM`` (per rank): all finite, F and B at least
+    :data:`MIN_REQUEST_COST` (so the simulator's rounding never decides a schedule; a smaller W
+    or COMM only rounds towards 0, which changes nothing), W and COMM >= 0, their sum below
+    :data:`MAX_TOTAL_TIME`."""
+    shown = spec if spec is not None else ",".join(f"{x:g}" for x in vals)
+    f, b, w, comm = vals
+    if not all(math.isfinite(x) for x in vals) or not (f > 0 and b > 0 and w >= 0 and comm >= 0):
+        raise ScheduleError(f"--costs {shown!r}: F and B must be > 0, W and COMM >= 0 (finite numbers), "
+                            "e.g. --costs 1,2,1,0")
+    if min(f, b) < MIN_REQUEST_COST:
+        raise ScheduleError(f"--costs {shown!r}: F and B must be at least {MIN_REQUEST_COST:g}, where the "
+                            "simulator's rounding (9 decimals) would decide the schedule; give the costs in a "
+                            "smaller unit (e.g. microseconds instead of seconds)")
+    if not sum(vals) < MAX_TOTAL_TIME:
+        raise ScheduleError(f"--costs {shown!r}: the numbers are too large to simulate (their sum must stay "
+                            f"below {MAX_TOTAL_TIME:g}); give the costs in a larger unit, e.g. --costs 1,2,1")
 
 
 def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
@@ -115,6 +188,6 @@ def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[
     vals = [float(value)] * n if isinstance(value, (int, float)) else [float(x) for x in value]
     if len(vals) != n:
         raise ScheduleError(f"{what}: expected {n} per-stage values, got {len(vals)}")
-    if any(v < 0 or math.isnan(v) for v in vals):
-        raise ScheduleError(f"{what}: values must be >= 0, got {vals}")
+    if any(not (v >= 0 and math.isfinite(v)) for v in vals):
+        raise ScheduleError(f"{what}: values must be finite and >= 0, got {vals}")
     return vals

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 from .costs import CostModel
 from .ir import Op, Schedule, ScheduleError, op_kind
-from .validate import check_complete, check_structure
+from .validate import check_complete, check_structure, validate
 
 __all__ = [
     "cost_to_dict", "cost_from_dict", "dumps_json", "loads_json", "loads_json_with_cost",
@@ -127,8 +127,12 @@ def dumps_json(schedule: Schedule, cost: CostModel | None = None, *, indent: int
     return json.dumps(d, indent=indent)
 
 
-def loads_json_with_cost(text: str) -> tuple[Schedule, CostModel | None]:
-    """Schedule and cost model (None when the JSON holds none) from :func:`dumps_json` text."""
+def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, CostModel | None]:
+    """Schedule and cost model (None when the JSON holds none) from :func:`dumps_json` text.
+
+    With ``check`` (default) the schedule must pass :func:`..validate.validate`, the validator
+    every generated schedule passes (each op present once, placement and ranks consistent,
+    sends matched, deadlock-free), under its own cost model when the file has one."""
     try:
         d = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
@@ -171,12 +175,18 @@ def loads_json_with_cost(text: str) -> tuple[Schedule, CostModel | None]:
         raise ScheduleError("schedule JSON: 'placement' must be a list of rank numbers") from None
     sched = Schedule(d["name"], d["num_microbatches"], placement, ops, meta)
     cost = cost_from_dict(d["cost"]) if d.get("cost") is not None else None
+    if cost is not None and cost.num_stages != sched.num_stages:
+        raise ScheduleError(f"schedule JSON: the cost model has {cost.num_stages} stages but the placement "
+                            f"{sched.num_stages}")
+    if check:
+        validate(sched, cost, want_result=False)
     return sched, cost
 
 
-def loads_json(text: str) -> Schedule:
-    """Inverse of :func:`dumps_json` (the cost model, if any, is read by :func:`loads_json_with_cost`)."""
-    return loads_json_with_cost(text)[0]
+def loads_json(text: str, *, check: bool = True) -> Schedule:
+    """Inverse of :func:`dumps_json` (the cost model, if any, is read by :func:`loads_json_with_cost`);
+    ``check``: validate it as :func:`loads_json_with_cost` does."""
+    return loads_json_with_cost(text, check=check)[0]
 
 
 # --- torch CSV -----------------------------------------------------------------------------
@@ -359,20 +369,31 @@ def save(schedule: Schedule, path: str | os.PathLike, fmt: str | None = None, *,
         text = dumps_json(schedule, cost, indent=1)
     else:
         text = to_torch_csv(schedule)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
+    try:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except OSError as e:
+        raise ScheduleError(f"cannot write schedule file {os.fspath(path)!r}: {e.strerror or e}; give a "
+                            "writable path") from None
 
 
 def load_with_cost(path: str | os.PathLike, fmt: str | None = None, **csv_options) -> tuple[Schedule, CostModel | None]:
     """Read a schedule file; the cost model is None for CSV and for JSON saved without one.
-    ``csv_options`` (num_microbatches, placement, name, check) go to :func:`from_torch_csv`."""
+    ``csv_options`` (num_microbatches, placement, name, check) go to :func:`from_torch_csv`;
+    ``check`` also applies to JSON (validated by default)."""
     kind = _format_of(path, fmt)
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except OSError as e:
+        raise ScheduleError(f"cannot read schedule file {os.fspath(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(f"schedule file {os.fspath(path)!r} is not text (JSON or CSV)") from None
     if kind == "json":
+        check = csv_options.pop("check", True)
         if csv_options:
             raise ScheduleError(f"options {sorted(csv_options)} apply to CSV files only")
-        return loads_json_with_cost(text)
+        return loads_json_with_cost(text, check=check)
     csv_options.setdefault("name", os.path.splitext(os.path.basename(os.fspath(path)))[0])
     return from_torch_csv(text, **csv_options), None
 

@@ -41,7 +41,8 @@ def _figure(**kw):
 
 
 def check_figure_path(path: str | os.PathLike) -> str:
-    """Refuse a figure path with an unknown extension or a missing directory (flag: -o)."""
+    """Refuse a figure path with an unknown extension, a missing directory or one that cannot
+    be written (flag: -o), before any work is spent on the figure."""
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
     if ext not in _FORMATS:
@@ -50,7 +51,42 @@ def check_figure_path(path: str | os.PathLike) -> str:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ScheduleError(f"figure {path!r}: directory {parent!r} does not exist (-o)")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ScheduleError(f"figure {path!r}: cannot write it ({e.strerror or e}); give a writable file "
+                            "path (-o)") from None
+    if not existed:
+        os.remove(path)
     return path
+
+
+#: a timeline is drawn one box per compute op on figures at most 40 inches wide: beyond these
+#: counts the boxes are narrower than a few pixels and matplotlib needs gigabytes
+MAX_FIGURE_OPS_PER_RANK = 2048
+MAX_FIGURE_OPS = 65536
+MAX_FIGURE_RANKS = 128
+
+
+def check_figure_size(num_ranks: int, ops_per_rank: int, *, microbatches: int | None = None) -> None:
+    """Refuse a timeline that cannot be drawn legibly (ScheduleError naming the flag and the
+    largest --microbatches that can), before the schedule is built or drawn."""
+    if num_ranks > MAX_FIGURE_RANKS:
+        raise ScheduleError(f"--pp {num_ranks}: a timeline of more than {MAX_FIGURE_RANKS} ranks cannot be drawn "
+                            f"legibly; draw at most --pp {MAX_FIGURE_RANKS} (the schedule's pattern is the same "
+                            "at a smaller size)")
+    limit = min(MAX_FIGURE_OPS_PER_RANK, MAX_FIGURE_OPS // max(1, num_ranks))
+    if ops_per_rank > limit:
+        if microbatches:
+            per_mb = max(1, ops_per_rank // microbatches)
+            fix = f"use --microbatches {max(1, limit // per_mb)} or fewer"
+        else:
+            fix = "draw fewer microbatches"
+        raise ScheduleError(f"--microbatches {microbatches if microbatches else '?'}: {ops_per_rank} ops per rank "
+                            f"on {num_ranks} ranks cannot be drawn legibly (at most {limit} per rank at this "
+                            f"--pp); {fix} (the pattern repeats), or use mppx simulate for the numbers")
 
 
 def _save(fig, path: str, dpi: int) -> None:
@@ -59,8 +95,12 @@ def _save(fig, path: str, dpi: int) -> None:
     memory curves (``memory-rank-<r>``) and the Pareto points (``point-<schedule>``)."""
     import matplotlib
 
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "mppx"}):
-        fig.savefig(path, dpi=dpi)
+    try:
+        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "mppx"}):
+            fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise ScheduleError(f"figure {path!r}: cannot write it ({e.strerror or e}); give a writable file "
+                            "path (-o)") from None
 
 
 def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
@@ -97,6 +137,8 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
     dashed line (default: the schedule's own budget from its meta). Returns the simulation used.
     """
     path = check_figure_path(path)
+    compute_per_rank = [sum(op_kind(op.kind).category == "compute" for op in ops) for ops in schedule.ops]
+    check_figure_size(schedule.num_ranks, max(compute_per_rank, default=0), microbatches=schedule.num_microbatches)
     if result is None:
         result = simulate(schedule, cost)
     if memory_budget is None:

@@ -9,6 +9,7 @@ request, runs the generator, inserts communication (optionally) and validates th
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
 from .passes.comm import PROVEN_EARLY, insert_comm_proven
+from .progress import report
 from .validate import validate
 
 
@@ -119,9 +121,26 @@ def parse_memory_budget(value: str | float | None, pp: int) -> float | None:
         except ValueError:
             raise ScheduleError(f"--memory-budget {value!r}: give units (e.g. 4) or a fraction of 1F1B "
                                 "(e.g. 0.5x or 50%)") from None
-    if units <= 0:
-        raise ScheduleError(f"--memory-budget {value!r} must be positive")
+    if not math.isfinite(units) or units <= 0:
+        raise ScheduleError(f"--memory-budget {value!r}: must be a finite positive number of units (e.g. 4) or "
+                            "fraction of 1F1B (e.g. 0.5x or 50%)")
     return units
+
+
+#: the most compute ops (stages x microbatches x 3) a build may have: p=64, m=4096 with two chunks
+#: per rank is 1.6 million ops and takes minutes and gigabytes; beyond this it would not finish
+MAX_OPS = 10_000_000
+
+
+def check_size(pp: int, chunks: int, microbatches: int) -> None:
+    """Refuse a schedule too large to build (ScheduleError naming the flags), before any work."""
+    ops = pp * chunks * microbatches * 3
+    if ops > MAX_OPS:
+        most = MAX_OPS // (pp * chunks * 3)
+        fix = (f"use --microbatches {most} or fewer (the schedule's pattern repeats)" if most >= 1 else
+               "use fewer ranks (--pp) or chunks per rank (--chunks)")
+        raise ScheduleError(f"--pp {pp} x --chunks {chunks} x --microbatches {microbatches}: {ops:,} ops, more than "
+                            f"the {MAX_OPS:,} a schedule can be built with here; {fix}")
 
 
 def _parse_cost_numbers(costs: str | Sequence[float]) -> tuple[float, float, float, float]:
@@ -147,6 +166,7 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
     if info.chunks is None and chunks < info.min_chunks:
         raise ScheduleError(f"schedule {name!r} needs --chunks >= {info.min_chunks} (model chunks per rank); "
                             "with one chunk use its non-interleaved form (1f1b, zb-h1)")
+    check_size(pp, info.chunks or chunks, microbatches)
     budget = parse_memory_budget(memory_budget, pp)
     if budget is not None and not info.uses_budget:
         raise ScheduleError(f"schedule {name!r} has a fixed memory footprint and ignores --memory-budget; "
@@ -159,6 +179,7 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                               costs_t, budget, dict(options or {}))
     v = request.chunks
     cost = request.cost_model(pp * v, v)
+    cost.check_scale(microbatches, "--costs")
     with _cyclic_gc_paused():
         return _build(info, request, name, cost, budget, with_comm)
 
@@ -180,6 +201,7 @@ def _cyclic_gc_paused():
 
 def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float | None,
            with_comm: bool) -> tuple[Schedule, CostModel]:
+    report(f"{name}: generating")
     sched = info.generate(request)
     sched.meta.setdefault("schedule", name)
     if budget is not None:
@@ -187,7 +209,9 @@ def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostMo
     proven = False
     prepared = None
     if with_comm and not sched.has_comm():
+        report(f"{name}: inserting send/recv")
         sched, prepared = insert_comm_proven(sched, cost)
         proven = sched.meta.get("comm_placement") == PROVEN_EARLY  # insert_comm just ran the proof
+    report(f"{name}: validating")
     validate(sched, cost, memory_budget=budget, deadlock_proven=proven, prepared=prepared, want_result=False)
     return sched, cost

@@ -103,15 +103,29 @@ def _round(x: float) -> float:
     return round(x, 9)
 
 
-def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager") -> SimResult:
-    """Run ``schedule`` under ``cost``. Raises DeadlockError / ScheduleError when it cannot run."""
+def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", check: bool = True) -> SimResult:
+    """Run ``schedule`` under ``cost``. Raises DeadlockError / ScheduleError when it cannot run.
+
+    ``check`` (default): first refuse, with a ValidationError, a schedule the validator would
+    refuse for its structure or completeness (an op missing or duplicated, no microbatch, a
+    placement that does not match the ops), and costs the arithmetic cannot carry
+    (:meth:`CostModel.check_scale`). Generators simulating their own orders pass False."""
     if comm_model not in ("eager", "blocking"):
         raise ScheduleError(f"comm_model must be 'eager' or 'blocking', got {comm_model!r}")
     eager = comm_model == "eager"
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
-    from .fastsim import simulate_builtin  # same results for the built-in kinds, much faster
-    fast = simulate_builtin(schedule, cost, eager)
+    from . import fastsim  # same results for the built-in kinds, much faster
+    if check:
+        prep = fastsim.prepare(schedule, cost)
+        if prep is None or not prep.check():
+            from .validate import check_complete, check_structure
+            check_structure(schedule)
+            check_complete(schedule)
+        cost.check_scale(schedule.num_microbatches, "cost model")
+        fast = prep.simulate(eager) if prep is not None else None
+    else:
+        fast = fastsim.simulate_builtin(schedule, cost, eager)
     if fast is not None:
         return fast
     p = schedule.num_ranks

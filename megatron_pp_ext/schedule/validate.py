@@ -162,6 +162,7 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
         check_comm(schedule)
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
+    cost.check_scale(schedule.num_microbatches, "cost model")
     for check in _CHECKS:
         check(schedule, cost)
     result = None
@@ -174,9 +175,9 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
             return None
         result = prep.simulate(eager=True)
     elif schedule.has_comm() and not deadlock_proven:
-        simulate(schedule, cost, comm_model="blocking")  # the deadlock proof
+        simulate(schedule, cost, comm_model="blocking", check=False)  # the deadlock proof
     if result is None:
-        result = simulate(schedule, cost)
+        result = simulate(schedule, cost, check=False)
     _check_budget(schedule, result.peak_memory, memory_budget)
     return result
 

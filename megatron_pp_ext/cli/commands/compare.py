@@ -44,48 +44,30 @@ def _build(name, args, costs, budget_arg):
 
 def compare_rows(args) -> tuple[list[dict], list[dict]]:
     """(rows sorted by bubble then memory, skipped [{schedule, reason}])."""
-    from ...schedule import ScheduleError, parse_memory_budget, schedule_info, schedule_names, simulate
+    from ...schedule import parse_memory_budget, schedule_info, schedule_names
 
     costs = parse_costs(args.costs)
     budget_units = parse_memory_budget(args.memory_budget, args.pp)
     names = schedule_names()
+    if args.schedules is not None and not [n for n in args.schedules.split(",") if n.strip()]:
+        if args.schedules.strip():
+            raise CLIError(f"--schedules {args.schedules!r}: no schedule named; give names such as 1f1b,zbv "
+                           "('mppx schedules' lists them)")
     if args.schedules:
         wanted = [n.strip() for n in args.schedules.split(",") if n.strip()]
         for n in wanted:
             schedule_info(n)  # unknown names raise, naming --schedule and the choices
         names = wanted
+    from ..progress import progress
+
     rows, skipped = [], []
-    for name in names:
-        info = schedule_info(name)
-        try:
-            sched, cost, budget = _build(name, args, costs, args.memory_budget)
-        except ScheduleError as e:
-            if info.uses_budget and args.memory_budget is not None:
-                raise  # the budget asked for cannot be met: that is bad input, not a note
-            skipped.append({"schedule": name, "reason": " ".join(str(e).split())})
-            continue
-        res = simulate(sched, cost)
-        note = ""
-        if budget is not None:
-            units = parse_memory_budget(budget, args.pp)
-            shown = f"{units:g} units" if str(budget).strip() == f"{units:g}" else f"{budget} = {units:g} units"
-            note = f"budget {shown}" + ("" if args.memory_budget else " (default)")
-        elif budget_units is not None and res.max_peak_memory > budget_units + 1e-9:
-            note = f"over the {budget_units:g}-unit budget"
-        rows.append({
-            "schedule": name,
-            "placement": info.placement,
-            "chunks": sched.chunks_per_rank,
-            "split_backward": info.split_backward,
-            "makespan": res.makespan,
-            "bubble_rate": res.bubble_rate,
-            "bubble_rate_per_rank": res.bubble_rates,
-            "peak_memory": res.peak_memory,
-            "max_peak_memory": res.max_peak_memory,
-            "messages": sum(res.messages),
-            "memory_budget": sched.meta.get("memory_budget"),
-            "note": note,
-        })
+    with progress("mppx compare", total=len(names), unit="schedule", count_reports=False) as bar:
+        for name in names:
+            bar.step(name)
+            built = _build_row(name, args, costs, budget_units, skipped)
+            bar.advance()
+            if built is not None:
+                rows.append(built)
     rows.sort(key=lambda r: (round(r["bubble_rate"], 9), r["max_peak_memory"], r["schedule"]))
     base = next((r for r in rows if r["schedule"] == "1f1b"), None)
     for r in rows:
@@ -93,6 +75,42 @@ def compare_rows(args) -> tuple[list[dict], list[dict]]:
         r["memory_vs_1f1b"] = (r["max_peak_memory"] / base["max_peak_memory"]
                                if base and base["max_peak_memory"] else None)
     return rows, skipped
+
+
+def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | None:
+    """The row of one schedule, or None (and an entry in ``skipped``) when it cannot be built."""
+    from ...schedule import ScheduleError, parse_memory_budget, schedule_info, simulate
+
+    info = schedule_info(name)
+    try:
+        sched, cost, budget = _build(name, args, costs, args.memory_budget)
+    except ScheduleError as e:
+        if info.uses_budget and args.memory_budget is not None:
+            raise  # the budget asked for cannot be met: that is bad input, not a note
+        skipped.append({"schedule": name, "reason": " ".join(str(e).split())})
+        return None
+    res = simulate(sched, cost)
+    note = ""
+    if budget is not None:
+        units = parse_memory_budget(budget, args.pp)
+        shown = f"{units:g} units" if str(budget).strip() == f"{units:g}" else f"{budget} = {units:g} units"
+        note = f"budget {shown}" + ("" if args.memory_budget else " (default)")
+    elif budget_units is not None and res.max_peak_memory > budget_units + 1e-9:
+        note = f"over the {budget_units:g}-unit budget"
+    return {
+        "schedule": name,
+        "placement": info.placement,
+        "chunks": sched.chunks_per_rank,
+        "split_backward": info.split_backward,
+        "makespan": res.makespan,
+        "bubble_rate": res.bubble_rate,
+        "bubble_rate_per_rank": res.bubble_rates,
+        "peak_memory": res.peak_memory,
+        "max_peak_memory": res.max_peak_memory,
+        "messages": sum(res.messages),
+        "memory_budget": sched.meta.get("memory_budget"),
+        "note": note,
+    }
 
 
 def _config_line(args) -> str:

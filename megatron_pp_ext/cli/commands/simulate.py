@@ -18,18 +18,20 @@ def configure(parser):
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def simulate_report(args) -> dict:
-    """The JSON document of ``mppx simulate --json``."""
+def simulate_report(args, bar=None) -> dict:
+    """The JSON document of ``mppx simulate --json`` (``bar``: a progress bar to tell the steps)."""
     from ...schedule import simulate
 
-    sched, cost = build_from_args(args)
-    changes = {}
+    step = bar.step if bar is not None else (lambda text: None)
+    changes = {}  # every flag is checked before the (possibly long) build
     if args.bytes_per_unit is not None:
         changes["bytes_per_unit"] = parse_bytes(args.bytes_per_unit, "--bytes-per-unit")
     if args.bytes_per_message is not None:
         changes["bytes_per_message"] = parse_bytes(args.bytes_per_message, "--bytes-per-message")
+    sched, cost = build_from_args(args)
     if changes:
         cost = cost.with_(**changes)
+    step("simulating")
     res = simulate(sched, cost)
     f, b, w, comm = parse_costs(args.costs)
     doc = {
@@ -45,6 +47,7 @@ def simulate_report(args) -> dict:
     doc.update(res.to_dict())
     doc["messages"] = sum(res.messages)
     doc["ops_per_rank"] = [len(ops) for ops in sched.ops]
+    step("1F1B for comparison")
     doc["vs_1f1b"] = _vs_1f1b(args, res, with_comm=sched.has_comm())
     return doc
 
@@ -65,7 +68,10 @@ def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
 
 
 def run(args) -> int:
-    doc = simulate_report(args)
+    from ..progress import progress
+
+    with progress(f"mppx simulate {args.schedule}") as bar:
+        doc = simulate_report(args, bar)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0

@@ -13,9 +13,14 @@ def configure(parser):
 
 
 def run(args) -> int:
-    from ...schedule.plots import check_figure_path, plot_timeline
+    from ...schedule import schedule_info
+    from ...schedule.plots import check_figure_path, check_figure_size, plot_timeline
 
     check_figure_path(args.output)
+    info = schedule_info(args.schedule)
+    chunks = info.chunks or args.chunks or 1
+    per_rank = args.microbatches * chunks * (3 if info.split_backward else 2)
+    check_figure_size(args.pp, per_rank, microbatches=args.microbatches)  # before building anything
     sched, cost = build_from_args(args)
     res = plot_timeline(sched, cost, args.output, title=args.title)
     print(f"wrote {args.output} ({sched.name}: pp={sched.num_ranks}, microbatches={sched.num_microbatches}, "

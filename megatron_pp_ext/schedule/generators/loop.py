@@ -137,17 +137,20 @@ def interleaved_zb(req: ScheduleRequest) -> Schedule:
     budget = float(p)
     lean = p * v * m * 3 > FULL_SEARCH_OPS
     cands = standard_candidates("interleaved-zb", placement, cost, budget, lean=lean)
+    # torch's order (its rounds hold more than p units when p does not divide m: then dropped)
+    # and the same order in rounds of p microbatches, within p units for any m
     cands.append(("pattern-interleaved-zb", lambda mm: interleaved_zb_pattern(p, mm, v)))
+    cands.append(("pattern-interleaved-zb-p", lambda mm: interleaved_zb_pattern(p, mm, v, group=p)))
     timelines: dict[int, dict] = {}
 
     def edf(pol: Policy, mm: int) -> Schedule:
         if mm not in timelines:
-            timelines[mm] = pattern_targets(interleaved_zb_pattern(p, mm, v), cost)
+            timelines[mm] = pattern_targets(interleaved_zb_pattern(p, mm, v, group=p), cost)
         return list_schedule("interleaved-zb", placement, mm, cost, [budget] * p, pol, targets=timelines[mm])
 
     for pol in _IZB_EDF:
         cands.append((f"pattern-interleaved-zb-edf-{pol.label()}", lambda mm, pol=pol: edf(pol, mm)))
-    sched = search(cands, m, cost, budget=budget, always=["pattern-interleaved-zb"], keep=1 if lean else 2,
+    sched = search(cands, m, cost, budget=budget, always=["pattern-interleaved-zb", "pattern-interleaved-zb-p"], keep=1 if lean else 2,
                    lower_bound=lambda mm: makespan_lower_bound(placement, mm, cost, budget).makespan)
     sched.name = "interleaved-zb"
     sched.meta["budget_units"] = budget

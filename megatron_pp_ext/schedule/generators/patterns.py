@@ -258,6 +258,41 @@ def v_half_pattern(p: int, m: int) -> Schedule:
     return _cached("v-half", p, m, None)
 
 
+@functools.lru_cache(maxsize=64)
+def _phased_cached(kind: str, p: int, m: int) -> tuple:
+    from .slots import phased_v_pattern
+    s = phased_v_pattern(v_block_offsets(kind, p), p, m, f"{kind}-phased")
+    return s.placement, tuple(tuple(r) for r in s.ops)
+
+
+def clear_pattern_caches() -> None:
+    """Forget the patterns built so far (benchmarks time cold builds)."""
+    from .vreorg import fitting_blocks
+    _v_pattern_cached.cache_clear()
+    _phased_cached.cache_clear()
+    fitting_blocks.cache_clear()
+
+
+def _phased(kind: str, p: int, m: int) -> Schedule:
+    _check(p, m, kind)
+    placement, ops = _phased_cached(kind, p, m)
+    return Schedule(f"{kind}-phased", m, placement, [list(r) for r in ops],
+                    {"pattern": f"{kind}-phased", "fixed_pattern": True})
+
+
+def v_half_phased_pattern(p: int, m: int) -> Schedule:
+    """The V-Half block repeated and reordered in phases, as the controllable-memory paper's
+    reference scheduler does (:mod:`.slots`): the steady state as the block lays it out, the fill
+    and the drain reordered; about half of 1F1B's activation memory."""
+    return _phased("v-half", p, m)
+
+
+def v_min_phased_pattern(p: int, m: int) -> Schedule:
+    """The V-Min block repeated and reordered in phases (:mod:`.slots`); about a third of
+    1F1B's activation memory."""
+    return _phased("v-min", p, m)
+
+
 def v_zb_pattern(p: int, m: int) -> Schedule:
     """V-ZB fixed pattern: the V-Min block squeezed within 1F1B's memory (p units)."""
     return _cached("v-zb", p, m, float(p))
@@ -346,19 +381,30 @@ def interleaved_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
     return table
 
 
-def interleaved_zb_pattern(p: int, m: int, v: int = 2) -> Schedule:
+def torch_round_size(p: int, m: int) -> int:
+    """Microbatches per round of PyTorch's interleaved schedules: ``m // max(1, m // p)`` (p
+    when p divides m; more otherwise, e.g. 12 at p=8, m=12). torch refuses an m that the
+    round count ``max(1, m // p)`` does not divide."""
+    return m // max(1, m // p)
+
+
+def interleaved_zb_pattern(p: int, m: int, v: int = 2, group: int | None = None) -> Schedule:
     """Interleaved zero bubble, the order PyTorch's ``ScheduleInterleavedZeroBubble`` runs:
-    the interleaved 1F1B order of forwards and backwards (Megatron-Core's table), backward
-    split into B and W, ``(v-1)p + p - r`` warm-up forwards on rank ``r`` (1F1B's peak of p
-    units), then B, F in turn with each W ``r`` B's after its own."""
+    the interleaved 1F1B order of forwards and backwards (Megatron-Core's table, rounds of
+    ``group`` microbatches, default :func:`torch_round_size` as torch), backward split into B
+    and W, ``(v-1)·group + p - r`` warm-up forwards on rank ``r`` (1F1B's peak of p units when
+    the group is p), then B, F in turn with each W ``r`` B's after its own. When p does not
+    divide m torch's rounds are larger than p and so is the peak (p=8, m=12: 10 units);
+    ``group=p`` keeps p units."""
     _check(p, m, "interleaved zb")
     if v < 2:
         raise ScheduleError(f"interleaved zb needs v >= 2 chunks per rank (got {v})")
-    table = interleaved_table(m, v, p)
+    group = torch_round_size(p, m) if group is None else group
+    table = interleaved_table(m, v, group)
     total = m * v
     ops = []
     for r in range(p):
-        warm = min((v - 1) * p + (p - r), total)
+        warm = min((v - 1) * group + (p - r), total)
         fwd = [Op("F", c * p + r, mb, r) for mb, c in table]
         bwd = [Op("B", (v - 1 - c) * p + r, mb, r) for mb, c in table]
         lst = fwd[:warm]
@@ -399,7 +445,11 @@ FIXED_PATTERNS = {
 #: schedule name -> every published pattern it must match or beat (its fixed pattern first)
 BASELINE_PATTERNS = {name: (fn,) for name, fn in FIXED_PATTERNS.items()}
 BASELINE_PATTERNS["zbv"] = (v_zb_pattern, zbv_handcrafted_pattern)
-BASELINE_PATTERNS["interleaved-zb"] = (interleaved_zb_pattern,)  # v = 2
+BASELINE_PATTERNS["v-half"] = (v_half_pattern, v_half_phased_pattern)
+BASELINE_PATTERNS["v-min"] = (v_min_pattern, v_min_phased_pattern)
+# v = 2, in rounds of p microbatches: torch's order whenever p divides m, and at 1F1B's p units
+# for any m (torch's own rounds hold more than p units when p does not divide m)
+BASELINE_PATTERNS["interleaved-zb"] = (lambda p, m: interleaved_zb_pattern(p, m, 2, group=p),)
 
 
 def baseline_patterns(name: str, p: int, m: int) -> list[Schedule]:

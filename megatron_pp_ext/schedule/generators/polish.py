@@ -18,8 +18,8 @@ refused before any timing: an op moved past an op of its own microbatch it depen
 depends on it), and a rank whose running memory would pass its limit. The order of each stage's
 microbatches within each kind (F, B, W) is kept: the weight gradients then accumulate in the
 same order as before (and as at pp=1), which bit-exact parity depends on. Example: V-Half at p=8,
-m=16, F:B:W = 1:1.8:0.4 (5 units): the search's best has makespan 77.2 (1F1B: 73.6); about
-10,850 moves (1.1 s) bring it to 73.4.
+m=16, F:B:W = 1:1.8:0.4 (5 units): the search's best has makespan 77.0 (1F1B: 73.6); about
+10,850 moves (1.1 s) bring it to 73.3.
 """
 
 from __future__ import annotations

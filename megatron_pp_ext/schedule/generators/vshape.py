@@ -37,10 +37,20 @@ from ..registry import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
 from .block import block_order, min_period
 from .greedy import Policy, list_schedule
-from .patterns import v_half_pattern, v_min_pattern, v_zb_pattern, zbv_handcrafted_pattern
+from .patterns import (v_block_offsets, v_half_pattern, v_half_phased_pattern, v_min_pattern, v_min_phased_pattern, v_zb_pattern,
+                       zbv_handcrafted_pattern)
 from .polish import polish
 from .rank_block import shortest_rank_block
 from .search import FULL_SEARCH_OPS, pattern_targets, score, search, standard_candidates
+from .vfill import v_fill_schedules
+from .vreorg import fitting_blocks, reorganized_v_order, standard_block
+
+#: (fill_b, fill_f) variants of the reference's cost-aware ZB-V greedy (:mod:`.vfill`), each a
+#: candidate of its own
+V_FILL_VARIANTS = ((True, True), (True, False), (False, True), (False, False))
+#: the paper's search tries every block of :func:`.vreorg.offset_blocks`; where at most this
+#: many fit the budget (V-Min's: 1 to 10 up to p=32), each is a candidate
+MAX_BLOCKS = 12
 
 
 def v_budget_units(kind: str, p: int) -> float:
@@ -51,7 +61,7 @@ def v_budget_units(kind: str, p: int) -> float:
 #: (label, pattern, policy): the list scheduler with a pattern's timeline as deadlines; the
 #: ones that won on a random sample of sizes, costs and budgets (the other combinations of
 #: W delay and F slack, and the V-ZB block, never did)
-#: (``lean``, large problems: the first two)
+#: (``lean``, large problems: those of :data:`EDF_LEAN`)
 EDF_PATTERNS = [
     ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=0.0, f_slack=0.0)),
     ("pattern-zbv-hand", zbv_handcrafted_pattern, Policy(priority="template", w_delay=math.inf, f_slack=0.0)),
@@ -60,6 +70,12 @@ EDF_PATTERNS = [
     ("pattern-v-half", v_half_pattern, Policy(priority="template", w_delay=1.0, f_slack=0.0)),
     ("pattern-v-half", v_half_pattern, Policy(priority="template", w_delay=0.0, f_slack=0.0)),
 ]
+
+
+#: the EDF_PATTERNS kept for large problems: both handcrafted ZB-V ones, and the V-Half pattern's
+#: with W's a period late (p=16, m=128, F:B:W = 1:1:2: V-Half 531.5, 532.5 without it; the
+#: reference's automatic search: 532.0)
+EDF_LEAN = (0, 1, 4)
 
 
 def in_v_half_band(cost: CostModel) -> bool:
@@ -75,14 +91,43 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
     (the search drops those over the budget). ``lean``: fewer, for large problems."""
     placement = v_placement(p)
     cands = standard_candidates(name, placement, cost, budget, lean=lean)
-    for label, fn, units in (("pattern-v-min", v_min_pattern, v_budget_units("v-min", p)),
-                             ("pattern-v-half", v_half_pattern, v_budget_units("v-half", p)),
-                             ("pattern-v-zb", v_zb_pattern, v_budget_units("zbv", p)),
-                             ("pattern-zbv-hand", zbv_handcrafted_pattern, v_budget_units("zbv", p))):
+    units_of = {k: v_budget_units(k, p) for k in ("v-min", "v-half", "zbv")}
+
+    def worth(kind: str) -> bool:
+        """A fixed order of the ``kind`` level within the budget; for large problems only if the
+        budget does not reach the next level (whose own orders use that memory better)."""
+        if units_of[kind] > budget + 1e-9:
+            return False
+        nxt = {"v-min": "v-half", "v-half": "zbv"}.get(kind)
+        return not lean or nxt is None or budget < units_of[nxt] - 1e-9
+
+    for label, fn, kind in (("pattern-v-min", v_min_pattern, "v-min"),
+                            ("pattern-v-min-phased", v_min_phased_pattern, "v-min"),
+                            ("pattern-v-half", v_half_pattern, "v-half"),
+                            ("pattern-v-half-phased", v_half_phased_pattern, "v-half"),
+                            ("pattern-v-zb", v_zb_pattern, "zbv"),
+                            ("pattern-zbv-hand", zbv_handcrafted_pattern, "zbv")):
         # the patterns' peaks are the formulas (tests/test_schedule_targets.py checks it):
         # skip building those that cannot fit (with the default unit activations)
-        if units <= budget + 1e-9 or any(a != 0.5 for a in cost.act):
+        new_order = label.endswith("-phased")
+        if (worth(kind) if new_order else units_of[kind] <= budget + 1e-9) or any(a != 0.5 for a in cost.act):
             cands.append((label, lambda mm, fn=fn: fn(p, mm)))
+    # the V-Min and V-Half blocks reorganised at both ends as the paper's automatic search does
+    for label, kind in (("reorg-v-min", "v-min"), ("reorg-v-half", "v-half")):
+        if worth(kind):
+            blk = standard_block(v_block_offsets(kind, p))
+            cands.append((label, lambda mm, blk=blk: _reorg(name, blk, p, mm, budget)))
+    # at tight budgets few of the blocks the paper's search tries fit: all of them, reorganised
+    # (below the lean size: enumerating them takes a fraction of a second at p=32)
+    if not lean:
+        fits = fitting_blocks(p, int(math.floor(2 * budget + 1e-9)))
+        if len(fits) <= MAX_BLOCKS:
+            for i, blk in enumerate(fits):
+                cands.append((f"reorg-block-{i}", lambda mm, blk=blk: _reorg(name, blk, p, mm, budget)))
+    # the reference's cost-aware ZB-V greedy (it keeps any budget it can fill within)
+    for variant in V_FILL_VARIANTS:
+        cands.append((f"v-fill-b{int(variant[0])}f{int(variant[1])}",
+                      lambda mm, v=variant: _only(v_fill_schedules(name, p, mm, cost, budget, variants=(v,)))))
     # outside the band the greedy block layout (.block) finds no room at the full rate; the
     # rank-by-rank search often does, or at a slightly longer period (a fraction of a second)
     blk = None if in_v_half_band(cost) else shortest_rank_block(
@@ -99,9 +144,23 @@ def v_candidates(name: str, p: int, cost: CostModel, budget: float, *,
             timelines[(label, mm)] = pattern_targets(fn(p, mm), cost)
         return list_schedule(name, placement, mm, cost, [budget] * p, pol, targets=timelines[(label, mm)])
 
-    for label, fn, pol in (EDF_PATTERNS[:2] if lean else EDF_PATTERNS):
+    for label, fn, pol in ([EDF_PATTERNS[i] for i in EDF_LEAN] if lean else EDF_PATTERNS):
         cands.append((f"{label}-edf-{pol.label()}", lambda mm, a=(label, fn, pol): edf(*a, mm)))
     return cands
+
+
+def _reorg(name: str, blk, p: int, m: int, budget: float) -> Schedule:
+    sched = reorganized_v_order(blk, p, m, int(math.floor(2 * budget + 1e-9)))
+    if sched is None:
+        raise ScheduleError("reorganised block: dropped (memory or dependencies)")
+    sched.name = name
+    return sched
+
+
+def _only(scheds: list[Schedule]) -> Schedule:
+    if not scheds:
+        raise ScheduleError("v-fill: no order within the budget")
+    return scheds[0]
 
 
 #: below this many ops (stages x microbatches x 3) the search's winner is polished by local
@@ -168,6 +227,15 @@ def v_min(req: ScheduleRequest) -> Schedule:
                    "(units, or a fraction of 1F1B such as 0.6x)", placement="v", chunks=2,
                    split_backward=True, uses_budget=True)
 def v_budget(req: ScheduleRequest) -> Schedule:
+    """The V search at every budget of a ladder up to ``--memory-budget`` (:mod:`.budget_ladder`):
+    a larger budget never gives a slower schedule, nor a larger peak at the same makespan."""
     if req.memory_budget is None:
         raise ScheduleError("v-budget needs --memory-budget (units, e.g. 3, or a fraction of 1F1B, e.g. 0.5x)")
-    return _v(req, "v-budget", req.memory_budget)
+    from .budget_ladder import ladder_search
+
+    cost = req.cost_model(2 * req.pp, 2)
+    need = max(cost.act[r] + cost.act[2 * req.pp - 1 - r] for r in range(req.pp))
+    if req.memory_budget + 1e-9 < need:
+        return _v(req, "v-budget", req.memory_budget)  # its error names the budget needed
+    key = ("v-budget", req.pp, req.microbatches, cost, repr(sorted(req.options.items())))
+    return ladder_search(lambda b: _v(req, "v-budget", b), req.pp, req.microbatches, cost, req.memory_budget, key)

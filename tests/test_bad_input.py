@@ -1,0 +1,343 @@
+"""Bad input refused where it enters the library (ScheduleError, never a bare ValueError or a
+wrong number), and by the CLI as one line with exit status 2 (issue 17)."""
+
+import json
+
+import pytest
+
+from megatron_pp_ext.cli import main
+from megatron_pp_ext.schedule import (CostModel, Schedule, ScheduleError, ValidationError, build_schedule,
+                                      parse_memory_budget, simulate, validate)
+from megatron_pp_ext.schedule.export import dumps_json, load, loads_json, loads_json_with_cost, save
+
+NAN, INF = float("nan"), float("inf")
+
+
+def one_line_error(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == 2, (argv, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mppx: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# --- cost model -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("t_f", NAN), ("t_b", NAN), ("t_w", INF), ("t_f", -1.0),
+                                         ("act", -0.5), ("act", NAN), ("comm", NAN), ("comm", -1.0)])
+def test_cost_model_refuses_nan_inf_and_negative(field, value):
+    base = CostModel.uniform(4)
+    bad = value if field == "comm" else (value,) + getattr(base, field)[1:]
+    with pytest.raises(ScheduleError, match=field.split("_")[0] if field != "comm" else "comm"):
+        CostModel(**{**dict(t_f=base.t_f, t_b=base.t_b, t_w=base.t_w, comm=base.comm, act=base.act),
+                     field: bad})
+
+
+def test_cost_model_refuses_bad_byte_sizes_and_overflowing_times():
+    with pytest.raises(ScheduleError, match="bytes_per_unit"):
+        CostModel.uniform(2, bytes_per_unit=NAN)
+    with pytest.raises(ScheduleError, match="bytes_per_message"):
+        CostModel.uniform(2, bytes_per_message=-1.0)
+    with pytest.raises(ScheduleError, match="larger unit"):
+        CostModel((1e308,) * 2, (1e308,) * 2, (0.0,) * 2, act=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("costs", [(1, NAN, 1, 0), (NAN, 1, 1, 0), (1, 1, INF, 0), (1, 1, 1, NAN), (1, -1, 1, 0),
+                                   (1, 1, -1, 0), (1e308, 1e308, 1e308, 0), "1,nan,1", "1,1,1,-0.1"])
+def test_build_schedule_refuses_bad_costs_with_schedule_error(costs):
+    with pytest.raises(ScheduleError, match="--costs"):
+        build_schedule("zb-h1", 4, 8, costs=costs)
+
+
+def test_costs_that_overflow_over_the_microbatches_are_refused():
+    # each number is fine, but 10**6 microbatches of them overflow the arithmetic
+    with pytest.raises(ScheduleError, match="too large to simulate"):
+        build_schedule("1f1b", 2, 10**6, costs=(1e295, 1e295, 1e295, 0))
+
+
+def test_schedules_too_large_to_build_are_refused_before_any_work():
+    from megatron_pp_ext.schedule.registry import MAX_OPS
+    with pytest.raises(ScheduleError, match="--microbatches"):
+        build_schedule("zbv", 64, MAX_OPS, costs=(1, 1, 1, 0))
+
+
+def test_costs_below_the_simulators_resolution_are_refused():
+    with pytest.raises(ScheduleError, match="smaller unit"):
+        build_schedule("zbv", 4, 8, costs=(1e-12, 1e-12, 1e-12, 0))
+    c = CostModel.uniform(4, f=1e-12, b=1e-12, w=0.0)
+    s, _ = build_schedule("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="resolution"):
+        simulate(s, c)
+    with pytest.raises(ScheduleError, match="resolution"):
+        validate(s, c)
+
+
+def test_a_tiny_w_or_comm_is_accepted():
+    s, c = build_schedule("zb-h1", 4, 8, costs=(1, 1, 6e-8, 1e-12))
+    assert simulate(s, c).makespan > 0
+
+
+def test_tiny_but_resolvable_costs_give_the_scaled_result():
+    s, c = build_schedule("zb-h1", 4, 8, costs=(1, 2, 1, 0))
+    s2, c2 = build_schedule("zb-h1", 4, 8, costs=(1e-6, 2e-6, 1e-6, 0))
+    assert simulate(s2, c2).makespan == pytest.approx(simulate(s, c).makespan * 1e-6, rel=1e-6)
+    assert simulate(s2, c2).max_peak_memory == simulate(s, c).max_peak_memory
+
+
+def test_validate_refuses_a_nan_cost():
+    s, _ = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ScheduleError):
+        validate(s, CostModel.uniform(2, b=NAN))
+
+
+# --- memory budget ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "nanx", "inf%", "1e999", "0", "-2", "0x"])
+def test_memory_budget_must_be_finite_and_positive(text):
+    with pytest.raises(ScheduleError, match="--memory-budget"):
+        parse_memory_budget(text, 4)
+    with pytest.raises(ScheduleError, match="--memory-budget"):
+        build_schedule("v-budget", 4, 8, memory_budget=text)
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -1.0, 0.0])
+def test_memory_budget_numbers_must_be_finite_and_positive(value):
+    with pytest.raises(ScheduleError, match="--memory-budget"):
+        parse_memory_budget(value, 4)
+
+
+# --- imported schedules: the same validator as generated ones --------------------------------
+
+def _doc(**changes):
+    s, c = build_schedule("zb-h1", 2, 3)
+    d = json.loads(dumps_json(s, c))
+    d.update(changes)
+    return d
+
+
+def _drop_op(d):
+    d["ops"][1] = d["ops"][1][:-1]
+    return d
+
+
+def _dup_op(d):
+    d["ops"][0].append(d["ops"][0][0])
+    return d
+
+
+@pytest.mark.parametrize("make,match", [
+    (_drop_op, "need exactly 1|need one BW"),
+    (_dup_op, "appears 2 times"),
+    (lambda d: {**d, "num_microbatches": 0}, "at least one"),
+    (lambda d: {**d, "num_microbatches": -1}, "at least one"),
+    (lambda d: {**d, "num_microbatches": 2}, "microbatch out of range"),
+    (lambda d: {**d, "placement": [0, 0]}, "placement"),
+    (lambda d: {**d, "placement": [1, 0]}, "placed on rank"),
+    (lambda d: {**d, "placement": [0, 1, 0, 1]}, "stages"),
+])
+def test_loads_json_validates_imported_schedules(make, match):
+    text = json.dumps(make(_doc()))
+    with pytest.raises(ScheduleError, match=match):
+        loads_json_with_cost(text)
+    with pytest.raises(ScheduleError):
+        loads_json(text)
+
+
+def test_loads_json_check_false_reads_without_validating():
+    d = _drop_op(_doc())
+    s = loads_json(json.dumps(d), check=False)
+    assert len(s.ops[1]) == len(_doc()["ops"][1]) - 1
+
+
+def test_load_and_save_errors_are_schedule_errors(tmp_path):
+    s, c = build_schedule("zbv", 2, 4)
+    with pytest.raises(ScheduleError, match="cannot read"):
+        load(tmp_path / "missing.json")
+    with pytest.raises(ScheduleError, match="cannot write"):
+        save(s, tmp_path / "no" / "dir.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_dup_op(_doc())))
+    with pytest.raises(ScheduleError, match="appears 2 times"):
+        load(bad)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda s: Schedule(s.name, s.num_microbatches, s.placement, [s.ops[0][:-1], s.ops[1]]), "need"),
+    (lambda s: Schedule(s.name, s.num_microbatches, s.placement, [s.ops[0] + s.ops[0][:1], s.ops[1]]),
+     "appears 2 times"),
+    (lambda s: Schedule(s.name, 0, s.placement, s.ops), "at least one"),
+    (lambda s: Schedule(s.name, -1, s.placement, s.ops), "at least one"),
+    (lambda s: Schedule(s.name, s.num_microbatches, (1, 0), s.ops), "placed on rank"),
+])
+def test_simulate_refuses_what_the_validator_refuses(mutate, match):
+    s, c = build_schedule("zb-h1", 2, 3)
+    with pytest.raises(ValidationError, match=match):
+        simulate(mutate(s), c)
+    with pytest.raises(ValidationError, match=match):
+        validate(mutate(s), c)
+
+
+def test_simulate_check_false_is_the_raw_simulator():
+    s, c = build_schedule("zb-h1", 2, 3)
+    short = Schedule(s.name, s.num_microbatches, s.placement, [s.ops[0][:-1], s.ops[1]])
+    assert simulate(short, c, check=False).makespan > 0
+
+
+# --- the CLI: the issue's examples and their siblings -----------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["simulate", "--schedule", "zbv", "--costs", "1e308,1e308,1e308"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1e-12,1e-12,1e-12"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1,1,1,nan"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1,1e-9,1"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1,inf,1"], "--costs"),
+    (["compare", "--costs", "1e308,1,1"], "--costs"),
+    (["simulate", "--schedule", "zbv", "--costs", "1e299,1e299,1e299"], "--costs"),
+    (["compare", "--schedules", ","], "--schedules"),
+    (["viz", "--schedule", "zbv", "--costs", "nan,1,1", "-o", "x.png"], "--costs"),
+    (["export", "--schedule", "zbv", "--costs", "1,1,-1", "--format", "json"], "--costs"),
+    (["simulate", "--schedule", "v-budget", "--memory-budget", "nan"], "--memory-budget"),
+    (["simulate", "--schedule", "v-budget", "--memory-budget", "inf"], "--memory-budget"),
+    (["compare", "--memory-budget", "nan"], "--memory-budget"),
+    (["compare", "--memory-budget", "nanx"], "--memory-budget"),
+    (["viz", "--schedule", "v-budget", "--memory-budget", "nan", "-o", "x.png"], "--memory-budget"),
+    (["export", "--schedule", "v-budget", "--memory-budget", "inf%", "--format", "json"], "--memory-budget"),
+    (["viz", "--schedule", "zbv", "-o", "/proc/x.png"], "-o"),
+    (["compare", "-o", "/proc/x.png"], "-o"),
+    (["export", "--schedule", "zbv", "-o", "/proc/x.json"], "-o"),
+    (["simulate", "--schedule", "zbv", "--bytes-per-unit", "nanGiB"], "--bytes-per-unit"),
+    (["simulate", "--schedule", "zbv", "--bytes-per-message", "1e999"], "--bytes-per-message"),
+    (["simulate", "--schedule", "zbv", "--bytes-per-unit", "0.0000001"], "--bytes-per-unit"),
+    (["simulate", "--schedule", "1f1b", "--pp", "99999999999", "--microbatches", "1"], "fewer ranks (--pp)"),
+    (["simulate", "--schedule", "1f1b", "--microbatches", "99999999999"], "--microbatches 833333 or fewer"),
+    (["export", "--schedule", "zbv", "--pp", "64", "--microbatches", "100000", "--format", "json"], "ops"),
+])
+def test_cli_bad_values_give_one_line(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    assert needle in one_line_error(capsys, *argv)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_viz_refuses_a_figure_too_large_to_draw_before_building_it(capsys, tmp_path, monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("the schedule was built before the size was checked")
+    monkeypatch.setattr("megatron_pp_ext.cli.commands.viz.build_from_args", no_build)
+    line = one_line_error(capsys, "viz", "--schedule", "zbv", "--pp", "64", "--microbatches", "4096",
+                          "-o", str(tmp_path / "big.png"))
+    assert "--microbatches 4096" in line and "--microbatches 170 or fewer" in line
+    line = one_line_error(capsys, "viz", "--schedule", "1f1b", "--pp", "1000", "--microbatches", "1",
+                          "-o", str(tmp_path / "big.png"))
+    assert "--pp" in line
+    assert not (tmp_path / "big.png").exists()
+
+
+def test_viz_largest_allowed_figure_is_drawn(capsys, tmp_path):
+    from megatron_pp_ext.schedule.plots import MAX_FIGURE_OPS_PER_RANK
+    m = MAX_FIGURE_OPS_PER_RANK // 6  # zbv: 2 chunks x F, B, W per microbatch
+    rc = main(["viz", "--schedule", "zbv", "--pp", "2", "--microbatches", str(m), "-o", str(tmp_path / "ok.png")])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "ok.png").stat().st_size > 0
+
+
+# --- mppx plan: out-of-range cluster, search and calibration values ----------------------------
+
+PLAN = ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--memory", "nan"], "--memory"), (["--memory", "0"], "--memory"), (["--memory", "-3"], "--memory"),
+    (["--memory", "2"], "--memory"),
+    (["--peak-tflops", "-5"], "--peak-tflops"), (["--peak-tflops", "1e-9"], "--peak-tflops"),
+    (["--peak-tflops", "inf"], "--peak-tflops"),
+    (["--nvlink-gbps", "0"], "--nvlink-gbps"), (["--net-gbps", "nan"], "--net-gbps"),
+    (["--host-gbps", "-1"], "--host-gbps"),
+    (["--time-limit", "0"], "--time-limit"), (["--time-limit", "nan"], "--time-limit"),
+    (["--time-limit", "-1"], "--time-limit"),
+    (["--time-limit", "1e-9"], "raise --time-limit"),
+    (["--budgets", "nan"], "--budgets"), (["--budgets", "fit,0"], "--budgets"),
+])
+def test_plan_refuses_out_of_range_values(capsys, extra, needle):
+    line = one_line_error(capsys, *PLAN, *extra)
+    assert needle in line
+    assert "OOM" not in line and "use more GPUs" not in line  # not a misleading verdict
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"efficiency": {"gemm_max": 5}}, "gemm_max"),       # an MFU above 100% otherwise
+    ({"efficiency": {"hbm": float("nan")}}, "hbm"),
+    ({"efficiency": {"gemm_half": 0}}, "gemm_half"),
+    ({"efficiency": 3}, "'efficiency' must be an object"),
+    ({"gemm_points": [{"x": 1e5, "efficiency": float("nan")}]}, "efficiency must be a finite number"),
+    ({"gemm_points": [{"y": 1}]}, "has no 'efficiency'"),
+    ({"gemm_points": 7}, "must be a list"),
+    ({"layer_points": [{"mbs": 1, "forward_ms": float("nan")}]}, "forward_ms"),
+    ({"layer_points": [{"mbs": 0, "forward_ms": 3}]}, "mbs and tp"),
+])
+def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(doc))
+    assert needle in one_line_error(capsys, *PLAN, "--calibration", str(path))
+
+
+def test_planner_library_refuses_the_same_values():
+    from megatron_pp_ext.planner import PlannerError, PlanRequest, get_model, make_cluster
+    from megatron_pp_ext.planner.timing import Efficiency
+
+    with pytest.raises(PlannerError, match="--memory"):
+        make_cluster("h100", 8, memory_gib=float("nan"))
+    with pytest.raises(PlannerError, match="--peak-tflops"):
+        make_cluster("h100", 8, peak_tflops=0.0)
+    with pytest.raises(PlannerError, match="gemm_max"):
+        Efficiency(gemm_max=1.5)
+    cluster = make_cluster("h100", 8)
+    with pytest.raises(PlannerError, match="--time-limit"):
+        PlanRequest(get_model("llama2-7b"), cluster, 64, time_limit=0.0)
+    with pytest.raises(PlannerError, match="--budgets"):
+        PlanRequest(get_model("llama2-7b"), cluster, 64, budgets=("nan",))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--schedule", "v-budget", "--memory-budget", "nan"], "--memory-budget 'nan'"),
+    (["--schedule", "v-budget", "--memory-budget", "inf"], "--memory-budget 'inf'"),
+    (["--schedule", "zbv", "--costs", "1,nan,1"], "--costs"),
+    (["--schedule", "zbv", "--costs", "1e308,1e308,1e308"], "--costs"),
+])
+def test_train_refuses_bad_budget_and_costs_before_starting(capsys, tmp_path, extra, needle):
+    assert needle in one_line_error(capsys, "train", "--out", str(tmp_path / "run"), *extra)
+    assert not (tmp_path / "run").exists()
+
+
+# --- long work: a progress bar on a terminal only ----------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["compare", "--pp", "2", "--microbatches", "4"], "mppx compare"),
+    (["simulate", "--schedule", "zbv", "--pp", "2", "--microbatches", "4"], "1F1B for comparison"),
+])
+def test_progress_bar_on_a_terminal_once_the_work_is_long(capsys, monkeypatch, argv, needle):
+    from megatron_pp_ext.cli import progress
+
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""              # not a terminal: nothing extra
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)     # as if every step had taken long
+    monkeypatch.setattr(progress, "REDRAW_S", 0.0)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert needle in err and "elapsed" in err
+    assert needle not in out                          # the report itself is unchanged
+
+
+def test_progress_waits_for_long_work(capsys, monkeypatch):
+    from megatron_pp_ext.cli import progress
+
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]) == 0
+    assert capsys.readouterr().err == ""              # well under DELAY_S: no bar
+
+
+def test_simulate_checks_its_byte_flags_before_building(capsys, monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("built before the flags were checked")
+    monkeypatch.setattr("megatron_pp_ext.cli.commands.simulate.build_from_args", no_build)
+    assert "--bytes-per-unit" in one_line_error(capsys, "simulate", "--schedule", "zbv", "--bytes-per-unit", "nan")

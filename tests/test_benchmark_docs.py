@@ -1,0 +1,71 @@
+"""The deterministic tables of docs/benchmarks/*.md match what their commands print now.
+
+Each benchmark script regenerates a subset of its simulated tables (``doc_tables(quick=True)``,
+seconds each) and benchmarks/doccheck.py requires every regenerated row in the document, under
+the same heading, caption and header. ``python -m benchmarks.doccheck`` checks every
+configuration (minutes); measured tables and timings are never compared.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+
+import pytest
+
+from benchmarks import doccheck
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def generated(name: str) -> str:
+    return importlib.import_module(f"benchmarks.{name}").doc_tables(quick=True)
+
+
+def doc(name: str) -> str:
+    return (ROOT / "docs" / "benchmarks" / doccheck.DOCS[name]).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", list(doccheck.DOCS))
+def test_benchmark_doc_tables_match_their_command(name):
+    gen = generated(name)
+    assert doccheck.tables(gen), "the quick regeneration produced no table"
+    problems = doccheck.check(doc(name), gen, where=f"docs/benchmarks/{doccheck.DOCS[name]}")
+    assert not problems, "\n".join(problems) + "\nregenerate: python benchmarks/" + name + ".py"
+
+
+@pytest.mark.parametrize("name", ["vocab", "bpipe"])
+def test_a_changed_number_in_the_doc_is_caught(name):
+    gen = generated(name)
+    row = doccheck.tables(gen)[0].rows[0]
+    cells = row.split("|")
+    cells[-2] = cells[-2] + "9"          # one cell of one regenerated row, changed in the document
+    drifted = doc(name).replace(row, "|".join(cells), 1)
+    assert drifted != doc(name)
+    problems = doccheck.check(drifted, gen)
+    assert len(problems) == 1 and row in problems[0]
+
+
+def test_check_rules():
+    md = "## A\n\np = 4\n\n| x | y |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n"
+    assert doccheck.check(md, md) == [] and doccheck.check(md, md, exact=True) == []
+    assert doccheck.check(md, md.replace("| 1 | 2 |", "| 1 | 5 |"))          # a row drifted
+    assert doccheck.check(md, md.replace("## A", "## B"))                      # another heading
+    assert doccheck.check(md, md.replace("p = 4", "p = 8"))                    # another caption
+    assert doccheck.check(md, md.replace("| x | y |", "| x | z |"))            # another header
+    subset = md.replace("| 3 | 4 |\n", "")
+    assert doccheck.check(md, subset) == []                                    # a subset of the rows
+    assert doccheck.check(md, subset, exact=True)                              # ... but not all of them
+    assert doccheck.check(md, "no table here")
+
+
+def test_update_rewrites_only_the_generated_tables():
+    md = "## A\n\n| x | y |\n|---|---|\n| 1 | 2 |\n\n## Measured\n\n| x | y |\n|---|---|\n| 7 | 7 |\n"
+    gen = "## A\n\n| x | y |\n|---|---|\n| 1 | 3 |\n| 2 | 4 |\n"
+    new, missing = doccheck.update(md, gen)
+    assert missing == [] and doccheck.check(new, gen, exact=True) == []
+    assert "| 7 | 7 |" in new and "| 1 | 2 |" not in new
+    _, missing = doccheck.update(md, gen.replace("## A", "## C"))
+    assert missing == ["## C / | x | y |"]
