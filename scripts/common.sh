@@ -6,7 +6,8 @@
 # After sourcing, call `mppx_build_args MODEL`; it fills the array TRAIN_ARGS and the variables
 # TP, PP, GPUS_PER_NODE, NNODES from the preset and the environment. Environment knobs
 # (all optional):
-#   MEGATRON_LM_DIR    Megatron-LM checkout (core_v0.16.1), default ./megatron-lm
+#   MEGATRON_LM_DIR    Megatron-LM checkout (core_v0.16.1 .. core_v0.19.0), default ./megatron-lm
+#   MPPX_PRETRAIN_SCRIPT  the pretrain_gpt.py to run (default $MEGATRON_LM_DIR/pretrain_gpt.py)
 #   SCHEDULE           our schedule (zbv, v-half, v-min, v-budget, zb-h1, zb-h2, 1f1b, interleaved-1f1b,
 #                      dualpipev, ...) or mcore for Megatron-Core's own; default zbv
 #   MEMORY_BUDGET      with SCHEDULE=v-budget: e.g. 0.5x
@@ -22,7 +23,7 @@
 #   EXTRA_ARGS         appended verbatim (word-split)
 #   MPPX_DRY_RUN=1     print the pretrain_gpt.py arguments, one per line, and exit (flag checks)
 
-MPPX_MODELS="gpt3-1.3b gpt3-13b gpt3-175b llama2-7b llama3-8b llama2-13b llama2-70b llama3-70b"
+MPPX_MODELS="gpt3-1.3b gpt3-13b gpt3-175b llama2-7b llama3-8b llama2-13b llama2-70b llama3-70b tiny-gpt tiny-llama"
 
 # mppx_model_preset NAME: architecture flags (MODEL_ARGS) and default layout for one model.
 mppx_model_preset() {
@@ -72,6 +73,17 @@ mppx_model_preset() {
                     --max-position-embeddings "${SEQ_LENGTH:-8192}" --rotary-base 500000 --lr 1.5e-4 --min-lr 1.5e-5)
         : "${TP:=8}" "${PP:=8}" "${MBS:=1}" "${GBS:=1024}" "${GPUS_PER_NODE:=8}" "${NNODES:=8}"
         MODEL_FAMILY=llama; LLAMA_VOCAB=128256 ;;
+    tiny-gpt)   # a few-second model for trying the scripts (and for their CPU test)
+        MODEL_ARGS=(--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length "${SEQ_LENGTH:-16}"
+                    --max-position-embeddings "${SEQ_LENGTH:-16}" --init-method-std 0.02 --lr 1.0e-3 --min-lr 1.0e-4)
+        : "${TP:=1}" "${PP:=2}" "${MBS:=1}" "${GBS:=8}" "${GPUS_PER_NODE:=2}" "${NNODES:=1}"
+        MODEL_FAMILY=gpt; GPT_VOCAB=200 ;;
+    tiny-llama)
+        MODEL_ARGS=(--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention
+                    --num-query-groups 2 --ffn-hidden-size 64 --seq-length "${SEQ_LENGTH:-16}"
+                    --max-position-embeddings "${SEQ_LENGTH:-16}" --rotary-base 10000 --lr 1.0e-3 --min-lr 1.0e-4)
+        : "${TP:=1}" "${PP:=2}" "${MBS:=1}" "${GBS:=8}" "${GPUS_PER_NODE:=2}" "${NNODES:=1}"
+        MODEL_FAMILY=llama; LLAMA_VOCAB=200 ;;
     *)
         echo "error: unknown model '$1'; choose one of: $MPPX_MODELS" >&2
         return 2 ;;
@@ -122,7 +134,7 @@ mppx_data_args() {
         if [ -n "${VOCAB_FILE:-}" ]; then
             DATA_ARGS+=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "${MERGE_FILE:?set MERGE_FILE with VOCAB_FILE}")
         else
-            DATA_ARGS+=(--tokenizer-type NullTokenizer --vocab-size 50257)
+            DATA_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "${GPT_VOCAB:-50257}")
         fi
     fi
 }
@@ -168,11 +180,14 @@ mppx_dry_run() {
 
 # mppx_entry: the training script and how it is started (launcher: no patch needed; the patched
 # pretrain_gpt.py runs under it as well).
+# MPPX_PRETRAIN_SCRIPT: another pretrain_gpt.py to run (default $MEGATRON_LM_DIR/pretrain_gpt.py),
+# e.g. tests/megatron_lm_wheel/pretrain_gpt.py with the training loop of the megatron-core 0.19 wheel.
 mppx_entry() {
     MEGATRON_LM_DIR="${MEGATRON_LM_DIR:-$PWD/megatron-lm}"
-    if [ ! -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]; then
-        echo "error: $MEGATRON_LM_DIR/pretrain_gpt.py not found; set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout (scripts/install_megatron.sh)" >&2
+    local script="${MPPX_PRETRAIN_SCRIPT:-$MEGATRON_LM_DIR/pretrain_gpt.py}"
+    if [ ! -f "$script" ]; then
+        echo "error: $script not found; set MEGATRON_LM_DIR to a Megatron-LM checkout (core_v0.16.1 .. core_v0.19.0: scripts/install_megatron.sh --tag TAG), or MPPX_PRETRAIN_SCRIPT to a pretrain_gpt.py" >&2
         return 2
     fi
-    ENTRY=(-m megatron_pp_ext.launch "$MEGATRON_LM_DIR/pretrain_gpt.py")
+    ENTRY=(-m megatron_pp_ext.launch "$script")
 }

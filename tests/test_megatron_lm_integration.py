@@ -471,3 +471,35 @@ def test_scripts_flag_set_with_vocabulary_parallelism(scripts4, scripts_ref):
     (train, evals), (ref_train, ref_eval) = losses(scripts4["user-zbv-vocab"]), losses(scripts_ref["user-pp1"])
     assert train[0] == ref_train[0]
     assert all(_rel(a, b) <= 1e-3 for a, b in zip(train + evals, ref_train + ref_eval)), (train, ref_train)
+
+
+CPU_FLAGS = ("--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+             "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion "
+             "--num-workers 0 --use-cpu-initialization --layout-independent-init")
+
+
+@pytest.mark.parametrize("script,model,schedule", [("pretrain_torchrun.sh", "tiny-llama", "zbv"),
+                                                   ("pretrain_slurm.sbatch", "tiny-gpt", "v-half")])
+def test_launch_scripts_run_end_to_end(work, script, model, schedule):
+    """The launch scripts themselves, on a tiny preset, on CPU processes: the torchrun script, and
+    the SLURM batch file with its launcher replaced by a local one (MPPX_LAUNCHER=local). They
+    run the presets' own flags (bf16, distributed optimizer, --clip-grad 1.0) plus what a CPU needs
+    (EXTRA_ARGS), with the pretrain_gpt.py of the checkout or of the wheel's training loop."""
+    env = dict(_env(), TRAIN_ITERS="3", LOG_INTERVAL="1", MASTER_PORT=str(_port()), SCHEDULE=schedule,
+               EXTRA_ARGS=CPU_FLAGS, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    if MLM:
+        env["MEGATRON_LM_DIR"] = MLM
+    else:
+        env["MPPX_PRETRAIN_SCRIPT"] = str(WHEEL_SCRIPT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if script.endswith(".sbatch"):
+        cmd, env["MODEL"], env["MPPX_LAUNCHER"] = ["bash", str(ROOT / "scripts" / script)], model, "local"
+    else:
+        cmd = ["bash", str(ROOT / "scripts" / script), model]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, _tail(out)
+    assert f"megatron_pp_ext: schedule {schedule}" in out, _tail(out)
+    printed = re.findall(r"iteration\s+(\d+)/\s*3 .*?\| lm loss: ([0-9.E+-]+)", out)
+    assert [int(i) for i, _ in printed] == [1, 2, 3], _tail(out)
+    assert all(math.isfinite(float(v)) for _, v in printed)
