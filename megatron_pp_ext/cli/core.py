@@ -193,24 +193,12 @@ def int_at_least(lo: int, example: int):
 
 
 def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
-    """``--costs F,B,W[,COMM]`` -> (F, B, W, COMM), per rank; F and B > 0, W and COMM >= 0."""
-    if spec is None:
-        return (1.0, 1.0, 1.0, 0.0)
+    """``--costs F,B,W[,COMM]`` (:func:`megatron_pp_ext.schedule.costs.parse_costs`), as a CLIError."""
+    from ..schedule.costs import parse_costs as parse
     try:
-        vals = [float(x) for x in spec.split(",")]
-    except ValueError:
-        raise CLIError(f"--costs {spec!r}: expected numbers F,B,W[,COMM] per rank, e.g. --costs 1,2,1,0.1") from None
-    if len(vals) not in (3, 4):
-        raise CLIError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. --costs 1,2,1,0.1")
-    if len(vals) == 3:
-        vals.append(0.0)
-    from ..schedule.costs import check_cost_numbers
-    try:
-        check_cost_numbers(vals, spec)
+        return parse(spec)
     except ScheduleError as e:
         raise CLIError(str(e)) from None
-    f, b, w, comm = vals
-    return (f, b, w, comm)
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,

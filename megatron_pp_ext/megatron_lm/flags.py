@@ -202,10 +202,11 @@ class PipelineOptions:
 
 
 def _parse_costs(spec: str | None) -> tuple[float, float, float, float]:
-    from ..cli.core import CLIError, parse_costs
+    from ..schedule import ScheduleError
+    from ..schedule.costs import parse_costs
     try:
         return parse_costs(spec)
-    except CLIError as e:
+    except ScheduleError as e:
         raise MegatronLMFlagError(str(e).replace("--costs", "--pipeline-costs")) from None
 
 

@@ -303,7 +303,15 @@ def fmt_bytes(n: float) -> str:
     return f"{sign}{n:.0f} B"
 
 
-__all__ = ["RECOMPUTE_MODES", "layer_param_numels", "embedding_numels", "final_numels", "StagePart",
+__all__ = ["RECOMPUTE_MODES", "model_num_params", "layer_param_numels", "embedding_numels", "final_numels", "StagePart",
            "stage_param_numels", "vocab_shard_numels", "buffer_numel", "StaticMemory", "static_memory",
            "LayerActivation", "layer_activation", "output_layer_activation", "embedding_activation",
            "activation_bytes_per_microbatch", "fmt_bytes"]
+
+
+def model_num_params(model: ModelSpec) -> int:
+    """Total parameters of ``model`` at tp=1 (the embedding counted once when tied)."""
+    per_layer = sum(layer_param_numels(model, 1).values())
+    emb = sum(embedding_numels(model, 1).values())
+    fin = sum(final_numels(model, 1, tied_copy=False).values())
+    return per_layer * model.num_layers + emb + fin

@@ -67,14 +67,6 @@ class ModelSpec:
     def with_(self, **changes) -> "ModelSpec":
         return replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Total parameters at tp=1 (embedding counted once when tied)."""
-        from .memory import layer_param_numels, embedding_numels, final_numels
-        per_layer = sum(layer_param_numels(self, 1).values())
-        emb = sum(embedding_numels(self, 1).values())
-        fin = sum(final_numels(self, 1, tied_copy=False).values())
-        return per_layer * self.num_layers + emb + fin
-
 
 def _gpt(name, layers, hidden, heads, seq=2048):
     return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 50257, seq)

@@ -24,14 +24,14 @@ import itertools
 import math
 import re
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..schedule import ScheduleError, parse_memory_budget, schedule_info, schedule_names
 from .candidates import Candidate, Estimate, PlanRequest, RankMemory, StageCosts, divisors, powers_of_two_upto
 from .features import feature_names, get_feature
 from .layout import placement_for, rank_static, stage_parts, takes_chunks
-from .memory import embedding_activation, fmt_bytes, layer_activation, output_layer_activation
+from .memory import embedding_activation, fmt_bytes, layer_activation, model_num_params, output_layer_activation
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
 from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
@@ -201,7 +201,7 @@ class Planner:
         got = self._costs.get(key)
         if got is not None:
             return got
-        req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
+        model, cl, eff = self.req.model, self.req.cluster, self.req.efficiency
         S = len(placement)
         parts = stage_parts(model, S)
         lt = layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute)
@@ -464,7 +464,7 @@ class Planner:
     def _nothing_fits(self) -> str:
         req, model = self.req, self.req.model
         c = self.rej.counts
-        n_params = model.num_params()
+        n_params = model_num_params(model)
         need = n_params * (6 + 12 / max(1, self.N)) if req.distributed_optimizer else n_params * 18
         min_gpus = max(1, math.ceil(need / self.usable))
         ex = (self.rej.examples("memory") or self.rej.examples("schedule")

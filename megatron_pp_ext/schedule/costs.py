@@ -191,3 +191,21 @@ def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[
     if any(not (v >= 0 and math.isfinite(v)) for v in vals):
         raise ScheduleError(f"{what}: values must be finite and >= 0, got {vals}")
     return vals
+
+
+def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
+    """``--costs F,B,W[,COMM]`` -> (F, B, W, COMM), per rank; F and B > 0, W and COMM >= 0.
+    Raises ScheduleError naming ``--costs`` (the CLI, the trainer and the Megatron-LM flags share it)."""
+    if spec is None:
+        return (1.0, 1.0, 1.0, 0.0)
+    try:
+        vals = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise ScheduleError(f"--costs {spec!r}: expected numbers F,B,W[,COMM] per rank, e.g. --costs 1,2,1,0.1") from None
+    if len(vals) not in (3, 4):
+        raise ScheduleError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. --costs 1,2,1,0.1")
+    if len(vals) == 3:
+        vals.append(0.0)
+    check_cost_numbers(vals, spec)
+    f, b, w, comm = vals
+    return (f, b, w, comm)

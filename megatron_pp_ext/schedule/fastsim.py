@@ -278,7 +278,7 @@ def check_builtin(schedule: Schedule) -> bool:
 
 
 def _simulate(prep: Prepared, eager: bool):
-    from .simulate import DeadlockError, SimResult
+    from .simresult import DeadlockError, SimResult
 
     schedule, cost = prep.schedule, prep.cost
     plans, N, n_comm = prep.plans, prep.N, prep.n_comm

@@ -28,74 +28,10 @@ sides are posted, a send frees its data when the transfer ends.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-
+from .checks import check_complete, check_structure
 from .costs import CostModel
 from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel, matching_recv, op_kind
-
-
-class DeadlockError(ScheduleError):
-    """The schedule cannot run to the end: some rank waits forever."""
-
-
-@dataclass
-class SimResult:
-    makespan: float
-    busy: list[float]                      # compute time per rank
-    peak_memory: list[float]               # activation units per rank
-    memory_timeline: list[list[tuple[float, float]]]  # per rank: (time, units after change)
-    times: dict[Op, tuple[float, float]]   # op -> (start, end)
-    messages: list[int]                    # p2p messages sent per rank
-    comm_wait: list[float] = field(default_factory=list)  # compute-stream time blocked in comm batches
-    bytes_per_unit: float | None = None
-    bytes_per_message: float | None = None
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.busy)
-
-    @property
-    def bubble_rates(self) -> list[float]:
-        return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
-
-    @property
-    def bubble_rate(self) -> float:
-        """Bubble of the busiest rank (REFERENCE §1)."""
-        return 1.0 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
-
-    @property
-    def max_peak_memory(self) -> float:
-        return max(self.peak_memory)
-
-    @property
-    def peak_memory_bytes(self) -> list[float] | None:
-        if self.bytes_per_unit is None:
-            return None
-        return [m * self.bytes_per_unit for m in self.peak_memory]
-
-    @property
-    def comm_bytes(self) -> list[float] | None:
-        if self.bytes_per_message is None:
-            return None
-        return [n * self.bytes_per_message for n in self.messages]
-
-    def to_dict(self) -> dict:
-        d = {
-            "makespan": self.makespan,
-            "bubble_rate": self.bubble_rate,
-            "bubble_rate_per_rank": self.bubble_rates,
-            "busy_per_rank": self.busy,
-            "peak_memory": self.peak_memory,
-            "max_peak_memory": self.max_peak_memory,
-            "messages_per_rank": self.messages,
-        }
-        if self.peak_memory_bytes is not None:
-            d["peak_memory_bytes"] = self.peak_memory_bytes
-        if self.comm_bytes is not None:
-            d["comm_bytes_per_rank"] = self.comm_bytes
-        if self.comm_wait:
-            d["comm_wait_per_rank"] = self.comm_wait
-        return d
+from .simresult import DeadlockError, SimResult
 
 
 def _round(x: float) -> float:
@@ -119,7 +55,6 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
     if check:
         prep = fastsim.prepare(schedule, cost)
         if prep is None or not prep.check():
-            from .validate import check_complete, check_structure
             check_structure(schedule)
             check_complete(schedule)
         cost.check_scale(schedule.num_microbatches, "cost model")

@@ -27,7 +27,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "TrainConfig": "config",
-    "TrainConfigError": "config",
+    "TrainConfigError": "errors",
     "Plan": "config",
     "make_plan": "config",
     "add_arguments": "config",

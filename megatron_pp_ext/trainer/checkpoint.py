@@ -65,6 +65,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import TrainConfigError
+
 __all__ = ["TRACKER", "META", "FORMAT", "Resume", "CheckpointPart", "PartContext", "register_checkpoint_part",
            "checkpoint_parts", "iteration_dir", "read_tracker", "find_checkpoint", "plan_resume", "check_save",
            "save_checkpoint", "load_checkpoint", "model_sharded_state_dict", "should_save", "MODEL_FLAGS",
@@ -84,7 +86,6 @@ MODEL_FLAGS = (("model", "--model", None), ("layers", "--layers", "layers"), ("h
 
 
 def _config_error(msg: str) -> Exception:
-    from .config import TrainConfigError
     return TrainConfigError(msg)
 
 

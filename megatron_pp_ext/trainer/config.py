@@ -17,8 +17,9 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
+from .errors import TrainConfigError
 from .options import add_training_arguments, check_training_options, options_from_args, run_options
 
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
@@ -27,10 +28,6 @@ __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "ad
 #: ``--schedule mcore``: Megatron-Core's own forward-backward function (1F1B, or interleaved
 #: 1F1B with ``--vp`` > 1): the baseline.
 MCORE = "mcore"
-
-
-class TrainConfigError(ValueError):
-    """Bad ``mppx train`` input; the message names the flag and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -448,10 +445,10 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         placement = v_placement(c.pp)
     else:
         placement = loop_placement(c.pp, chunks)
-    from ..cli.core import CLIError, parse_costs
+    from ..schedule.costs import parse_costs
     try:
         costs = parse_costs(c.costs)
-    except CLIError as e:
+    except ScheduleError as e:
         _fail(str(e))
     budget = None
     built = None
@@ -709,8 +706,3 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)
-
-
-def plan_from_env(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> Plan:
-    from .launcher import detect_launch
-    return make_plan(cfg, detect_launch(os.environ if env is None else env))

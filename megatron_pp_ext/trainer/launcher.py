@@ -32,7 +32,7 @@ from typing import Mapping
 
 from .config import Launch, Plan, TrainConfig, TrainConfigError, make_plan
 
-__all__ = ["detect_launch", "train", "run_local", "run_external", "run_spawned", "RunResult", "TrainRunError",
+__all__ = ["detect_launch", "plan_from_env", "train", "run_local", "run_external", "run_spawned", "RunResult", "TrainRunError",
            "POOL_PRELOAD"]
 
 #: what the worker pool imports before forking (on top of the runtime's own list)
@@ -110,6 +110,12 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
 
 
 # --- entry point ---------------------------------------------------------------------------------
+
+
+def plan_from_env(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> Plan:
+    """The plan of ``cfg`` for the launch this process runs under (torchrun, srun or local)."""
+    return make_plan(cfg, detect_launch(env))
+
 
 def train(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> int:
     """Validate, launch, train, compare; returns the exit status (TrainConfigError on bad input)."""

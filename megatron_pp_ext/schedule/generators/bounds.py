@@ -152,6 +152,11 @@ def makespan_lower_bound(placement: tuple[int, ...], m: int, cost: CostModel,
     return best
 
 
+def v_budget_units(kind: str, p: int) -> float:
+    """Peak activation units of the named V schedule (REFERENCE §2)."""
+    return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
+
+
 def schedule_lower_bound(name: str, p: int, m: int, costs=(1.0, 1.0, 1.0, 0.0),
                          memory_budget: float | None = None, chunks: int = 2) -> Bound:
     """Lower bound for the registered schedule ``name``'s placement and memory budget.
@@ -161,8 +166,6 @@ def schedule_lower_bound(name: str, p: int, m: int, costs=(1.0, 1.0, 1.0, 0.0),
     units; zb-h1 / zb-h2: loop placement at ``p`` / ``2p - 1`` units; 1f1b: loop placement,
     ``p`` units (1F1B's own peak).
     """
-    from .vshape import v_budget_units  # late import: vshape imports this module's users
-
     spec = costs
     if name in ("zbv", "v-half", "v-min", "v-budget"):
         cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), 2 * p, 2)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Op, Schedule, ScheduleError, v_placement
-from ..registry import ScheduleRequest, register_schedule
+from ..catalog import ScheduleRequest, register_schedule
 
 
 class _Rank:

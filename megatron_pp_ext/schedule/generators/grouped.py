@@ -29,7 +29,7 @@ import heapq
 import math
 
 from ..ir import Op, Schedule, ScheduleError, loop_placement
-from ..registry import ScheduleRequest, register_schedule
+from ..catalog import ScheduleRequest, register_schedule
 
 
 def grouped_table(m: int, v: int, group: int, reverse_chunks: bool = False) -> list[tuple[int, int]]:

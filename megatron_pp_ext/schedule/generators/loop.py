@@ -14,7 +14,7 @@ deadlines for the list scheduler).
 from __future__ import annotations
 
 from ..ir import Op, Schedule, ScheduleError, loop_placement
-from ..registry import ScheduleRequest, register_schedule
+from ..catalog import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound
 from .greedy import Policy, list_schedule
 from .patterns import interleaved_table, interleaved_zb_pattern, zb_h1_pattern, zb_h2_pattern

@@ -33,8 +33,8 @@ import math
 
 from ..costs import CostModel
 from ..ir import Schedule, ScheduleError, v_placement
-from ..registry import ScheduleRequest, register_schedule
-from .bounds import makespan_lower_bound
+from ..catalog import ScheduleRequest, register_schedule
+from .bounds import makespan_lower_bound, v_budget_units
 from .block import block_order, min_period
 from .greedy import Policy, list_schedule
 from .patterns import (v_block_offsets, v_half_pattern, v_half_phased_pattern, v_min_pattern, v_min_phased_pattern, v_zb_pattern,
@@ -51,11 +51,6 @@ V_FILL_VARIANTS = ((True, True), (True, False), (False, True), (False, False))
 #: the paper's search tries every block of :func:`.vreorg.offset_blocks`; where at most this
 #: many fit the budget (V-Min's: 1 to 10 up to p=32), each is a candidate
 MAX_BLOCKS = 12
-
-
-def v_budget_units(kind: str, p: int) -> float:
-    """Peak activation units of the named V schedule (REFERENCE §2)."""
-    return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
 
 
 #: (label, pattern, policy): the list scheduler with a pattern's timeline as deadlines; the
