@@ -40,7 +40,6 @@ at real-time priority). ``--no-realtime`` measures without it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -62,7 +61,7 @@ COSTS = {"balanced": "1,1,1,0", "unbalanced": "1,1.8,0.4,0", "unbalanced+comm": 
 TINY_FLAGS = ["--layers", "8", "--hidden", "48", "--seq", "24", "--pp", "4", "--schedule", "1f1b",
               "--global-batch-size", "8"]
 OVERHEAD_FLAGS = ["--layers", "8", "--hidden", "128", "--heads", "8", "--vocab", "1024", "--seq", "64", "--pp", "4",
-                  "--global-batch-size", "8", "--costs", "1,1,1,0", "--emulate-compute", "20"]
+                  "--global-batch-size", "8", "--schedule", "1f1b", "--costs", "1,1,1,0", "--emulate-compute", "20"]
 FEATURES = [
     ("vocabulary parallelism", ["--enable-vocab-parallel"], ("1f1b", "zbv")),
     ("activation offload (full)", ["--activation-offload", "full", "--offload-time", "0.1",
@@ -157,31 +156,6 @@ def all_cases(args) -> list[Case]:
 
 # --- workers --------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def realtime(on: bool):
-    """Every thread of this process at SCHED_RR priority 1 (the emulated ops sleep; a woken rank
-    gets a core at once), back to SCHED_OTHER afterwards. No-op when off or not permitted."""
-    if not on or not hasattr(os, "SCHED_RR"):
-        yield False
-        return
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    done = []
-    try:
-        for t in tids:
-            try:
-                os.sched_setscheduler(t, os.SCHED_RR, os.sched_param(1))
-                done.append(t)
-            except (PermissionError, ProcessLookupError, OSError):
-                pass
-        yield bool(done)
-    finally:
-        for t in done:
-            try:
-                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
-            except (ProcessLookupError, OSError):
-                pass
-
-
 def _call(tr, fb, m: int, seq: int, single: bool):
     from functools import partial
     from megatron_pp_ext.runtime.harness import forward_step
@@ -207,15 +181,15 @@ def fidelity_worker(setup_plan, cases: list, iters: int, rt: bool) -> list:
     for case in cases:
         e = case["emulation"]
         emu = e.emulation(record=True)
+        emu.realtime = rt
         ex = ScheduleExecutor(FixedSchedule(e.schedule, e.cost), emulate=emu, defer_receives=case["defer"])
         rows = []
         for it in range(iters + 1):
-            with realtime(rt) as on:
-                _call(tr, ex, case["m"], case["seq"], False)
+            _call(tr, ex, case["m"], case["seq"], False)
             if it:
                 rows.append((emu.last.makespan_s, emu.last.cpu_per_op_us))
         c = emu.last
-        out.append({"rows": rows, "rt": on, "start": c.start, "end": c.end,
+        out.append({"rows": rows, "rt": c.realtime, "start": c.start, "end": c.end,
                     "timeline": [(str(op), s, t) for op, s, t in c.timeline]})
     return out
 
@@ -234,8 +208,10 @@ def overhead_worker(plan, iters: int, rt: bool) -> dict:
     tr = setup_training(plan.run_config())
     e = plan.emulation
     emu_ours = e.emulation(record=False)
+    emu_ours.realtime = rt
     ours = ScheduleExecutor(FixedSchedule(e.schedule, e.cost), emulate=emu_ours)
     emu_mc = replace(e, mcore=True).emulation(record=False)
+    emu_mc.realtime = rt
     mcore = emulate_megatron(get_forward_backward_func(), emu_mc)
     got = {"ours": [], "mcore": []}
     m, seq = plan.microbatches, plan.cfg.seq
@@ -244,8 +220,7 @@ def overhead_worker(plan, iters: int, rt: bool) -> dict:
         if it % 2:
             order.reverse()
         for who, fb, emu, single in order:
-            with realtime(rt):
-                _call(tr, fb, m, seq, single)
+            _call(tr, fb, m, seq, single)
             if it:
                 got[who].append((emu.last.makespan_s, emu.last.cpu_s, emu.last.compute_ops))
     return got
@@ -380,7 +355,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     cases = all_cases(args)
     print(f"{len(cases)} emulated configurations; load average {load0[0]:.1f}", flush=True)
-    size = max(max(c.pp for c in cases), 4)
+    size = max([c.pp for c in cases] + [4])
     pool = WorkerPool(size, timeout=7200, threads=1, cpu_compat=True,
                       preload=DEFAULT_PRELOAD + POOL_PRELOAD + ("megatron_pp_ext.runtime.emulate",))
     rt = not args.no_realtime

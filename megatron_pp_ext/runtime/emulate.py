@@ -41,6 +41,7 @@ function (``--schedule mcore``), for the baseline.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from ..schedule import CostModel, Op, Schedule
 from ..schedule.ir import COMM_PAIRS, comm_channel, op_kind
 
-__all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "BUILTIN_KINDS"]
+__all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "realtime_priority", "BUILTIN_KINDS"]
 
 BUILTIN_KINDS = frozenset({"F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 _P2P = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
@@ -64,6 +65,39 @@ def _sleep_until(t: float) -> None:
         time.sleep(d)
 
 
+@contextlib.contextmanager
+def realtime_priority(on: bool = True):
+    """Every thread of this process (gloo's included) at real-time priority (SCHED_RR 1) for the
+    duration, back to SCHED_OTHER afterwards; yields whether it could (root or CAP_SYS_NICE).
+
+    The emulated ops sleep; on a machine shared with other jobs a woken process otherwise waits
+    for a core (``time.sleep(0.01)`` overshot by 3-12 ms at the 90th percentile at a load average
+    of 10-20 on the 2-core machine of docs/benchmarks/fidelity.md, by 0.06 ms at real-time
+    priority). The kernel keeps 5% of the CPU for other tasks (``sched_rt_runtime_us``)."""
+    if not on or not hasattr(os, "SCHED_RR"):
+        yield False
+        return
+    done = []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for t in tids:
+            try:
+                os.sched_setscheduler(t, os.SCHED_RR, os.sched_param(1))
+                done.append(t)
+            except OSError:   # not permitted, or the thread ended
+                pass
+        yield bool(done)
+    finally:
+        for t in done:
+            try:
+                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
+
+
 @dataclass
 class EmulatedCall:
     """One emulated forward-backward call on this rank (times from ``time.perf_counter``)."""
@@ -73,6 +107,7 @@ class EmulatedCall:
     cpu_s: float                     # CPU time of the calling thread between them
     compute_ops: int                 # compute ops run on this rank (F, B, W, BW, feature compute)
     timeline: list = field(default_factory=list)   # (op, start, end) per op, in list order
+    realtime: bool = False           # the call ran at real-time priority
 
     @property
     def makespan_s(self) -> float:
@@ -113,6 +148,8 @@ class ComputeEmulation:
         barrier: start every call with a barrier over the pipeline group (the simulator starts
             every rank at time 0).
         record: keep every op's start and end in ``last.timeline``.
+        realtime: run each call at real-time priority when permitted (:func:`realtime_priority`);
+            None: unless the environment sets ``MPPX_EMULATE_REALTIME=0``.
         overlay: the schedule the simulator times, when it has ops the executor's schedule runs
             inside its feature ops: vocabulary parallelism's collectives, which the simulator
             models as one message per cross-rank dependency
@@ -121,7 +158,8 @@ class ComputeEmulation:
     """
 
     def __init__(self, unit_s: float, cost: CostModel | Sequence[float] | str | None = None, *,
-                 barrier: bool = True, record: bool = True, overlay: Schedule | None = None):
+                 barrier: bool = True, record: bool = True, overlay: Schedule | None = None,
+                 realtime: bool | None = None):
         if not (unit_s > 0):
             raise ValueError(f"unit_s must be > 0, got {unit_s}")
         self.unit_s = float(unit_s)
@@ -129,6 +167,7 @@ class ComputeEmulation:
         self.barrier = barrier
         self.record = record
         self.overlay = overlay
+        self.realtime = (os.environ.get("MPPX_EMULATE_REALTIME", "1") != "0") if realtime is None else realtime
         self.calls: list[EmulatedCall] = []
         self.last: EmulatedCall | None = None
         self._active = False
@@ -216,7 +255,9 @@ class ComputeEmulation:
         #: feature receive kinds: their keys become ready when the data arrives (_take), not at post
         self.feature_recv_kinds = frozenset(r for s_, (r, _) in COMM_PAIRS.items() if r not in _P2P)
         fwd, bwd = msched.forward_step, msched.backward_step
+        rt_ctx = realtime_priority(self.realtime)
         try:
+            rt = rt_ctx.__enter__()
             if self.barrier and pp_group is not None and pp_group.size() > 1:
                 dist.barrier(group=pp_group)
             msched.forward_step, msched.backward_step = self._forward_step, self._backward_step
@@ -230,9 +271,10 @@ class ComputeEmulation:
                 cpu = time.thread_time() - c0
                 t1 = _perf()
                 msched.forward_step, msched.backward_step = fwd, bwd
-            self.last = EmulatedCall(t0, t1, cpu, self.compute_ops, self.timeline)
+            self.last = EmulatedCall(t0, t1, cpu, self.compute_ops, self.timeline, rt)
             self.calls.append(self.last)
         finally:
+            rt_ctx.__exit__(None, None, None)
             self._active = False
             self.feature_in.clear()
             self.feature_out.clear()

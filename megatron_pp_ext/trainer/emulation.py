@@ -82,6 +82,11 @@ class EmulationPlan:
                 "instead of computing; messages are real tensors over the real process group; losses, gradients "
                 "and the optimizer step are not computed, so no loss is logged and no pp=1 reference runs")
 
+    def priority_note(self, realtime: bool) -> str:
+        return ("the forward-backward ran at real-time priority (SCHED_RR; MPPX_EMULATE_REALTIME=0 turns it off)"
+                if realtime else "the forward-backward ran at normal priority (real-time priority not permitted "
+                "or MPPX_EMULATE_REALTIME=0): on a loaded machine the measured makespan includes waits for a core")
+
 
 def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str], None]):
     """Check ``--emulate-compute`` against the request; returns (EmulationPlan, profile iterations)."""

@@ -193,7 +193,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
                                     float(peak), float(saved_peak), stepped["grad_norm"], stepped["grad_norm_after_clip"],
                                     stepped["loss_scale"], float(stepped["skipped"]),
-                                    emu.last.makespan_s if emu is not None else float("nan")],
+                                    emu.last.makespan_s if emu is not None else float("nan"),
+                                    float(emu.last.realtime) if emu is not None else 0.0],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
@@ -303,7 +304,8 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         "peak_saved_activation_bytes": saved,
         "tokens": int(tokens),
         # --emulate-compute: the forward-backward's wall time on the slowest rank (barrier to last op)
-        **({"measured_makespan_s": max(r[14] for r in rows)} if rows[0][14] == rows[0][14] else {}),
+        **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}
+           if rows[0][14] == rows[0][14] else {}),
     }
 
 

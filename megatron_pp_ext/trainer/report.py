@@ -207,9 +207,11 @@ class RankZeroLog:
                                     "median_measured_makespan_s": med, "measured_over_simulated": med / sim,
                                     "features": list(plan.emulation.features)}
             summary["first_loss"] = summary["final_loss"] = None
+            rt = all(r.get("emulation_realtime") for r in records)
+            summary["emulation"]["realtime"] = rt
             self.line(f"ran {len(records)} iterations with emulated compute in {sum(times):.1f} s: measured makespan "
                       f"{med:.4f} s (median after the first), simulated {sim:.4f} s, measured / simulated "
-                      f"{med / sim:.3f}")
+                      f"{med / sim:.3f}; {plan.emulation.priority_note(rt)}")
             self.text.close()
             return summary
         what = f"{len(records)} iterations"
