@@ -65,6 +65,26 @@ def _sleep_until(t: float) -> None:
         time.sleep(d)
 
 
+class _Sleeper:
+    """Sleep until a deadline (``time.sleep``: no CPU), aiming early by the running mean of how
+    late the timer wakes up (its slack, about 50-60 µs here), so that an emulated op lasts its
+    cost-model time on average rather than that plus the slack. Never a busy wait."""
+
+    __slots__ = ("slack",)
+
+    def __init__(self) -> None:
+        self.slack = 0.0
+
+    def until(self, t: float) -> None:
+        d = t - _perf() - self.slack
+        if d <= 0:
+            return
+        time.sleep(d)
+        late = _perf() - t
+        s = self.slack + 0.25 * late
+        self.slack = 0.0 if s < 0 else (1e-3 if s > 1e-3 else s)
+
+
 @contextlib.contextmanager
 def realtime_priority(on: bool = True):
     """Every thread of this process (gloo's included) at real-time priority (SCHED_RR 1) for the
@@ -135,7 +155,7 @@ def read_stamp(t: torch.Tensor) -> float | None:
     k = _stamp_width(t)
     if not k:
         return None
-    return float(t.view(-1)[:k].view(torch.float64)[0])
+    return float(t.detach().view(-1)[:k].view(torch.float64)[0])
 
 
 class ComputeEmulation:
@@ -171,6 +191,7 @@ class ComputeEmulation:
         self.calls: list[EmulatedCall] = []
         self.last: EmulatedCall | None = None
         self._active = False
+        self._sleeper = _Sleeper()
 
     # -- what the executor asks ------------------------------------------------------------
     def handles(self, kind: str) -> bool:
@@ -300,7 +321,7 @@ class ComputeEmulation:
                       forward_data_store, config, cp_group_size=None, collect_non_loss_data=False,
                       checkpoint_activations_microbatch=None, is_first_microbatch=False,
                       current_microbatch=None, vp_stage=None, is_last_stage=True, *args, **kwargs):
-        _sleep_until(_perf() + self._compute_time("F", vp_stage))
+        deadline = _perf() + self._compute_time("F", vp_stage)
         self.waited = True
         if self.current is None:
             self.compute_ops += 1
@@ -310,16 +331,18 @@ class ComputeEmulation:
         else:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         num_tokens = torch.zeros((), dtype=torch.int, device=self.device)
+        self._sleeper.until(deadline)   # (making the outputs is part of the op's time, as computing them is)
         return (out if unwrap else [out]), num_tokens
 
     def _backward_step(self, input_tensor, output_tensor, output_tensor_grad, *args, **kwargs):
-        _sleep_until(_perf() + self._compute_time("BW"))
+        deadline = _perf() + self._compute_time("BW")
         self.waited = True
         if self.current is None:
             self.compute_ops += 1
         unwrap = not isinstance(input_tensor, list)
         ins = [input_tensor] if unwrap else input_tensor
         grads = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in ins]
+        self._sleeper.until(deadline)
         return grads[0] if unwrap else grads
 
     # -- the executor's op loop ---------------------------------------------------------------
@@ -355,7 +378,7 @@ class ComputeEmulation:
         kind = op.kind
         if kind in BUILTIN_KINDS:
             if not self.waited:
-                _sleep_until(_perf() + self.duration(op))
+                self._sleeper.until(_perf() + self.duration(op))
             self.compute_ops += 1
         elif op_kind(kind).category not in ("compute", "comm"):
             self.current = None
@@ -404,7 +427,7 @@ class ComputeEmulation:
         spec = op_kind(op.kind)
         cat = spec.category
         if cat == "compute":
-            _sleep_until(_perf() + self.duration(op))
+            self._sleeper.until(_perf() + self.duration(op))
             self.waited = True
             self.compute_ops += 1
         elif cat == "comm":

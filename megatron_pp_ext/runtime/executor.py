@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import math
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -425,6 +426,8 @@ class ScheduleExecutor:
                 raise NotImplementedError("the schedule executor sends one tensor per microbatch and stage")
             recv_shape, send_shape = tuple(rs[0]), tuple(ss[0])
         dtype = config.pipeline_dtype or config.params_dtype
+        itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+        send_bytes, recv_bytes = math.prod(send_shape) * itemsize, math.prod(recv_shape) * itemsize
         split = (not forward_only and _wgrad is not None and self.split_backward is not False
                  and any(op.kind in ("B", "W") for op in sched.ops[rank]))
         # W ops exist only where B ops do; without the split B is the full backward, W a no-op.
@@ -562,11 +565,14 @@ class ScheduleExecutor:
                     t = st.sendable.pop(key, None)
                     if t is None:
                         raise RuntimeError(f"rank {rank}: {op}: nothing to send (its producer has not run)")
-                    transfers.append(Transfer(True, op.peer, key, t))
+                    # (its size is the receiver's buffer's: point-to-point transfers must match)
+                    transfers.append(Transfer(True, op.peer, key, t, send_bytes if op.kind == "SEND_F" else recv_bytes))
                 else:
-                    shape = recv_shape if op.kind == "RECV_F" else send_shape
-                    buf = torch.empty(shape, dtype=dtype, device=device)
-                    transfers.append(Transfer(False, op.peer, key, buf))
+                    fwd = op.kind == "RECV_F"
+                    # a received activation is a leaf that B differentiates to (as Megatron-Core allocates it)
+                    buf = torch.empty(recv_shape if fwd else send_shape, dtype=dtype, device=device,
+                                      requires_grad=train and fwd)
+                    transfers.append(Transfer(False, op.peer, key, buf, recv_bytes if fwd else send_bytes))
                     recvs.append((op, buf))
             if emu is not None:
                 emu.stamp_sends(transfers)
@@ -582,7 +588,7 @@ class ScheduleExecutor:
 
         def deliver(op: Op, buf) -> None:
             if op.kind == "RECV_F":
-                st.inputs[(op.stage, op.microbatch)] = buf.requires_grad_(train)
+                st.inputs[(op.stage, op.microbatch)] = buf
             else:
                 st.out_grads[(op.stage, op.microbatch)] = buf
 

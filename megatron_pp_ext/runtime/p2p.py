@@ -57,6 +57,7 @@ class Transfer:
     peer: int            # rank in the pipeline group
     key: tuple           # message_key(...)
     tensor: torch.Tensor
+    nbytes: int | None = None   # its size, when the caller knows it (saves two tensor calls per message)
 
 
 class P2P:
@@ -110,7 +111,7 @@ class P2P:
                 else:
                     recv_works.append(dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key)))
         for t in transfers:
-            n = t.tensor.numel() * t.tensor.element_size()
+            n = t.nbytes if t.nbytes is not None else t.tensor.numel() * t.tensor.element_size()
             if t.is_send:
                 self.bytes_sent += n
             else:
