@@ -225,7 +225,10 @@ class ComputeEmulation:
         self._active = True
         self.rank, self.group = rank, pp_group
         #: the schedule whose data keys the emulation follows (the overlay's: every dependency)
-        self.sched = self.overlay if (self.overlay is not None and sched is not None) else sched
+        ov = self.overlay
+        fits = (ov is not None and sched is not None and ov.placement == sched.placement
+                and ov.num_microbatches == sched.num_microbatches and not sched.meta.get("forward_only"))
+        self.sched = ov if fits else sched
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.mcore_stage = mcore_stage
         self.cost = cost = self.cost_for(sched) if sched is not None else None
@@ -250,6 +253,13 @@ class ComputeEmulation:
             self._tail = extra
         #: schedules of the built-in kinds only: no key tracking (the executor's own waits suffice)
         self.plain = plain
+        #: op -> (category, required keys, produced keys), worked out before the clock starts
+        self._info: dict = {}
+        if not plain:
+            for o in self.sched.ops[rank]:
+                spec = op_kind(o.kind)
+                self._info[o] = (spec.category, tuple(spec.requires(o, self.sched)),
+                                 tuple(spec.produces(o, self.sched)))
         self.stamping = self.comm_s > 0 or not plain
         self.current: Op | None = None
         self.waited = False
@@ -360,9 +370,9 @@ class ComputeEmulation:
                 _sleep_until(prev)
                 now = _perf()
             if kind not in _P2P:
-                cat = op_kind(kind).category
+                cat, req, _ = self._info[op]
                 if cat == "compute" or cat == "comm":
-                    t = self._requirements(op, op_kind(kind))
+                    t = self._requirements(req)
                     if t > now:
                         _sleep_until(t)
                         now = _perf()
@@ -380,16 +390,15 @@ class ComputeEmulation:
             if not self.waited:
                 self._sleeper.until(_perf() + self.duration(op))
             self.compute_ops += 1
-        elif op_kind(kind).category not in ("compute", "comm"):
+        elif self._info[op][0] not in ("compute", "comm"):
             self.current = None
             return      # (a virtual stream: recorded by feature_op)
         now = _perf()
         if self.record:
             self.timeline.append((op, self.op_start, now))
-        if not self.plain:
-            for key in op_kind(kind).produces(op, self.sched):
-                if kind not in self.feature_recv_kinds:
-                    self.ready[key] = now
+        if not self.plain and kind not in self.feature_recv_kinds:
+            for key in self._info[op][2]:
+                self.ready[key] = now
         self.current = None
 
     def stamp_sends(self, transfers) -> None:
@@ -412,10 +421,10 @@ class ComputeEmulation:
         _sleep_until(max(sent, posted) + self.comm_s)
 
     # -- feature ops --------------------------------------------------------------------------
-    def _requirements(self, op: Op, spec) -> float:
-        """Latest time a required key of ``op`` is available (taking feature receives)."""
+    def _requirements(self, keys) -> float:
+        """Latest time one of ``keys`` is available on this rank (taking feature receives)."""
         t = 0.0
-        for key in spec.requires(op, self.sched):
+        for key in keys:
             if key in self.feature_in:
                 self._take(key)
             got = self.ready.get(key)
@@ -424,8 +433,7 @@ class ComputeEmulation:
         return t
 
     def feature_op(self, op: Op) -> None:
-        spec = op_kind(op.kind)
-        cat = spec.category
+        cat, req, prod = self._info[op]
         if cat == "compute":
             self._sleeper.until(_perf() + self.duration(op))
             self.waited = True
@@ -433,13 +441,12 @@ class ComputeEmulation:
         elif cat == "comm":
             self._feature_comm(op)
         else:   # another stream (offload's copies): a virtual timeline, nothing blocks here
-            start = max(self.stream_free.get(cat, 0.0), getattr(self, "_prev_start", 0.0),
-                        self._requirements(op, spec))
+            start = max(self.stream_free.get(cat, 0.0), self._prev_start, self._requirements(req))
             end = start + self.duration(op)
             self.stream_free[cat] = end
             self.last_start = start
             self.op_start = start
-            for key in spec.produces(op, self.sched):
+            for key in prod:
                 self.ready[key] = end
             if self.record:
                 self.timeline.append((op, start, end))
@@ -459,7 +466,7 @@ class ComputeEmulation:
         sk, off = self._recv_to_send[op.kind]
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         w = dist.irecv(buf, src=peer, group=self.group, tag=self._tag(sk, op.stage - off, op.microbatch))
-        for key in op_kind(op.kind).produces(op, self.sched):
+        for key in self._info[op][2]:
             self.feature_in[key] = (w, buf, op, _perf())
 
     def _take(self, key) -> None:
@@ -468,12 +475,15 @@ class ComputeEmulation:
         w, buf, op, posted = self.feature_in[key]
         link = (op.peer, comm_channel(op.kind))
         for k in list(self.feature_in):
-            w2, buf2, op2, posted2 = self.feature_in[k]
+            got = self.feature_in.get(k)
+            if got is None:
+                continue
+            w2, buf2, op2, posted2 = got
             if (op2.peer, comm_channel(op2.kind)) != link:
                 continue
-            del self.feature_in[k]
-            if not getattr(w2, "_mppx_done", False):
-                w2.wait()
+            for k2 in self._info[op2][2]:      # (a gloo work is waited for once)
+                self.feature_in.pop(k2, None)
+            w2.wait()
             sent = read_stamp(buf2)
             sk, off = self._recv_to_send[op2.kind]
             send_op = Op(sk, op2.stage - off, op2.microbatch, op2.peer, self.rank)
@@ -484,9 +494,9 @@ class ComputeEmulation:
                 self.link_free[link] = arrive
             else:
                 arrive = both + self.comm_s
-            for k2 in op_kind(op2.kind).produces(op2, self.sched):
+            for k2 in self._info[op2][2]:
                 self.ready[k2] = arrive
-            if k == key:
+            if key not in self.feature_in:
                 break
 
     def _drain(self) -> None:
