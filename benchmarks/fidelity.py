@@ -187,7 +187,7 @@ def fidelity_worker(setup_plan, cases: list, iters: int, rt: bool) -> list:
         for it in range(iters + 1):
             _call(tr, ex, case["m"], case["seq"], False)
             if it:
-                rows.append((emu.last.makespan_s, emu.last.cpu_per_op_us))
+                rows.append((emu.last.makespan_s, emu.last.cpu_per_op_us, emu.last.runq_s or 0.0))
         c = emu.last
         out.append({"rows": rows, "rt": c.realtime, "start": c.start, "end": c.end,
                     "timeline": [(str(op), s, t) for op, s, t in c.timeline]})
@@ -309,6 +309,8 @@ def run_cases(pool, cases: list[Case], iters: int, rt: bool) -> None:
             c.measured = statistics.median(meas)
             c.simulated = c.plan.emulation.simulated_makespan_s
             c.cpu_us = statistics.median(x[1] for r in per_rank for x in r["rows"])
+            # time the ranks waited for a core (runnable, not running): the most any rank waited, per call
+            c.runq_ms = statistics.median(max(r["rows"][k][2] for r in per_rank) for k in range(iters)) * 1e3
             c.rt = all(r["rt"] for r in per_rank)
             sim, mt = simulated_times(c), measured_times(c, per_rank)[0]
             c.stalls = [(s, str(op), op.rank, why) for s, op, why in stalls(c, sim, mt)[:3]]
@@ -380,7 +382,7 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
     raw = {"cases": [{k: getattr(c, k, None) for k in ("section", "label", "schedule", "pp", "m", "costs", "flags",
                                                         "defer", "feature", "measured", "simulated", "cpu_us", "rt",
-                                                        "stalls")} for c in cases],
+                                                        "stalls", "runq_ms")} for c in cases],
            "overhead": overhead, "tiny": tiny, "load": [load0, load1], "wall": wall}
     with open(args.json, "w") as f:
         json.dump(raw, f, indent=1, default=str)
@@ -400,6 +402,12 @@ def median_ci(xs: list[float], z: float = 1.96) -> tuple[float, float, float]:
     n = len(v)
     k = max(0, int(n / 2 - z * n ** 0.5 / 2))
     return statistics.median(v), v[k], v[min(n - 1, n - 1 - k)]
+
+
+def ops_per_rank(c) -> int:
+    from megatron_pp_ext.schedule.ir import op_kind
+    sched = c.plan.emulation.schedule
+    return max(sum(op_kind(o.kind).category == "compute" for o in ops) for ops in sched.ops)
 
 
 def _ratio(c) -> float:
@@ -476,11 +484,35 @@ def write_report(args, cases, overhead, tiny, wall, load, figdir, torch_version,
         L.append("The five largest ratios, with their largest stalls (an op that started later than the ops it "
                  "depends on allowed: the op before it on its rank and the op that made its data, each plus the "
                  "idle time the simulator has between them):\n")
-        L.append("| configuration | measured (s) | simulated (s) | ratio | largest stalls |")
-        L.append("|---|---|---|---|---|")
+        L.append("| configuration | measured (s) | simulated (s) | ratio | excess per compute op of a rank (µs) | "
+                 "waiting for a core, slowest rank (ms) | largest stalls |")
+        L.append("|---|---|---|---|---|---|---|")
         for c in worst:
             L.append(f"| {c.label}, p={c.pp} m={c.m} costs {c.costs}, `--emulate-compute {c.flags[-1]}` | "
-                     f"{c.measured:.3f} | {c.simulated:.3f} | {_ratio(c):.3f} | {_stall_text(c, 2)} |")
+                     f"{c.measured:.3f} | {c.simulated:.3f} | {_ratio(c):.3f} | "
+                     f"{(c.measured - c.simulated) / ops_per_rank(c) * 1e6:.0f} | {c.runq_ms:.0f} | "
+                     f"{_stall_text(c, 2)} |")
+        L.append("")
+        big = max(fid, key=lambda c: c.stalls[0][0])
+        L.append(f"**Where the rest comes from.** No op waits for anything the simulator does not make it wait for: "
+                 f"the largest single stall of any configuration is {1e3 * big.stalls[0][0]:.1f} ms "
+                 f"({big.label}, p={big.pp} m={big.m}, at {big.stalls[0][1]}). The excess is spread over every op: "
+                 "each op's bookkeeping and its messages (the executor's CPU time per compute op, median "
+                 f"{statistics.median(c.cpu_us for c in fid):.0f} µs; a 32 KiB gloo message takes about 50 µs one "
+                 "way here), accumulated along the critical path, and on this host the wait for a core: p processes "
+                 "share 2 cores, and with balanced costs the ranks end their ops at the same moments, so up to p of "
+                 "them need a core at once for their bookkeeping (*waiting for a core*: the time the slowest rank's "
+                 "thread was runnable but not running during the call, from Linux's schedstat). Unbalanced costs "
+                 "put the ranks out of step:\n")
+        L.append("| p | costs | median ratio | median excess (ms) | median waiting for a core, slowest rank (ms) |")
+        L.append("|---|---|---|---|---|")
+        for p in sorted({c.pp for c in fid}):
+            for cn, cs in COSTS.items():
+                sel = [c for c in fid if c.pp == p and c.costs == cs]
+                if sel:
+                    L.append(f"| {p} | {cn} ({cs}) | {statistics.median(_ratio(c) for c in sel):.3f} | "
+                             f"{statistics.median((c.measured - c.simulated) * 1e3 for c in sel):.0f} | "
+                             f"{statistics.median(c.runq_ms for c in sel):.0f} |")
         L.append("")
         w = worst[0]
         name = f"fidelity-worst.png"
@@ -499,13 +531,14 @@ def write_report(args, cases, overhead, tiny, wall, load, figdir, torch_version,
                  "overlap compute as in the simulator (a backward waits for its reload); BPipe's evictions and "
                  "fetches are real messages between partner ranks, arriving COMM plus their transfer time after "
                  "both sides are posted, one at a time per link direction.\n")
-        L.append("| feature and schedule | p | m | flags | measured (s) | simulated (s) | ratio | largest stall |")
-        L.append("|---|---|---|---|---|---|---|---|")
+        L.append("| feature and schedule | p | m | flags | measured (s) | simulated (s) | ratio | waiting for a core, "
+                 "slowest rank (ms) | largest stall |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
         for c in feat:
-            extra = " ".join(x for x in c.flags[len(MODEL_FLAGS):] if True)
+            extra = " ".join(c.flags[len(MODEL_FLAGS):])
             L.append(f"| {c.label} | {c.pp} | {c.m} | `{extra}` | {c.measured:.3f} | {c.simulated:.3f} | "
                      f"{'**' if _ratio(c) > 1.05 else ''}{_ratio(c):.3f}{'**' if _ratio(c) > 1.05 else ''} | "
-                     f"{_stall_text(c)} |")
+                     f"{c.runq_ms:.0f} | {_stall_text(c)} |")
         L.append("")
 
     rec = [c for c in cases if c.section == "receives"]

@@ -128,6 +128,9 @@ class EmulatedCall:
     compute_ops: int                 # compute ops run on this rank (F, B, W, BW, feature compute)
     timeline: list = field(default_factory=list)   # (op, start, end) per op, in list order
     realtime: bool = False           # the call ran at real-time priority
+    #: time the calling thread spent runnable but waiting for a core (Linux schedstat; None elsewhere):
+    #: on a host with fewer cores than ranks, ranks that end their ops together queue for a core
+    runq_s: float | None = None
 
     @property
     def makespan_s(self) -> float:
@@ -136,6 +139,15 @@ class EmulatedCall:
     @property
     def cpu_per_op_us(self) -> float:
         return self.cpu_s / max(1, self.compute_ops) * 1e6
+
+
+def _run_delay() -> float | None:
+    """Seconds the calling thread has waited in a run queue so far (Linux), or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stamp_width(t: torch.Tensor) -> int:
@@ -292,6 +304,7 @@ class ComputeEmulation:
             if self.barrier and pp_group is not None and pp_group.size() > 1:
                 dist.barrier(group=pp_group)
             msched.forward_step, msched.backward_step = self._forward_step, self._backward_step
+            q0 = _run_delay()
             t0 = _perf()
             self.last_start = t0
             c0 = time.thread_time()
@@ -301,8 +314,10 @@ class ComputeEmulation:
             finally:
                 cpu = time.thread_time() - c0
                 t1 = _perf()
+                q1 = _run_delay()
                 msched.forward_step, msched.backward_step = fwd, bwd
-            self.last = EmulatedCall(t0, t1, cpu, self.compute_ops, self.timeline, rt)
+            self.last = EmulatedCall(t0, t1, cpu, self.compute_ops, self.timeline, rt,
+                                     None if q0 is None or q1 is None else q1 - q0)
             self.calls.append(self.last)
         finally:
             rt_ctx.__exit__(None, None, None)

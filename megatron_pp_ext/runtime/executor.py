@@ -578,9 +578,9 @@ class ScheduleExecutor:
                 emu.stamp_sends(transfers)
             works = p2p.run_batch(transfers, defer_recvs=self.defer_receives)
             for op, buf in recvs:
-                if works:  # waited for right before the op that reads it (take_recv)
-                    in_flight[message_key(op.kind, op.stage, op.microbatch)] = (works.pop(
-                        message_key(op.kind, op.stage, op.microbatch)), op, buf)
+                if works:  # (tagged p2p) waited for right before the op that reads it: take_recv
+                    key = message_key(op.kind, op.stage, op.microbatch)
+                    in_flight[key] = (works[key], op, buf)
                 else:
                     if emu is not None:
                         emu.arrived(op, buf)

@@ -111,9 +111,10 @@ def test_emulated_features(pool, tmp_path, flags):
         assert plan.emulation.overlay is not None
 
 
-def receive_waits_worker(defer: bool, iters: int) -> list[float]:
+def receive_waits_worker(defer: bool, iters: int) -> dict:
     """zbv at pp=4, m=8, costs 1,1.8,0.4,0.1: makespans with the receive waited for at the end of
-    its comm batch (defer=False) or right before the op that reads it."""
+    its comm batch (defer=False) or right before the op that reads it; the bytes this rank sent
+    and received in the last call, and its compute ops."""
     from megatron_pp_ext.runtime.emulate import ComputeEmulation
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
     from megatron_pp_ext.runtime.harness import RunConfig, setup_training
@@ -132,7 +133,7 @@ def receive_waits_worker(defer: bool, iters: int) -> list[float]:
     for it in range(iters):
         tr.step(it)
         out.append(emu.last.makespan_s)
-    return out
+    return {"makespans": out, "bytes": ex.last_p2p_bytes, "compute_ops": emu.last.compute_ops}
 
 
 def test_receives_waited_where_the_data_is_read(pool):
@@ -142,8 +143,15 @@ def test_receives_waited_where_the_data_is_read(pool):
     from megatron_pp_ext.schedule import build_schedule, simulate
     sched, cost = build_schedule("zbv", 4, 8, costs=(1, 1.8, 0.4, 0.1), with_comm=True)
     sim = simulate(sched, cost).makespan * 0.02
-    now = [max(x) for x in zip(*pool.run(receive_waits_worker, 4, defer=True, iters=3))]
-    before = [max(x) for x in zip(*pool.run(receive_waits_worker, 4, defer=False, iters=3))]
+    got = pool.run(receive_waits_worker, 4, defer=True, iters=3)
+    now = [max(x) for x in zip(*(r["makespans"] for r in got))]
+    before = [max(x) for x in zip(*(r["makespans"] for r in pool.run(receive_waits_worker, 4, defer=False, iters=3)))]
+    # the executor's real messages: every send and receive of the schedule, 16 x 1 x 32 fp32 each
+    for rank, r in enumerate(got):
+        sends = sum(op.kind.startswith("SEND") for op in sched.ops[rank])
+        recvs = sum(op.kind.startswith("RECV") for op in sched.ops[rank])
+        assert r["bytes"] == (sends * 16 * 32 * 4, recvs * 16 * 32 * 4)
+        assert r["compute_ops"] == sum(op.kind in ("F", "B", "W", "BW") for op in sched.ops[rank])
     assert min(now) >= 0.98 * sim
     assert min(now) <= 1.3 * sim, (now, sim)
     assert min(before) >= min(now) * 1.15, (before, now, sim)
