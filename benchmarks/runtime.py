@@ -260,8 +260,22 @@ def write_report(args, results, wall, torch_version, mcore_version) -> None:
         L.append(f"# {chr(ord('A') + k)}. {titles[name]}\n")
         L.append(f"- **Model**: {_describe(name, res['model'])}.\n")
         _report_config(L, args, res["timing"], res["rows"], makespan=name == "fp32")
+    L.append(EMULATION_SECTION)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write("\n".join(L))
+
+
+#: the last section of runtime.md: where the emulated-compute measurements are
+EMULATION_SECTION = """## 4. What the executor makes of a schedule: emulated compute
+
+The makespans above are limited by the machine (4 ranks share 2 cores). With emulated compute
+(`mppx train --emulate-compute MS`: every compute op waits its cost-model time, the messages are
+real) the executor's own fidelity to the simulator is measured for every registered schedule at
+p = 4 and 8, m = 2p and 4p, balanced and unbalanced costs, with the features, together with the
+executor's CPU time per op against Megatron-Core's 1F1B and a tiny model's iteration time against
+Megatron-Core's in one launch: [fidelity.md](fidelity.md), produced by
+`python benchmarks/fidelity.py`.
+"""
 
 
 def _report_config(L: list, args, timing, rows, *, makespan: bool) -> None:

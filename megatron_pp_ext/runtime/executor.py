@@ -22,7 +22,9 @@ rank before any op runs):
   them. ``BW(s, m)`` is the full backward. Without the B/W split (``split_backward=False``,
   or :mod:`.wgrad` unavailable) B is the full backward and W a no-op.
 * runs of consecutive comm ops are one batch for :class:`~megatron_pp_ext.runtime.p2p.P2P`
-  (batched on NCCL, tagged plain isend/irecv on gloo).
+  (batched on NCCL, tagged plain isend/irecv on gloo). On the tagged path a batch only posts its
+  receives; each is waited for right before the op that uses its data (the simulator's eager
+  model: a receive posted early never holds up the ops before its consumer).
 
 Around the ops it does what Megatron-Core's schedules do: loss scaling and averaging inside
 ``forward_step`` (``num_tokens`` / ``calculate_per_token_loss``), ``config.grad_scale_func`` on
@@ -40,6 +42,10 @@ interval of every op (``last_timings``; ``sync_timings`` makes them device times
 ``op_hook(op, phase)`` is called with phase ``"before"`` / ``"after"`` around every op, and
 may look at ``executor.state`` (the activations, gradients and messages in flight on this
 rank); ``op_handlers`` executes extra op kinds that features register with the schedule core.
+
+``emulate``: a :class:`~megatron_pp_ext.runtime.emulate.ComputeEmulation` runs the same loop with
+the arithmetic of every compute op replaced by a wait of its cost-model time (``mppx train
+--emulate-compute``); messages stay real.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import math
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -158,6 +165,12 @@ class ScheduleExecutor:
         op_handlers: ``{kind: handler(executor, op, context)}`` for extra op kinds.
         check_ranks_agree: all-gather a digest of the schedule over the pipeline group the
             first time a schedule is used, and refuse to run if the ranks disagree.
+        emulate: a :class:`~megatron_pp_ext.runtime.emulate.ComputeEmulation`: every compute op
+            (F, B, W, BW, feature ops) waits its cost-model time instead of computing; the
+            bookkeeping and the messages are real (None: compute).
+        defer_receives: on the tagged (gloo) p2p path, wait for a receive right before the op
+            that reads it (True), or at the end of its comm batch (False: the executor before
+            issue 19, which stalls a rank whenever the comm pass posted a receive early).
     """
 
     #: tied embeddings with the first and last stage on one rank (V): allowed when the caller keeps
@@ -169,7 +182,8 @@ class ScheduleExecutor:
                  options: dict | None = None, split_backward: bool | None = None, batch_p2p: bool | None = None,
                  record_timings: bool = False, sync_timings: bool = False,
                  op_hook: Callable[[Op, str], None] | None = None,
-                 op_handlers: dict[str, Callable] | None = None, check_ranks_agree: bool = True):
+                 op_handlers: dict[str, Callable] | None = None, check_ranks_agree: bool = True,
+                 emulate=None, defer_receives: bool = True):
         if not (isinstance(schedule, (str, Schedule)) or callable(schedule)):
             raise TypeError("schedule must be a name, a Schedule or a factory (pp, num_microbatches) -> Schedule")
         self.schedule = schedule
@@ -184,6 +198,8 @@ class ScheduleExecutor:
         self.op_hook = op_hook
         self.op_handlers = dict(op_handlers or {})
         self.check_ranks_agree = check_ranks_agree
+        self.emulate = emulate
+        self.defer_receives = defer_receives
         self._cache: dict[tuple, Schedule] = {}
         self._agreed: set = set()
         self.last_timings: list[OpTiming] | None = None
@@ -269,7 +285,8 @@ class ScheduleExecutor:
         for r, ops in enumerate(sched.ops):
             last_f: dict[int, int] = {}
             for op in ops:
-                if op.kind not in _COMPUTE and op.kind not in _COMM and op.kind not in self.op_handlers:
+                if (op.kind not in _COMPUTE and op.kind not in _COMM and op.kind not in self.op_handlers
+                        and not (self.emulate is not None and self.emulate.handles(op.kind))):
                     problems.append(f"rank {r}: op kind {op.kind!r} has no handler in the executor "
                                     "(pass op_handlers={kind: handler})")
                 if op.kind == "F":
@@ -412,6 +429,8 @@ class ScheduleExecutor:
                 raise NotImplementedError("the schedule executor sends one tensor per microbatch and stage")
             recv_shape, send_shape = tuple(rs[0]), tuple(ss[0])
         dtype = config.pipeline_dtype or config.params_dtype
+        itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+        send_bytes, recv_bytes = math.prod(send_shape) * itemsize, math.prod(recv_shape) * itemsize
         split = (not forward_only and _wgrad is not None and self.split_backward is not False
                  and any(op.kind in ("B", "W") for op in sched.ops[rank]))
         # W ops exist only where B ops do; without the split B is the full backward, W a no-op.
@@ -549,18 +568,39 @@ class ScheduleExecutor:
                     t = st.sendable.pop(key, None)
                     if t is None:
                         raise RuntimeError(f"rank {rank}: {op}: nothing to send (its producer has not run)")
-                    transfers.append(Transfer(True, op.peer, key, t))
+                    # (its size is the receiver's buffer's: point-to-point transfers must match)
+                    transfers.append(Transfer(True, op.peer, key, t, send_bytes if op.kind == "SEND_F" else recv_bytes))
                 else:
-                    shape = recv_shape if op.kind == "RECV_F" else send_shape
-                    buf = torch.empty(shape, dtype=dtype, device=device)
-                    transfers.append(Transfer(False, op.peer, key, buf))
+                    fwd = op.kind == "RECV_F"
+                    # a received activation is a leaf that B differentiates to (as Megatron-Core allocates it)
+                    buf = torch.empty(recv_shape if fwd else send_shape, dtype=dtype, device=device,
+                                      requires_grad=train and fwd)
+                    transfers.append(Transfer(False, op.peer, key, buf, recv_bytes if fwd else send_bytes))
                     recvs.append((op, buf))
-            p2p.run_batch(transfers)
+            if emu is not None:
+                emu.stamp_sends(transfers)
+            works = p2p.run_batch(transfers, defer_recvs=self.defer_receives)
             for op, buf in recvs:
-                if op.kind == "RECV_F":
-                    st.inputs[(op.stage, op.microbatch)] = buf.requires_grad_(train)
+                if works:  # (tagged p2p) waited for right before the op that reads it: take_recv
+                    key = message_key(op.kind, op.stage, op.microbatch)
+                    in_flight[key] = (works[key], op, buf)
                 else:
-                    st.out_grads[(op.stage, op.microbatch)] = buf
+                    if emu is not None:
+                        emu.arrived(op, buf)
+                    deliver(op, buf)
+
+        def deliver(op: Op, buf) -> None:
+            if op.kind == "RECV_F":
+                st.inputs[(op.stage, op.microbatch)] = buf
+            else:
+                st.out_grads[(op.stage, op.microbatch)] = buf
+
+        def take_recv(key) -> None:
+            work, rop, buf = in_flight.pop(key)
+            work.wait()
+            if emu is not None:
+                emu.arrived(rop, buf)
+            deliver(rop, buf)
 
         def start_chunk_grad_sync(c: int) -> None:
             if store is not None:
@@ -591,7 +631,13 @@ class ScheduleExecutor:
         store = _wgrad.WeightGradStore(require_key=False) if split else None
         params_ready = False
         idx = 0
+        #: receives posted but not waited for: message key -> (work, op, buffer)
+        in_flight: dict = {}
+        emu = self.emulate
         with contextlib.ExitStack() as stack:
+            if emu is not None:  # (first in, last out: its clock spans the ops and the drain)
+                stack.enter_context(emu.running(sched, rank, pp_group, shape=send_shape, dtype=dtype,
+                                                device=device))
             if train and no_sync is not None:
                 for fn in (no_sync if isinstance(no_sync, (list, tuple)) else [no_sync]):
                     stack.enter_context(fn())
@@ -606,6 +652,8 @@ class ScheduleExecutor:
                         j += 1
                     batch = ops[idx:j]
                     for o in batch:
+                        if emu is not None:
+                            emu.begin(o)
                         hook(o, "before")
                     ts = now()
                     run_comm(batch)
@@ -616,9 +664,18 @@ class ScheduleExecutor:
                             timings.append(OpTiming(str(o), o.kind, o.stage, o.microbatch, *span(ts, te)))
                     idx = j
                     continue
+                if in_flight:  # the message this op reads, if it is still in flight
+                    if op.kind == "F" and op.stage > 0 and ("act", op.stage - 1, op.microbatch) in in_flight:
+                        take_recv(("act", op.stage - 1, op.microbatch))
+                    elif op.kind in ("B", "BW") and ("grad", op.stage + 1, op.microbatch) in in_flight:
+                        take_recv(("grad", op.stage + 1, op.microbatch))
+                if emu is not None:
+                    emu.begin(op)
                 hook(op, "before")
                 ts = now()
-                if op.kind == "F":
+                if emu is not None and op.kind not in _COMPUTE:
+                    emu.feature_op(op)  # (its cost-model time, on its stream; the handler is not run)
+                elif op.kind == "F":
                     run_forward(op)
                 elif op.kind == "B":
                     run_backward(op, collect=split)
@@ -633,6 +690,8 @@ class ScheduleExecutor:
                         params_ready = True
                     self.op_handlers[op.kind](self, op, {"state": st, "models": models, "rank": rank,
                                                          "schedule": sched, "config": config})
+                if emu is not None:
+                    emu.end(op)
                 te = now()
                 hook(op, "after")
                 if timings is not None:
@@ -644,6 +703,8 @@ class ScheduleExecutor:
             if split:
                 _wgrad.check_split_active(f"in schedule {sched.name!r} on pipeline rank {rank}")
                 _wgrad.check_no_pending_wgrad(store, "before gradient reduction")
+            for key in list(in_flight):  # (none: every receive has a consumer)
+                take_recv(key)
             p2p.drain()
         # (no_sync exited: DDP's buckets are back to "last microbatch")
         leftovers = [k for k in ("inputs", "saved_inputs", "outputs", "out_grads", "sendable", "identity")

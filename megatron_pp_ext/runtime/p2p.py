@@ -17,8 +17,12 @@ two ranks come in the same order on both sides. :class:`P2P` executes one batch:
 Every message is identified by ``(tag, stage, microbatch)`` of the tensor it carries
 (``("act", s, m)``: output of F(s, m); ``("grad", s, m)``: input gradient made by B(s, m)),
 so the tag is the same on the sending and the receiving side. A sent tensor is kept alive
-(the handle holds it) until its send has completed; receives of a batch are waited for at the
-end of the batch (:meth:`P2P.run_batch`), sends lazily (:meth:`P2P.reap`, :meth:`P2P.drain`).
+(the handle holds it) until its send has completed; sends are waited for lazily
+(:meth:`P2P.reap`, :meth:`P2P.drain`). Receives of a batch are waited for at the end of the
+batch (:meth:`P2P.run_batch`), or, with ``defer_recvs`` on the tagged path, handed back to the
+caller, which waits for each right before the op that uses its data: a receive posted early
+(the comm pass posts it before the send happens, so the transfer can start at once) then never
+holds up the ops in between, as in the simulator's eager model.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Transfer:
     peer: int            # rank in the pipeline group
     key: tuple           # message_key(...)
     tensor: torch.Tensor
+    nbytes: int | None = None   # its size, when the caller knows it (saves two tensor calls per message)
 
 
 class P2P:
@@ -83,10 +88,13 @@ class P2P:
         k = 0 if kind == "act" else 1
         return (k * self.num_stages + stage) * self.num_microbatches + mb
 
-    def run_batch(self, transfers: Sequence[Transfer]) -> None:
-        """Post every transfer of one batch; return once its receives have completed."""
+    def run_batch(self, transfers: Sequence[Transfer], *, defer_recvs: bool = False) -> dict:
+        """Post every transfer of one batch; return once its receives have completed. With
+        ``defer_recvs`` on the tagged (unbatched) path, return at once with ``{key: work}`` of
+        the receives, each to be ``wait()``-ed before its buffer is read (batched p2p waits as
+        without it and returns ``{}``)."""
         if not transfers:
-            return
+            return {}
         recv_works = []
         if self.batched:
             ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, t.tensor, self._global[t.peer],
@@ -103,16 +111,20 @@ class P2P:
                 else:
                     recv_works.append(dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key)))
         for t in transfers:
-            n = t.tensor.numel() * t.tensor.element_size()
+            n = t.nbytes if t.nbytes is not None else t.tensor.numel() * t.tensor.element_size()
             if t.is_send:
                 self.bytes_sent += n
             else:
                 self.bytes_received += n
+        if defer_recvs and not self.batched:
+            self.reap()
+            return {t.key: w for t, w in zip((t for t in transfers if not t.is_send), recv_works)}
         for w in recv_works:
             w.wait()
         if self.sync_after_batch and torch.cuda.is_available():
             torch.cuda.synchronize()
         self.reap()
+        return {}
 
     def reap(self) -> None:
         """Forget sends that have completed (their tensors can be freed)."""

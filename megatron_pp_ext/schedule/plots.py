@@ -228,6 +228,69 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
     return result
 
 
+def plot_measured_vs_simulated(schedule: Schedule, simulated: Mapping, measured: Mapping, path: str | os.PathLike,
+                               title: str | None = None, *, marks: Iterable[tuple[Any, str]] = (),
+                               dpi: int = 110) -> None:
+    """Two timelines of one schedule on one time axis (seconds): the simulator's above, the
+    measured one (e.g. ``mppx train --emulate-compute``) below, one lane per rank and one box per
+    op (``simulated`` / ``measured``: op -> (start, end), in seconds from the start). Ops of
+    other streams (offload's copies) are drawn as thin boxes under their rank's lane. ``marks``:
+    ``(op, text)`` pairs annotated on the measured timeline (e.g. the largest stalls)."""
+    path = check_figure_path(path)
+    from matplotlib.patches import Patch, Rectangle
+
+    p, v = schedule.num_ranks, schedule.chunks_per_rank
+    end = max([e for _, e in simulated.values()] + [e for _, e in measured.values()] + [1e-9])
+    lane_h = 0.38
+    height = 1.4 + 2 * p * lane_h + 0.8
+    width = 16.0
+    fig = _figure(figsize=(width, height))
+    axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"hspace": 0.28})
+    extra: dict[str, str] = {}
+    kinds_seen: list[str] = []
+    for ax, times, label in ((axes[0], simulated, "simulated"), (axes[1], measured, "measured")):
+        for op, (start, stop) in times.items():
+            dur = stop - start
+            if dur <= 0:
+                continue
+            cat = op_kind(op.kind).category
+            if cat == "comm":
+                continue
+            base = _kind_color(op.kind, extra)
+            if op.kind not in kinds_seen:
+                kinds_seen.append(op.kind)
+            rgb = _shade(base, schedule.chunk_of(op.stage), v)
+            y, h = (op.rank - 0.4, 0.8) if cat == "compute" else (op.rank + 0.28, 0.14)
+            ax.add_patch(Rectangle((start, y), dur, h, facecolor=rgb, edgecolor="white", linewidth=0.4,
+                                   gid=f"{label}-r{op.rank}-{op.stage}{op.kind}{op.microbatch}"))
+            if cat == "compute" and dur / end * (width - 2.0) * 72 > 9:
+                ax.text(start + dur / 2, op.rank, str(op.microbatch), ha="center", va="center", fontsize=6,
+                        color=_text_color(rgb))
+        ax.set_ylim(p - 0.5, -0.5)
+        ax.set_yticks(range(p))
+        ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=8)
+        ax.tick_params(axis="y", length=0)
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+        mk = max((e for _, e in times.values()), default=0.0)
+        ax.axvline(mk, color="#c0392b", linewidth=0.8, linestyle="--")
+        ax.set_title(f"{label}: makespan {mk:.3f} s", fontsize=9, loc="left")
+    for op, text in marks:
+        if op in measured:
+            s0 = measured[op][0]
+            axes[1].annotate(text, (s0, op.rank - 0.4), xytext=(0, 9), textcoords="offset points", fontsize=7,
+                             color="#c0392b", ha="center", arrowprops={"arrowstyle": "-", "color": "#c0392b"})
+    axes[0].set_xlim(0, end * 1.01)
+    axes[1].set_xlabel("time (s)")
+    handles = [Patch(facecolor=_kind_color(k, extra), label=k) for k in kinds_seen]
+    axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.02), ncol=len(handles), fontsize=7,
+                   frameon=False, handlelength=1.2)
+    if title:
+        fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.subplots_adjust(left=0.9 / width, right=1 - 0.3 / width, top=1 - 0.75 / height, bottom=0.45 / height)
+    _save(fig, path, dpi=dpi)
+
+
 def _row_get(row: Any, *names: str, default=None):
     for n in names:
         if isinstance(row, Mapping):

@@ -59,6 +59,9 @@ class TrainConfig:
     memory_budget: str | None = None
     costs: str | None = None
     profile_iters: int | None = None     # default 3 with one of our schedules, else 0
+    #: --emulate-compute MS: every compute op waits its --costs time (1 unit = MS milliseconds)
+    #: instead of computing (runtime/emulate.py); None: real compute
+    emulate_compute: float | None = None
     # training
     iters: int = 20
     lr: float = 1e-3
@@ -159,6 +162,7 @@ class Plan:
     transformer_impl: str = "local"  # resolved --transformer-impl
     schedule_factory: Any = None     # a feature's (pp, m) -> (Schedule, CostModel) run instead of the name
     feature_summary: dict = field(default_factory=dict)
+    emulation: Any = None            # EmulationPlan with --emulate-compute
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -218,6 +222,8 @@ class Plan:
         from ..runtime.harness import RunConfig
         c = self.cfg
         pipelined = c.pp > 1
+        if self.emulation is not None:
+            return self.emulation.run_config(self)
         run = RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
                          schedule=(self.schedule_factory or self.runtime_schedule) if pipelined else None,
                          chunks=self.chunks if pipelined else 1,
@@ -508,6 +514,11 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                 _fail(f"--profile-iters {profile}: re-generating the schedule from measured costs is not supported "
                       f"together with {', '.join('--' + n for n, _ in c.features)} yet; use --profile-iters 0")
             profile = 0
+    # -- emulated compute (runtime/emulate.py): checked now, the schedule it runs fixed now ------------
+    emulation = None
+    if c.emulate_compute is not None:
+        from .emulation import plan_emulation
+        emulation, profile = plan_emulation(c, built=built, mcore=mcore, profile=profile, fail=_fail)
     # -- checkpoints (before the reference: a resumed run compares iterations after the resume) ---
     from .checkpoint import check_save, plan_resume
     check_save(c)
@@ -522,6 +533,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                   f"too few left for a warm-up, {profile} profiled iterations and one more; use --profile-iters 0")
         profile = 0
     ref = min(left, 5) if c.reference_iters is None else min(c.reference_iters, left)
+    if emulation is not None:
+        ref = 0  # (no loss is computed: nothing to compare; an explicit --reference-iters is refused above)
 
     # -- data and files ----------------------------------------------------------------------
     data = "mock"
@@ -547,6 +560,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     if not (c.timeout > 0):
         _fail(f"--timeout {c.timeout}: must be positive (seconds)")
     device = _resolve_device(c.device, launch, world)
+    if emulation is not None and device == "cuda":
+        device = "cpu"  # (--device auto: emulated compute runs on CPU processes, see trainer/emulation.py)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "
@@ -560,7 +575,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                 reference_iters=ref, data=data, out_dir=out, json_log=json_log,
                 text_log=os.path.join(out, "train.log"), figure=os.path.join(out, "schedule.png"),
                 summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built, resume=resume,
-                schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl)
+                schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl,
+                emulation=emulation)
 
 
 # --- command line -------------------------------------------------------------------------
@@ -638,6 +654,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. 3) or a fraction of 1F1B's peak (e.g. 0.5x)")
     g.add_argument("--costs", default=None, metavar="F,B,W[,COMM]",
                    help="relative per-rank costs the initial schedule is built for (default: 1,1,1,0)")
+    g.add_argument("--emulate-compute", type=_float_pos, default=None, metavar="MS",
+                   help="replace the arithmetic of every compute op (F, B, W, BW and the feature ops) by a wait of "
+                        "its --costs time, one unit = MS milliseconds; messages stay real; the JSON log gains "
+                        "measured_makespan_s and simulated_makespan_s; no loss is computed (default: off)")
     g.add_argument("--profile-iters", type=_int(0, 3), default=None, metavar="K",
                    help="time every op over K iterations after a warm-up one, then re-generate the schedule "
                         "once from the median F/B/W per stage and the measured p2p latency (default: 3 with "
@@ -701,7 +721,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
-        profile_iters=args.profile_iters, iters=args.iters, lr=args.lr, **options_from_args(args),
+        profile_iters=args.profile_iters, emulate_compute=args.emulate_compute, iters=args.iters, lr=args.lr, **options_from_args(args),
         seed=args.seed, data_path=args.data_path,
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,

@@ -131,9 +131,19 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         meter = ActivationMeter(tr.model, device)
         if tr.executor is not None and tr.executor.op_hook is None:
             tr.executor.op_hook = meter.op_hook
+        # --emulate-compute (trainer/emulation.py): the executor's emulation, or Megatron-Core's function
+        # wrapped in one; features are emulated as the simulator models them, their runtimes not attached
+        emu = None
+        if plan.emulation is not None:
+            if tr.executor is not None:
+                emu = tr.executor.emulate
+            else:
+                from ..runtime.emulate import emulate_megatron
+                emu = plan.emulation.emulation()
+                tr.forward_backward = emulate_megatron(tr.forward_backward, emu)
         # feature plug-ins (trainer/features.py): hooks on the executor, a wrapped forward-backward
         features = []
-        if c.features:
+        if c.features and emu is None:
             from .features import attach_features
             features = attach_features(c.features, tr, plan, device)
             for f in features:
@@ -169,7 +179,11 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 t_fb = time.perf_counter() - t0
                 peak = meter.activation_peak()
                 saved_peak = meter.saved_peak()
-                stepped = _step_optimizer(tr.optimizer)
+                if emu is None:
+                    stepped = _step_optimizer(tr.optimizer)
+                else:  # (no gradient was computed: nothing to step)
+                    stepped = {"grad_norm": float("nan"), "grad_norm_after_clip": float("nan"),
+                               "loss_scale": float("nan"), "skipped": False}
                 _sync(device)
                 dt = time.perf_counter() - t0
                 if profiling:
@@ -178,12 +192,17 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
                 row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
                                     float(peak), float(saved_peak), stepped["grad_norm"], stepped["grad_norm_after_clip"],
-                                    stepped["loss_scale"], float(stepped["skipped"])],
+                                    stepped["loss_scale"], float(stepped["skipped"]),
+                                    emu.last.makespan_s if emu is not None else float("nan"),
+                                    float(emu.last.realtime) if emu is not None else 0.0],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
                 rec["profiling"] = profiling
+                if emu is not None:
+                    from .emulation import emulated_record
+                    rec = emulated_record(rec, plan)
                 if features:
                     rec.update(_feature_metrics(features, pp_rank, plan))
                 if resumed is not None:
@@ -284,6 +303,9 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         "peak_activation_bytes": peaks,
         "peak_saved_activation_bytes": saved,
         "tokens": int(tokens),
+        # --emulate-compute: the forward-backward's wall time on the slowest rank (barrier to last op)
+        **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}
+           if rows[0][14] == rows[0][14] else {}),
     }
 
 

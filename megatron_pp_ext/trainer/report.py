@@ -114,6 +114,15 @@ class RankZeroLog:
         self.json.write(json.dumps(rec) + "\n")
         self.json.flush()
         i = rec["iteration"]
+        if self.plan.emulation is not None:
+            if i == 1 or i == c.iters or i % c.log_interval == 0:
+                meas, sim = rec.get("measured_makespan_s"), rec["simulated_makespan_s"]
+                self.line(f"iter {i:>{len(str(c.iters))}}/{c.iters}  emulated: measured makespan {meas:.4f} s, "
+                          f"simulated {sim:.4f} s, measured / simulated {meas / sim:.3f}  (forward-backward "
+                          f"{rec['fb_time_s']:.3f} s)")
+            if self.bar is not None:
+                self.bar.update(1)
+            return
         if i == 1 or i == c.iters or i % c.log_interval == 0:
             peaks = " ".join(fmt_bytes(b) for b in rec["peak_activation_bytes"])
             extra = ""
@@ -189,6 +198,22 @@ class RankZeroLog:
             "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "saved_tensors",
             "simulated": self.sim_info,
         }
+        if plan.emulation is not None:
+            meas = [r["measured_makespan_s"] for r in records]
+            steady = meas[1:] or meas
+            sim = plan.emulation.simulated_makespan_s
+            med = statistics.median(steady) if steady else float("nan")
+            summary["emulation"] = {"unit_ms": plan.emulation.unit_ms, "simulated_makespan_s": sim,
+                                    "median_measured_makespan_s": med, "measured_over_simulated": med / sim,
+                                    "features": list(plan.emulation.features)}
+            summary["first_loss"] = summary["final_loss"] = None
+            rt = all(r.get("emulation_realtime") for r in records)
+            summary["emulation"]["realtime"] = rt
+            self.line(f"ran {len(records)} iterations with emulated compute in {sum(times):.1f} s: measured makespan "
+                      f"{med:.4f} s (median after the first), simulated {sim:.4f} s, measured / simulated "
+                      f"{med / sim:.3f}; {plan.emulation.priority_note(rt)}")
+            self.text.close()
+            return summary
         what = f"{len(records)} iterations"
         if plan.resume is not None and records:
             what = (f"iterations {records[0]['iteration']}-{records[-1]['iteration']} (resumed from iteration "
@@ -229,6 +254,8 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
                      + (f"; figure {fig}" if fig else f"; figure not written ({sim_info.get('figure_error')})"))
     for n in plan.notes:
         lines.append(f"note: {n}")
+    if plan.emulation is not None:
+        lines.append(f"note: {plan.emulation.note()}")
     lines.append(f"set up in {setup_s:.1f} s; log {plan.text_log}, JSON log {plan.json_log}")
     return lines
 
@@ -302,7 +329,9 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
     losses = [r["loss"] for r in records]
     status = 0
     lines = []
-    if ref is not None:
+    if plan.emulation is not None:
+        summary["reference"] = None   # (no loss: the header said so)
+    elif ref is not None:
         cmp = compare_losses(losses, ref["losses"], plan)
         cmp["reference_time_s"] = ref.get("time_s")
         cmp["first_iteration"] = records[0]["iteration"] if records else 1

@@ -1,0 +1,563 @@
+"""Emulated compute: the executor's real loop, with every compute op's arithmetic replaced by a
+wait of its cost-model time (``mppx train --emulate-compute MS``).
+
+What a schedule's makespan on real processes is, before a GPU is lent: the ranks of a 2-core
+machine cannot compute side by side, but they can all *wait* side by side. With a
+:class:`ComputeEmulation` attached (``ScheduleExecutor(..., emulate=emu)``), every op still goes
+through the executor's bookkeeping (its op list, the tensors in flight, the comm batches, the
+hooks, the data-parallel sync points), and:
+
+* **F, B, BW**: Megatron-Core's ``forward_step`` / ``backward_step`` are replaced, for the
+  duration of the call, by stand-ins that wait the op's time (``op_kind(kind).duration(cost,
+  op)`` times ``unit_s``, as :func:`~megatron_pp_ext.schedule.simulate` charges it) and return a
+  tensor of the real shape and dtype (the activation message, the input gradient; the last stage
+  a stand-in loss that nobody reports). **W** waits its time after the executor's W bookkeeping.
+  The waits are ``time.sleep`` to a deadline: no CPU is used while an op "computes".
+* **point-to-point messages** are the executor's own: real tensors of the real shapes over the
+  real process group. With a latency in the cost model (``--costs F,B,W,COMM``) a message's data
+  counts as arrived ``COMM`` after both its send and its receive were posted (the simulator's
+  eager model): the sender writes its post time (``time.perf_counter``, a clock the processes of
+  one host share) into the first 8 bytes of the message, and the consumer of a received tensor
+  waits until then.
+* **feature ops** (any kind a feature registers) are emulated as the simulator models them, not
+  run: compute-stream kinds (vocabulary S/T/loss/embedding passes) wait their time; kinds on
+  another stream (offload's ``d2h``/``h2d`` copies) occupy a virtual stream of their own: they
+  start when their stream is free, the op before them in the list has started and their inputs
+  are ready, end their duration later, and only an op that needs their result waits for it (so
+  they overlap compute exactly as the simulator assumes); communication kinds (BPipe's
+  evictions and fetches, the vocabulary collectives as the simulator's per-dependency messages)
+  are real messages of one activation's shape over the pipeline group, arriving ``COMM`` plus
+  their duration after both sides are posted, one at a time per direction of a link.
+
+The emulation also times the call: ``last`` holds, per call, the wall time from a barrier over the
+pipeline group to the end of this rank's last op (its sends drained), the CPU time the calling
+thread used meanwhile (what the executor costs on the host: a sleeping op uses none), the number
+of compute ops, and (``record=True``) every op's start and end (``time.perf_counter``).
+
+:func:`emulate_megatron` applies the same stand-ins to Megatron-Core's own forward-backward
+function (``--schedule mcore``), for the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import CostModel, Op, Schedule
+from ..schedule.ir import COMM_PAIRS, comm_channel, op_kind
+
+__all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "realtime_priority", "BUILTIN_KINDS"]
+
+BUILTIN_KINDS = frozenset({"F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+_P2P = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+_perf = time.perf_counter
+
+
+def _sleep_until(t: float) -> None:
+    d = t - _perf()
+    if d > 0:
+        time.sleep(d)
+
+
+class _Sleeper:
+    """Sleep until a deadline (``time.sleep``: no CPU), aiming early by the running mean of how
+    late the timer wakes up (its slack, about 50-60 µs here), so that an emulated op lasts its
+    cost-model time on average rather than that plus the slack. Never a busy wait."""
+
+    __slots__ = ("slack",)
+
+    def __init__(self) -> None:
+        self.slack = 0.0
+
+    def until(self, t: float) -> None:
+        d = t - _perf() - self.slack
+        if d <= 0:
+            return
+        time.sleep(d)
+        late = _perf() - t
+        s = self.slack + 0.25 * late
+        self.slack = 0.0 if s < 0 else (1e-3 if s > 1e-3 else s)
+
+
+@contextlib.contextmanager
+def realtime_priority(on: bool = True):
+    """Every thread of this process (gloo's included) at real-time priority (SCHED_RR 1) for the
+    duration, back to SCHED_OTHER afterwards; yields whether it could (root or CAP_SYS_NICE).
+
+    The emulated ops sleep; on a machine shared with other jobs a woken process otherwise waits
+    for a core (``time.sleep(0.01)`` overshot by 3-12 ms at the 90th percentile at a load average
+    of 10-20 on the 2-core machine of docs/benchmarks/fidelity.md, by 0.06 ms at real-time
+    priority). The kernel keeps 5% of the CPU for other tasks (``sched_rt_runtime_us``)."""
+    if not on or not hasattr(os, "SCHED_RR"):
+        yield False
+        return
+    done = []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for t in tids:
+            try:
+                os.sched_setscheduler(t, os.SCHED_RR, os.sched_param(1))
+                done.append(t)
+            except OSError:   # not permitted, or the thread ended
+                pass
+        yield bool(done)
+    finally:
+        for t in done:
+            try:
+                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
+
+
+@dataclass
+class EmulatedCall:
+    """One emulated forward-backward call on this rank (times from ``time.perf_counter``)."""
+
+    start: float                     # after the barrier over the pipeline group
+    end: float                       # after the last op and the drain of its sends
+    cpu_s: float                     # CPU time of the calling thread between them
+    compute_ops: int                 # compute ops run on this rank (F, B, W, BW, feature compute)
+    timeline: list = field(default_factory=list)   # (op, start, end) per op, in list order
+    realtime: bool = False           # the call ran at real-time priority
+    #: time the calling thread spent runnable but waiting for a core (Linux schedstat; None elsewhere):
+    #: on a host with fewer cores than ranks, ranks that end their ops together queue for a core
+    runq_s: float | None = None
+
+    @property
+    def makespan_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def cpu_per_op_us(self) -> float:
+        return self.cpu_s / max(1, self.compute_ops) * 1e6
+
+
+def _run_delay() -> float | None:
+    """Seconds the calling thread has waited in a run queue so far (Linux), or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stamp_width(t: torch.Tensor) -> int:
+    """Elements of ``t`` that hold the 8-byte stamp (0: too small, not stamped)."""
+    e = t.element_size()
+    k = max(1, 8 // e)
+    return k if t.numel() >= k and e * k == 8 and t.is_contiguous() else 0
+
+
+def write_stamp(t: torch.Tensor, value: float) -> None:
+    k = _stamp_width(t)
+    if k:
+        t.view(-1)[:k].view(torch.float64)[0] = value
+
+
+def read_stamp(t: torch.Tensor) -> float | None:
+    k = _stamp_width(t)
+    if not k:
+        return None
+    return float(t.detach().view(-1)[:k].view(torch.float64)[0])
+
+
+class ComputeEmulation:
+    """Replace the arithmetic of every compute op by a wait of its cost-model time.
+
+    Args:
+        unit_s: seconds per unit of the cost model (``--emulate-compute MS``: MS / 1000).
+        cost: the schedule's :class:`CostModel` (in its own units), or ``F,B,W[,COMM]`` per rank
+            (spread over the chunks of a rank, as ``--costs``), resolved for each schedule run.
+        barrier: start every call with a barrier over the pipeline group (the simulator starts
+            every rank at time 0).
+        record: keep every op's start and end in ``last.timeline``.
+        realtime: run each call at real-time priority when permitted (:func:`realtime_priority`);
+            None: unless the environment sets ``MPPX_EMULATE_REALTIME=0``.
+        overlay: the schedule the simulator times, when it has ops the executor's schedule runs
+            inside its feature ops: vocabulary parallelism's collectives, which the simulator
+            models as one message per cross-rank dependency
+            (:func:`~megatron_pp_ext.features.vocab.schedule_pass.with_vocab_comm`); those extra
+            messages are sent and received here, before the executor's op they precede.
+    """
+
+    def __init__(self, unit_s: float, cost: CostModel | Sequence[float] | str | None = None, *,
+                 barrier: bool = True, record: bool = True, overlay: Schedule | None = None,
+                 realtime: bool | None = None):
+        if not (unit_s > 0):
+            raise ValueError(f"unit_s must be > 0, got {unit_s}")
+        self.unit_s = float(unit_s)
+        self.cost_spec = cost
+        self.barrier = barrier
+        self.record = record
+        self.overlay = overlay
+        self.realtime = (os.environ.get("MPPX_EMULATE_REALTIME", "1") != "0") if realtime is None else realtime
+        self.calls: list[EmulatedCall] = []
+        self.last: EmulatedCall | None = None
+        self._active = False
+        self._sleeper = _Sleeper()
+
+    # -- what the executor asks ------------------------------------------------------------
+    def handles(self, kind: str) -> bool:
+        """Feature kinds are emulated (their handlers do not run)."""
+        try:
+            op_kind(kind)
+        except ValueError:
+            return False
+        return kind not in BUILTIN_KINDS
+
+    def cost_for(self, sched: Schedule | None, num_stages: int | None = None, chunks: int = 1) -> CostModel:
+        c = self.cost_spec
+        n = sched.num_stages if sched is not None else num_stages
+        v = sched.chunks_per_rank if sched is not None else chunks
+        if isinstance(c, CostModel):
+            if n is not None and c.num_stages != n:
+                raise ValueError(f"the emulation's cost model has {c.num_stages} stages, the schedule {n}")
+            return c
+        return CostModel.from_spec(c, n, v)
+
+    # -- one call ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self, sched: Schedule | None, rank: int, pp_group, *, shape: tuple, dtype, device,
+                mcore_stage: Callable[[str, Any], float] | None = None):
+        """Emulate the ops of one forward-backward call (of ``sched`` on pipeline rank
+        ``rank``, or, with ``mcore_stage``, of Megatron-Core's own function)."""
+        from megatron.core.pipeline_parallel import schedules as msched
+
+        if self._active:
+            raise RuntimeError("ComputeEmulation.running() is not reentrant")
+        self._active = True
+        self.rank, self.group = rank, pp_group
+        #: the schedule whose data keys the emulation follows (the overlay's: every dependency)
+        ov = self.overlay
+        fits = (ov is not None and sched is not None and ov.placement == sched.placement
+                and ov.num_microbatches == sched.num_microbatches and not sched.meta.get("forward_only"))
+        self.sched = ov if fits else sched
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.mcore_stage = mcore_stage
+        self.cost = cost = self.cost_for(sched) if sched is not None else None
+        u = self.unit_s
+        self.comm_s = (cost.comm * u) if cost is not None else 0.0
+        plain = True
+        if sched is not None:
+            from ..schedule.fastsim import eligible_kinds
+            plain = eligible_kinds(self.sched)
+        self._before: dict = {}      # executor op -> overlay ops that come right before it
+        self._tail: list = []        # overlay ops after the executor's last op
+        if self.sched is not sched:
+            own = set(sched.ops[rank])
+            extra: list = []
+            for o in self.sched.ops[rank]:
+                if o in own:
+                    if extra:
+                        self._before[o] = extra
+                        extra = []
+                else:
+                    extra.append(o)
+            self._tail = extra
+        #: schedules of the built-in kinds only: no key tracking (the executor's own waits suffice)
+        self.plain = plain
+        #: op -> (category, required keys, produced keys), worked out before the clock starts
+        self._info: dict = {}
+        if not plain:
+            for o in self.sched.ops[rank]:
+                spec = op_kind(o.kind)
+                self._info[o] = (spec.category, tuple(spec.requires(o, self.sched)),
+                                 tuple(spec.produces(o, self.sched)))
+        self.stamping = self.comm_s > 0 or not plain
+        self.current: Op | None = None
+        self.waited = False
+        self.op_start = 0.0
+        self.last_start = 0.0
+        self.ready: dict = {}               # key -> time it is available on this rank
+        self.stream_free: dict = {}          # stream -> time it is free again
+        self.link_free: dict = {}            # (source rank, channel) -> time the link is free
+        self.posted: dict = {}               # receive op -> time it was posted
+        self.feature_in: dict = {}           # key -> (work, buffer, op, post time): feature receives
+        self.feature_out: list = []          # (work, tensor): feature sends in flight
+        self.timeline: list = []
+        self.compute_ops = 0
+        self._global = None
+        if sched is not None and not plain:
+            self._global = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
+            S, m = sched.num_stages, sched.num_microbatches
+            sends = sorted(k for k in COMM_PAIRS if k not in _P2P)
+            self._tag_base = 2 * S * m
+            self._send_index = {k: i for i, k in enumerate(sends)}
+            self._recv_to_send = {r: (s, off) for s, (r, off) in COMM_PAIRS.items()}
+        self._dur: dict = {}
+        self._prev_start = 0.0
+        #: feature receive kinds: their keys become ready when the data arrives (_take), not at post
+        self.feature_recv_kinds = frozenset(r for s_, (r, _) in COMM_PAIRS.items() if r not in _P2P)
+        fwd, bwd = msched.forward_step, msched.backward_step
+        rt_ctx = realtime_priority(self.realtime)
+        try:
+            rt = rt_ctx.__enter__()
+            if self.barrier and pp_group is not None and pp_group.size() > 1:
+                dist.barrier(group=pp_group)
+            msched.forward_step, msched.backward_step = self._forward_step, self._backward_step
+            q0 = _run_delay()
+            t0 = _perf()
+            self.last_start = t0
+            c0 = time.thread_time()
+            try:
+                yield self
+                self._drain()
+            finally:
+                cpu = time.thread_time() - c0
+                t1 = _perf()
+                q1 = _run_delay()
+                msched.forward_step, msched.backward_step = fwd, bwd
+            self.last = EmulatedCall(t0, t1, cpu, self.compute_ops, self.timeline, rt,
+                                     None if q0 is None or q1 is None else q1 - q0)
+            self.calls.append(self.last)
+        finally:
+            rt_ctx.__exit__(None, None, None)
+            self._active = False
+            self.feature_in.clear()
+            self.feature_out.clear()
+
+    # -- durations --------------------------------------------------------------------------
+    def duration(self, op: Op) -> float:
+        d = self._dur.get(op)
+        if d is None:
+            d = self._dur[op] = op_kind(op.kind).duration(self.cost, op) * self.unit_s
+        return d
+
+    def _compute_time(self, which: str, vp_stage=None) -> float:
+        """The wait of the op being run (Megatron-Core's own function: by the stage it runs)."""
+        op = self.current
+        if op is not None:
+            return self.duration(op)
+        if self.mcore_stage is not None:
+            return self.mcore_stage(which, vp_stage)
+        raise RuntimeError("emulated compute outside an op")
+
+    # -- Megatron-Core's forward_step / backward_step, emulated --------------------------------
+    def _forward_step(self, forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                      forward_data_store, config, cp_group_size=None, collect_non_loss_data=False,
+                      checkpoint_activations_microbatch=None, is_first_microbatch=False,
+                      current_microbatch=None, vp_stage=None, is_last_stage=True, *args, **kwargs):
+        deadline = _perf() + self._compute_time("F", vp_stage)
+        self.waited = True
+        if self.current is None:
+            self.compute_ops += 1
+        unwrap = not isinstance(input_tensor, list)
+        if is_last_stage:   # a stand-in for the loss: never reported (the trainer logs none)
+            out = torch.zeros((), dtype=torch.float32, device=self.device)
+        else:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        num_tokens = torch.zeros((), dtype=torch.int, device=self.device)
+        self._sleeper.until(deadline)   # (making the outputs is part of the op's time, as computing them is)
+        return (out if unwrap else [out]), num_tokens
+
+    def _backward_step(self, input_tensor, output_tensor, output_tensor_grad, *args, **kwargs):
+        deadline = _perf() + self._compute_time("BW")
+        self.waited = True
+        if self.current is None:
+            self.compute_ops += 1
+        unwrap = not isinstance(input_tensor, list)
+        ins = [input_tensor] if unwrap else input_tensor
+        grads = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in ins]
+        self._sleeper.until(deadline)
+        return grads[0] if unwrap else grads
+
+    # -- the executor's op loop ---------------------------------------------------------------
+    def begin(self, op: Op) -> None:
+        """Before ``op`` (comm ops included): what it waits for in the simulator's model."""
+        if self._before:
+            for x in self._before.get(op, ()):
+                self.begin(x)
+                self._feature_comm(x)
+        now = _perf()
+        kind = op.kind
+        if not self.plain:
+            prev = self._prev_start = self.last_start
+            if prev > now:                # the op before it (on another stream) starts later
+                _sleep_until(prev)
+                now = _perf()
+            if kind not in _P2P:
+                cat, req, _ = self._info[op]
+                if cat == "compute" or cat == "comm":
+                    t = self._requirements(req)
+                    if t > now:
+                        _sleep_until(t)
+                        now = _perf()
+        if kind == "RECV_F" or kind == "RECV_B":
+            self.posted[op] = now
+        self.current = op if kind not in _P2P else None
+        self.waited = False
+        self.op_start = now
+        self.last_start = now
+
+    def end(self, op: Op) -> None:
+        """After ``op``'s bookkeeping: wait its time if no stand-in did (W, an identity stage)."""
+        kind = op.kind
+        if kind in BUILTIN_KINDS:
+            if not self.waited:
+                self._sleeper.until(_perf() + self.duration(op))
+            self.compute_ops += 1
+        elif self._info[op][0] not in ("compute", "comm"):
+            self.current = None
+            return      # (a virtual stream: recorded by feature_op)
+        now = _perf()
+        if self.record:
+            self.timeline.append((op, self.op_start, now))
+        if not self.plain and kind not in self.feature_recv_kinds:
+            for key in self._info[op][2]:
+                self.ready[key] = now
+        self.current = None
+
+    def stamp_sends(self, transfers) -> None:
+        """The executor's sends: their post time, for the receiver's latency (see the module doc)."""
+        if self.stamping:
+            now = _perf()
+            for t in transfers:
+                if t.is_send:
+                    write_stamp(t.tensor, now)
+
+    def arrived(self, op: Op, buf: torch.Tensor) -> None:
+        """A receive of the executor completed: its data counts from max(send, receive posted)
+        + COMM (the simulator's eager model)."""
+        posted = self.posted.pop(op, None)
+        if not self.stamping or posted is None:
+            return
+        sent = read_stamp(buf)
+        if sent is None:
+            return
+        _sleep_until(max(sent, posted) + self.comm_s)
+
+    # -- feature ops --------------------------------------------------------------------------
+    def _requirements(self, keys) -> float:
+        """Latest time one of ``keys`` is available on this rank (taking feature receives)."""
+        t = 0.0
+        for key in keys:
+            if key in self.feature_in:
+                self._take(key)
+            got = self.ready.get(key)
+            if got is not None and got > t:
+                t = got
+        return t
+
+    def feature_op(self, op: Op) -> None:
+        cat, req, prod = self._info[op]
+        if cat == "compute":
+            self._sleeper.until(_perf() + self.duration(op))
+            self.waited = True
+            self.compute_ops += 1
+        elif cat == "comm":
+            self._feature_comm(op)
+        else:   # another stream (offload's copies): a virtual timeline, nothing blocks here
+            start = max(self.stream_free.get(cat, 0.0), self._prev_start, self._requirements(req))
+            end = start + self.duration(op)
+            self.stream_free[cat] = end
+            self.last_start = start
+            self.op_start = start
+            for key in prod:
+                self.ready[key] = end
+            if self.record:
+                self.timeline.append((op, start, end))
+
+    def _tag(self, send_kind: str, stage: int, mb: int) -> int:
+        S, m = self.sched.num_stages, self.sched.num_microbatches
+        return self._tag_base + (self._send_index[send_kind] * S + stage) * m + mb
+
+    def _feature_comm(self, op: Op) -> None:
+        peer = self._global[op.peer]
+        if op.kind in COMM_PAIRS:
+            t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            write_stamp(t, _perf())
+            w = dist.isend(t, dst=peer, group=self.group, tag=self._tag(op.kind, op.stage, op.microbatch))
+            self.feature_out.append((w, t))
+            return
+        sk, off = self._recv_to_send[op.kind]
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        w = dist.irecv(buf, src=peer, group=self.group, tag=self._tag(sk, op.stage - off, op.microbatch))
+        for key in self._info[op][2]:
+            self.feature_in[key] = (w, buf, op, _perf())
+
+    def _take(self, key) -> None:
+        """Wait for a feature receive (and the earlier ones of its link, in order) and note when
+        its data arrives in the simulator's model."""
+        w, buf, op, posted = self.feature_in[key]
+        link = (op.peer, comm_channel(op.kind))
+        for k in list(self.feature_in):
+            got = self.feature_in.get(k)
+            if got is None:
+                continue
+            w2, buf2, op2, posted2 = got
+            if (op2.peer, comm_channel(op2.kind)) != link:
+                continue
+            for k2 in self._info[op2][2]:      # (a gloo work is waited for once)
+                self.feature_in.pop(k2, None)
+            w2.wait()
+            sent = read_stamp(buf2)
+            sk, off = self._recv_to_send[op2.kind]
+            send_op = Op(sk, op2.stage - off, op2.microbatch, op2.peer, self.rank)
+            dur = self.duration(send_op)
+            both = max(posted2, sent if sent is not None else posted2)
+            if dur > 0:
+                arrive = max(both, self.link_free.get(link, 0.0)) + self.comm_s + dur
+                self.link_free[link] = arrive
+            else:
+                arrive = both + self.comm_s
+            for k2 in self._info[op2][2]:
+                self.ready[k2] = arrive
+            if key not in self.feature_in:
+                break
+
+    def _drain(self) -> None:
+        for x in self._tail:
+            self.begin(x)
+            self._feature_comm(x)
+        for key in list(self.feature_in):
+            if key in self.feature_in:
+                self._take(key)
+        for w, _ in self.feature_out:
+            w.wait()
+        self.feature_out.clear()
+        # what is still running on another stream ends the call
+        if self.stream_free:
+            _sleep_until(max(self.stream_free.values()))
+
+
+def emulate_megatron(forward_backward: Callable, emulation: ComputeEmulation) -> Callable:
+    """Megatron-Core's own forward-backward function with emulated compute (same keyword
+    arguments): F waits the cost model's F time of the rank's stage, the backward its B + W."""
+
+    def emulated(**kwargs):
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config
+
+        model = kwargs["model"]
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = get_model_config(models[0])
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        pp, rank = pp_group.size(), pp_group.rank()
+        v = len(models)
+        cost = emulation.cost_for(None, num_stages=pp * v, chunks=v)
+        if len(set(cost.t_f)) > 1 or len(set(cost.t_b)) > 1 or len(set(cost.t_w)) > 1:
+            raise ValueError("emulating Megatron-Core's own schedule needs the same costs on every stage")
+        u = emulation.unit_s
+        f, bw = cost.t_f[0] * u, (cost.t_b[0] + cost.t_w[0]) * u
+        seq = kwargs.get("decoder_seq_length") or kwargs["seq_length"]
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if config.sequence_parallel:
+            seq //= tp
+        shape = (seq, kwargs["micro_batch_size"], config.hidden_size)
+        dtype = config.pipeline_dtype or config.params_dtype
+        device = next(models[0].parameters()).device
+        with emulation.running(None, rank, pp_group, shape=shape, dtype=dtype, device=device,
+                               mcore_stage=lambda which, vp: f if which == "F" else bw):
+            return forward_backward(**kwargs)
+
+    emulated.__name__ = f"emulated[{getattr(forward_backward, '__name__', 'forward_backward')}]"
+    return emulated
