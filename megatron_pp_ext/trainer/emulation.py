@@ -128,7 +128,7 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
 
 
 def _costs(c) -> tuple:
-    from ..cli.core import parse_costs
+    from ..schedule.costs import parse_costs
     return parse_costs(c.costs)
 
 
