@@ -284,3 +284,26 @@ def test_emitted_feature_flags_are_accepted_by_the_feature_parsers():
             assert cfg.policy == "selective" and cfg.target == {"half": "0.5x", "0.3": "0.7x"}[option]
     for option, alg in (("alg1", 1), ("alg2", 2)):
         assert vocab_config_from_args(parser.parse_args(VocabParallelEstimator().flags(option))).algorithm == alg
+
+
+def test_emitted_vocab_plans_parse_with_the_megatron_flags_they_sit_beside():
+    """A plan with vocabulary parallelism never carries flags the feature refuses: at tp > 1 the
+    plans run --sequence-parallel, which vocabulary parallelism does not support, so the estimator
+    offers it only at tp = 1 (the emitted command line parses whole)."""
+    import argparse
+
+    from megatron_pp_ext.features.vocab.flags import add_vocab_arguments, vocab_config_from_args
+
+    res = plan(PlanRequest(get_model("llama2-70b"), make_cluster("h100", 64), 1024, tp=(1, 2),
+                           features=("vocab-parallel",), top=12))
+    assert {e.candidate.tp for e in res.plans} == {1, 2}          # both widths were in the running
+    vocab_plans = [e for e in res.plans if any(n == "vocab-parallel" for n, _ in e.candidate.features)]
+    assert vocab_plans
+    parser = argparse.ArgumentParser()
+    add_vocab_arguments(parser)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    for e in res.plans:
+        flags = megatron_flags(e, res.request)
+        picked = [f for i, f in enumerate(flags) if f in ("--sequence-parallel", "--enable-vocab-parallel")
+                  or (i and flags[i - 1] == "--vocab-parallel-algorithm")]
+        vocab_config_from_args(parser.parse_known_args(picked)[0])   # raises on a refused combination

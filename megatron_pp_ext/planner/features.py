@@ -189,7 +189,9 @@ class VocabParallelEstimator(BaseFeature):
     flag = "--enable-vocab-parallel"
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.pp < 2:
+        # tp > 1 runs with --sequence-parallel in every plan (parallel_flags), which the vocabulary
+        # feature refuses (features/vocab/flags.py): a plan must never emit flags that are refused
+        if cand.pp < 2 or cand.tp > 1:
             return ()
         return ("alg1", "alg2")
 
