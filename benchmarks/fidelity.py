@@ -40,6 +40,7 @@ at real-time priority). ``--no-realtime`` measures without it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -243,6 +244,7 @@ def real_overhead_worker(plan, iters: int) -> dict:
     fwd, bwd = msched.forward_step, msched.backward_step
 
     def timed(fn):
+        @functools.wraps(fn)   # compat.backward_step reads the signature (model_type or not)
         def run(*a, **k):
             t = time.thread_time()
             try:
@@ -416,6 +418,7 @@ def main(argv=None) -> int:
     overhead = tiny = None
     try:
         run_cases(pool, cases, args.iters, rt)
+        _dump(args.json, cases, None, None, load0, None, time.perf_counter() - t_start)   # kept if a later part fails
         if not args.no_overhead:
             _, oplan = parse_train_flags(OVERHEAD_FLAGS)
             overhead = pool.run(overhead_worker, 4, timeout=3600, plan=oplan.for_workers(), iters=args.overhead_iters,
@@ -434,18 +437,22 @@ def main(argv=None) -> int:
         pool.close()
     wall = time.perf_counter() - t_start
     load1 = os.getloadavg()
-    raw = {"cases": [{k: getattr(c, k, None) for k in ("section", "label", "schedule", "pp", "m", "costs", "flags",
-                                                        "defer", "feature", "measured", "simulated", "cpu_us", "rt",
-                                                        "stalls", "runq_ms")} for c in cases],
-           "overhead": overhead, "tiny": tiny, "load": [load0, load1], "wall": wall}
-    with open(args.json, "w") as f:
-        json.dump(raw, f, indent=1, default=str)
+    _dump(args.json, cases, overhead, tiny, load0, load1, wall)
     figdir = args.figures or (str(ROOT / "docs" / "figures") if args.out.startswith(str(ROOT / "docs"))
                               else os.path.dirname(os.path.abspath(args.out)))
     write_report(args, cases, overhead, tiny, wall, (load0, load1), figdir, torch.__version__,
                  megatron.core.__version__)
     print(f"wrote {args.out} ({wall:.0f} s)")
     return 0
+
+
+def _dump(path: str, cases, overhead, tiny, load0, load1, wall: float) -> None:
+    raw = {"cases": [{k: getattr(c, k, None) for k in ("section", "label", "schedule", "pp", "m", "costs", "flags",
+                                                        "defer", "feature", "measured", "simulated", "cpu_us", "rt",
+                                                        "stalls", "runq_ms")} for c in cases],
+           "overhead": overhead, "tiny": tiny, "load": [load0, load1], "wall": wall}
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=1, default=str)
 
 
 # --- the report -----------------------------------------------------------------------------------

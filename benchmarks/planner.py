@@ -148,10 +148,7 @@ def render(summaries: list[dict], body: list[str]) -> str:
              "the model hides all transfers, so memory is freed for free and a smaller tp or a "
              "higher-memory schedule fits.",
              "- **Vocabulary parallelism** removes the output layer from the last stage (it is the slowest "
-             "stage otherwise) and its logits from that rank's memory. It is planned only at tp = 1: every "
-             "plan at tp > 1 runs --sequence-parallel, which the feature does not support yet, so where the "
-             "layout needs tp = 2 to fit (the 70B/175B cases without offload) its family row is behind the "
-             "baseline.",
+             "stage otherwise) and its logits from that rank's memory.",
              "- **BPipe** only balances 1F1B's memory; it pays where 1F1B is memory-bound at the chosen layout "
              "(see the BPipe estimate of each case), and it cannot use the better schedules.", ""]
     head += ["", "How to read the tables: *peak GiB* is the fullest rank's predicted peak (parameters, gradients, "

@@ -208,7 +208,8 @@ PP2TP2 = ["--pipeline-model-parallel-size", "2"] + TP2
 @pytest.fixture(scope="module")
 def scripts4(work) -> dict:
     """The launch scripts' flag set on 4 ranks: tp=2 x pp=2 with sequence parallelism (zbv, v-half,
-    interleaved-zb, 1f1b with activation offload), and vocabulary parallelism at pp=4 (tp=1)."""
+    interleaved-zb, 1f1b with activation offload), and vocabulary parallelism at pp=4 (tp=1) and at
+    pp=2 x tp=2 with sequence parallelism (LLaMA)."""
     return multirun(work, "scripts4", 4, [
         ("user-zbv", UNTIE + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "zbv"]),
         ("user-v-half", UNTIE + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "v-half"]),
@@ -218,6 +219,8 @@ def scripts4(work) -> dict:
                                                                "--activation-offload", "full"]),
         ("user-llama-zbv", LLAMA + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "zbv"]),
         ("user-zbv-vocab", UNTIE + SCRIPTS + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
+        ("user-llama-zbv-vocab-sp", LLAMA + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "zbv",
+                                                                     "--enable-vocab-parallel"]),
         ("user-mcore", UNTIE + SCRIPTS + SP + PP2TP2),                 # Megatron-Core's own 1F1B, same layout
         ("user-llama-mcore", LLAMA + SCRIPTS + SP + PP2TP2),
     ])
@@ -470,6 +473,17 @@ def test_scripts_flag_set_with_vocabulary_parallelism(scripts4, scripts_ref):
     the softmax's reduction-order rounding carried through bf16 (measured <= 7.1e-5: bound 1e-3)."""
     (train, evals), (ref_train, ref_eval) = losses(scripts4["user-zbv-vocab"]), losses(scripts_ref["user-pp1"])
     assert train[0] == ref_train[0]
+    assert all(_rel(a, b) <= 1e-3 for a, b in zip(train + evals, ref_train + ref_eval)), (train, ref_train)
+
+
+def test_scripts_flag_set_with_vocabulary_and_sequence_parallelism(scripts4, scripts_ref):
+    """LLaMA, the scripts' flags with sequence parallelism at pp=2 x tp=2 and vocabulary parallelism
+    (the last stage gathers the sequence shards, the first scatters the summed lookup) against
+    plain Megatron-LM at pp=1 x tp=2 with the same flags: the same bound as above, for the same
+    reason (the softmax statistics reduced per shard, carried through bf16)."""
+    got, ref = scripts4["user-llama-zbv-vocab-sp"], scripts_ref["user-pp1-llama-tp2"]
+    (train, evals), (ref_train, ref_eval) = losses(got), losses(ref)
+    assert len(train) == 4 and len(evals) == 2
     assert all(_rel(a, b) <= 1e-3 for a, b in zip(train + evals, ref_train + ref_eval)), (train, ref_train)
 
 

@@ -287,23 +287,25 @@ def test_emitted_feature_flags_are_accepted_by_the_feature_parsers():
 
 
 def test_emitted_vocab_plans_parse_with_the_megatron_flags_they_sit_beside():
-    """A plan with vocabulary parallelism never carries flags the feature refuses: at tp > 1 the
-    plans run --sequence-parallel, which vocabulary parallelism does not support, so the estimator
-    offers it only at tp = 1 (the emitted command line parses whole)."""
+    """A plan with vocabulary parallelism never carries flags the feature refuses: plans at tp > 1
+    run --sequence-parallel beside it (supported: tests/runtime/test_vocab_runtime.py), and the
+    emitted command line's vocabulary and sequence-parallel flags parse together."""
     import argparse
 
     from megatron_pp_ext.features.vocab.flags import add_vocab_arguments, vocab_config_from_args
 
     res = plan(PlanRequest(get_model("llama2-70b"), make_cluster("h100", 64), 1024, tp=(1, 2),
-                           features=("vocab-parallel",), top=12))
-    assert {e.candidate.tp for e in res.plans} == {1, 2}          # both widths were in the running
-    vocab_plans = [e for e in res.plans if any(n == "vocab-parallel" for n, _ in e.candidate.features)]
-    assert vocab_plans
+                           features=("vocab-parallel",), require_features=("vocab-parallel",), top=12))
+    assert {e.candidate.tp for e in res.plans} == {1, 2}          # both widths among the plans
     parser = argparse.ArgumentParser()
     add_vocab_arguments(parser)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
     for e in res.plans:
         flags = megatron_flags(e, res.request)
+        assert "--enable-vocab-parallel" in flags
+        assert ("--sequence-parallel" in flags) == (e.candidate.tp > 1)
         picked = [f for i, f in enumerate(flags) if f in ("--sequence-parallel", "--enable-vocab-parallel")
-                  or (i and flags[i - 1] == "--vocab-parallel-algorithm")]
-        vocab_config_from_args(parser.parse_known_args(picked)[0])   # raises on a refused combination
+                  or (i and flags[i - 1] in ("--vocab-parallel-algorithm", "--context-parallel-size"))
+                  or f == "--vocab-parallel-algorithm" or f == "--context-parallel-size"]
+        assert vocab_config_from_args(parser.parse_known_args(picked)[0]) is not None

@@ -104,7 +104,6 @@ def test_flags_refused(argv, needle):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"sequence_parallel": True}, "--sequence-parallel"),
     ({"context_parallel_size": 2}, "--context-parallel-size"),
     ({"mtp_num_layers": 1}, "--mtp-num-layers"),
     ({"account_for_loss_in_pipeline_split": True}, "--account-for-loss-in-pipeline-split"),
@@ -116,6 +115,14 @@ def test_megatron_flags_refused(extra, needle):
         setattr(args, k, v)
     with pytest.raises(VocabFlagError, match=needle):
         vocab_config_from_args(args)
+
+
+def test_sequence_parallel_accepted():
+    """Sequence parallelism is supported (the boundaries gather/scatter; runtime parity in
+    tests/runtime/test_vocab_runtime.py): the flag parser no longer refuses it."""
+    args = _parse(["--enable-vocab-parallel"])
+    args.sequence_parallel = True
+    assert vocab_config_from_args(args).algorithm == 2
 
 
 def test_config_and_partition_refused():

@@ -189,9 +189,7 @@ class VocabParallelEstimator(BaseFeature):
     flag = "--enable-vocab-parallel"
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        # tp > 1 runs with --sequence-parallel in every plan (parallel_flags), which the vocabulary
-        # feature refuses (features/vocab/flags.py): a plan must never emit flags that are refused
-        if cand.pp < 2 or cand.tp > 1:
+        if cand.pp < 2:
             return ()
         return ("alg1", "alg2")
 
@@ -211,8 +209,9 @@ class VocabParallelEstimator(BaseFeature):
         gbps, lat = _pair_link(req, cand)
         barriers = 2 if option == "alg1" else 1
         sync = barriers * lat * math.log2(p) * 2
-        # the partial embeddings are summed into stage 0 (one reduce of s*b*h)
-        emb_reduce = 2.0 * cand.mbs * model.seq * model.hidden / cand.tp * (p - 1) / p / (gbps * 1e9)
+        # the partial embeddings are summed into stage 0 (one reduce of the whole s*b*h: the
+        # vocabulary passes work on the whole sequence, also under sequence parallelism)
+        emb_reduce = 2.0 * cand.mbs * model.seq * model.hidden * (p - 1) / p / (gbps * 1e9)
         for r in range(p):
             s = max(c.stages_of(r))
             c.t_f[s] += shard.f + sync + emb.f / p
@@ -231,9 +230,11 @@ class VocabParallelEstimator(BaseFeature):
                               distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
                               vocab_shards=p)
         held = p + (2 if option == "alg1" else 1)
-        shard_act = output_layer_activation(model, cand.mbs, cand.tp, vocab_shards=p)
+        # every rank holds the whole sequence's final-norm output (gathered over tp under
+        # sequence parallelism) beside its logits shard
+        shard_act = output_layer_activation(model, cand.mbs, cand.tp, sequence_parallel=False, vocab_shards=p)
         gbps, _ = _pair_link(req, cand)
-        dx = 2.0 * cand.mbs * model.seq * model.hidden / cand.tp
+        dx = 2.0 * cand.mbs * model.seq * model.hidden
         ar = 2 * (p - 1) / p * dx / (gbps * 1e9)
         exposed = max(0.0, ar - min(est.costs.rank_work(r) for r in range(p)))
         for r, mem in enumerate(est.memory):

@@ -13,7 +13,7 @@ The reference implementation's ``--disable-backward-fusion`` is accepted as an a
 ``--vocab-parallel-algorithm 1``.
 
 :func:`vocab_config_from_args` also checks the Megatron-LM flags that cannot be combined with
-vocabulary parallelism when the namespace has them (sequence parallelism, context
+vocabulary parallelism when the namespace has them (context
 parallelism, multi-token prediction, the pipeline-split accounting of the embedding and
 the loss), and names the flag to drop.
 """
@@ -83,9 +83,6 @@ def vocab_config_from_args(args: argparse.Namespace) -> VocabParallelConfig | No
     if smoothing is None:
         smoothing = get("label_smoothing", 0.0) or 0.0
     # Megatron-LM flags that contradict vocabulary parallelism (checked only when present).
-    if get("sequence_parallel", False):
-        raise VocabFlagError("--enable-vocab-parallel does not support --sequence-parallel yet (the final-norm "
-                             "output is broadcast whole to every rank); drop --sequence-parallel")
     if (get("context_parallel_size", 1) or 1) > 1:
         raise VocabFlagError("--enable-vocab-parallel does not support --context-parallel-size > 1 yet; "
                              "use --context-parallel-size 1")

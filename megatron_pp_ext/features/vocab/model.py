@@ -16,8 +16,14 @@
   model's ``embedding.word_embeddings.weight`` / ``output_layer.weight``, so checkpoints are
   interchangeable with the plain model's (any pp/tp, with or without vocabulary parallelism).
 
-Refused clearly: sequence parallelism, context parallelism, multi-token prediction, chunks
-already wrapped in DDP, models built with tied embeddings (tie them here with ``tied=True``).
+Sequence parallelism: the vocabulary passes work on the whole sequence, so the boundaries
+convert. The output-layer stub all-gathers the final-norm output's sequence shards over tp
+(backward: each tp rank keeps its shard of the input gradient, which the engine has already
+reduced over every shard, pp and tp); the input embedding lets Megatron split the summed lookup
+itself (``reduce_scatter_embeddings`` off: the scatter path, whose backward all-gathers).
+
+Refused clearly: context parallelism, multi-token prediction, chunks already wrapped in DDP,
+models built with tied embeddings (tie them here with ``tied=True``).
 """
 
 from __future__ import annotations
@@ -46,9 +52,6 @@ def vocab_engine_of(model) -> VocabParallel | None:
 
 def check_model_config(config) -> None:
     """Refuse TransformerConfig settings vocabulary parallelism does not support."""
-    if getattr(config, "sequence_parallel", False):
-        raise VocabConfigError("vocabulary parallelism does not support sequence parallelism yet (the final-norm "
-                               "output is broadcast whole); set sequence_parallel=False (drop --sequence-parallel)")
     if (getattr(config, "context_parallel_size", 1) or 1) > 1:
         raise VocabConfigError("vocabulary parallelism does not support context parallelism yet "
                                "(--context-parallel-size 1)")
@@ -76,12 +79,18 @@ class _WordEmbeddingStub(torch.nn.Module):
 class _OutputLayerStub(torch.nn.Module):
     """Stands in for ``output_layer`` on the last stage: passes the final-norm output through."""
 
-    def __init__(self, engine: VocabParallel):
+    def __init__(self, engine: VocabParallel, *, gather_sequence: bool = False):
         super().__init__()
         self.__dict__["_engine"] = engine
-        self.sequence_parallel = False
+        self.sequence_parallel = False      # what GPTModel reads: never gather again after us
+        self.gather_sequence = gather_sequence
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.gather_sequence:
+            # [s/tp, b, h] -> [s, b, h]; backward keeps this rank's rows of a gradient that is
+            # already complete (reduced over every vocabulary shard) on every tp rank
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return hidden_states, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
@@ -127,9 +136,12 @@ def apply_vocab_parallel(chunks: Sequence[torch.nn.Module], config: VocabParalle
         core.mppx_vocab = engine
         # checkpoints keep the plain model's keys (the shards are rows of the full tensors)
         core.sharded_state_dict = types.MethodType(vocab_model_sharded_state_dict, core)
+        sp = bool(getattr(mconfig, "sequence_parallel", False))
         if getattr(core, "pre_process", False) and config.input_embedding:
             core.embedding.word_embeddings = _WordEmbeddingStub(engine)
+            if sp:   # the stub returns the whole [b, s, h] sum: Megatron scatters it (backward: all-gather)
+                core.embedding.reduce_scatter_embeddings = False
         if getattr(core, "post_process", False):
-            core.output_layer = _OutputLayerStub(engine)
+            core.output_layer = _OutputLayerStub(engine, gather_sequence=sp)
             core.compute_language_model_loss = types.MethodType(_hand_off_loss, core)
     return engine

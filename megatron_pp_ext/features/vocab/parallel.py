@@ -585,7 +585,7 @@ class VocabParallel:
         s, b, h = x.shape
         if (b, s) != self._shape or h != self.hidden:
             raise RuntimeError(f"vocabulary parallel: final hidden state of shape {tuple(x.shape)}, expected "
-                               f"[{self._shape[1]}, {self._shape[0]}, {self.hidden}] (sequence parallel is not supported)")
+                               f"[{self._shape[1]}, {self._shape[0]}, {self.hidden}] (the whole sequence: under sequence parallelism the output-layer stub gathers it)")
         if labels is None:
             raise VocabConfigError("vocabulary parallelism computes the loss itself: the last stage's forward "
                                    "must be given labels (it cannot return logits)")
