@@ -141,19 +141,7 @@ class CostModel:
     def from_spec(cls, spec: str | Sequence[float] | None, num_stages: int,
                   chunks_per_rank: int, **kw) -> "CostModel":
         """Build from ``"F,B,W[,COMM]"`` (the ``--costs`` flag), per rank as in :meth:`uniform`."""
-        if spec is None:
-            vals: list[float] = [1.0, 1.0, 1.0, 0.0]
-        else:
-            try:
-                vals = [float(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
-            except ValueError:
-                raise ScheduleError(f"--costs {spec!r}: expected numbers F,B,W[,COMM], e.g. 1,1.8,0.4,0.05") from None
-            if len(vals) not in (3, 4):
-                raise ScheduleError(f"--costs {spec!r}: expected 3 or 4 numbers F,B,W[,COMM], e.g. 1,2,1,0")
-            if len(vals) == 3:
-                vals.append(0.0)
-        check_cost_numbers(vals, spec)
-        f, b, w, comm = vals
+        f, b, w, comm = parse_costs(spec)
         try:
             return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
         except ScheduleError as e:  # e.g. one microbatch over all stages too long to simulate
@@ -193,13 +181,14 @@ def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[
     return vals
 
 
-def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
-    """``--costs F,B,W[,COMM]`` -> (F, B, W, COMM), per rank; F and B > 0, W and COMM >= 0.
-    Raises ScheduleError naming ``--costs`` (the CLI, the trainer and the Megatron-LM flags share it)."""
+def parse_costs(spec: str | Sequence[float] | None) -> tuple[float, float, float, float]:
+    """``--costs F,B,W[,COMM]`` (or those 3-4 numbers) -> (F, B, W, COMM), per rank; F and B > 0,
+    W and COMM >= 0. Raises ScheduleError naming ``--costs`` (the CLI, the trainer, the
+    Megatron-LM flags and :meth:`CostModel.from_spec` share it)."""
     if spec is None:
         return (1.0, 1.0, 1.0, 0.0)
     try:
-        vals = [float(x) for x in spec.split(",")]
+        vals = [float(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
     except ValueError:
         raise ScheduleError(f"--costs {spec!r}: expected numbers F,B,W[,COMM] per rank, e.g. --costs 1,2,1,0.1") from None
     if len(vals) not in (3, 4):
