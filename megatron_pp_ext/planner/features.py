@@ -229,7 +229,7 @@ class VocabParallelEstimator(BaseFeature):
         model, p = req.model, cand.pp
         statics = rank_static(model, cand.tp, cand.dp, est.costs.placement,
                               distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
-                              vocab_shards=p)
+                              vocab_shards=p, ep=cand.ep, etp=cand.etp)
         held = p + (2 if option == "alg1" else 1)
         shard_act = output_layer_activation(model, cand.mbs, cand.tp, vocab_shards=p)
         gbps, _ = _pair_link(req, cand)
