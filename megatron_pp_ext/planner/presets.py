@@ -249,7 +249,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, num_experts=8, moe_topk=2, moe_ffn=14336,
            moe_aux_loss_coeff=0.02),
     _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, kv_channels=128, qk_norm=True, num_experts=128,
-           moe_topk=8, moe_ffn=768, moe_aux_loss_coeff=0.001),
+           moe_topk=8, moe_ffn=768, moe_aux_loss_coeff=0.001, moe_load_balancing="global_aux_loss"),
     # DeepSeek-V3's sizes with grouped-query attention in place of MLA, and no MTP module
     _llama("deepseek-v3-like", 61, 7168, 128, 8, 18432, 129280, 4096, kv_channels=128, num_experts=256,
            moe_topk=8, moe_ffn=2048, moe_shared_ffn=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,

@@ -169,7 +169,7 @@ class Planner:
                 elif model.bias and etp > 1:
                     self.rej.add("layout", what, "MoE with linear biases needs etp = 1 (Megatron-Core)")
                 elif ep == 1 and etp != tp:
-                    self.rej.add("layout", what, "etp other than tp needs ep > 1")
+                    self.rej.add("layout", what, "etp other than tp needs expert parallelism (ep > 1)")
                 else:
                     out.append((ep, etp))
         return out
@@ -190,7 +190,8 @@ class Planner:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
                     continue
                 if pp > L:
-                    self.rej.add("divisibility", f"tp={tp} pp={pp}", f"more stages than {L} layers")
+                    self.rej.add("divisibility", f"tp={tp} pp={pp}",
+                                 f"{pp} stages for {L} layers: more stages than layers")
                     continue
                 dp = self.N // (tp * pp)
                 if G % dp:
@@ -231,7 +232,7 @@ class Planner:
                     self.rej.add("divisibility", what, f"{pp * vp} stages do not divide {L} layers")
                     continue
                 if pp * vp > L:
-                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers")
+                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more stages than layers")
                     continue
                 if name == INTERLEAVED and m % pp:
                     self.rej.add("divisibility", what, f"interleaving needs microbatches ({m}) % pp == 0")
