@@ -378,6 +378,10 @@ def test_moe_model_errors_name_the_flag(capsys):
         PlanRequest(get_model("llama2-7b"), cl, 1024, ep=(2,))
     with pytest.raises(PlannerError, match=r"--etp 2: .* linear biases only at expert tensor parallelism 1"):
         PlanRequest(base.with_(bias=True), cl, 1024, etp=(2,))
+    # a valid --ep that no searched layout can hold: one line naming the flags to change
+    with pytest.raises(PlannerError, match=r"no layout of mixtral-8x7b on 16 GPUs .* ep\*etp does not divide tp\*dp = 4"
+                                           r".*change --tp, --pp, --ep"):
+        plan(PlanRequest(base, make_cluster("h100", 16), 64, pp=(4,), ep=(8,)))
     for argv, msg in ((["--ep", "16"], "--ep 16 does not divide --num-experts 8"),
                       (["--moe-layer-freq", "[1]*3"], "--moe-layer-freq pattern must list"),
                       (["--moe-layer-freq", "x"], "--moe-layer-freq 'x': give an integer N")):

@@ -550,6 +550,11 @@ class Planner:
             return (f"--time-limit {req.time_limit:g}: the search stopped after {req.time_limit:g} s of CPU, "
                     f"before any configuration of {model.name} was found to fit ({dict(c)} rejected); raise "
                     "--time-limit (default 120)")
+        if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
+            ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
+            return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
+                    f"Megatron's divisibility rules in the searched ranges ({dict(c)} rejected, e.g. {ex}); "
+                    "widen or change --tp, --pp, --ep, --etp, --mbs, or the GPU count")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
                 f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
                 f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "
