@@ -309,3 +309,339 @@ def test_emitted_vocab_plans_parse_with_the_megatron_flags_they_sit_beside():
                   or (i and flags[i - 1] in ("--vocab-parallel-algorithm", "--context-parallel-size"))
                   or f == "--vocab-parallel-algorithm" or f == "--context-parallel-size"]
         assert vocab_config_from_args(parser.parse_known_args(picked)[0]) is not None
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+
+#: Megatron-LM flags the planner emits, each checked against the parser of megatron/training/
+#: arguments.py at core_v0.16.1 (the MoE ones partly generated there from TransformerConfig's
+#: fields); test_emitted_moe_flags_pass_megatron_lm_validation re-checks them whenever Megatron-LM
+#: is importable.
+MEGATRON_LM_FLAGS = frozenset("""
+--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length --max-position-embeddings
+--make-vocab-size-divisible-by --group-query-attention --num-query-groups --swiglu --normalization
+--position-embedding-type --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout
+--hidden-dropout --attention-backend --kv-channels --qk-layernorm --num-experts --moe-router-topk
+--moe-ffn-hidden-size --moe-layer-freq --moe-shared-expert-intermediate-size --moe-router-load-balancing-type
+--moe-aux-loss-coeff --moe-router-score-function --moe-router-enable-expert-bias --moe-router-dtype
+--tensor-model-parallel-size --pipeline-model-parallel-size --sequence-parallel
+--num-layers-per-virtual-pipeline-stage --pipeline-model-parallel-layout --expert-model-parallel-size
+--expert-tensor-parallel-size --moe-token-dispatcher-type --moe-grouped-gemm --micro-batch-size
+--global-batch-size --bf16 --accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer
+--overlap-grad-reduce --overlap-param-gather --recompute-granularity --recompute-method --recompute-num-layers
+""".split())
+
+
+@pytest.mark.parametrize("name,layers,hidden,heads,kv,d,experts,topk,moe_ffn,shared,dense_first,vocab,total,active", [
+    ("mixtral-8x7b", 32, 4096, 32, 8, 128, 8, 2, 14336, 0, 0, 32000, 46.7, 12.9),
+    ("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 128, 8, 768, 0, 0, 151936, 30.5, 3.35),
+    # GQA in place of MLA: about 675B / 41B instead of DeepSeek-V3's 671B / 37B (docs/planner.md)
+    ("deepseek-v3-like", 61, 7168, 128, 8, 128, 256, 8, 2048, 2048, 3, 129280, 674.8, 41.4),
+])
+def test_moe_presets_are_the_published_configs(name, layers, hidden, heads, kv, d, experts, topk, moe_ffn, shared,
+                                               dense_first, vocab, total, active):
+    from megatron_pp_ext.planner.memory import model_active_params
+
+    m = get_model(name)
+    assert (m.num_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.num_experts, m.moe_topk, m.expert_ffn,
+            m.moe_shared_ffn, m.vocab, m.seq) == (layers, hidden, heads, kv, d, experts, topk, moe_ffn, shared,
+                                                  vocab, 4096)
+    assert m.moe_pattern == (False,) * dense_first + (True,) * (layers - dense_first)
+    assert m.gated_mlp and m.norm == "rmsnorm" and not m.tied_embeddings and not m.bias
+    assert model_num_params(m) / 1e9 == pytest.approx(total, rel=0.005)
+    assert model_active_params(m) / 1e9 == pytest.approx(active, rel=0.01)
+    assert get_model({"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "Qwen3-MoE",
+                      "deepseek-v3-like": "dsv3-like"}[name]) is m
+
+
+def test_moe_model_errors_name_the_flag(capsys):
+    base = get_model("mixtral-8x7b")
+    cases = [
+        (dict(moe_topk=9), r"--moe-router-topk 9 must be from 1 to --num-experts 8"),
+        (dict(moe_layer_freq=(1, 0)), r"--moe-layer-freq pattern must list .* 32 layers"),
+        (dict(moe_layer_freq=0), r"--moe-layer-freq 0 must be >= 1"),
+        (dict(moe_shared_ffn=1024, bias=True), r"shared experts .* need a model without linear biases"),
+        (dict(moe_expert_bias=True), r"--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+        (dict(moe_load_balancing="nope"), r"--moe-router-load-balancing-type 'nope'"),
+        (dict(num_experts=None), r"--moe-ffn-hidden-size needs --num-experts"),
+        (dict(hidden=4100, kv_channels=None), r"give the head size with --kv-channels"),
+    ]
+    for change, msg in cases:
+        with pytest.raises(PlannerError, match=msg):
+            base.with_(**change)
+    cl = make_cluster("h100", 64)
+    for kw, msg in ((dict(ep=(3,)), r"--ep 3 does not divide --num-experts 8; use divisors of 8 \(e.g. --ep 1,2,4,8\)"),
+                    (dict(etp=(3,)), r"--etp 3 does not divide --moe-ffn-hidden-size 14336")):
+        with pytest.raises(PlannerError, match=msg):
+            PlanRequest(base, cl, 1024, **kw)
+    with pytest.raises(PlannerError, match=r"--ep 8 does not divide the 4 GPUs: Megatron-Core needs ep x etp"):
+        PlanRequest(base, make_cluster("h100", 4), 64, ep=(8,))
+    with pytest.raises(PlannerError, match=r"--ep: expert parallelism needs an MoE model"):
+        PlanRequest(get_model("llama2-7b"), cl, 1024, ep=(2,))
+    with pytest.raises(PlannerError, match=r"--etp 2: .* linear biases only at expert tensor parallelism 1"):
+        PlanRequest(base.with_(bias=True), cl, 1024, etp=(2,))
+    # a valid --ep that no searched layout can hold: one line naming the flags to change
+    with pytest.raises(PlannerError, match=r"no layout of mixtral-8x7b on 16 GPUs .* ep\*etp does not divide tp\*dp = 4"
+                                           r".*change --tp, --pp, --ep"):
+        plan(PlanRequest(base, make_cluster("h100", 16), 64, pp=(4,), ep=(8,)))
+    for argv, msg in ((["--ep", "16"], "--ep 16 does not divide --num-experts 8"),
+                      (["--moe-layer-freq", "[1]*3"], "--moe-layer-freq pattern must list"),
+                      (["--moe-layer-freq", "x"], "--moe-layer-freq 'x': give an integer N")):
+        assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-size", "64", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+
+
+def test_moe_layer_freq_round_trips_megatron_syntax():
+    from megatron_pp_ext.planner.presets import format_moe_layer_freq, parse_moe_layer_freq
+
+    pattern = (0,) * 3 + (1,) * 58
+    assert format_moe_layer_freq(pattern) == "([0]*3+[1]*58)"
+    assert parse_moe_layer_freq("([0]*3+[1]*58)") == pattern
+    assert parse_moe_layer_freq("'([1]*3+[0]*1)*3'") == (1, 1, 1, 0) * 3
+    assert parse_moe_layer_freq("2") == 2 and format_moe_layer_freq(2) == "2"
+    assert get_model("mixtral-8x7b").with_(moe_layer_freq=2).moe_pattern == (True, False) * 16
+    for bad in ("__import__('os')", "[1]*10**9", "[1]+2", "[1.0]"):
+        with pytest.raises(PlannerError, match="--moe-layer-freq"):
+            parse_moe_layer_freq(bad)
+
+
+def test_custom_moe_model_flags():
+    from megatron_pp_ext.cli.core import build_parser
+    from megatron_pp_ext.cli.commands.plan import build_request
+
+    args = build_parser().parse_args([
+        "plan", "--layers", "12", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--arch", "llama",
+        "--kv-channels", "128", "--qk-layernorm", "--num-experts", "64", "--moe-router-topk", "6",
+        "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "1024",
+        "--moe-layer-freq", "([0]*1+[1]*11)", "--moe-aux-loss-coeff", "0.01", "--gpus", "8",
+        "--global-batch-size", "32", "--ep", "2,4", "--etp", "1"])
+    m = build_request(args).model
+    assert (m.num_experts, m.moe_topk, m.expert_ffn, m.moe_shared_ffn, m.head_dim, m.qk_norm) == \
+        (64, 6, 512, 1024, 128, True)
+    assert m.moe_pattern == (False,) + (True,) * 11 and m.moe_aux_loss_coeff == 0.01
+    req = build_request(args)
+    assert req.ep == (2, 4) and req.etp == (1,)
+    args = build_parser().parse_args(["plan", "--model", "llama2-7b", "--num-experts", "8", "--gpus", "8",
+                                      "--global-batch-size", "32"])
+    m = build_request(args).model
+    assert m.is_moe and m.expert_ffn == m.ffn == 11008 and m.name == "llama2-7b*"
+
+
+def _moe_plan(name="mixtral-8x7b", gpus=64, batch=256, **kw):
+    kw.setdefault("features", ())
+    kw.setdefault("top", 3)
+    return plan(PlanRequest(get_model(name), make_cluster("h100", gpus), batch, **kw))
+
+
+def _flag(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def test_moe_plans_search_ep_by_megatrons_rules():
+    """Every layout the search considers follows Megatron-Core (ep | experts, ep*etp | tp*dp,
+    etp other than tp only with ep > 1); expert parallelism is searched, and the plans' memory
+    holds the rank's share of the experts (fewer experts per rank: less static memory)."""
+    res = _moe_plan(schedules=("1f1b",), pp=(4,), tp=(1, 2), recompute=("none",), top=40)
+    layouts = {(e.candidate.tp, e.candidate.ep, e.candidate.etp) for e in res.plans}
+    assert {ep for _, ep, _ in layouts} >= {2, 4, 8}                # EP is searched, more than one value kept
+    assert any(tp == 2 and etp == 1 for tp, _, etp in layouts)      # and the expert tensor-parallel size
+    for e in res.plans:
+        c = e.candidate
+        assert 8 % c.ep == 0 and (c.tp * c.dp) % (c.ep * c.etp) == 0 and c.edp == c.tp * c.dp // (c.ep * c.etp)
+        assert c.etp == c.tp or c.ep > 1
+    by = {(e.candidate.tp, e.candidate.ep, e.candidate.etp, e.candidate.mbs): e for e in res.plans}
+    small = [(k, e) for k, e in by.items() if k[0] == 1]
+    for (tp, ep, etp, mbs), e in small:
+        twice = by.get((tp, ep * 2, etp, mbs))
+        if twice is not None:   # twice the expert parallelism: half the experts, less static memory
+            assert twice.memory[0].static.total < e.memory[0].static.total
+    # a stage of tp*dp = 4 GPUs cannot hold ep = 8 (Megatron-Core: world % (etp*ep*pp) == 0)
+    from megatron_pp_ext.planner import Planner
+
+    planner = Planner(PlanRequest(get_model("mixtral-8x7b"), make_cluster("h100", 16), 64, pp=(4,), features=(),
+                                  schedules=("1f1b",)))
+    cands = list(planner.candidates())
+    assert {c.ep for c in cands} == {1, 2, 4} and all(c.tp * c.dp == 4 for c in cands)
+    assert any("ep*etp does not divide tp*dp" in r for (_, r) in planner.rej.reasons)
+
+
+def test_moe_time_model_counts_experts_and_all_to_all():
+    """Expert FLOPs are k tokens' worth through one expert FFN; ep=1 has no all-to-all; inter-node
+    EP pays the network; the expert GEMMs grow more efficient with ep (more tokens per expert)."""
+    from megatron_pp_ext.planner.timing import (alltoall_time, default_efficiency, layer_times, linear_flops,
+                                                model_flops_per_sample, moe_mlp_times)
+
+    m = get_model("mixtral-8x7b")
+    cl = make_cluster("h100", 64)
+    eff = default_efficiency(cl.gpu)
+    s, h, f = m.seq, m.hidden, m.expert_ffn
+    dense_equivalent = m.with_(num_experts=None, moe_ffn=None)
+    assert linear_flops(m, 1, moe=True) - linear_flops(dense_equivalent, 1) == \
+        pytest.approx(2 * s * h * f * 3 * (m.moe_topk - 1) + 2 * s * h * 8)    # 2 experts/token + router
+    assert model_flops_per_sample(m) == pytest.approx(3 * (32 * (linear_flops(m, 1, moe=True) + 4 * s * s * h)
+                                                           + 2 * s * h * m.vocab))
+    assert layer_times(m, cl, eff, 1, 1, moe=True, ep=1).detail["alltoall_f"] == 0
+    in_node = layer_times(m, cl, eff, 1, 1, moe=True, ep=8).detail["alltoall_f"]
+    across = layer_times(m, cl, eff, 1, 2, moe=True, ep=8, etp=2).detail["alltoall_f"]
+    assert in_node > 0 and across > in_node                        # ep x etp = 16 spans two nodes
+    nbytes = 2 * s * m.moe_topk * h
+    assert in_node == pytest.approx(2 * alltoall_time(nbytes, cl, 8, 1))
+    assert alltoall_time(nbytes, cl, 8, 1) == pytest.approx(nbytes * 7 / 8 / 400e9 + 8e-6)
+    ep1 = moe_mlp_times(m, cl, eff, 1, 1, ep=1)["expert_gemm"]
+    ep8 = moe_mlp_times(m, cl, eff, 1, 1, ep=8)["expert_gemm"]
+    assert ep8 < ep1
+
+
+def test_moe_plan_output_and_emitted_flags(tmp_path, capsys):
+    """`mppx plan` of an MoE preset: the table and JSON carry ep/etp, and the flags (text,
+    --emit-flags file, SLURM script) carry the model's MoE flags and the plan's expert layout."""
+    flags_file, sbatch = tmp_path / "flags.txt", tmp_path / "job.sbatch"
+    argv = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-size", "256", "--schedules",
+            "1f1b,zbv", "--features", "none", "--pp", "4", "--recompute", "none", "--top", "3", "--no-baseline",
+            "--no-cache"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("#  s/iter"))
+    assert header.split()[6:11] == ["tp", "pp", "dp", "ep", "etp"]
+    assert "experts=8 top-2 expert-ffn=14336" in out and "experts: " in out
+    assert main(argv + ["--json", "--emit-flags", str(flags_file), "--emit-slurm", str(sbatch)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    best = doc["plans"][0]
+    assert doc["model"]["num_experts"] == 8 and "alltoall_s_per_microbatch" in best
+    flags = best["megatron_flags"]
+    for name, value in (("--num-experts", "8"), ("--moe-router-topk", "2"), ("--moe-ffn-hidden-size", "14336"),
+                        ("--moe-layer-freq", "1"), ("--moe-aux-loss-coeff", "0.02"),
+                        ("--expert-model-parallel-size", str(best["ep"])),
+                        ("--expert-tensor-parallel-size", str(best["etp"])),
+                        ("--moe-token-dispatcher-type", "alltoall")):
+        assert _flag(flags, name) == value, name
+    assert ("--moe-grouped-gemm" in flags) == (8 // best["ep"] > 1)
+    assert "--moe-router-dtype" not in flags            # 8 experts: Megatron's default router dtype
+    text = flags_file.read_text()
+    assert f"--expert-model-parallel-size {best['ep']}" in text and "--num-experts 8" in text
+    script = sbatch.read_text()
+    assert f"--expert-model-parallel-size {best['ep']}" in script and f" ep={best['ep']} etp=" in script
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n", str(sbatch)], check=True)
+
+
+def _emitted_moe_plans() -> list:
+    """A few plans per MoE preset, covering V and interleaved schedules, grouped GEMM on and
+    off, expert tensor parallelism, shared experts with dense first layers and the uneven layer
+    split of the DeepSeek-V3-like model (61 layers)."""
+    out = []
+    for name, gpus, batch, kw in (
+            ("mixtral-8x7b", 64, 256, dict(pp=(4,), schedules=("interleaved-1f1b", "zbv"), recompute=("none",))),
+            ("mixtral-8x7b", 64, 256, dict(pp=(2,), tp=(2,), etp=(1,), schedules=("1f1b",), recompute=("none",))),
+            ("qwen3-30b-a3b", 64, 256, dict(pp=(4,), schedules=("zb-h1",), ep=(8,))),
+            *(("deepseek-v3-like", 1024, 4096, dict(pp=(16,), tp=(8,), schedules=(s,), recompute=("full",),
+                                                     mbs=(1,), ep=(64,), etp=(1,), max_vp=2))
+              for s in ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"))):
+        res = _moe_plan(name, gpus, batch, top=2, **kw)
+        out += [(res.request, e) for e in res.plans]
+    return out
+
+
+def test_emitted_moe_flags_use_megatron_lm_names_and_our_flags():
+    """Every flag an MoE plan emits is one of Megatron-LM's (the verified list above) or one of
+    megatron_pp_ext's own Megatron-LM flags; uneven splits name their layers per stage."""
+    import argparse
+
+    from megatron_pp_ext.megatron_lm.flags import add_arguments
+
+    ours = argparse.ArgumentParser()
+    add_arguments(ours)
+    our_flags = {s for a in ours._actions for s in a.option_strings}
+    seen = set()
+    for req, e in _emitted_moe_plans():
+        flags = megatron_flags(e, req)
+        names = {f for f in flags if f.startswith("--")}
+        assert names <= MEGATRON_LM_FLAGS | our_flags, names - MEGATRON_LM_FLAGS - our_flags
+        seen |= names
+        c = e.candidate
+        assert _flag(flags, "--expert-model-parallel-size") == str(c.ep)
+        if req.model.num_layers % c.stages:   # uneven: every stage's layers, in stage order
+            if c.schedule_placement() == "v":
+                lps = [int(x) for x in _flag(flags, "--pipeline-layers-per-stage").split(",")]
+            else:
+                stages = _flag(flags, "--pipeline-model-parallel-layout").split("|")
+                lps = [int(st.strip("EL").removeprefix("t*") or 0) for st in stages]
+                assert stages[0].startswith("E") and stages[-1].endswith("L")
+            assert len(lps) == c.stages and sum(lps) == req.model.num_layers and min(lps) >= 1
+            assert "--num-layers-per-virtual-pipeline-stage" not in flags
+            assert "--num-virtual-stages-per-pipeline-rank" not in flags
+    assert {"--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-grouped-gemm", "--kv-channels",
+            "--qk-layernorm", "--pipeline-layers-per-stage", "--pipeline-model-parallel-layout",
+            "--moe-router-dtype"} <= seen
+
+
+def _megatron_lm_path() -> str | None:
+    """A Megatron-LM whose megatron/training/arguments.py we can import: MEGATRON_LM_DIR, or the
+    installed megatron-core when its wheel carries megatron.training (0.19+)."""
+    import importlib.util
+    import os
+
+    mlm = os.environ.get("MEGATRON_LM_DIR")
+    if mlm:
+        return mlm if os.path.isfile(os.path.join(mlm, "megatron", "training", "arguments.py")) else None
+    spec = importlib.util.find_spec("megatron")
+    for loc in (spec.submodule_search_locations if spec else None) or ():
+        if os.path.isfile(os.path.join(loc, "training", "arguments.py")):
+            return ""
+    return None
+
+
+_VALIDATE = r"""
+import argparse, json, sys
+import megatron_pp_ext.megatron_lm as m
+m.install()
+import torch
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)   # the plans are for H100s (grouped GEMM check)
+from megatron.training.arguments import add_megatron_arguments, validate_args
+bad = []
+cases = json.load(open(sys.argv[1]))
+for case in cases:
+    p = m.extra_args_provider()(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    try:
+        ns = p.parse_args(case["flags"] + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                           str(case["vocab"]), "--train-iters", "10", "--lr", "1e-4"])
+        ns.rank, ns.world_size = 0, case["world"]
+        validate_args(ns, {})
+        assert ns.num_experts == case["experts"] and ns.expert_model_parallel_size == case["ep"]
+        assert ns.data_parallel_size == case["dp"]
+    except BaseException as e:
+        bad.append((case["flags"], repr(e)[:300]))
+print("CASES", len(cases), "BAD", len(bad))
+for b in bad[:3]:
+    print(b)
+"""
+
+
+def test_emitted_moe_flags_pass_megatron_lm_validation(tmp_path):
+    """The emitted flags of MoE plans through Megatron-LM's own parser and validate_args (plus
+    megatron_pp_ext's Megatron-LM flags and checks), at the plan's world size. Needs Megatron-LM
+    (MEGATRON_LM_DIR or a megatron-core wheel carrying megatron.training) and its Python
+    requirements."""
+    import importlib.util
+    import os
+
+    mlm = _megatron_lm_path()
+    if mlm is None:
+        pytest.skip("needs Megatron-LM's megatron/training (MEGATRON_LM_DIR=checkout, or megatron-core 0.19+)")
+    missing = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's Python requirements are missing ({', '.join(missing)})")
+    cases = []
+    for req, e in _emitted_moe_plans():
+        c = e.candidate
+        cases.append({"flags": megatron_flags(e, req), "world": req.cluster.num_gpus, "vocab": req.model.vocab,
+                      "experts": req.model.num_experts, "ep": c.ep, "dp": c.dp})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if mlm:
+        env["PYTHONPATH"] = os.pathsep.join([mlm] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", _VALIDATE, str(tmp_path / "cases.json")], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=900)
+    assert r.returncode == 0 and f"CASES {len(cases)} BAD 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert len(cases) >= 8

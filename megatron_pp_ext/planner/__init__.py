@@ -1,7 +1,7 @@
-"""Parallelism planner: pick tp/pp/dp, pipeline schedule, chunks, memory budget, microbatch
-size, recomputation and features (offload, vocabulary parallelism, BPipe) for a model on a
-cluster, from a memory model that mirrors Megatron-Core's allocations, a FLOP-based time model
-and the schedule core's simulator.
+"""Parallelism planner: pick tp/pp/dp (and ep/etp for MoE models), pipeline schedule, chunks,
+memory budget, microbatch size, recomputation and features (offload, vocabulary parallelism,
+BPipe) for a model on a cluster, from a memory model that mirrors Megatron-Core's
+allocations, a FLOP-based time model and the schedule core's simulator.
 
 Pure Python: imports the schedule core, never torch. Entry points::
 
@@ -18,7 +18,8 @@ from .emit import megatron_flags, slurm_script
 from .features import (BaseFeature, BPipeEstimator, FeatureEstimator, OffloadEstimator, VocabParallelEstimator,
                        feature_names, get_feature, register_feature)
 from .memory import (StagePart, StaticMemory, activation_bytes_per_microbatch, buffer_numel, layer_activation,
-                     layer_param_numels, stage_param_numels, static_memory)
+                     layer_param_numels, model_active_params, model_num_params, stage_param_numels,
+                     stage_param_tensors, static_memory)
 from .presets import (GPU_PRESETS, MODEL_PRESETS, ClusterSpec, GPUSpec, ModelSpec, PlannerError, get_gpu,
                       get_model, make_cluster, model_names)
 from .report import format_report, result_to_dict
@@ -31,6 +32,7 @@ __all__ = [
     "megatron_flags", "slurm_script", "BaseFeature", "BPipeEstimator", "FeatureEstimator", "OffloadEstimator",
     "VocabParallelEstimator", "feature_names", "get_feature", "register_feature", "StagePart", "StaticMemory",
     "activation_bytes_per_microbatch", "buffer_numel", "layer_activation", "layer_param_numels",
+    "model_active_params", "model_num_params", "stage_param_tensors",
     "stage_param_numels", "static_memory", "GPU_PRESETS", "MODEL_PRESETS", "ClusterSpec", "GPUSpec", "ModelSpec",
     "PlannerError", "get_gpu", "get_model", "make_cluster", "model_names", "format_report", "result_to_dict",
     "Planner", "PlanResult", "Rejections", "plan", "PipeResult", "SimCache", "Efficiency", "default_efficiency",

@@ -73,8 +73,9 @@ def mfu_curve(req: PlanRequest, tp: int, mbs_values=(1, 2, 4, 8)) -> list[dict]:
     model, cl, eff = req.model, req.cluster, req.efficiency
     out = []
     for b in mbs_values:
-        lt = layer_times(model, cl, eff, b, tp)
-        flops = 3 * (linear_flops(model, b) + attention_flops(model, b)) / tp
+        moe = model.is_moe and all(model.moe_pattern)  # the layer the model is made of (ep = 1)
+        lt = layer_times(model, cl, eff, b, tp, moe=moe)
+        flops = 3 * (linear_flops(model, b, moe=moe) + attention_flops(model, b)) / tp
         out.append({"mbs": b, "layer_mfu": flops / (lt.total * cl.gpu.peak_tflops * 1e12),
                     "layer_time_per_sample_ms": lt.total / b * 1e3})
     return out

@@ -27,6 +27,9 @@ class PlanRequest:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     mbs: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None                 # expert parallel sizes (MoE): default every valid one
+    etp: tuple[int, ...] | None = None                # expert tensor-parallel sizes: default tp and 1
+    uneven_layers: bool | None = None                 # stage counts that do not divide the layers (None: auto)
     max_vp: int = 4                                   # interleaved chunks per rank tried: 2..max_vp
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
@@ -53,6 +56,41 @@ class PlanRequest:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise PlannerError(f"{flag} {v!r}: must be a whole number >= 1")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """--ep / --etp against the model and the cluster, by Megatron-Core's rules: ep divides
+        the experts, etp the expert FFN, and ep*etp the GPUs of a pipeline stage (tp*dp), hence
+        the GPU count."""
+        model, n = self.model, self.cluster.num_gpus
+        for flag, vals in (("--ep", self.ep), ("--etp", self.etp)):
+            if vals is None:
+                continue
+            if not model.is_moe:
+                raise PlannerError(f"{flag}: expert parallelism needs an MoE model (--num-experts N, or a preset "
+                                   "such as mixtral-8x7b); drop " + flag)
+            if not vals or not all(isinstance(v, int) and v >= 1 for v in vals):
+                raise PlannerError(f"{flag} {vals!r}: give whole numbers >= 1")
+        if not model.is_moe:
+            return
+        E = model.num_experts
+        for ep in self.ep or ():
+            if E % ep:
+                ok = ",".join(str(d) for d in divisors(E) if n % d == 0)
+                raise PlannerError(f"--ep {ep} does not divide --num-experts {E}; use divisors of {E} "
+                                   f"(e.g. --ep {ok})")
+            if n % ep:
+                raise PlannerError(f"--ep {ep} does not divide the {n} GPUs: Megatron-Core needs ep x etp to divide "
+                                   "tp x dp, the GPUs of one pipeline stage; use a divisor of both")
+        for etp in self.etp or ():
+            if model.expert_ffn % etp:
+                raise PlannerError(f"--etp {etp} does not divide --moe-ffn-hidden-size {model.expert_ffn}; use a "
+                                   "divisor")
+            if model.bias and etp > 1:
+                raise PlannerError(f"--etp {etp}: Megatron-Core supports MoE with linear biases only at expert "
+                                   "tensor parallelism 1; use --etp 1 or a model without biases")
+            if n % etp:
+                raise PlannerError(f"--etp {etp} does not divide the {n} GPUs; use a divisor")
 
     def with_(self, **changes) -> "PlanRequest":
         return replace(self, **changes)
@@ -73,10 +111,21 @@ class Candidate:
     budget: float | None = None   # v-budget: activation units per rank
     distributed_optimizer: bool = True
     features: tuple[tuple[str, str], ...] = ()
+    ep: int = 1                   # expert parallel size (MoE)
+    etp: int | None = None        # expert tensor-parallel size (None: tp, Megatron's default)
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
 
     @property
     def stages(self) -> int:
         return self.pp * self.vp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the ranks of a stage (tp*dp) over ep*etp."""
+        return max(1, self.tp * self.dp // (self.ep * self.etp))
 
     def schedule_placement(self) -> str:
         from ..schedule import schedule_info
@@ -101,7 +150,8 @@ class Candidate:
         return ",".join(f"{n}={o}" if o not in ("on", "") else n for n, o in self.features) or "-"
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp, "schedule": self.schedule,
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp, "ep": self.ep, "etp": self.etp,
+                "expert_data_parallel": self.edp, "schedule": self.schedule,
                 "memory_budget_units": self.budget, "micro_batch_size": self.mbs, "microbatches": self.m,
                 "recompute": self.recompute, "distributed_optimizer": self.distributed_optimizer,
                 "sequence_parallel": self.tp > 1, "features": dict(self.features)}
@@ -121,6 +171,7 @@ class StageCosts:
     act: list[float]                    # activation units per stage and microbatch
     unit_bytes: float                   # bytes of one unit
     transient: list[float]              # per rank: bytes alive only during a backward
+    detail: dict = field(default_factory=dict)   # per-rank extras for the report (MoE: "alltoall")
 
     def __post_init__(self) -> None:
         by_rank: dict[int, list[int]] = {}
@@ -130,7 +181,7 @@ class StageCosts:
 
     def copy(self) -> "StageCosts":
         return StageCosts(self.placement, self.parts, list(self.t_f), list(self.t_b), list(self.t_w),
-                          self.comm, list(self.act), self.unit_bytes, list(self.transient))
+                          self.comm, list(self.act), self.unit_bytes, list(self.transient), dict(self.detail))
 
     def stages_of(self, rank: int) -> list[int]:
         return self._by_rank.get(rank, [])

@@ -4,7 +4,13 @@ Flags of stock Megatron-LM are used wherever the plan is expressible with them, 
 1F1B or interleaved 1F1B without features runs on an unmodified Megatron-LM. Our plugin's
 flags appear only when the plan needs them: ``--pipeline-schedule NAME``,
 ``--pipeline-memory-budget UNITS``, ``--enable-vocab-parallel``, ``--activation-offload
-POLICY``, ``--bpipe`` (the last three come from the feature estimators' ``flags()``).
+POLICY``, ``--bpipe`` (the last three come from the feature estimators' ``flags()``). An
+uneven layer split is Megatron-Core's own ``--pipeline-model-parallel-layout`` under loop
+schedules, our ``--pipeline-layers-per-stage`` under V schedules (which refuse Megatron's
+layout flags). MoE models carry Megatron-LM's MoE flags (``--num-experts``,
+``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-layer-freq``, ...) and their plans
+``--expert-model-parallel-size``, ``--expert-tensor-parallel-size`` and the all-to-all
+dispatcher.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import shlex
 
 from .candidates import Estimate, PlanRequest
 from .features import get_feature
-from .presets import ModelSpec
+from .layout import split_layers
+from .presets import ModelSpec, format_moe_layer_freq
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
@@ -39,7 +46,49 @@ def model_flags(model: ModelSpec) -> list[str]:
     if not model.dropout:
         f += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
     f += ["--attention-backend", "flash" if model.flash_attention else "unfused"]
+    if model.kv_channels is not None:
+        f += ["--kv-channels", str(model.kv_channels)]
+    if model.qk_norm:
+        f.append("--qk-layernorm")
+    if model.is_moe:
+        f += moe_model_flags(model)
     return f
+
+
+def moe_model_flags(model: ModelSpec) -> list[str]:
+    """Megatron-LM's flags for the MoE layers of ``model`` (names checked against
+    megatron/training/arguments.py by tests/test_planner.py)."""
+    f = ["--num-experts", str(model.num_experts), "--moe-router-topk", str(model.moe_topk),
+         "--moe-ffn-hidden-size", str(model.expert_ffn),
+         "--moe-layer-freq", format_moe_layer_freq(model.moe_layer_freq)]
+    if model.moe_shared_ffn:
+        f += ["--moe-shared-expert-intermediate-size", str(model.moe_shared_ffn)]
+    f += ["--moe-router-load-balancing-type", model.moe_load_balancing,
+          "--moe-aux-loss-coeff", f"{model.moe_aux_loss_coeff:g}"]
+    if model.moe_score_function != "softmax":
+        f += ["--moe-router-score-function", model.moe_score_function]
+    if model.moe_expert_bias:
+        f.append("--moe-router-enable-expert-bias")
+    if model.num_experts >= 32:  # Megatron-Core recommends fp32 routing from 32 experts on (it warns)
+        f += ["--moe-router-dtype", "fp32"]
+    return f
+
+
+def needs_plugin(est: Estimate, req: PlanRequest) -> bool:
+    """Whether the plan needs megatron_pp_ext's flags: another schedule than Megatron's own, or
+    features."""
+    c = est.candidate
+    return c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or bool(c.features))
+
+
+def layout_string(counts: tuple[int, ...]) -> str:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for these layers per stage (stage
+    order): ``E`` the embedding on the first stage, ``L`` the loss on the last, ``t*N`` N
+    transformer layers, stages separated by ``|``."""
+    parts = [f"t*{n}" if n else "" for n in counts]
+    parts[0] = "E" + parts[0]
+    parts[-1] = parts[-1] + "L"
+    return "|".join(parts)
 
 
 def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
@@ -48,8 +97,17 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     f = ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp)]
     if c.tp > 1:
         f.append("--sequence-parallel")
-    if c.vp > 1 and c.schedule_placement() == "loop":  # interleaved-style chunks (V schedules imply 2)
+    uneven = c.pp > 1 and req.model.num_layers % c.stages != 0
+    if uneven and c.schedule_placement() == "loop":
+        # Megatron-Core's own layout flag: stock Megatron-LM runs it, and it fixes the chunk count
+        f += ["--pipeline-model-parallel-layout", layout_string(split_layers(req.model.num_layers, c.stages))]
+    elif c.vp > 1 and c.schedule_placement() == "loop":  # interleaved-style chunks (V schedules imply 2)
         f += ["--num-layers-per-virtual-pipeline-stage", str(req.model.num_layers // (c.pp * c.vp))]
+    if req.model.is_moe:
+        f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp),
+              "--moe-token-dispatcher-type", "alltoall"]
+        if req.model.num_experts // c.ep > 1:  # several local experts: one grouped GEMM for all of them
+            f.append("--moe-grouped-gemm")
     f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]
     if req.precision == "bf16":  # bf16 params, fp32 gradient buffers: what the memory model counts
         f += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
@@ -63,8 +121,10 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f += ["--recompute-granularity", "selective"]
     elif c.recompute == "full":
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    if c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or c.features):
+    if needs_plugin(est, req):
         f += ["--pipeline-schedule", c.schedule]
+    if uneven and c.schedule_placement() != "loop":  # the V placement refuses Megatron's layout flags
+        f += ["--pipeline-layers-per-stage", ",".join(str(n) for n in split_layers(req.model.num_layers, c.stages))]
     if isinstance(c.budget, (int, float)):
         f += ["--pipeline-memory-budget", f"{c.budget:g}"]
     for name, opt in c.features:
@@ -82,7 +142,8 @@ def flags_text(est: Estimate, req: PlanRequest) -> str:
     """The flags one per line, ready for ``$(cat FILE)`` or a bash array."""
     c = est.candidate
     head = [f"# mppx plan: {req.model.name} on {req.cluster.num_gpus} x {req.cluster.gpu.name}: tp={c.tp} pp={c.pp} "
-            f"dp={c.dp} {c.label()} mbs={c.mbs} recompute={c.recompute} features={c.features_label()}",
+            f"dp={c.dp}{_expert_text(c, req.model)} {c.label()} mbs={c.mbs} recompute={c.recompute} "
+            f"features={c.features_label()}",
             f"# predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak "
             f"{est.peak_bytes / 2 ** 30:.1f} GiB on rank {est.peak_rank} (model predictions, not measurements)"]
     flags = megatron_flags(est, req)
@@ -95,6 +156,10 @@ def flags_text(est: Estimate, req: PlanRequest) -> str:
             lines.append(flags[i])
             i += 1
     return "\n".join(head + lines) + "\n"
+
+
+def _expert_text(c, model: ModelSpec) -> str:
+    return f" ep={c.ep} etp={c.etp}" if model.is_moe else ""
 
 
 def _quote(v: str) -> str:
@@ -133,12 +198,13 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
     notes = [
         f"# Generated by mppx plan: {model.name} on {cl.nodes} x {cl.gpus_per_node} {cl.gpu.name}, global batch "
         f"{req.global_batch}.",
-        f"# Plan: tp={c.tp} pp={c.pp} dp={c.dp} {c.label()} mbs={c.mbs} recompute={c.recompute} "
+        f"# Plan: tp={c.tp} pp={c.pp} dp={c.dp}{_expert_text(c, model)} {c.label()} mbs={c.mbs} "
+        f"recompute={c.recompute} "
         f"features={c.features_label()}",
         f"# Predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak {est.peak_bytes / 2 ** 30:.1f} "
         f"GiB/GPU: model predictions, not measurements.",
     ]
-    if c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or c.features):
+    if needs_plugin(est, req):
         notes.append("# Needs megatron_pp_ext installed in the job's Python environment (pip install -e <repo>):")
         notes.append("# its flags (--pipeline-schedule, ...) are not part of stock Megatron-LM.")
     env = [
@@ -191,4 +257,5 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
     return "\n".join(hdr + [""] + notes + [""] + env + arrays + launch) + "\n"
 
 
-__all__ = ["MEGATRON_SCHEDULES", "model_flags", "parallel_flags", "megatron_flags", "flags_text", "slurm_script"]
+__all__ = ["MEGATRON_SCHEDULES", "model_flags", "moe_model_flags", "needs_plugin", "layout_string", "parallel_flags",
+           "megatron_flags", "flags_text", "slurm_script"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..schedule import ScheduleError, build_schedule, loop_placement, schedule_info, v_placement
-from .memory import StagePart, StaticMemory, stage_param_numels, static_memory, vocab_shard_numels
+from .memory import StagePart, StaticMemory, split_buffers, stage_param_tensors, static_memory, vocab_shard_numels
 from .presets import ModelSpec
 
 
@@ -31,31 +31,57 @@ def takes_chunks(schedule: str) -> bool:
     return sched.chunks_per_rank == 2
 
 
+def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per stage: even when ``stages`` divides the layers, else the uneven split of
+    ``--allow-padding-num-layers`` / the runtime (extra layers to the middle stages first, then
+    the first and the last, which also hold the embedding and the loss)."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
 def stage_parts(model: ModelSpec, stages: int) -> tuple[StagePart, ...]:
-    """Equal layer counts per stage (the caller checks divisibility); the embedding on stage 0,
-    the output layer on the last stage."""
-    per = model.num_layers // stages
-    return tuple(StagePart(per, pre=(s == 0), post=(s == stages - 1)) for s in range(stages))
+    """The layers of each stage (:func:`split_layers`; the caller decides whether an uneven
+    split is allowed), with the global index of each stage's first layer (which of them are MoE
+    layers); the embedding on stage 0, the output layer on the last stage."""
+    counts = split_layers(model.num_layers, stages)
+    firsts = [sum(counts[:s]) for s in range(stages)]
+    return tuple(StagePart(n, pre=(s == 0), post=(s == stages - 1), first=firsts[s])
+                 for s, n in enumerate(counts))
 
 
 @lru_cache(maxsize=4096)
 def rank_static(model: ModelSpec, tp: int, dp: int, placement: tuple[int, ...], *,
                 distributed_optimizer: bool, precision: str = "bf16", vocab_shards: int = 0,
-                bucket_size: int | None = None) -> tuple[StaticMemory, ...]:
+                bucket_size: int | None = None, ep: int = 1, etp: int | None = None) -> tuple[StaticMemory, ...]:
     """Static memory of every pipeline rank. ``vocab_shards`` > 0: the word embedding and the
     output layer are split over all pipeline ranks (vocabulary parallelism) instead of sitting
-    on the first and last stage."""
+    on the first and last stage. ``ep``/``etp``: expert parallel and expert tensor-parallel
+    sizes (the expert buffer of ep > 1 is sharded over tp*dp/(ep*etp) ranks)."""
     pp = max(placement) + 1
     parts = stage_parts(model, len(placement))
+    etp_ = tp if etp is None else etp
+    edp = max(1, tp * dp // (ep * etp_))
     out = []
     for r in range(pp):
-        chunks = [stage_param_numels(model, tp, parts[s], pipelined=pp > 1, vocab_parallel_shards=vocab_shards)
-                  for s, rr in enumerate(placement) if rr == r]
+        dense, expert = [], []
+        for s, rr in enumerate(placement):
+            if rr != r:
+                continue
+            tensors = stage_param_tensors(model, tp, parts[s], pipelined=pp > 1, vocab_parallel_shards=vocab_shards,
+                                          ep=ep, etp=etp)
+            d, e = split_buffers(tensors, ep)
+            dense.append(d)
+            expert.append(e)
         if vocab_shards:
-            chunks[-1] = chunks[-1] + vocab_shard_numels(model, tp, vocab_shards)
-        out.append(static_memory(chunks, dp=dp, distributed_optimizer=distributed_optimizer,
-                                 precision=precision, bucket_size=bucket_size))
+            dense[-1] = dense[-1] + vocab_shard_numels(model, tp, vocab_shards)
+        out.append(static_memory(dense, dp=dp, distributed_optimizer=distributed_optimizer,
+                                 precision=precision, bucket_size=bucket_size,
+                                 expert_chunks=expert if any(expert) else None, expert_dp=edp))
     return tuple(out)
 
 
-__all__ = ["placement_for", "takes_chunks", "stage_parts", "rank_static"]
+__all__ = ["placement_for", "takes_chunks", "split_layers", "stage_parts", "rank_static"]

@@ -10,13 +10,21 @@ the bytes against a real GPTModel + DDP + Megatron optimizer on CPU):
   for bf16), and with the distributed optimizer also the parameter buffer, padded as
   ``_ParamAndGradBuffer`` pads (param starts to 64 elements, bucket ends to lcm(dp, 128));
 * optimizer states: fp32 master copy + Adam m and v (bf16 training), 12 bytes per parameter,
-  or 8 for fp32 training; sharded over dp by the distributed optimizer.
+  or 8 for fp32 training; sharded over dp by the distributed optimizer;
+* MoE layers as the local spec builds them: the router (experts x hidden, replicated), the
+  rank's num_experts/ep routed experts (each an MLP split over the expert tensor-parallel size
+  etp) and the shared expert (an MLP split over tp). With ep > 1 Megatron-Core marks the expert
+  tensors ``allreduce=False`` and DDP keeps them in a buffer of their own, padded and sharded over
+  the expert data-parallel group (tp*dp/(ep*etp) ranks); with ep = 1 they sit in the dense
+  buffer.
 
 Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
 Models"): per layer and microbatch s*b*h*(34 + 5*a*s/h) bytes for GPT without flash attention,
 generalised term by term to GQA, SwiGLU and dropout-free models; flash attention or selective
 recomputation remove the s^2 terms, full recomputation keeps only the layer input; sequence
-parallelism divides everything by tp.
+parallelism divides everything by tp. An MoE layer replaces the FFN terms with the router's
+scores, the dispatched tokens (top-k copies of each token), the experts' FFN activations and
+their outputs, plus the shared expert's FFN terms (model-based, see layer_activation).
 """
 
 from __future__ import annotations
@@ -32,15 +40,48 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 # --- parameters ------------------------------------------------------------------------------
 
-def layer_param_numels(model: ModelSpec, tp: int) -> dict[str, int]:
-    """Parameters of one transformer layer on one tp rank, in Megatron's named_parameters order."""
+def _mlp_tensors(prefix: str, model: ModelSpec, ffn: int, split: int, *, bias: bool) -> dict[str, int]:
+    """One MLP (dense, shared expert or routed expert): fc1 column-parallel over ``split`` ranks
+    (2*ffn outputs with SwiGLU), fc2 row-parallel (its bias replicated)."""
+    h = model.hidden
+    fc1_out = ffn * (2 if model.gated_mlp else 1) // split
+    out = {f"{prefix}linear_fc1.weight": fc1_out * h}
+    if bias:
+        out[f"{prefix}linear_fc1.bias"] = fc1_out
+    out[f"{prefix}linear_fc2.weight"] = h * (ffn // split)
+    if bias:
+        out[f"{prefix}linear_fc2.bias"] = h
+    return out
+
+
+def check_expert_layout(model: ModelSpec, tp: int, ep: int, etp: int | None) -> int:
+    """The expert tensor-parallel size, after Megatron-Core's rules for ``ep``/``etp`` on this
+    model (each error names the flag to change)."""
+    etp = tp if etp is None else etp
+    if not model.is_moe:
+        if ep != 1:
+            raise PlannerError(f"--ep {ep}: expert parallelism needs an MoE model (--num-experts N)")
+        return etp
+    E = model.num_experts
+    if ep < 1 or E % ep:
+        raise PlannerError(f"--ep {ep} does not divide --num-experts {E}; use a divisor of {E}")
+    if etp < 1 or model.expert_ffn % etp:
+        raise PlannerError(f"--etp {etp} must divide --moe-ffn-hidden-size {model.expert_ffn}")
+    if model.bias and etp > 1:
+        raise PlannerError(f"--etp {etp}: Megatron-Core supports MoE with linear biases only at expert tensor "
+                           "parallelism 1; use --etp 1 or a model without biases")
+    return etp
+
+
+def layer_param_numels(model: ModelSpec, tp: int, *, moe: bool = False, ep: int = 1,
+                       etp: int | None = None) -> dict[str, int]:
+    """Parameters of one transformer layer on one rank, in Megatron's named_parameters order:
+    a dense layer, or (``moe``) an MoE layer holding num_experts/ep routed experts split over
+    ``etp`` (default tp)."""
     h, d = model.hidden, model.head_dim
     if model.heads % tp or model.kv_heads % tp:
         raise PlannerError(f"tp={tp} must divide heads ({model.heads}) and kv-heads ({model.kv_heads})")
-    if model.ffn % tp:
-        raise PlannerError(f"tp={tp} must divide the FFN size {model.ffn}")
     qkv_out = (model.heads + 2 * model.kv_heads) * d // tp
-    fc1_out = model.ffn * (2 if model.gated_mlp else 1) // tp
     norm = {"weight": h} if model.norm == "rmsnorm" else {"weight": h, "bias": h}
     out: dict[str, int] = {}
     for k, v in norm.items():
@@ -51,15 +92,37 @@ def layer_param_numels(model: ModelSpec, tp: int) -> dict[str, int]:
     out["self_attention.linear_qkv.weight"] = qkv_out * h
     if model.bias:
         out["self_attention.linear_qkv.bias"] = qkv_out      # column parallel: split
+    if model.qk_norm:                                        # one head-size norm each, replicated
+        for which in ("q", "k"):
+            out[f"self_attention.{which}_layernorm.weight"] = d
+            if model.norm == "layernorm":
+                out[f"self_attention.{which}_layernorm.bias"] = d
     for k, v in norm.items():
         out[f"pre_mlp_layernorm.{k}"] = v
-    out["mlp.linear_fc1.weight"] = fc1_out * h
+    if not moe:
+        if model.ffn % tp:
+            raise PlannerError(f"tp={tp} must divide the FFN size {model.ffn}")
+        out.update(_mlp_tensors("mlp.", model, model.ffn, tp, bias=model.bias))
+        return out
+    if not model.is_moe:
+        raise PlannerError(f"model {model.name!r} has no MoE layers (--num-experts)")
+    etp = check_expert_layout(model, tp, ep, etp)
+    E = model.num_experts
+    out["mlp.router.weight"] = E * h                         # replicated on every rank
     if model.bias:
-        out["mlp.linear_fc1.bias"] = fc1_out
-    out["mlp.linear_fc2.weight"] = h * (model.ffn // tp)
-    if model.bias:
-        out["mlp.linear_fc2.bias"] = h
+        out["mlp.router.bias"] = E
+    for i in range(E // ep):
+        out.update(_mlp_tensors(f"mlp.experts.local_experts.{i}.", model, model.expert_ffn, etp, bias=model.bias))
+    if model.moe_shared_ffn:
+        if model.moe_shared_ffn % tp:
+            raise PlannerError(f"tp={tp} must divide --moe-shared-expert-intermediate-size {model.moe_shared_ffn}")
+        out.update(_mlp_tensors("mlp.shared_experts.", model, model.moe_shared_ffn, tp, bias=False))
     return out
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Routed-expert tensors (Megatron-Core's ``is_expert`` linears), by parameter name."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
 
 
 def embedding_numels(model: ModelSpec, tp: int) -> dict[str, int]:
@@ -85,36 +148,65 @@ def final_numels(model: ModelSpec, tp: int, *, tied_copy: bool) -> dict[str, int
 
 @dataclass(frozen=True)
 class StagePart:
-    """What one model chunk holds: its transformer layers and whether it has the embedding
+    """What one model chunk holds: its transformer layers (``first`` is the global index of the
+    first, which decides which of them are MoE layers) and whether it has the embedding
     (pre_process) and the output layer (post_process)."""
 
     layers: int
     pre: bool = False
     post: bool = False
+    first: int = 0
+
+    def moe_layers(self, model: ModelSpec) -> int:
+        return model.moe_layers_in(self.first, self.layers)
 
 
-def stage_param_numels(model: ModelSpec, tp: int, part: StagePart, *, pipelined: bool,
-                       vocab_parallel_shards: int = 0) -> list[int]:
-    """Per-tensor element counts of one chunk, in Megatron's named_parameters order.
+def stage_param_tensors(model: ModelSpec, tp: int, part: StagePart, *, pipelined: bool,
+                        vocab_parallel_shards: int = 0, ep: int = 1,
+                        etp: int | None = None) -> list[tuple[str, int]]:
+    """(name, elements) of every parameter of one chunk, in Megatron's named_parameters order.
 
     ``vocab_parallel_shards`` > 0: the word embedding and output layer are split over that many
     ranks instead of living on the first/last stage (vocabulary parallelism, REFERENCE §6);
     pass the shard of this chunk's rank separately with :func:`vocab_shard_numels`."""
-    sizes: list[int] = []
+    out: list[tuple[str, int]] = []
     if part.pre:
         emb = embedding_numels(model, tp)
         if vocab_parallel_shards:
             emb.pop("embedding.word_embeddings.weight")
-        sizes += emb.values()
-    per_layer = list(layer_param_numels(model, tp).values())
-    for _ in range(part.layers):
-        sizes += per_layer
+        out += emb.items()
+    pattern = model.moe_pattern
+    per_kind: dict[bool, list[tuple[str, int]]] = {}
+    for j in range(part.layers):
+        moe = pattern[part.first + j] if part.first + j < len(pattern) else False
+        if moe not in per_kind:
+            per_kind[moe] = list(layer_param_numels(model, tp, moe=moe, ep=ep, etp=etp).items())
+        out += [(f"decoder.layers.{j}.{n}", v) for n, v in per_kind[moe]]
     if part.post:
         fin = final_numels(model, tp, tied_copy=pipelined and not part.pre)
         if vocab_parallel_shards:
             fin.pop("output_layer.weight", None)
-        sizes += fin.values()
-    return sizes
+        out += fin.items()
+    return out
+
+
+def stage_param_numels(model: ModelSpec, tp: int, part: StagePart, *, pipelined: bool,
+                       vocab_parallel_shards: int = 0, ep: int = 1, etp: int | None = None) -> list[int]:
+    """Per-tensor element counts of one chunk, in Megatron's named_parameters order (see
+    :func:`stage_param_tensors`)."""
+    return [n for _, n in stage_param_tensors(model, tp, part, pipelined=pipelined,
+                                              vocab_parallel_shards=vocab_parallel_shards, ep=ep, etp=etp)]
+
+
+def split_buffers(tensors: Sequence[tuple[str, int]], ep: int) -> tuple[list[int], list[int]]:
+    """(dense-buffer sizes, expert-buffer sizes) as Megatron-Core's DDP groups a chunk's
+    parameters: with ep > 1 the routed experts' tensors (``allreduce=False``) get a buffer of
+    their own; with ep = 1 everything shares one."""
+    if ep <= 1:
+        return [n for _, n in tensors], []
+    dense = [n for name, n in tensors if not is_expert_tensor(name)]
+    expert = [n for name, n in tensors if is_expert_tensor(name)]
+    return dense, expert
 
 
 def vocab_shard_numels(model: ModelSpec, tp: int, shards: int) -> list[int]:
@@ -155,48 +247,65 @@ def buffer_numel(sizes: Sequence[int], *, dp: int = 1, distributed_optimizer: bo
 
 @dataclass(frozen=True)
 class StaticMemory:
-    """Bytes of one rank that do not depend on the schedule."""
+    """Bytes of one rank that do not depend on the schedule. ``expert_params``: elements of the
+    separate expert buffer (ep > 1), part of ``num_params``."""
 
     num_params: int
     params: float
     grads: float
     optimizer: float
+    expert_params: int = 0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
 
     def to_dict(self) -> dict:
-        return {"num_params": self.num_params, "params": self.params, "grads": self.grads,
-                "optimizer": self.optimizer, "total": self.total}
+        return {"num_params": self.num_params, "expert_params": self.expert_params, "params": self.params,
+                "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
 
 
 def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_optimizer: bool = False,
                   precision: str = "bf16", grad_reduce_in_fp32: bool = True,
-                  bucket_size: int | None = None) -> StaticMemory:
+                  bucket_size: int | None = None, expert_chunks: Sequence[Sequence[int]] | None = None,
+                  expert_dp: int = 1) -> StaticMemory:
     """Parameter, gradient and optimizer bytes of one rank holding ``chunks`` (one tensor-size
     list per model chunk; each chunk is its own DDP module and buffer, as with virtual
     pipelining).
 
     bf16: bf16 params, fp32 grads (``grad_reduce_in_fp32``), fp32 master + Adam m, v.
     fp32: fp32 params and grads, Adam m, v. The distributed optimizer shards master/m/v over
-    ``dp`` and makes the param buffer contiguous (padded)."""
+    ``dp`` and makes the param buffer contiguous (padded).
+
+    ``expert_chunks`` (ep > 1): each chunk's expert tensors, a second buffer padded and sharded
+    over the expert data-parallel group of ``expert_dp`` ranks (tp*dp/(ep*etp))."""
     if precision not in ("bf16", "fp32"):
         raise PlannerError(f"precision must be bf16 or fp32, got {precision!r}")
     p_bytes = 2 if precision == "bf16" else 4
     g_bytes = 4 if (precision == "fp32" or grad_reduce_in_fp32) else 2
     o_bytes = 12 if precision == "bf16" else 8
-    n = params = grads = 0.0
-    for i, sizes in enumerate(chunks):
-        numel = int(sum(sizes))
-        # Megatron-LM buckets only the first chunk (disable_bucketing for the others).
-        buf = buffer_numel(sizes, dp=dp, distributed_optimizer=distributed_optimizer,
-                           bucket_size=bucket_size if i == 0 else None)
-        n += numel
-        params += p_bytes * (buf if distributed_optimizer else numel)
-        grads += g_bytes * buf
-    optimizer = o_bytes * n / (dp if distributed_optimizer else 1)
-    return StaticMemory(int(n), params, grads, optimizer)
+    n = params = grads = optimizer = 0.0
+    n_exp = 0
+    groups = [(chunks, dp)]
+    if expert_chunks:
+        groups.append((expert_chunks, expert_dp))
+    for g, (sizes_per_chunk, group_dp) in enumerate(groups):
+        group_n = 0
+        for i, sizes in enumerate(sizes_per_chunk):
+            numel = int(sum(sizes))
+            if not numel:
+                continue  # a chunk without tensors of this kind has no such buffer
+            # Megatron-LM buckets only the first chunk (disable_bucketing for the others).
+            buf = buffer_numel(sizes, dp=group_dp, distributed_optimizer=distributed_optimizer,
+                               bucket_size=bucket_size if i == 0 else None)
+            group_n += numel
+            params += p_bytes * (buf if distributed_optimizer else numel)
+            grads += g_bytes * buf
+        optimizer += o_bytes * group_n / (group_dp if distributed_optimizer else 1)
+        n += group_n
+        if g == 1:
+            n_exp = group_n
+    return StaticMemory(int(n), params, grads, optimizer, n_exp)
 
 
 # --- activations -----------------------------------------------------------------------------
@@ -212,27 +321,53 @@ class LayerActivation:
 
 
 def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "none",
-                     sequence_parallel: bool = True) -> LayerActivation:
+                     sequence_parallel: bool = True, moe: bool = False, ep: int = 1,
+                     etp: int | None = None) -> LayerActivation:
     """Korthikanti et al.'s per-layer activation, term by term (bytes, bf16 activations).
 
-    GPT (4h non-gated FFN, MHA, dropout): s*b*h*(34 + 5*a*s/h), the Table 2 formula."""
+    GPT (4h non-gated FFN, MHA, dropout): s*b*h*(34 + 5*a*s/h), the Table 2 formula.
+
+    ``moe``: an MoE layer under the all-to-all dispatcher, with balanced routing. Its FFN terms
+    become the router's fp32 logits and scores (2 x 4 bytes per token and expert), the dispatched
+    tokens each expert's fc1 keeps (k copies of every token, gathered over the etp ranks), the
+    experts' activation-function and fc2 inputs (k tokens' worth, split over etp), the experts'
+    outputs the combine keeps for the routing weights' gradient, and a shared expert's FFN terms;
+    the dispatcher's send/receive buffers of one layer are transient (model-based, not measured)."""
     if recompute not in RECOMPUTE_MODES:
         raise PlannerError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    s, b, h, a = model.seq, mbs, model.hidden, model.heads
-    sbh = s * b * h
-    kv_frac = model.kv_heads / model.heads
+    s, b, h, a, d = model.seq, mbs, model.hidden, model.heads, model.head_dim
+    sb = s * b
+    sbh = sb * h
     f = model.ffn
+    glu = 2 if model.gated_mlp else 1
     drop = 1 if model.dropout else 0
     terms = {
         "norm inputs": 4 * sbh,                                   # 2 norms x 2 bytes
         "qkv input": 2 * sbh,
-        "q, k, v": 2 * sbh * (1 + 2 * kv_frac),
-        "attention output (proj input)": 2 * sbh,
+        "q, k, v": 2 * sb * d * (a + 2 * model.kv_heads),
+        "attention output (proj input)": 2 * sb * d * a,
         "dropout masks": 2 * drop * sbh,                          # after attention and MLP
-        "fc1 input": 2 * sbh,
-        "activation-function input": 2 * s * b * f * (2 if model.gated_mlp else 1),
-        "fc2 input": 2 * s * b * f,
+        "fc1 input": 2 * sbh,                                     # the MLP's input (norm output)
     }
+    transient = 0.0
+    if not moe:
+        terms["activation-function input"] = 2 * sb * f * glu
+        terms["fc2 input"] = 2 * sb * f
+    else:
+        if not model.is_moe:
+            raise PlannerError(f"model {model.name!r} has no MoE layers (--num-experts)")
+        k, fe, E = model.moe_topk, model.expert_ffn, model.num_experts
+        etp = tp if etp is None else etp
+        terms["router logits and scores (fp32)"] = 8 * sb * E
+        terms["dispatched tokens (expert fc1 input)"] = 2 * sb * k * h * etp
+        terms["expert activation-function input"] = 2 * sb * k * fe * glu
+        terms["expert fc2 input"] = 2 * sb * k * fe
+        terms["expert outputs (combine)"] = 2 * sb * k * h
+        if model.moe_shared_ffn:
+            terms["shared-expert activation-function input"] = 2 * sb * model.moe_shared_ffn * glu
+            terms["shared-expert fc2 input"] = 2 * sb * model.moe_shared_ffn
+        # all-to-all send and receive buffers of the layer running its backward
+        transient = 2 * 2 * sb * k * h * etp / (tp if (sequence_parallel or tp == 1) else 1)
     s2 = 0.0
     if not model.flash_attention:
         # softmax output (2 bytes), dropout mask (1) and dropout output (2) per score
@@ -244,7 +379,9 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
     # Without sequence parallelism only the tensor-parallel regions are split (Korthikanti eq. 2).
     if not sequence_parallel and tp > 1:
         split = {"q, k, v", "attention output (proj input)", "activation-function input", "fc2 input",
-                 "softmax statistics"}
+                 "softmax statistics", "dispatched tokens (expert fc1 input)", "expert activation-function input",
+                 "expert fc2 input", "expert outputs (combine)", "shared-expert activation-function input",
+                 "shared-expert fc2 input"}
         stored_terms = {k: (v / tp if k in split else v) for k, v in terms.items()}
         s2 /= tp
     else:
@@ -255,11 +392,11 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
         bd = dict(stored_terms)
         if s2:
             bd["attention scores (s^2)"] = s2
-        return LayerActivation(full, 0.0, bd)
+        return LayerActivation(full, transient, bd)
     if recompute == "selective":
-        return LayerActivation(full - s2, s2, dict(stored_terms))
+        return LayerActivation(full - s2, s2 + transient, dict(stored_terms))
     inp = 2 * sbh / div
-    return LayerActivation(inp, full, {"layer input": inp})
+    return LayerActivation(inp, full + transient, {"layer input": inp})
 
 
 def output_layer_activation(model: ModelSpec, mbs: int, tp: int, *, sequence_parallel: bool = True,
@@ -280,12 +417,17 @@ def embedding_activation(model: ModelSpec, mbs: int, tp: int, *, sequence_parall
 
 
 def activation_bytes_per_microbatch(model: ModelSpec, mbs: int, tp: int, part: StagePart, *,
-                                    recompute: str = "none", sequence_parallel: bool = True) -> float:
+                                    recompute: str = "none", sequence_parallel: bool = True, ep: int = 1,
+                                    etp: int | None = None) -> float:
     """Predicted activation bytes one microbatch leaves on one chunk after its forward (the
     number the runtime's measured ``memory_allocated`` delta per forward is to be compared with
-    once the runtime records it; see docs/planner.md)."""
-    la = layer_activation(model, mbs, tp, recompute=recompute, sequence_parallel=sequence_parallel)
-    out = part.layers * la.stored
+    once the runtime records it; see docs/planner.md). MoE layers of the chunk count as such."""
+    n_moe = part.moe_layers(model)
+    out = (part.layers - n_moe) * layer_activation(model, mbs, tp, recompute=recompute,
+                                                   sequence_parallel=sequence_parallel).stored
+    if n_moe:
+        out += n_moe * layer_activation(model, mbs, tp, recompute=recompute, sequence_parallel=sequence_parallel,
+                                        moe=True, ep=ep, etp=etp).stored
     if part.pre:
         out += embedding_activation(model, mbs, tp, sequence_parallel=sequence_parallel)
     if part.post:
@@ -303,15 +445,27 @@ def fmt_bytes(n: float) -> str:
     return f"{sign}{n:.0f} B"
 
 
-__all__ = ["RECOMPUTE_MODES", "model_num_params", "layer_param_numels", "embedding_numels", "final_numels", "StagePart",
-           "stage_param_numels", "vocab_shard_numels", "buffer_numel", "StaticMemory", "static_memory",
+__all__ = ["RECOMPUTE_MODES", "model_num_params", "model_active_params", "layer_param_numels", "check_expert_layout",
+           "is_expert_tensor", "embedding_numels", "final_numels", "StagePart", "stage_param_tensors",
+           "stage_param_numels", "split_buffers", "vocab_shard_numels", "buffer_numel", "StaticMemory", "static_memory",
            "LayerActivation", "layer_activation", "output_layer_activation", "embedding_activation",
            "activation_bytes_per_microbatch", "fmt_bytes"]
 
 
 def model_num_params(model: ModelSpec) -> int:
-    """Total parameters of ``model`` at tp=1 (the embedding counted once when tied)."""
-    per_layer = sum(layer_param_numels(model, 1).values())
+    """Total parameters of ``model`` at tp=1 (the embedding counted once when tied; every expert)."""
+    per = {moe: sum(layer_param_numels(model, 1, moe=moe).values()) for moe in set(model.moe_pattern)}
     emb = sum(embedding_numels(model, 1).values())
     fin = sum(final_numels(model, 1, tied_copy=False).values())
-    return per_layer * model.num_layers + emb + fin
+    return sum(per[moe] for moe in model.moe_pattern) + emb + fin
+
+
+def model_active_params(model: ModelSpec) -> int:
+    """Parameters one token passes through: all of a dense model, the top-k routed experts (plus
+    router and shared expert) of an MoE layer -- the "activated parameters" model cards quote."""
+    total = model_num_params(model)
+    if not model.is_moe:
+        return total
+    one_expert = sum(_mlp_tensors("", model, model.expert_ffn, 1, bias=model.bias).values())
+    n_moe = sum(model.moe_pattern)
+    return total - n_moe * (model.num_experts - model.moe_topk) * one_expert

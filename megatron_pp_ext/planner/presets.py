@@ -2,7 +2,9 @@
 
 A :class:`ModelSpec` is what the memory and time models need of a decoder-only transformer
 (layers, hidden size, heads, key/value heads, FFN size, vocabulary, sequence length and the
-few architecture switches that change parameter or activation counts). A :class:`ClusterSpec`
+few architecture switches that change parameter or activation counts), and of its
+mixture-of-experts layers when it has them (experts, top-k, expert FFN size, shared experts,
+which layers are MoE), named after Megatron-LM's flags. A :class:`ClusterSpec`
 is a GPU type (:class:`GPUSpec`: memory, peak TFLOPS, HBM, NVLink, network and host-link
 bandwidths) times a node layout. The preset numbers are public datasheet figures derated to
 what collectives and copies typically reach; every field can be overridden.
@@ -10,7 +12,9 @@ what collectives and copies typically reach; every field can be overridden.
 
 from __future__ import annotations
 
+import ast
 import math
+import re
 from dataclasses import dataclass, replace
 
 GiB = 2 ** 30
@@ -22,7 +26,7 @@ class PlannerError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer as Megatron-Core's GPTModel builds it."""
+    """A decoder-only transformer as Megatron-Core's GPTModel builds it (dense or MoE)."""
 
     name: str
     num_layers: int
@@ -40,13 +44,28 @@ class ModelSpec:
     dropout: bool = True             # attention/hidden dropout > 0 (their masks are stored)
     flash_attention: bool = True     # fused attention kernels: no s^2 activations
     vocab_divisible_by: int = 128    # Megatron-LM --make-vocab-size-divisible-by
+    kv_channels: int | None = None   # --kv-channels: head size when heads x head size != hidden
+    qk_norm: bool = False            # --qk-layernorm: a norm of head size on queries and keys
+    # mixture of experts (Megatron-LM's --num-experts ...; None: a dense model)
+    num_experts: int | None = None   # --num-experts: routed experts per MoE layer
+    moe_topk: int = 2                # --moe-router-topk
+    moe_ffn: int | None = None       # --moe-ffn-hidden-size (default: ffn, as Megatron-LM)
+    moe_shared_ffn: int = 0          # --moe-shared-expert-intermediate-size (0: no shared expert)
+    moe_layer_freq: int | tuple[int, ...] = 1  # --moe-layer-freq: every N-th layer, or a 0/1 pattern
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff
+    moe_load_balancing: str = "aux_loss"   # --moe-router-load-balancing-type
+    moe_score_function: str = "softmax"    # --moe-router-score-function
+    moe_expert_bias: bool = False    # --moe-router-enable-expert-bias (aux-loss-free balancing)
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
             if getattr(self, f) < 1:
                 raise PlannerError(f"model {self.name!r}: {f} must be >= 1, got {getattr(self, f)}")
-        if self.hidden % self.heads:
-            raise PlannerError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise PlannerError(f"model {self.name!r}: --kv-channels {self.kv_channels} must be >= 1")
+        if self.kv_channels is None and self.hidden % self.heads:
+            raise PlannerError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}; "
+                               "give the head size with --kv-channels")
         if self.heads % self.kv_heads:
             raise PlannerError(f"model {self.name!r}: heads {self.heads} is not divisible by kv-heads "
                                f"{self.kv_heads}")
@@ -54,10 +73,89 @@ class ModelSpec:
             raise PlannerError(f"model {self.name!r}: norm must be layernorm or rmsnorm, got {self.norm!r}")
         if self.position not in ("learned", "rope"):
             raise PlannerError(f"model {self.name!r}: position must be learned or rope, got {self.position!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Megatron-LM's own rules for the MoE flags, each error naming the flag to fix."""
+        who = f"model {self.name!r}"
+        if self.num_experts is None:
+            given = [flag for flag, v, default in (
+                ("--moe-ffn-hidden-size", self.moe_ffn, None),
+                ("--moe-shared-expert-intermediate-size", self.moe_shared_ffn, 0),
+                ("--moe-layer-freq", self.moe_layer_freq, 1)) if v != default]
+            if given:
+                raise PlannerError(f"{who}: {given[0]} needs --num-experts (a dense model has no MoE layers); "
+                                   "add --num-experts N or drop it")
+            return
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise PlannerError(f"{who}: --num-experts {self.num_experts!r} must be a whole number >= 1")
+        if not (isinstance(self.moe_topk, int) and 1 <= self.moe_topk <= self.num_experts):
+            raise PlannerError(f"{who}: --moe-router-topk {self.moe_topk!r} must be from 1 to --num-experts "
+                               f"{self.num_experts}; fix --moe-router-topk")
+        if self.moe_ffn is not None and self.moe_ffn < 1:
+            raise PlannerError(f"{who}: --moe-ffn-hidden-size {self.moe_ffn} must be >= 1")
+        if self.moe_shared_ffn < 0:
+            raise PlannerError(f"{who}: --moe-shared-expert-intermediate-size {self.moe_shared_ffn} must be >= 0 "
+                               "(0: no shared expert)")
+        if self.moe_shared_ffn and self.bias:
+            # Megatron-Core's SharedExpertMLP asserts add_bias_linear == False
+            raise PlannerError(f"{who}: shared experts (--moe-shared-expert-intermediate-size) need a model without "
+                               "linear biases (--disable-bias-linear, --arch llama)")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise PlannerError(f"{who}: --moe-layer-freq {freq} must be >= 1 (1: every layer is MoE)")
+        elif isinstance(freq, tuple):
+            if len(freq) != self.num_layers or any(x not in (0, 1) for x in freq) or 1 not in freq:
+                raise PlannerError(f"{who}: --moe-layer-freq pattern must list 0 (dense) or 1 (MoE) for each of the "
+                                   f"{self.num_layers} layers with at least one 1, got {len(freq)} entries; fix "
+                                   "--moe-layer-freq (or --layers)")
+        else:
+            raise PlannerError(f"{who}: --moe-layer-freq {freq!r} must be an integer or a 0/1 pattern")
+        if not (math.isfinite(self.moe_aux_loss_coeff) and self.moe_aux_loss_coeff >= 0):
+            raise PlannerError(f"{who}: --moe-aux-loss-coeff {self.moe_aux_loss_coeff!r} must be finite and >= 0")
+        if self.moe_load_balancing not in MOE_LOAD_BALANCING:
+            raise PlannerError(f"{who}: --moe-router-load-balancing-type {self.moe_load_balancing!r}: use one of "
+                               f"{', '.join(MOE_LOAD_BALANCING)}")
+        if self.moe_score_function not in ("softmax", "sigmoid"):
+            raise PlannerError(f"{who}: --moe-router-score-function {self.moe_score_function!r}: use softmax or "
+                               "sigmoid")
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
+            # TransformerConfig: expert bias only with the sigmoid score function
+            raise PlannerError(f"{who}: --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn(self) -> int:
+        """FFN size of one routed expert (Megatron-LM: --ffn-hidden-size when not given)."""
+        return self.moe_ffn if self.moe_ffn is not None else self.ffn
+
+    @property
+    def moe_pattern(self) -> tuple[bool, ...]:
+        """Whether each layer is an MoE layer, as Megatron-Core reads --moe-layer-freq (an int N:
+        layers 0, N, 2N, ...; a list: 1 marks an MoE layer)."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(self.num_layers))
+        return tuple(bool(x) for x in freq)
+
+    def moe_layers_in(self, first: int, count: int) -> int:
+        """MoE layers among layers ``first`` .. ``first + count - 1``."""
+        return sum(self.moe_pattern[first:first + count])
+
+    @property
+    def dense_ffn_used(self) -> bool:
+        """Whether any layer has a dense MLP (then --ffn-hidden-size matters)."""
+        return not all(self.moe_pattern)
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up as Megatron-LM does (multiple of divisible_by * tp)."""
@@ -68,13 +166,74 @@ class ModelSpec:
         return replace(self, **changes)
 
 
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def parse_moe_layer_freq(text: str | int) -> int | tuple[int, ...]:
+    """``--moe-layer-freq`` as Megatron-LM reads it: an integer N, or a Python list expression of
+    0s and 1s such as ``([0]*3+[1]*58)``. Evaluated by walking its syntax tree (lists, +, * and
+    integers only), never with eval()."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().strip("'\"")
+    if re.fullmatch(r"\d+", s):
+        return int(s)
+    bad = PlannerError(f"--moe-layer-freq {text!r}: give an integer N (every N-th layer is MoE) or a list "
+                       "pattern of 0 (dense) and 1 (MoE) such as ([0]*3+[1]*58)")
+    if re.search(r"[^,\d\[\]()+* ]", s):
+        raise bad
+
+    def ev(node: ast.AST):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            vals = [ev(e) for e in node.elts]
+            if not all(isinstance(v, int) for v in vals):
+                raise bad
+            return vals
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(a, list) != isinstance(b, list):
+                n = b if isinstance(a, list) else a
+                if n > 100000:
+                    raise bad
+                return a * b
+            if isinstance(a, int) and isinstance(b, int):
+                return a + b if isinstance(node.op, ast.Add) else a * b
+        raise bad
+
+    try:
+        value = ev(ast.parse(s, mode="eval").body)
+    except (SyntaxError, RecursionError):
+        raise bad from None
+    if isinstance(value, int):
+        return value
+    return tuple(value)
+
+
+def format_moe_layer_freq(freq: int | tuple[int, ...]) -> str:
+    """The ``--moe-layer-freq`` value Megatron-LM parses: the integer, or a run-length list
+    expression such as ``([0]*3+[1]*58)``."""
+    if isinstance(freq, int):
+        return str(freq)
+    runs: list[tuple[int, int]] = []
+    for x in freq:
+        if runs and runs[-1][0] == x:
+            runs[-1] = (x, runs[-1][1] + 1)
+        else:
+            runs.append((x, 1))
+    return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
+
+
 def _gpt(name, layers, hidden, heads, seq=2048):
     return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 50257, seq)
 
 
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq):
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, **moe):
     return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, gated_mlp=True, norm="rmsnorm",
-                     bias=False, position="rope", tied_embeddings=False, dropout=False)
+                     bias=False, position="rope", tied_embeddings=False, dropout=False, **moe)
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
@@ -86,11 +245,23 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # MoE (published configs; seq 4096 = the pretraining sequence length, see docs/planner.md)
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, num_experts=8, moe_topk=2, moe_ffn=14336,
+           moe_aux_loss_coeff=0.02),
+    _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, kv_channels=128, qk_norm=True, num_experts=128,
+           moe_topk=8, moe_ffn=768, moe_aux_loss_coeff=0.001, moe_load_balancing="global_aux_loss"),
+    # DeepSeek-V3's sizes with grouped-query attention in place of MLA, and no MTP module
+    _llama("deepseek-v3-like", 61, 7168, 128, 8, 18432, 129280, 4096, kv_channels=128, num_experts=256,
+           moe_topk=8, moe_ffn=2048, moe_shared_ffn=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
+           moe_aux_loss_coeff=0.0001, moe_load_balancing="seq_aux_loss", moe_score_function="sigmoid",
+           moe_expert_bias=True),
 )}
 
 _ALIASES = {"gpt3-175b": ("gpt3", "gpt-3-175b", "gpt-175b"), "llama2-70b": ("llama-2-70b",),
             "llama3-70b": ("llama-3-70b",), "llama3-8b": ("llama-3-8b",), "llama2-7b": ("llama-2-7b",),
-            "llama2-13b": ("llama-2-13b",), "gpt3-13b": ("gpt-3-13b",), "gpt3-1.3b": ("gpt-3-1.3b",)}
+            "llama2-13b": ("llama-2-13b",), "gpt3-13b": ("gpt-3-13b",), "gpt3-1.3b": ("gpt-3-1.3b",),
+            "mixtral-8x7b": ("mixtral", "mixtral-8x7b-v0.1"), "qwen3-30b-a3b": ("qwen3-moe", "qwen3-30b"),
+            "deepseek-v3-like": ("dsv3-like",)}
 
 
 def model_names() -> list[str]:
@@ -228,5 +399,6 @@ def make_cluster(gpu: str | GPUSpec, gpus: int | None = None, *, nodes: int | No
     return ClusterSpec(spec, nodes, gpus_per_node)
 
 
-__all__ = ["GiB", "PlannerError", "ModelSpec", "MODEL_PRESETS", "model_names", "get_model", "GPUSpec",
+__all__ = ["GiB", "PlannerError", "ModelSpec", "MOE_LOAD_BALANCING", "parse_moe_layer_freq", "format_moe_layer_freq",
+           "MODEL_PRESETS", "model_names", "get_model", "GPUSpec",
            "GPU_PRESETS", "get_gpu", "ClusterSpec", "make_cluster"]

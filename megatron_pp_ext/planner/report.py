@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from .bpipe import BPipeVerdict
 from .candidates import Estimate
 from .emit import megatron_flags, slurm_script
@@ -27,15 +29,37 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def plan_row(i: int, e: Estimate) -> list[str]:
+def plan_row(i: int, e: Estimate, *, moe: bool = False) -> list[str]:
     c = e.candidate
-    return [str(i), f"{e.iteration_time:.3f}", f"{e.mfu:.1%}", f"{e.pipe.bubble_rate:.1%}",
-            f"{e.peak_bytes / 2 ** 30:.1f} (r{e.peak_rank})", str(c.tp), str(c.pp), str(c.dp), str(c.vp), c.label(),
-            str(c.mbs), str(c.m), c.recompute, c.features_label()]
+    row = [str(i), f"{e.iteration_time:.3f}", f"{e.mfu:.1%}", f"{e.pipe.bubble_rate:.1%}",
+           f"{e.peak_bytes / 2 ** 30:.1f} (r{e.peak_rank})", str(c.tp), str(c.pp), str(c.dp), str(c.vp), c.label(),
+           str(c.mbs), str(c.m), c.recompute, c.features_label()]
+    if moe:
+        row[8:8] = [str(c.ep), str(c.etp)]
+    return row
 
 
 HEADERS = ["#", "s/iter", "MFU", "bubble", "peak GiB", "tp", "pp", "dp", "vp", "schedule", "mbs", "m", "recompute",
            "features"]
+#: the table of an MoE model: expert parallel and expert tensor-parallel sizes after dp
+MOE_HEADERS = HEADERS[:8] + ["ep", "etp"] + HEADERS[8:]
+
+
+def model_line(m) -> str:
+    """The model's sizes as the report's first line shows them."""
+    text = f"L={m.num_layers} h={m.hidden} a={m.heads} kv={m.kv_heads}"
+    if m.kv_channels is not None and m.kv_channels * m.heads != m.hidden:
+        text += f" d={m.kv_channels}"
+    if m.dense_ffn_used:
+        text += f" ffn={m.ffn}"
+    if m.is_moe:
+        n_moe = sum(m.moe_pattern)
+        text += f" experts={m.num_experts} top-{m.moe_topk} expert-ffn={m.expert_ffn}"
+        if m.moe_shared_ffn:
+            text += f" shared-ffn={m.moe_shared_ffn}"
+        if n_moe != m.num_layers:
+            text += f" moe-layers={n_moe}/{m.num_layers}"
+    return text + f" V={m.vocab} s={m.seq}"
 
 
 def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show_flags: bool = True) -> str:
@@ -43,12 +67,12 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
     Megatron 1F1B/interleaved plan, and the rejection summary."""
     req = result.request
     m, cl = req.model, req.cluster
-    out = [f"mppx plan: {m.name} (L={m.num_layers} h={m.hidden} a={m.heads} kv={m.kv_heads} ffn={m.ffn} "
-           f"V={m.vocab} s={m.seq}, {'flash' if m.flash_attention else 'no flash'} attention) on "
+    out = [f"mppx plan: {m.name} ({model_line(m)}, {'flash' if m.flash_attention else 'no flash'} attention) on "
            f"{cl.nodes} x {cl.gpus_per_node} {cl.gpu.name} ({fmt_bytes(cl.usable_bytes)} usable per GPU), "
            f"global batch {req.global_batch}",
            f"efficiency: {req.efficiency.source}", ""]
-    out.append(_table(HEADERS, [plan_row(i + 1, e) for i, e in enumerate(result.plans)]))
+    out.append(_table(MOE_HEADERS if m.is_moe else HEADERS,
+                      [plan_row(i + 1, e, moe=m.is_moe) for i, e in enumerate(result.plans)]))
     best = result.best
     c = best.candidate
     out += ["", f"Best plan: {best.iteration_time:.3f} s/iteration, MFU {best.mfu:.1%}, "
@@ -56,6 +80,11 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
     out.append("  time:   " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.time.items() if v > 0))
     worst = best.memory[best.peak_rank]
     st = worst.static
+    if m.is_moe:
+        a2a = best.costs.detail.get("alltoall", [0.0])
+        out.append(f"  experts: {m.num_experts // c.ep} of {m.num_experts} per rank (ep={c.ep}, etp={c.etp}), expert "
+                   f"data parallel {c.edp}; all-to-all {max(a2a) * 1e3:.1f} ms per microbatch (F+B, busiest rank, "
+                   "inside the pipeline time)")
     out.append(f"  memory on rank {best.peak_rank} (of {c.pp}): params {fmt_bytes(st.params)}, grads "
                f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}, activations "
                f"{fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"
@@ -68,11 +97,12 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
         b = result.baseline.best
         bc = b.candidate
         gain = b.iteration_time / best.iteration_time - 1
-        out.append(f"  vs best Megatron 1F1B/interleaved plan without features (tp={bc.tp} pp={bc.pp} dp={bc.dp} "
+        ex = f" ep={bc.ep} etp={bc.etp}" if m.is_moe else ""
+        out.append(f"  vs best Megatron 1F1B/interleaved plan without features (tp={bc.tp} pp={bc.pp} dp={bc.dp}{ex} "
                    f"{bc.label()} mbs={bc.mbs} recompute={bc.recompute}: {b.iteration_time:.3f} s, MFU {b.mfu:.1%}): "
                    f"{gain:+.1%} throughput")
     if show_flags:
-        out += ["", "pretrain_gpt.py flags:", "  " + " ".join(megatron_flags(best, req))]
+        out += ["", "pretrain_gpt.py flags:", "  " + shlex.join(megatron_flags(best, req))]
     out += ["", _rejections(result)]
     if bpipe is not None:
         out += ["", "BPipe estimate:"] + [f"  {line}" for line in bpipe.explanation]
@@ -107,6 +137,8 @@ def estimate_to_dict(e: Estimate, req) -> dict:
         "simulated_microbatches": list(e.pipe.simulated), "extrapolated": e.pipe.extrapolated,
         "notes": list(e.notes), "megatron_flags": megatron_flags(e, req),
     })
+    if req.model.is_moe:
+        d["alltoall_s_per_microbatch"] = list(e.costs.detail.get("alltoall", []))
     return d
 
 
@@ -134,4 +166,5 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
     return doc
 
 
-__all__ = ["format_report", "result_to_dict", "estimate_to_dict", "plan_row", "HEADERS", "DISCLAIMER"]
+__all__ = ["format_report", "result_to_dict", "estimate_to_dict", "plan_row", "model_line", "HEADERS", "MOE_HEADERS",
+           "DISCLAIMER"]

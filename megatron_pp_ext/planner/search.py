@@ -1,6 +1,6 @@
-"""The search: enumerate tp x pp x dp x schedule (x chunks, budget) x microbatch size x
-recomputation x feature variants, estimate each with the memory and time models and the
-schedule simulator, and keep the fastest plans that fit.
+"""The search: enumerate tp x pp x dp (x ep x etp for MoE models) x schedule (x chunks,
+budget) x microbatch size x recomputation x feature variants, estimate each with the memory
+and time models and the schedule simulator, and keep the fastest plans that fit.
 
 Speed comes from pruning, not from skipping the simulator:
 
@@ -122,9 +122,13 @@ class Planner:
     def _tps(self) -> list[int]:
         m, cl = self.req.model, self.req.cluster
         out = []
+        sizes = [("heads", m.heads), ("kv-heads", m.kv_heads)]
+        if m.dense_ffn_used:
+            sizes.append(("ffn", m.ffn))
+        if m.moe_shared_ffn:
+            sizes.append(("shared-expert ffn", m.moe_shared_ffn))
         for tp in (self.req.tp or powers_of_two_upto(min(cl.gpus_per_node, self.N, 8))):
-            bad = [f"{what} {n}" for what, n in (("heads", m.heads), ("kv-heads", m.kv_heads), ("ffn", m.ffn))
-                   if n % tp]
+            bad = [f"{what} {n}" for what, n in sizes if n % tp]
             if self.N % tp:
                 bad.append(f"GPUs {self.N}")
             if bad:
@@ -133,19 +137,61 @@ class Planner:
             out.append(tp)
         return out
 
+    def _uneven(self) -> bool:
+        """Whether stage counts that do not divide the layers are tried (an uneven split, emitted
+        as --pipeline-model-parallel-layout or --pipeline-layers-per-stage). Auto: only when no
+        even split into 2 to MAX_PP stages of at least 2 layers exists (e.g. DeepSeek-V3's 61)."""
+        if self.req.uneven_layers is not None:
+            return self.req.uneven_layers
+        L = self.req.model.num_layers
+        return not any(L % p == 0 for p in range(2, min(L // 2, MAX_PP) + 1))
+
+    def _expert_layouts(self, tp: int, dp: int) -> list[tuple[int, int]]:
+        """(ep, etp) pairs for a tp x dp stage, by Megatron-Core's rules: ep divides the experts,
+        ep*etp divides tp*dp (the world size over pp), etp divides the expert FFN (and is 1 for
+        a model with biases); etp other than tp only with ep > 1 (with ep = 1 Megatron reduces
+        the experts' gradients over dp only, which a smaller etp would need over tp too).
+        Default: every such ep, etp in {tp, 1}."""
+        model, req = self.req.model, self.req
+        if not model.is_moe:
+            return [(1, tp)]
+        E = model.num_experts
+        out = []
+        for ep in (req.ep or divisors(E)):
+            for etp in (req.etp or sorted({tp, 1}, reverse=True)):
+                what = f"tp={tp} dp={dp} ep={ep} etp={etp}"
+                if E % ep:
+                    self.rej.add("divisibility", what, f"ep does not divide {E} experts")
+                elif (tp * dp) % (ep * etp):
+                    self.rej.add("divisibility", what, f"ep*etp does not divide tp*dp = {tp * dp}")
+                elif model.expert_ffn % etp:
+                    self.rej.add("divisibility", what, f"etp does not divide the expert ffn {model.expert_ffn}")
+                elif model.bias and etp > 1:
+                    self.rej.add("layout", what, "MoE with linear biases needs etp = 1 (Megatron-Core)")
+                elif ep == 1 and etp != tp:
+                    self.rej.add("layout", what, "etp other than tp needs expert parallelism (ep > 1)")
+                else:
+                    out.append((ep, etp))
+        return out
+
     def candidates(self):
         """Yield every candidate (without feature variants) that passes divisibility; record
         the rejected ones."""
         req, model = self.req, self.req.model
         L, G = model.num_layers, req.global_batch
+        uneven = self._uneven()
         for tp in self._tps():
             pps = req.pp or [d for d in divisors(self.N // tp) if d <= MAX_PP]
             for pp in pps:
                 if (self.N // tp) % pp:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"tp*pp does not divide {self.N} GPUs")
                     continue
-                if L % pp:
+                if L % pp and not uneven:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
+                    continue
+                if pp > L:
+                    self.rej.add("divisibility", f"tp={tp} pp={pp}",
+                                 f"{pp} stages for {L} layers: more stages than layers")
                     continue
                 dp = self.N // (tp * pp)
                 if G % dp:
@@ -153,20 +199,22 @@ class Planner:
                                  f"dp does not divide the global batch {G}")
                     continue
                 per_dp = G // dp
-                for mbs in (req.mbs or [b for b in powers_of_two_upto(MAX_MBS) if b <= per_dp]):
-                    if per_dp % mbs:
-                        self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp} mbs={mbs}",
-                                     f"mbs does not divide the batch per replica {per_dp}")
-                        continue
-                    m = per_dp // mbs
-                    for rc in req.recompute:
-                        if rc == "selective" and model.flash_attention:
-                            self.rej.add("dominated", "recompute=selective",
-                                         "selective recomputation drops nothing with flash attention")
+                for ep, etp in self._expert_layouts(tp, dp):
+                    for mbs in (req.mbs or [b for b in powers_of_two_upto(MAX_MBS) if b <= per_dp]):
+                        if per_dp % mbs:
+                            self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp} mbs={mbs}",
+                                         f"mbs does not divide the batch per replica {per_dp}")
                             continue
-                        yield from self._schedules(tp, pp, dp, mbs, m, rc)
+                        m = per_dp // mbs
+                        for rc in req.recompute:
+                            if rc == "selective" and model.flash_attention:
+                                self.rej.add("dominated", "recompute=selective",
+                                             "selective recomputation drops nothing with flash attention")
+                                continue
+                            for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven):
+                                yield replace(cand, ep=ep, etp=etp)
 
-    def _schedules(self, tp, pp, dp, mbs, m, rc):
+    def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False):
         L = self.req.model.num_layers
         dist = self.req.distributed_optimizer and dp > 1
         names = ["1f1b"] if pp == 1 else self.schedules  # no pipeline: the schedule does not matter
@@ -180,8 +228,11 @@ class Planner:
             else:
                 vps = [1]
             for vp in vps:
-                if L % (pp * vp):
+                if L % (pp * vp) and not uneven:
                     self.rej.add("divisibility", what, f"{pp * vp} stages do not divide {L} layers")
+                    continue
+                if pp * vp > L:
+                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more stages than layers")
                     continue
                 if name == INTERLEAVED and m % pp:
                     self.rej.add("divisibility", what, f"interleaving needs microbatches ({m}) % pp == 0")
@@ -197,22 +248,28 @@ class Planner:
     # -- costs ----------------------------------------------------------------------------
     def stage_costs(self, cand: Candidate) -> StageCosts:
         placement = placement_for(cand.schedule, cand.pp, cand.vp)
-        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute)
+        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute, cand.ep, cand.etp)
         got = self._costs.get(key)
         if got is not None:
             return got
         model, cl, eff = self.req.model, self.req.cluster, self.req.efficiency
         S = len(placement)
         parts = stage_parts(model, S)
-        lt = layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute)
+        kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
+        lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
+                               etp=cand.etp) for moe in kinds}
+        la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
+                                    etp=cand.etp) for moe in kinds}
         emb = embedding_times(model, cl, eff, cand.mbs, cand.tp)
         out = output_times(model, cl, eff, cand.mbs, cand.tp)
-        la = layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute)
-        unit = model.num_layers // cand.pp * la.stored
-        t_f, t_b, t_w, act = [], [], [], []
+        t_f, t_b, t_w, act_bytes = [], [], [], []
         for part in parts:
-            f, b, w = part.layers * lt.f, part.layers * lt.b, part.layers * lt.w
-            a = part.layers * la.stored
+            n_moe = part.moe_layers(model)
+            counts = {False: part.layers - n_moe, True: n_moe}
+            f = sum(counts[k] * lt[k].f for k in kinds)
+            b = sum(counts[k] * lt[k].b for k in kinds)
+            w = sum(counts[k] * lt[k].w for k in kinds)
+            a = sum(counts[k] * la[k].stored for k in kinds)
             if part.pre:
                 f, b = f + emb.f, b + emb.b
                 a += embedding_activation(model, cand.mbs, cand.tp)
@@ -222,11 +279,27 @@ class Planner:
             t_f.append(f)
             t_b.append(b)
             t_w.append(w)
-            act.append(a / unit)
+            act_bytes.append(a)
+        # one unit: a rank's average share of one microbatch's layer activations (an even split
+        # of a uniform model: L/pp layers, as before)
+        if len(kinds) == 1 and model.num_layers % cand.pp == 0:
+            unit = model.num_layers // cand.pp * la[kinds[0]].stored
+        else:
+            unit = sum(n * la[k].stored for k, n in Counter(model.moe_pattern).items()) / cand.pp
+        act = [a / unit for a in act_bytes]
         logit_grad = 2.0 * model.seq * cand.mbs * model.padded_vocab(cand.tp) / cand.tp
-        transient = [la.transient + (logit_grad if placement[S - 1] == r else 0.0) for r in range(cand.pp)]
+        transient = []
+        for r in range(cand.pp):
+            mine = [parts[s] for s in range(S) if placement[s] == r]
+            has = {k for k in kinds for p in mine if (p.moe_layers(model) if k else p.layers - p.moe_layers(model))}
+            t = max((la[k].transient for k in has), default=0.0)
+            transient.append(t + (logit_grad if placement[S - 1] == r else 0.0))
         comm = p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp) if cand.pp > 1 else 0.0
         sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient)
+        if model.is_moe:  # seconds of all-to-all in one microbatch's F+B on each rank
+            a2a = 2 * lt[True].detail["alltoall_f"]
+            sc.detail["alltoall"] = [sum(parts[s].moe_layers(model) for s in range(S) if placement[s] == r) * a2a
+                                     for r in range(cand.pp)]
         self._costs[key] = sc
         return sc
 
@@ -235,13 +308,15 @@ class Planner:
         """Memory and time of ``cand`` from its pipeline figures (before feature variants)."""
         req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
         statics = rank_static(model, cand.tp, cand.dp, costs.placement,
-                              distributed_optimizer=cand.distributed_optimizer, precision=req.precision)
+                              distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
+                              ep=cand.ep, etp=cand.etp)
         memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r])
                   for r in range(cand.pp)]
         exposed = opt = 0.0
         for r in range(cand.pp):
-            n = statics[r].num_params
-            rs, ag = dp_times(n, cl, cand.tp, cand.dp, distributed_optimizer=cand.distributed_optimizer)
+            n, n_exp = statics[r].num_params, statics[r].expert_params
+            rs, ag = dp_times(n, cl, cand.tp, cand.dp, distributed_optimizer=cand.distributed_optimizer,
+                              expert_params=n_exp, edp=cand.edp)
             if eff.dp_overlap:
                 st = costs.stages_of(r)
                 last_bw = sum(costs.t_b[s] + costs.t_w[s] for s in st)
@@ -250,7 +325,8 @@ class Planner:
             else:
                 e = rs + ag
             exposed = max(exposed, e)
-            opt = max(opt, optimizer_time(n, cl, eff, cand.dp, distributed_optimizer=cand.distributed_optimizer))
+            opt = max(opt, optimizer_time(n, cl, eff, cand.dp, distributed_optimizer=cand.distributed_optimizer,
+                                          expert_params=n_exp, edp=cand.edp))
         t = {"pipeline": pipe.makespan, "dp_exposed": exposed, "optimizer": opt}
         S = len(costs.placement)
         if model.tied_embeddings and cand.pp > 1 and costs.placement[0] != costs.placement[S - 1]:
@@ -383,7 +459,8 @@ class Planner:
                 # static memory alone
                 statics = rank_static(req.model, cand.tp, cand.dp, costs.placement,
                                       distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
-                                      vocab_shards=cand.pp if cand.feature("vocab-parallel") else 0)
+                                      vocab_shards=cand.pp if cand.feature("vocab-parallel") else 0,
+                                      ep=cand.ep, etp=cand.etp)
                 worst = max(range(cand.pp), key=lambda r: statics[r].total)
                 if statics[worst].total > self.usable:
                     self.rej.add("memory", what, f"OOM before activations on rank {worst} by "
@@ -473,6 +550,11 @@ class Planner:
             return (f"--time-limit {req.time_limit:g}: the search stopped after {req.time_limit:g} s of CPU, "
                     f"before any configuration of {model.name} was found to fit ({dict(c)} rejected); raise "
                     "--time-limit (default 120)")
+        if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
+            ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
+            return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
+                    f"Megatron's divisibility rules in the searched ranges ({dict(c)} rejected, e.g. {ex}); "
+                    "widen or change --tp, --pp, --ep, --etp, --mbs, or the GPU count")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
                 f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
                 f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "
@@ -481,7 +563,8 @@ class Planner:
 
 
 def _signature(c: Candidate) -> tuple:
-    return (c.tp, c.pp, c.dp, c.vp, c.schedule, c.budget, c.mbs, c.recompute, tuple(n for n, _ in c.features))
+    return (c.tp, c.pp, c.dp, c.ep, c.etp, c.vp, c.schedule, c.budget, c.mbs, c.recompute,
+            tuple(n for n, _ in c.features))
 
 
 def _dedupe(plans: list[Estimate]) -> list[Estimate]:
@@ -497,7 +580,8 @@ def _dedupe(plans: list[Estimate]) -> list[Estimate]:
 
 
 def _describe(c: Candidate) -> str:
-    s = f"tp={c.tp} pp={c.pp} dp={c.dp} {c.label()} mbs={c.mbs} rc={c.recompute}"
+    ex = f" ep={c.ep} etp={c.etp}" if (c.ep, c.etp) != (1, c.tp) else ""
+    s = f"tp={c.tp} pp={c.pp} dp={c.dp}{ex} {c.label()} mbs={c.mbs} rc={c.recompute}"
     if c.features:
         s += f" +{c.features_label()}"
     return s

@@ -19,6 +19,16 @@ Per layer and microbatch (b = microbatch size, s = sequence, h = hidden, f = FFN
   b*s*h*2 bytes per layer in F and again in B, on NVLink (``tp_overlap`` hides a share).
 * recomputation adds to B: the attention core forward (selective) or the whole layer forward
   (full).
+* an MoE layer (all-to-all dispatcher, balanced routing): its FFN becomes the router GEMM
+  (2*b*s*h*E), the routed experts (k copies of every token through one expert FFN each:
+  2*b*s*k*h*f_e*(3 with SwiGLU, else 2)) and the shared expert, all divided over the tp*dp
+  ranks of a stage like the dense GEMMs (b*s*k/tp tokens per rank); the expert GEMMs run at the
+  efficiency of their size (x = tokens per local expert * h/etp, larger with larger ep); the
+  tokens cross the expert-parallel group in 4 all-to-alls per layer (dispatch and combine in F,
+  their gradients in B) of b*s*k*h*2/tp bytes per rank, the (ep-1)/ep share that leaves the
+  rank split between NVLink (EP ranks in the node) and the network (the others), whichever is
+  slower; with etp > 1 the dispatched tokens are also all-gathered and reduce-scattered over
+  etp. The aux loss and the router's softmax/top-k are element-wise and small.
 
 All times are seconds. Nothing here knows about schedules; :mod:`.search` turns these into
 per-stage :class:`~megatron_pp_ext.schedule.CostModel` s for the simulator.
@@ -101,13 +111,36 @@ def default_efficiency(gpu: GPUSpec) -> Efficiency:
 
 # --- FLOPs ---------------------------------------------------------------------------------
 
-def linear_flops(model: ModelSpec, mbs: int) -> float:
-    """Forward FLOPs of the linear layers of one transformer layer (whole layer, all tp ranks)."""
+def attention_linear_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of the attention projections (QKV and output) of one layer."""
     s, b, h, d = model.seq, mbs, model.hidden, model.head_dim
     qkv = 2 * b * s * h * (model.heads + 2 * model.kv_heads) * d
     proj = 2 * b * s * h * model.heads * d
-    mlp = 2 * b * s * h * model.ffn * (3 if model.gated_mlp else 2)
-    return qkv + proj + mlp
+    return qkv + proj
+
+
+def mlp_flops(model: ModelSpec, mbs: int, ffn: int, copies: int = 1) -> float:
+    """Forward FLOPs of an MLP of size ``ffn`` over ``copies`` x b*s tokens (top-k copies for
+    routed experts)."""
+    return 2 * mbs * model.seq * copies * model.hidden * ffn * (3 if model.gated_mlp else 2)
+
+
+def router_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of the router GEMM (hidden -> experts scores) of one MoE layer."""
+    return 2.0 * mbs * model.seq * model.hidden * (model.num_experts or 0)
+
+
+def linear_flops(model: ModelSpec, mbs: int, *, moe: bool = False) -> float:
+    """Forward FLOPs of the linear layers of one transformer layer (whole layer, all tp ranks);
+    an MoE layer counts the router, the top-k routed experts of each token and the shared
+    expert (the model FLOPs of its activated parameters)."""
+    out = attention_linear_flops(model, mbs)
+    if not moe:
+        return out + mlp_flops(model, mbs, model.ffn)
+    out += router_flops(model, mbs) + mlp_flops(model, mbs, model.expert_ffn, model.moe_topk)
+    if model.moe_shared_ffn:
+        out += mlp_flops(model, mbs, model.moe_shared_ffn)
+    return out
 
 
 def attention_flops(model: ModelSpec, mbs: int) -> float:
@@ -122,8 +155,10 @@ def output_flops(model: ModelSpec, mbs: int) -> float:
 
 def model_flops_per_sample(model: ModelSpec) -> float:
     """Model FLOPs of forward + backward for one sequence (3x forward, no recomputation):
-    72*s*L*h^2*(1 + s/(6h) + V/(12hL)) for GPT, the figure MFU is quoted against."""
-    fwd = model.num_layers * (linear_flops(model, 1) + attention_flops(model, 1)) + output_flops(model, 1)
+    72*s*L*h^2*(1 + s/(6h) + V/(12hL)) for GPT, the figure MFU is quoted against; MoE layers
+    count their activated experts only."""
+    per = {moe: linear_flops(model, 1, moe=moe) + attention_flops(model, 1) for moe in set(model.moe_pattern)}
+    fwd = sum(per[moe] for moe in model.moe_pattern) + output_flops(model, 1)
     return 3.0 * fwd
 
 
@@ -160,20 +195,88 @@ def tp_bandwidth(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
     return g.net_gbps, g.net_latency_us
 
 
+def expert_link(cluster: ClusterSpec, ep: int, etp: int) -> tuple[int, int]:
+    """(EP ranks sharing a node with a rank, EP ranks elsewhere): an expert-parallel group is
+    ``ep`` ranks ``etp`` apart (Megatron-Core's expert rank order tp-ep-dp-pp)."""
+    in_node = max(1, min(ep, cluster.gpus_per_node // max(1, etp)))
+    return in_node, ep - in_node
+
+
+def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> float:
+    """One all-to-all of ``nbytes`` per rank over the expert-parallel group: balanced routing
+    sends (ep-1)/ep of it away, to in-node peers over NVLink and to the others over the network,
+    concurrently (the slower one counts), plus one latency of the slowest link."""
+    if ep <= 1:
+        return 0.0
+    g = cluster.gpu
+    near, far = expert_link(cluster, ep, etp)
+    t_near = nbytes * (near - 1) / ep / (g.nvlink_gbps * 1e9)
+    t_far = nbytes * far / ep / (g.net_gbps * 1e9)
+    lat = (g.net_latency_us if far else g.nvlink_latency_us) * 1e-6
+    return max(t_near, t_far) + lat
+
+
+def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *, ep: int = 1,
+                  etp: int | None = None) -> dict:
+    """Seconds of the MLP part of one MoE layer on one rank (forward GEMMs, element-wise work,
+    all-to-all and expert-tensor-parallel communication per pass) -- see the module doc."""
+    g = cluster.gpu
+    peak = g.peak_tflops * 1e12
+    hbm = g.hbm_gbps * 1e9 * eff.hbm
+    etp = tp if etp is None else etp
+    s, b, h, k, E = model.seq, mbs, model.hidden, model.moe_topk, model.num_experts
+    x = b * s * h / tp
+    dense = (router_flops(model, mbs) + (mlp_flops(model, mbs, model.moe_shared_ffn) if model.moe_shared_ffn
+                                          else 0.0)) / tp / (peak * eff.gemm(x))
+    per_expert_tokens = etp * b * s * k * ep / (tp * E)          # balanced routing
+    x_e = max(per_expert_tokens, 1.0) * h / etp
+    experts = mlp_flops(model, mbs, model.expert_ffn, k) / tp / (peak * eff.gemm(x_e))
+    tokens = b * s * k / tp                                        # token copies this rank dispatches
+    glu = 3 if model.gated_mlp else 2
+    # activation function over the experts' FFN, permute and unpermute (read + write each), probs
+    ew = 2.0 * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
+    if model.moe_shared_ffn:
+        ew += 2.0 * b * s * glu * model.moe_shared_ffn / tp / hbm
+    a2a = alltoall_time(2.0 * tokens * h, cluster, ep, etp)
+    bw, lat = tp_bandwidth(cluster, etp)
+    etp_comm = 2 * _collective(2.0 * tokens * h * etp, etp, bw, lat, 1.0)   # all-gather + reduce-scatter
+    shared_comm = 0.0
+    if model.moe_shared_ffn:
+        bw, lat = tp_bandwidth(cluster, tp)
+        shared_comm = 2 * _collective(2.0 * b * s * h, tp, bw, lat, 1.0)
+    return {"gemm": dense + experts, "expert_gemm": experts, "elementwise": ew, "alltoall": 2 * a2a,
+            "etp_comm": etp_comm, "shared_tp_comm": shared_comm}
+
+
 def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
-                recompute: str = "none", sequence_parallel: bool = True) -> PassTimes:
-    """F, B, W of one transformer layer for one microbatch on one tp rank."""
+                recompute: str = "none", sequence_parallel: bool = True, moe: bool = False, ep: int = 1,
+                etp: int | None = None) -> PassTimes:
+    """F, B, W of one transformer layer (an MoE layer with ``moe``) for one microbatch on one
+    rank."""
     g = cluster.gpu
     peak = g.peak_tflops * 1e12
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h, a = model.seq, mbs, model.hidden, model.heads
     x = b * s * h / tp
-    t_lin = linear_flops(model, mbs) / tp / (peak * eff.gemm(x))
     over = eff.layer_overhead_us * 1e-6
-    # element-wise traffic (bf16): norms, residual adds, dropouts, bias adds, activation function
-    act_elems = model.ffn * (3 if model.gated_mlp else 2)
     tokens = b * s / (tp if sequence_parallel else 1)
-    ew_f = 2.0 * tokens * (16 * h) / hbm + 2.0 * b * s * act_elems / tp / hbm
+    bw, lat = tp_bandwidth(cluster, tp)
+    act_bytes = 2.0 * b * s * h
+    if moe:
+        mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp)
+        t_lin = attention_linear_flops(model, mbs) / tp / (peak * eff.gemm(x)) + mt["gemm"]
+        ew_f = 2.0 * tokens * (16 * h) / hbm + mt["elementwise"]
+        # attention's 1 all-gather + 1 reduce-scatter; the shared expert's; the expert-tp ones
+        comm = (_collective(act_bytes, tp, bw, lat, 1.0) * 2 + mt["shared_tp_comm"] + mt["etp_comm"]) \
+            * (1.0 - eff.tp_overlap)
+        a2a = mt["alltoall"]
+    else:
+        t_lin = linear_flops(model, mbs) / tp / (peak * eff.gemm(x))
+        # element-wise traffic (bf16): norms, residual adds, dropouts, bias adds, activation function
+        act_elems = model.ffn * (3 if model.gated_mlp else 2)
+        ew_f = 2.0 * tokens * (16 * h) / hbm + 2.0 * b * s * act_elems / tp / hbm
+        comm = _collective(act_bytes, tp, bw, lat, 1.0) * 4 * (1.0 - eff.tp_overlap)   # 2 AG + 2 RS
+        a2a = 0.0
     ew_b = 2.0 * ew_f
     if model.flash_attention:
         af = attention_flops(model, mbs) / 2 / tp        # causal: half of the blocks
@@ -186,15 +289,12 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
         drop = 1 if model.dropout else 0
         attn_f = attention_flops(model, mbs) / tp / (peak * e) + (4 + 5 * drop) * scores / (hbm * e / eff.attn_bmm)
         attn_b = 2 * attention_flops(model, mbs) / tp / (peak * e) + (6 + 4 * drop) * scores / (hbm * e / eff.attn_bmm)
-    bw, lat = tp_bandwidth(cluster, tp)
-    act_bytes = 2.0 * b * s * h
-    comm = _collective(act_bytes, tp, bw, lat, 1.0) * 4 * (1.0 - eff.tp_overlap)   # 2 AG + 2 RS
-    f = t_lin + attn_f + ew_f + comm + over
+    f = t_lin + attn_f + ew_f + comm + a2a + over
     recomp = {"none": 0.0, "selective": 0.0 if model.flash_attention else attn_f, "full": f}[recompute]
-    bwd = t_lin + attn_b + ew_b + comm + over + recomp
+    bwd = t_lin + attn_b + ew_b + comm + a2a + over + recomp
     w = t_lin + over
     detail = {"gemm_f": t_lin, "attention_f": attn_f, "attention_b": attn_b, "elementwise_f": ew_f,
-              "tp_comm_f": comm, "recompute": recomp, "overhead": over}
+              "tp_comm_f": comm, "alltoall_f": a2a, "recompute": recomp, "overhead": over}
     return PassTimes(f, bwd, w, detail)
 
 
@@ -243,29 +343,40 @@ def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int,
     return nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
 
 
-def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
-             distributed_optimizer: bool) -> tuple[float, float]:
-    """(gradient reduction, parameter all-gather) seconds for ``num_params`` parameters of one
-    rank: reduce-scatter of fp32 grads + all-gather of bf16 params with the distributed
-    optimizer, one all-reduce of fp32 grads without it."""
-    if dp <= 1:
-        return 0.0, 0.0
+def _dp_link(cluster: ClusterSpec, tp: int, dp: int) -> tuple[float, float]:
     g = cluster.gpu
     if tp * dp <= cluster.gpus_per_node:
-        bw, lat = g.nvlink_gbps, g.nvlink_latency_us
-    else:
-        bw, lat = g.net_gbps, g.net_latency_us
-    grads = 4.0 * num_params
-    if distributed_optimizer:
-        return _collective(grads, dp, bw, lat, 1.0), _collective(2.0 * num_params, dp, bw, lat, 1.0)
-    return _collective(grads, dp, bw, lat, 2.0), 0.0
+        return g.nvlink_gbps, g.nvlink_latency_us
+    return g.net_gbps, g.net_latency_us
+
+
+def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
+             distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds for ``num_params`` parameters of one
+    rank: reduce-scatter of fp32 grads + all-gather of bf16 params with the distributed
+    optimizer, one all-reduce of fp32 grads without it. ``expert_params`` of them (the expert
+    buffer of ep > 1) go over the expert data-parallel group of ``edp`` ranks instead."""
+    bw, lat = _dp_link(cluster, tp, dp)   # a dp or edp group spans the same tp*dp ranks of a stage
+    out = [0.0, 0.0]
+    for n, ranks in ((num_params - expert_params, dp), (expert_params, edp)):
+        if ranks <= 1 or n <= 0:
+            continue
+        if distributed_optimizer:
+            out[0] += _collective(4.0 * n, ranks, bw, lat, 1.0)
+            out[1] += _collective(2.0 * n, ranks, bw, lat, 1.0)
+        else:
+            out[0] += _collective(4.0 * n, ranks, bw, lat, 2.0)
+    return out[0], out[1]
 
 
 def optimizer_time(num_params: float, cluster: ClusterSpec, eff: Efficiency, dp: int, *,
-                   distributed_optimizer: bool) -> float:
+                   distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1) -> float:
     """Adam step (memory-bound): ~30 bytes of fp32 state traffic per parameter of the shard,
-    plus the gradient-norm pass."""
-    shard = num_params / (dp if distributed_optimizer else 1)
+    plus the gradient-norm pass. The expert buffer's shard is 1/edp of ``expert_params``."""
+    if distributed_optimizer:
+        shard = (num_params - expert_params) / dp + expert_params / max(1, edp)
+    else:
+        shard = num_params
     return (30.0 * shard + 4.0 * num_params) / (cluster.gpu.hbm_gbps * 1e9 * eff.hbm)
 
 
@@ -370,7 +481,8 @@ def _num(entry: dict, name: str, path: str, default: float | None = None) -> flo
     return _finite(entry[name], name, path)
 
 
-__all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_flops",
+__all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_linear_flops",
+           "mlp_flops", "router_flops", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
            "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times",
            "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
            "load_calibration"]

@@ -45,6 +45,25 @@ def configure(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag}", type=int_at_least(1, 8), metavar="N", help=what)
     g.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="fused (flash) attention, no s^2 activations (default: on)")
+    g.add_argument("--kv-channels", type=int_at_least(1, 128), metavar="N",
+                   help="head size, when heads x head size != hidden (Megatron-LM --kv-channels)")
+    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None,
+                   help="a norm on queries and keys (Megatron-LM --qk-layernorm)")
+    e = p.add_argument_group("mixture of experts (Megatron-LM's flag names; they make or change an MoE model)")
+    e.add_argument("--num-experts", type=int_at_least(1, 8), metavar="N", help="routed experts per MoE layer")
+    e.add_argument("--moe-router-topk", type=int_at_least(1, 2), metavar="K", help="experts per token (default 2)")
+    e.add_argument("--moe-ffn-hidden-size", type=int_at_least(1, 1408), metavar="N",
+                   help="FFN size of one expert (default: --ffn)")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int_at_least(0, 2048), metavar="N",
+                   help="FFN size of the shared expert(s) (default 0: none)")
+    e.add_argument("--moe-layer-freq", metavar="N|PATTERN",
+                   help="every N-th layer is MoE (default 1: all), or a 0/1 pattern such as '([0]*3+[1]*58)'")
+    e.add_argument("--moe-aux-loss-coeff", type=float, metavar="C", help="load-balancing loss coefficient")
+    e.add_argument("--moe-router-load-balancing-type", metavar="T",
+                   help="aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (default aux_loss)")
+    e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), help="default softmax")
+    e.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="aux-loss-free balancing bias (needs the sigmoid score function)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int_at_least(1, 64), metavar="N", help="number of GPUs")
     c.add_argument("--nodes", type=int_at_least(1, 8), metavar="N", help="number of nodes (instead of --gpus)")
@@ -67,6 +86,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tp", type=_int_list("--tp"), metavar="1,2,..", help="tensor-parallel sizes to try")
     s.add_argument("--pp", type=_int_list("--pp"), metavar="1,2,..", help="pipeline-parallel sizes to try")
     s.add_argument("--mbs", type=_int_list("--mbs"), metavar="1,2,..", help="microbatch sizes to try")
+    s.add_argument("--ep", type=_int_list("--ep"), metavar="1,2,..",
+                   help="expert parallel sizes to try (MoE; default: every divisor of the experts that fits)")
+    s.add_argument("--etp", type=_int_list("--etp"), metavar="1,2,..",
+                   help="expert tensor-parallel sizes to try (MoE; default: tp and 1)")
+    s.add_argument("--uneven-layers", choices=("auto", "on", "off"), default="auto",
+                   help="also try stage counts that do not divide the layers (an uneven split); auto: only when no "
+                        "pipeline size divides them (default)")
     s.add_argument("--max-vp", type=int_at_least(1, 4), default=4, metavar="V",
                    help="largest interleaved chunk count tried (default: 4)")
     s.add_argument("--recompute", type=_names, default=("none", "selective", "full"), metavar="A,B",
@@ -88,6 +114,24 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="skip the comparison with the best Megatron 1F1B/interleaved plan")
 
 
+_MOE_FIELDS = (("num_experts", "num_experts"), ("moe_router_topk", "moe_topk"), ("moe_ffn_hidden_size", "moe_ffn"),
+               ("moe_shared_expert_intermediate_size", "moe_shared_ffn"), ("moe_aux_loss_coeff", "moe_aux_loss_coeff"),
+               ("moe_router_load_balancing_type", "moe_load_balancing"),
+               ("moe_router_score_function", "moe_score_function"),
+               ("moe_router_enable_expert_bias", "moe_expert_bias"), ("kv_channels", "kv_channels"),
+               ("qk_layernorm", "qk_norm"))
+
+
+def _moe_changes(args) -> dict:
+    """ModelSpec fields set by the MoE / attention-shape flags that were given."""
+    from ...planner.presets import parse_moe_layer_freq
+
+    out = {field: getattr(args, flag) for flag, field in _MOE_FIELDS if getattr(args, flag) is not None}
+    if args.moe_layer_freq is not None:
+        out["moe_layer_freq"] = parse_moe_layer_freq(args.moe_layer_freq)
+    return out
+
+
 def build_request(args):
     """The :class:`PlanRequest` of the parsed flags (errors name the flag)."""
     from ...planner import PlanRequest, PlannerError, get_model, load_calibration, make_cluster, default_efficiency
@@ -96,6 +140,7 @@ def build_request(args):
     explicit = {k: getattr(args, k.replace("-", "_")) for k in ("layers", "hidden", "heads", "kv-heads", "ffn",
                                                                  "vocab", "seq")}
     try:
+        moe = _moe_changes(args)
         if args.model:
             model = get_model(args.model)
             changes = {f: v for f, v in (("num_layers", explicit["layers"]), ("hidden", explicit["hidden"]),
@@ -106,6 +151,7 @@ def build_request(args):
                 changes["kv_heads"] = explicit["heads"]
             if args.arch:
                 changes.update(_ARCH[args.arch])
+            changes.update(moe)
             if changes:
                 model = model.with_(name=f"{model.name}*", **changes)
         else:
@@ -117,7 +163,7 @@ def build_request(args):
             ffn = explicit["ffn"] or (4 * h if not arch["gated_mlp"] else int(8 * h / 3 + 255) // 256 * 256)
             model = ModelSpec("custom", explicit["layers"], h, explicit["heads"],
                               explicit["kv-heads"] or explicit["heads"], ffn, explicit["vocab"] or 50257,
-                              explicit["seq"] or 2048, **arch)
+                              explicit["seq"] or 2048, **arch, **moe)
         if args.flash_attention is not None:
             model = model.with_(flash_attention=args.flash_attention)
         if args.gpus is None and args.nodes is None:
@@ -131,9 +177,11 @@ def build_request(args):
         features = None
         if args.features is not None:
             features = () if args.features == ("none",) else args.features
+        uneven = {"auto": None, "on": True, "off": False}[args.uneven_layers]
         return PlanRequest(model, cluster, args.global_batch_size, efficiency=eff, schedules=args.schedules,
                            features=features, require_features=args.require_features, tp=args.tp, pp=args.pp,
-                           mbs=args.mbs, max_vp=args.max_vp, recompute=args.recompute, budgets=args.budgets,
+                           mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven, max_vp=args.max_vp,
+                           recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
                            time_limit=args.time_limit)
     except PlannerError as e:
