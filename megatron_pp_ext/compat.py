@@ -43,6 +43,9 @@ loss on ``is_pp_last_stage(pg_collection.pp)``  LM 0.19   :func:`lm_sites` (``tr
 ``megatron.core.utils``, keyword API
 checkpoint writer's result queue renamed     core 0.19   :func:`names_of` (the CPU layer patches it)
 ``get_write_results_queue``
+MoE router's gating GEMM reads                core 0.16   :func:`moe_without_te`: defines the name as
+``te_general_gemm``, defined only when                    None where it is missing (the router then
+Transformer Engine imports (NameError)                    runs its torch GEMM, as intended)
 NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
 (was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
 ============================================  ==========  ============================================
@@ -65,7 +68,7 @@ from typing import Any, Callable
 __all__ = [
     "SUPPORTED", "SUPPORTED_TEXT", "PIP_REQUIREMENT", "MEGATRON_LM_TAGS", "UnsupportedMegatronError",
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
-    "backward_step", "bind_linear_call", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
+    "backward_step", "bind_linear_call", "moe_without_te", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -351,6 +354,15 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     if takes:
         return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def moe_without_te() -> None:
+    """Let Megatron-Core's MoE router run without Transformer Engine: its gating function tests
+    ``te_general_gemm is not None``, a name its module defines only when TE imports (a NameError
+    on CPU); define it as None where it is missing (idempotent; nothing changes where TE is)."""
+    from megatron.core.transformer.moe import moe_utils
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
 
 
 class LinearCallError(RuntimeError):

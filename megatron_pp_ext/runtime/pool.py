@@ -81,7 +81,8 @@ class PoolTimeout(TimeoutError):
 
 
 def reset_megatron_state() -> None:
-    """Forget Megatron-Core's process-global state (groups, RNG tracker, global buffers)."""
+    """Forget Megatron-Core's process-global state (groups, RNG tracker, global buffers, the MoE
+    aux-loss tracker and scale)."""
     try:
         from megatron.core import parallel_state
     except ImportError:  # pragma: no cover
@@ -100,6 +101,12 @@ def reset_megatron_state() -> None:
     try:
         from megatron.core import num_microbatches_calculator as nmc
         nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    except Exception:
+        pass
+    try:  # MoE: the aux-loss logging tracker (it holds process groups) and the aux-loss scale
+        from megatron.core.transformer.moe import moe_utils
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     except Exception:
         pass
 
