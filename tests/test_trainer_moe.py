@@ -40,6 +40,7 @@ MOE = ["--model", "llama", "--num-experts", "4", "--pp", "2", "--layers", "4"]
     (["--num-experts", "4", "--pp", "2", "--layers", "4", "--nproc", "4", "--expert-model-parallel-size", "2",
       "--reference-iters", "2"], "--reference-iters with --num-experts and --model gpt"),
     (MOE + ["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
+    (MOE + ["--save", "ckpt"], "--save with --num-experts: checkpoints of mixture-of-experts models are not"),
 ])
 def test_bad_moe_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):  # noqa: F811
     err = train_error(capsys, *argv)
@@ -97,3 +98,16 @@ def test_train_moe_end_to_end(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"] == 0 and summary["config"]["expert_model_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("feature", [["--enable-vocab-parallel"], ["--activation-offload", "full"],
+                                     ["--bpipe", "--schedule", "1f1b"]], ids=["vocab", "offload", "bpipe"])
+def test_train_moe_with_features(tmp_path, feature):
+    """The features' flags on the same MoE run (ep=2, zbv unless given): it trains and agrees with the
+    one-process pp=1 run without the feature (within the dp/ep/vocabulary-shard rounding tolerance)."""
+    r = _mppx(*MOE, "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall",
+              "--expert-model-parallel-size", "2", "--nproc", "4", "--schedule", "zbv", "--iters", "2",
+              "--profile-iters", "0", *feature, "--out", "out", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("pp=1 reference")][0]
+    assert "2 iterations" in line and (line.endswith("bit-exact match") or ": match: max relative difference" in line)

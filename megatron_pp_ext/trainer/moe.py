@@ -162,6 +162,10 @@ def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
                     "--model llama (no biases, as Mixtral / Qwen-MoE) or change them")
     if tp > 1 and not c.sequence_parallel:
         return f"--num-experts with --tp {tp} needs --sequence-parallel, as in Megatron-LM; add it"
+    for flag, value in (("--save", c.save), ("--load", c.load)):
+        if value is not None:   # (a one-process reference cannot load the chained expert optimizer state)
+            return (f"{flag} with --num-experts: checkpoints of mixture-of-experts models are not supported by "
+                    f"mppx train yet; drop {flag}")
     if c.transformer_impl == "transformer_engine":
         return ("--num-experts runs with Megatron-Core's local layer spec (SequentialMLP experts) here; use "
                 "--transformer-impl local")
