@@ -315,7 +315,9 @@ def compare_losses(losses: list[float], ref: list[float], plan) -> dict:
     elif exact:
         verdict, ok = "bit-exact match", True
     elif worst <= RTOL:
-        why = " (tp/dp change the order of floating-point reductions)" if (c.tp > 1 or plan.dp > 1) else ""
+        ep = getattr(c, "expert_model_parallel_size", 1) > 1
+        why = (f" (tp/dp{'/ep' if ep else ''} change the order of floating-point reductions)"
+               if (c.tp > 1 or plan.dp > 1) else "")
         verdict, ok = f"match: max relative difference {worst:.1e} <= {RTOL:g}{why}", True
     else:
         verdict, ok = f"MISMATCH: max relative difference {worst:.1e} > {RTOL:g}", False
