@@ -103,10 +103,9 @@ def reset_megatron_state() -> None:
         nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
     except Exception:
         pass
-    try:  # MoE: the aux-loss logging tracker (it holds process groups) and the aux-loss scale
-        from megatron.core.transformer.moe import moe_utils
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
-        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:  # MoE: the aux-loss metrics (sized for one model, holding its process groups), the scale
+        from ..compat import reset_moe_metrics
+        reset_moe_metrics()
     except Exception:
         pass
 

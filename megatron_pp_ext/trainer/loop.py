@@ -286,10 +286,10 @@ def _tracks_aux_loss(c) -> bool:
 def _aux_loss_sum() -> float:
     """This rank's load-balancing loss of the iteration (Megatron-Core's aux-loss tracker: the
     unweighted loss of each MoE layer, summed over the microbatches), then the tracker cleared."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-    value = float(entry["values"].sum()) if entry is not None else 0.0
-    clear_aux_losses_tracker()
+    from ..compat import clear_moe_metrics, moe_metric_values
+    values = moe_metric_values("load_balancing_loss")
+    value = float(values.sum()) if values is not None else 0.0
+    clear_moe_metrics()
     return value
 
 
