@@ -370,7 +370,7 @@ def moe_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _moe_metrics_tracker():
+def _moe_metrics_tracker() -> Any:
     """Megatron-Core's MoE metrics tracker object (core 0.19), or None (the module dict of older
     releases)."""
     try:
@@ -380,7 +380,7 @@ def _moe_metrics_tracker():
     return moe_logging.get_moe_metrics_tracker()
 
 
-def moe_metric_values(name: str = "load_balancing_loss"):
+def moe_metric_values(name: str = "load_balancing_loss") -> Any:
     """The per-layer values (a tensor, summed over the forwards since the last clear) that the MoE
     router recorded under ``name`` on this rank, or None if it recorded none."""
     tracker = _moe_metrics_tracker()

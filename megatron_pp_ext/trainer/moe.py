@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["add_moe_arguments", "moe_from_args", "check_moe", "parse_layer_freq", "moe_spec_fields",
            "MOE_FLAG_DEFAULTS"]
@@ -66,7 +66,8 @@ def parse_layer_freq(text: str) -> int | tuple[int, ...]:
     return tuple(value)
 
 
-def add_moe_arguments(parser: argparse.ArgumentParser, whole, number) -> None:
+def add_moe_arguments(parser: argparse.ArgumentParser, whole: Callable[[str], int],
+                      number: Callable[[str], float]) -> None:
     """The flag group "mixture of experts" (``whole`` / ``number``: the argparse types)."""
     g = parser.add_argument_group("mixture of experts (Megatron-LM's flags)")
     g.add_argument("--num-experts", type=whole, default=None, metavar="E",

@@ -99,6 +99,14 @@ def test_moe_tp2_sequence_parallel_matches_pp1(runs, schedule, ep, etp):
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_moe_per_token_loss_matches_pp1(runs, schedule):
+    """``calculate_per_token_loss`` (the aux loss is then scaled by the microbatch's tokens in the
+    router and the aux-loss scale is the loss scale itself): bit-exact as well."""
+    cfg = moe_config("llama", schedule=schedule, ep=2, loss="per_token_global")
+    _check(runs, cfg, f"{schedule} per-token loss")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_expert_weight_gradients_run_in_w(pool, schedule):
     """Every routed and shared expert's fc1/fc2 weight gradient is computed in a W op, once per
     microbatch (experts that got no token included); none in B; the router is not split."""
