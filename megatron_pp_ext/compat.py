@@ -43,6 +43,13 @@ loss on ``is_pp_last_stage(pg_collection.pp)``  LM 0.19   :func:`lm_sites` (``tr
 ``megatron.core.utils``, keyword API
 checkpoint writer's result queue renamed     core 0.19   :func:`names_of` (the CPU layer patches it)
 ``get_write_results_queue``
+MoE router's gating GEMM reads                core 0.16   :func:`moe_without_te`: defines the name as
+``te_general_gemm``, defined only when                    None where it is missing (the router then
+Transformer Engine imports (NameError)                    runs its torch GEMM, as intended)
+MoE aux-loss tracker: a module dict           core 0.19   :func:`moe_metric_values`,
+(``get_moe_layer_wise_logging_tracker``)                  :func:`clear_moe_metrics`,
+became ``moe_logging.MoEMetricsTracker``                  :func:`reset_moe_metrics` (the legacy getter
+                                                          returns a fresh copy there)
 NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
 (was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
 ============================================  ==========  ============================================
@@ -65,7 +72,8 @@ from typing import Any, Callable
 __all__ = [
     "SUPPORTED", "SUPPORTED_TEXT", "PIP_REQUIREMENT", "MEGATRON_LM_TAGS", "UnsupportedMegatronError",
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
-    "backward_step", "bind_linear_call", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
+    "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
+    "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -351,6 +359,66 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     if takes:
         return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def moe_without_te() -> None:
+    """Let Megatron-Core's MoE router run without Transformer Engine: its gating function tests
+    ``te_general_gemm is not None``, a name its module defines only when TE imports (a NameError
+    on CPU); define it as None where it is missing (idempotent; nothing changes where TE is)."""
+    from megatron.core.transformer.moe import moe_utils
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+
+
+def _moe_metrics_tracker() -> Any:
+    """Megatron-Core's MoE metrics tracker object (core 0.19), or None (the module dict of older
+    releases)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:
+        return None
+    return moe_logging.get_moe_metrics_tracker()
+
+
+def moe_metric_values(name: str = "load_balancing_loss") -> Any:
+    """The per-layer values (a tensor, summed over the forwards since the last clear) that the MoE
+    router recorded under ``name`` on this rank, or None if it recorded none."""
+    tracker = _moe_metrics_tracker()
+    if tracker is not None:
+        entry = tracker.metrics.get(name)
+        return None if entry is None else entry.values
+    from megatron.core.transformer.moe import moe_utils
+    entry = moe_utils.get_moe_layer_wise_logging_tracker().get(name)
+    return None if entry is None else entry["values"]
+
+
+def clear_moe_metrics() -> None:
+    """Zero the MoE router's recorded values (what Megatron-LM does after logging them)."""
+    tracker = _moe_metrics_tracker()
+    if tracker is not None:
+        tracker.clear()
+        return
+    from megatron.core.transformer.moe import moe_utils
+    for entry in moe_utils.get_moe_layer_wise_logging_tracker().values():
+        entry["values"].zero_()
+
+
+def reset_moe_metrics() -> None:
+    """Forget every MoE metric entry (their sizes are the number of layers of the model that made
+    them, and they hold its process groups) and the aux-loss scale: between runs in one process."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 class LinearCallError(RuntimeError):

@@ -107,3 +107,27 @@ def test_backward_step_follows_the_signature(monkeypatch):
     monkeypatch.setattr(schedules, "backward_step", lambda i, o, g, model_type, config: seen.append((model_type, config)))
     compat.backward_step(1, 2, 3, "mt", "cfg")
     assert seen[-1] == ("mt", "cfg")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_moe_metrics_read_clear_and_reset():
+    """The MoE aux-loss tracker (a module dict before core 0.19, a tracker object since): read, zero
+    after logging, forget between runs; and the router's gating runs without Transformer Engine."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    compat.reset_moe_metrics()
+    assert compat.moe_metric_values("load_balancing_loss") is None
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.5), 2, 3)
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), 2, 3)
+    assert compat.moe_metric_values("load_balancing_loss").tolist() == [0.0, 2.0, 0.0]
+    compat.clear_moe_metrics()
+    assert compat.moe_metric_values("load_balancing_loss").tolist() == [0.0, 0.0, 0.0]
+    moe_utils.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.25))
+    compat.reset_moe_metrics()
+    assert compat.moe_metric_values("load_balancing_loss") is None
+    assert moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale is None
+    compat.moe_without_te()
+    x, w = torch.randn(3, 4), torch.randn(2, 4)
+    assert torch.equal(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())

@@ -17,12 +17,16 @@ the CPU, as scoped and reversible patches:
 * Megatron-Core's torch norm (``WrappedTorchNorm``, what its local layer spec uses without
   apex) builds the same torch LayerNorm / RMSNorm but tags its weights ``sequence_parallel``
   instead of refusing sequence parallelism, so SP runs on a CPU;
+* Megatron-Core's MoE host copy (``maybe_move_tensor_to_cpu``) turns a CPU tensor asked for as a
+  numpy array into one, as it does a CUDA tensor (the all-to-all token dispatcher's split sizes);
 * the distributed optimizer's "fully_reshardable" checkpoint load keeps torch Adam's
   per-parameter ``step`` (Megatron-Core assumes apex's or TE's Adam, which has none);
 * ``torch.cuda.current_device`` returns ``torch.device("cpu")``; ``torch.cuda.synchronize``
-  and ``torch.cuda.empty_cache`` are no-ops; ``torch.cuda.current_stream()`` is a synchronous
-  stand-in whose waits are no-ops (megatron-core 0.19's ``start_grad_sync`` asks for it
-  unconditionally);
+  and ``torch.cuda.empty_cache`` are no-ops; ``torch.cuda.current_stream()`` and
+  ``torch.cuda.Stream()`` are synchronous stand-ins whose waits are no-ops and whose recorded
+  events are complete, ``torch.cuda.stream(s)`` switches nothing (megatron-core 0.19's
+  ``start_grad_sync`` asks for the current stream unconditionally; the MoE all-to-all token
+  dispatcher copies its split sizes to the host on a side stream);
 * the "CUDA" RNG (``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``) is the CPU default
   generator, so forking the model-parallel RNG tracker really changes the RNG that CPU
@@ -112,13 +116,44 @@ class CpuStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return CpuEvent() if event is None else event
 
     def synchronize(self) -> None:
         pass
 
     def query(self) -> bool:
         return True
+
+
+class CpuEvent:
+    """Stands in for a ``torch.cuda.Event`` recorded on a :class:`CpuStream`: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+def _cpu_stream_context(stream: Any = None):
+    """``torch.cuda.stream(s)`` for a :class:`CpuStream`: nothing to switch."""
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _host_copy(orig):
+    """Megatron-Core's ``maybe_move_tensor_to_cpu``: copies a CUDA tensor to the host (as a numpy
+    array with ``as_numpy``) and leaves a CPU tensor as it is, so on a CPU the all-to-all token
+    dispatcher's split sizes stayed tensors, which ``all_to_all_single`` does not take as sizes.
+    Here a CPU tensor asked for ``as_numpy`` becomes the numpy array a GPU run would have."""
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return move
 
 
 def _sequence_parallel_torch_norm(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
@@ -201,6 +236,10 @@ class CpuCompat:
         self._patch(cuda, "synchronize", lambda *a, **k: None)
         self._patch(cuda, "empty_cache", lambda *a, **k: None)
         self._patch(cuda, "current_stream", lambda *a, **k: CpuStream())
+        # Megatron-Core's all-to-all token dispatcher makes a side stream for its device-to-host
+        # copies of the split sizes and synchronises on an event recorded there
+        self._patch(cuda, "Stream", CpuStream)
+        self._patch(cuda, "stream", _cpu_stream_context)
         self._patch(cuda, "get_rng_state", _cpu_get_rng_state)
         self._patch(cuda, "set_rng_state", _cpu_set_rng_state)
         self._patch(cuda, "manual_seed", _cpu_manual_seed)
@@ -225,6 +264,13 @@ class CpuCompat:
             torch_norm = None
         if torch_norm is not None and hasattr(torch_norm, "WrappedTorchNorm"):
             self._patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_torch_norm))
+        try:
+            from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        except ImportError:  # pragma: no cover
+            moe_utils = token_dispatcher = None
+        for mod in (moe_utils, token_dispatcher):
+            if mod is not None and hasattr(mod, "maybe_move_tensor_to_cpu"):
+                self._patch(mod, "maybe_move_tensor_to_cpu", _host_copy(mod.maybe_move_tensor_to_cpu))
         try:
             from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         except ImportError:  # pragma: no cover

@@ -29,7 +29,7 @@ from .tied import tied_pairs, v_embedding_ranks, with_tied_sum
 from .model import (ModelSpec, build_model_chunks, global_named_parameters, make_config, param_meta,
                     unshard, wrap_ddp)
 
-__all__ = ["RunConfig", "Training", "setup_training", "run_training", "merge_results", "compare_records", "rel_error", "make_batch",
+__all__ = ["RunConfig", "Training", "setup_training", "check_expert_layout", "run_training", "merge_results", "compare_records", "rel_error", "make_batch",
            "forward_step", "ParityMismatch"]
 
 
@@ -48,6 +48,10 @@ class RunConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    #: expert model parallel size (MoE): experts split over ``ep`` ranks of the tp x dp ranks of a stage
+    ep: int = 1
+    #: expert tensor parallel size (MoE; None: tp, as Megatron-LM's default); 1 or tp here
+    etp: int | None = None
     schedule: Any = None
     chunks: int = 1
     memory_budget: float | str | None = None
@@ -103,6 +107,10 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
@@ -192,6 +200,39 @@ def optimizer_config(cfg: RunConfig):
                            overlap_param_gather=cfg.overlap_param_gather)
 
 
+def check_expert_layout(cfg: RunConfig) -> None:
+    """Refuse expert-parallel layouts Megatron-Core cannot build (one line, naming the fields).
+
+    Megatron-Core's rule: the ranks of one pipeline stage (tp x dp) split into expert tensor
+    parallel x expert parallel x expert data parallel groups, so ``etp * ep`` must divide
+    ``tp * dp``; ``num_experts`` must be a multiple of ``ep``. Here ``etp`` is 1 or tp."""
+    spec = cfg.spec
+    if not spec.is_moe:
+        if cfg.ep != 1 or cfg.etp not in (None, 1, cfg.tp):
+            raise ValueError(f"expert parallelism (ep={cfg.ep}, etp={cfg.etp}) needs a mixture-of-experts "
+                             "model: set ModelSpec.num_experts")
+        return
+    etp = cfg.expert_tp
+    if cfg.ep < 1:
+        raise ValueError(f"ep={cfg.ep}: the expert model parallel size must be >= 1")
+    if etp not in (1, cfg.tp):
+        raise ValueError(f"etp={etp}: the expert tensor parallel size must be 1 or tp={cfg.tp} here")
+    if (cfg.tp * cfg.dp) % (etp * cfg.ep):
+        raise ValueError(f"ep={cfg.ep} x etp={etp} must divide tp x dp = {cfg.tp * cfg.dp} (the ranks of one "
+                         "pipeline stage), as in Megatron-Core")
+    if spec.num_experts % cfg.ep:
+        raise ValueError(f"num_experts={spec.num_experts} must be a multiple of ep={cfg.ep}")
+    if spec.variant == "gpt" and (etp > 1 or cfg.ep == 1):
+        # (etp > 1: TransformerConfig refuses expert biases; ep = etp = 1: the expert MLP adds its bias
+        # in place to the view its row-parallel layer's reduction returns, which autograd forbids)
+        raise ValueError(f"the gpt variant's MoE layers (expert biases) run in Megatron-Core only with expert "
+                         f"parallel size >= 2 and expert tensor parallel size 1 (here ep={cfg.ep}, etp={etp}): "
+                         "use the llama variant (no biases) or ep >= 2 with etp=1")
+    if cfg.tp > 1 and not cfg.sequence_parallel:
+        raise ValueError(f"MoE at tp={cfg.tp} needs sequence parallelism (Megatron-Core refuses MoE training with "
+                         "tensor parallelism without it)")
+
+
 def _placement(cfg: RunConfig):
     from ..schedule import loop_placement, v_placement
     if cfg.schedule is None:
@@ -261,6 +302,7 @@ def setup_training(cfg: RunConfig) -> Training:
 
     if dist.get_world_size() != cfg.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {cfg.world_size}")
+    check_expert_layout(cfg)
     placement = _placement(cfg)
     v = len(placement) // cfg.pp
     # (the default group is gloo already on CPU: no extra gloo copies of the dp groups)
@@ -270,6 +312,7 @@ def setup_training(cfg: RunConfig) -> Training:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=v if v > 1 else None,
+        expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=cfg.expert_tp,
         create_gloo_process_groups=not gloo_default, **extra_groups)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
@@ -286,7 +329,7 @@ def setup_training(cfg: RunConfig) -> Training:
     overrides.update(recompute_overrides(cfg))
     overrides.update(precision_overrides(cfg.precision))
     config = make_config(cfg.spec, tp=cfg.tp, pp=cfg.pp, placement=placement if cfg.pp > 1 else None,
-                         **overrides)
+                         ep=cfg.ep, etp=cfg.expert_tp, **overrides)
     chunks = build_model_chunks(cfg.spec, config, placement if cfg.pp > 1 else None, seed=cfg.seed)
     device = cfg.device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     if device == "cuda":  # Module.to keeps the Parameter objects and their Megatron attributes

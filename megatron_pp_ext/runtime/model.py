@@ -15,7 +15,10 @@ numbers* (checkpoint names, ``layer_number``) whatever the placement.
 Two model variants (:class:`ModelSpec`): ``gpt`` (learned absolute positions, LayerNorm,
 GeLU, biases) and ``llama`` (RoPE, RMSNorm, SwiGLU, grouped-query attention with fewer
 key/value heads, no biases). Both use Megatron-Core's local layer spec
-(``get_gpt_layer_local_spec``), which needs neither Transformer Engine nor apex.
+(``get_gpt_layer_local_spec``), which needs neither Transformer Engine nor apex. With
+``num_experts`` set, the layers that ``moe_layer_freq`` picks are mixture-of-experts layers
+(Megatron-Core's ``MoELayer``: top-k router, SequentialMLP experts, optional shared experts),
+the others dense, as Megatron-Core's ``get_gpt_decoder_layer_specs`` decides.
 
 Initial weights depend only on the seed and on each parameter's *global* name (the chunk's
 ``decoder.layers.<i>`` renamed to the global layer index), and tensor-parallel shards are
@@ -34,8 +37,11 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+#: Megatron-Core's token dispatchers that run here (``flex`` needs DeepEP / HybridEP on GPUs)
+MOE_DISPATCHERS = ("allgather", "alltoall")
+
 __all__ = [
-    "ModelSpec", "StageLayerLayout", "split_layers", "make_config", "build_model_chunks",
+    "MOE_DISPATCHERS", "ModelSpec", "StageLayerLayout", "split_layers", "make_config", "build_model_chunks",
     "chunk_stages", "global_param_name", "global_named_parameters", "init_weights", "full_param",
     "shard_of", "unshard", "param_meta", "wrap_ddp", "replace_config",
 ]
@@ -59,12 +65,51 @@ class ModelSpec:
     #: "local" (Megatron-Core's local spec: ColumnParallelLinear/RowParallelLinear) or
     #: "transformer_engine" (the TE spec; GPU only, Transformer Engine installed)
     transformer_impl: str = "local"
+    #: mixture of experts (Megatron-LM's --num-experts ...): None for a dense model
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None            # default: ffn
+    moe_aux_loss_coeff: float = 0.0
+    #: an int N (every N-th layer, from layer 0, is MoE) or one 0/1 per layer (1: MoE)
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_token_dispatcher_type: str = "allgather"
 
     def __post_init__(self) -> None:
         if self.variant not in ("gpt", "llama"):
             raise ValueError(f"model variant {self.variant!r}: use 'gpt' or 'llama'")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"transformer_impl {self.transformer_impl!r}: use 'local' or 'transformer_engine'")
+        if self.num_experts is None:
+            return
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts {self.num_experts}: must be >= 1")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk}: must be between 1 and num_experts={self.num_experts}")
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r}: use one of {MOE_DISPATCHERS}")
+        if self.moe_shared_expert_intermediate_size is not None and self.variant == "gpt":
+            raise ValueError("shared experts (moe_shared_expert_intermediate_size) have no biases in Megatron-Core; "
+                             "use the llama variant (no biases)")
+        pattern = self.moe_pattern()
+        if len(pattern) != self.num_layers or any(v not in (0, 1) for v in pattern):
+            raise ValueError(f"moe_layer_freq {self.moe_layer_freq!r}: give an int >= 1 or {self.num_layers} "
+                             "entries of 0 (dense) / 1 (MoE)")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_pattern(self) -> tuple[int, ...]:
+        """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads ``moe_layer_freq``."""
+        if self.num_experts is None:
+            return (0,) * self.num_layers
+        f = self.moe_layer_freq
+        if isinstance(f, int):
+            if f < 1:
+                raise ValueError(f"moe_layer_freq {f}: must be >= 1")
+            return tuple(1 if i % f == 0 else 0 for i in range(self.num_layers))
+        return tuple(int(v) for v in f)
 
     @property
     def query_groups(self) -> int:
@@ -191,10 +236,11 @@ def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
 # --- config and model ----------------------------------------------------------------------
 
 def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequence[int] | None = None,
-                **overrides: Any):
+                ep: int = 1, etp: int | None = None, **overrides: Any):
     """A TransformerConfig for ``spec`` (fp32, no dropout, local kernels) on a tp x pp grid.
 
     With ``pp > 1`` a ``placement`` (stage -> rank) is required; the layout follows it.
+    ``ep`` / ``etp``: expert model / expert tensor parallel sizes (MoE; ``etp`` None: tp).
     ``overrides`` (and ``spec.config_overrides``) are passed on to TransformerConfig.
     """
     import torch.nn.functional as F
@@ -228,6 +274,17 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
     else:
         kw.update(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
                   add_bias_linear=True, layernorm_epsilon=1e-5)
+    if spec.is_moe:
+        kw.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
+                  moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn,
+                  moe_aux_loss_coeff=spec.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
+                  moe_layer_freq=(spec.moe_layer_freq if isinstance(spec.moe_layer_freq, int)
+                                  else list(spec.moe_pattern())),
+                  moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+                  moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp)
+    elif ep != 1:
+        raise ValueError(f"expert model parallel size {ep} needs a mixture-of-experts model (num_experts)")
     if pp > 1:
         if placement is None:
             raise ValueError("make_config: pp > 1 needs the stage placement")
@@ -249,6 +306,23 @@ def transformer_engine_available() -> bool:
     except Exception:  # ImportError, or a CUDA library that fails to load
         return False
     return True
+
+
+def _block_spec(spec: ModelSpec, layer_ids: Sequence[int]):
+    """The layer specs of one chunk of an MoE model: Megatron-Core's local spec with experts for
+    the layers ``spec.moe_pattern()`` marks, without for the others (what
+    ``get_gpt_decoder_layer_specs`` picks, sliced by the chunk's *global* layer ids)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+    if spec.transformer_impl != "local":
+        raise ValueError("mixture of experts (--num-experts) runs with the local layer spec here; use "
+                         "--transformer-impl local")
+    norm = "RMSNorm" if spec.variant == "llama" else "LayerNorm"
+    dense = get_gpt_layer_local_spec(normalization=norm)
+    moe = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=norm)
+    pattern = spec.moe_pattern()
+    return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in layer_ids],
+                                      layer_norm=LayerNormImpl)
 
 
 def _layer_spec(spec: ModelSpec):
@@ -282,9 +356,16 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if S > 1 else 0
     stages = chunk_stages(placement)[pp_rank]
     v = len(stages)
-    layer_spec = _layer_spec(spec)
+    if spec.is_moe:
+        from ..compat import moe_without_te
+        moe_without_te()
+    layer_spec = None if spec.is_moe else _layer_spec(spec)
+    counts = spec.stage_layers(S)
     chunks = []
     for c, s in enumerate(stages):
+        if spec.is_moe:
+            first = sum(counts[:s])
+            layer_spec = _block_spec(spec, range(first, first + counts[s]))
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -321,6 +402,7 @@ def tag_tensor_parallel(chunks) -> None:
 # --- names, deterministic init, tensor-parallel shards -------------------------------------
 
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def _unwrap(model):
@@ -338,8 +420,11 @@ def global_param_name(chunk, local_name: str) -> str:
     m = _LAYER_RE.search(name)
     if m:
         local = int(m.group(2))
-        layer_number = core.decoder.layers[local].layer_number  # 1-based, global
-        name = name[:m.start(2)] + str(layer_number - 1) + name[m.end(2):]
+        layer = core.decoder.layers[local]
+        e = _EXPERT_RE.search(name, m.end() - 1)
+        if e:  # expert i of this expert-parallel rank -> its global expert index
+            name = name[:e.start(1)] + str(layer.mlp.local_expert_indices[int(e.group(1))]) + name[e.end(1):]
+        name = name[:m.start(2)] + str(layer.layer_number - 1) + name[m.end(2):]  # (1-based, global)
     if name.startswith("output_layer.") and core.share_embeddings_and_output_weights and not core.pre_process:
         name = "embedding.word_embeddings." + name[len("output_layer."):]
     return name
@@ -378,6 +463,21 @@ def _partition_dims(chunks) -> dict[int, tuple[int, int]]:
                     if isinstance(p, torch.Tensor) and id(p) in dims:
                         dims[id(p)] = (dims[id(p)][0], 2)
     return dims
+
+
+def _expert_tp(chunks) -> dict[int, tuple[int, int]]:
+    """id(param) -> (size, rank) of the expert tensor-parallel group the expert linear layers
+    of an MoE model shard their weights over (``expert_tensor_parallel_size``, by default tp)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    out: dict[int, tuple[int, int]] = {}
+    for chunk in chunks:
+        for mod in _unwrap(chunk).modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and getattr(mod, "is_expert", False):
+                group = mod.tp_group
+                for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
+                    if isinstance(p, torch.Tensor):
+                        out[id(p)] = (group.size(), group.rank())
+    return out
 
 
 def _tp_info(param, dims: dict[int, tuple[int, int]]) -> tuple[int | None, int]:
@@ -443,7 +543,10 @@ def param_meta(chunks, spec: ModelSpec | None = None) -> dict[str, tuple[int | N
     """global name -> (tensor-parallel partition dim or None, partition stride) for :func:`unshard`
     (``unshard(shards, dim, stride)``)."""
     dims = _partition_dims(chunks)
-    return {n: _tp_info(p, dims) for n, p in global_named_parameters(chunks)}
+    expert = _expert_tp(chunks)
+    # (an expert weight whose expert tensor-parallel group is one rank is whole on every rank)
+    return {n: (None, 1) if expert.get(id(p), (0, 0))[0] == 1 else _tp_info(p, dims)
+            for n, p in global_named_parameters(chunks)}
 
 
 @torch.no_grad()
@@ -456,13 +559,15 @@ def init_weights(chunks, seed: int, spec: ModelSpec | None = None, *, full=None)
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
     dims = _partition_dims(chunks)
+    expert = _expert_tp(chunks)
     for name, p in global_named_parameters(chunks):
         dim, stride = _tp_info(p, dims)
+        size, rank = expert.get(id(p), (tp, tp_rank))
         shape = list(p.shape)
         if dim is not None:
-            shape[dim] *= tp
+            shape[dim] *= size
         value = full_fn(seed, name, shape)
-        p.copy_(shard_of(value, name, dim, tp, tp_rank, stride=stride))
+        p.copy_(shard_of(value, name, dim, size, rank, stride=stride))
 
 
 def wrap_ddp(chunks, config, **ddp_kwargs) -> list:

@@ -81,7 +81,8 @@ class PoolTimeout(TimeoutError):
 
 
 def reset_megatron_state() -> None:
-    """Forget Megatron-Core's process-global state (groups, RNG tracker, global buffers)."""
+    """Forget Megatron-Core's process-global state (groups, RNG tracker, global buffers, the MoE
+    aux-loss tracker and scale)."""
     try:
         from megatron.core import parallel_state
     except ImportError:  # pragma: no cover
@@ -100,6 +101,11 @@ def reset_megatron_state() -> None:
     try:
         from megatron.core import num_microbatches_calculator as nmc
         nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    except Exception:
+        pass
+    try:  # MoE: the aux-loss metrics (sized for one model, holding its process groups), the scale
+        from ..compat import reset_moe_metrics
+        reset_moe_metrics()
     except Exception:
         pass
 

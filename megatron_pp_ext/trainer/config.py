@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import TrainConfigError
+from .moe import add_moe_arguments, check_moe, moe_from_args, moe_spec_fields
 from .options import add_training_arguments, check_training_options, options_from_args, run_options
 
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
@@ -83,6 +84,16 @@ class TrainConfig:
     recompute_num_layers: int | None = None
     seed: int = 1234
     data_path: str | None = None
+    # mixture of experts (trainer/moe.py; Megatron-LM's flags)
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None   # None: --tp
     # run
     device: str = "auto"
     out: str = "mppx-train"
@@ -211,7 +222,7 @@ class Plan:
                          num_query_groups=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=c.vocab,
                          max_sequence_length=c.seq, tie_embeddings=c.tie_embeddings,
                          layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None,
-                         transformer_impl=self.transformer_impl)
+                         transformer_impl=self.transformer_impl, **moe_spec_fields(c))
 
     def _overrides(self) -> dict:
         d = self.cfg.dropout
@@ -230,6 +241,7 @@ class Plan:
                          memory_budget=self.memory_budget, costs=self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
+                         ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
                          config_overrides=self._overrides(), **run_options(c, tp=c.tp))
         if c.features:
             from .features import feature_run_config
@@ -442,6 +454,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     opt_errors, _ = check_training_options(c, tp=c.tp, layers_per_stage=lps)  # (--recompute-num-layers vs stages)
     if opt_errors:
         _fail(opt_errors[0])
+    moe_error = check_moe(c, tp=c.tp, dp=dp, layers=sum(lps), ffn=ffn)
+    if moe_error:
+        _fail(moe_error)
 
     # -- placement, schedule (validated now, with send/recv, as the workers will build it) -------
     from ..schedule import loop_placement, v_placement
@@ -533,6 +548,15 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                   f"too few left for a warm-up, {profile} profiled iterations and one more; use --profile-iters 0")
         profile = 0
     ref = min(left, 5) if c.reference_iters is None else min(c.reference_iters, left)
+    if c.num_experts is not None and c.model == "gpt" and ref:
+        # (the reference runs on one process, so at expert parallel size 1: see trainer/moe.py)
+        if c.reference_iters:
+            _fail("--reference-iters with --num-experts and --model gpt: the pp=1 reference runs on one process "
+                  "(expert parallel size 1), where Megatron-Core cannot run expert biases; use --reference-iters 0 "
+                  "or --model llama")
+        notes.append("no pp=1 reference: it would run on one process (expert parallel size 1), where Megatron-Core "
+                     "cannot run the gpt model's expert biases (--model llama can)")
+        ref = 0
     if emulation is not None:
         ref = 0  # (no loss is computed: nothing to compare; an explicit --reference-iters is refused above)
 
@@ -672,6 +696,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a tokenized corpus: Megatron indexed dataset PREFIX.bin/PREFIX.idx (default: "
                         "Megatron-Core's MockGPTDataset)")
     add_training_arguments(parser)  # precision, distributed optimizer, SP, clipping, recomputation
+    add_moe_arguments(parser, _int(1, 4), _float_pos)  # --num-experts, ... (trainer/moe.py)
     g = parser.add_argument_group("run and output")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); auto: cuda when there is a GPU "
@@ -722,7 +747,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
         profile_iters=args.profile_iters, emulate_compute=args.emulate_compute, iters=args.iters, lr=args.lr, **options_from_args(args),
-        seed=args.seed, data_path=args.data_path,
+        seed=args.seed, data_path=args.data_path, **moe_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)

@@ -190,11 +190,12 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     profiler.record(tr.executor.last_timings)
                     tr.executor.record_timings = False
                 loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
+                aux = _aux_loss_sum() if _tracks_aux_loss(c) else float("nan")
                 row = torch.tensor([pp_rank, tp_rank, dp_rank, float(holds_loss), loss_sum, tokens, dt, t_fb,
                                     float(peak), float(saved_peak), stepped["grad_norm"], stepped["grad_norm_after_clip"],
                                     stepped["loss_scale"], float(stepped["skipped"]),
                                     emu.last.makespan_s if emu is not None else float("nan"),
-                                    float(emu.last.realtime) if emu is not None else 0.0],
+                                    float(emu.last.realtime) if emu is not None else 0.0, aux],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
@@ -278,6 +279,29 @@ def _feature_metrics(features: list, pp_rank: int, plan) -> dict:
     return merge_feature_metrics(got, max(1, plan.cfg.pp))
 
 
+def _tracks_aux_loss(c) -> bool:
+    return c.num_experts is not None and c.moe_aux_loss_coeff > 0 and c.emulate_compute is None
+
+
+def _aux_loss_sum() -> float:
+    """This rank's load-balancing loss of the iteration (Megatron-Core's aux-loss tracker: the
+    unweighted loss of each MoE layer, summed over the microbatches), then the tracker cleared."""
+    from ..compat import clear_moe_metrics, moe_metric_values
+    values = moe_metric_values("load_balancing_loss")
+    value = float(values.sum()) if values is not None else 0.0
+    clear_moe_metrics()
+    return value
+
+
+def _load_balancing_loss(rows: list[list[float]], plan) -> float:
+    """Megatron-LM's logged ``load_balancing_loss``: the tracker summed over the pipeline and
+    tensor-parallel ranks, averaged over data-parallel ranks, per microbatch and MoE layer."""
+    c = plan.cfg
+    freq = c.moe_layer_freq
+    n_moe = sum(1 for i in range(plan.layers) if i % freq == 0) if isinstance(freq, int) else sum(freq)
+    return sum(r[16] for r in rows) / plan.dp / plan.microbatches / max(1, n_moe)
+
+
 def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
     pp = plan.cfg.pp
     peaks = [0] * pp
@@ -306,6 +330,7 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         # --emulate-compute: the forward-backward's wall time on the slowest rank (barrier to last op)
         **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}
            if rows[0][14] == rows[0][14] else {}),
+        **({"load_balancing_loss": _load_balancing_loss(rows, plan)} if rows[0][16] == rows[0][16] else {}),
     }
 
 

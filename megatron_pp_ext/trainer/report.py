@@ -132,6 +132,8 @@ class RankZeroLog:
                 extra += f"  loss scale {rec['loss_scale']:g}"
             if rec.get("skipped"):
                 extra += "  [skipped: inf/nan gradients]"
+            if rec.get("load_balancing_loss") is not None:
+                extra += f"  load balancing loss {rec['load_balancing_loss']:.4f}"
             self.line(f"iter {i:>{len(str(c.iters))}}/{c.iters}  loss {rec['loss']:.6f}  "
                       f"grad norm {rec['grad_norm']:.4f}{extra}  {rec['time_s']:.3f} s  "
                       f"activation peak per rank: {peaks}" + ("  [profiling]" if rec.get("profiling") else ""))
@@ -245,6 +247,8 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
     lines.append(f"batch: {plan.microbatches} microbatches x {c.micro_batch_size} sequence(s) per data-parallel rank "
                  f"(global batch {plan.global_microbatches * c.micro_batch_size}); {c.iters} iterations, Adam lr "
                  f"{c.lr:g}, seed {c.seed}; data: {data}")
+    if getattr(c, "num_experts", None) is not None:
+        lines.append("mixture of experts: " + moe_label(c, plan))
     lines.append("training: " + training_label(c, plan))
     if sim_info:
         fig = sim_info.get("figure")
@@ -258,6 +262,19 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
         lines.append(f"note: {plan.emulation.note()}")
     lines.append(f"set up in {setup_s:.1f} s; log {plan.text_log}, JSON log {plan.json_log}")
     return lines
+
+
+def moe_label(c, plan) -> str:
+    """One line: experts, router, MoE layers, shared expert, dispatcher, expert parallelism."""
+    freq = c.moe_layer_freq
+    pattern = ([1 if i % freq == 0 else 0 for i in range(plan.layers)] if isinstance(freq, int) else list(freq))
+    layers = ",".join(str(i) for i, v in enumerate(pattern) if v)
+    etp = c.tp if c.expert_tensor_parallel_size is None else c.expert_tensor_parallel_size
+    return (f"{c.num_experts} experts (top-{c.moe_router_topk}, ffn {c.moe_ffn_hidden_size or plan.ffn}) in layers "
+            f"{layers}" + (f", shared expert ffn {c.moe_shared_expert_intermediate_size}"
+                           if c.moe_shared_expert_intermediate_size else "")
+            + f", aux loss coeff {c.moe_aux_loss_coeff:g}, {c.moe_token_dispatcher_type} dispatcher, expert parallel "
+              f"{c.expert_model_parallel_size} x expert tensor parallel {etp}")
 
 
 def training_label(c, plan) -> str:
@@ -298,7 +315,9 @@ def compare_losses(losses: list[float], ref: list[float], plan) -> dict:
     elif exact:
         verdict, ok = "bit-exact match", True
     elif worst <= RTOL:
-        why = " (tp/dp change the order of floating-point reductions)" if (c.tp > 1 or plan.dp > 1) else ""
+        ep = getattr(c, "expert_model_parallel_size", 1) > 1
+        why = (f" (tp/dp{'/ep' if ep else ''} change the order of floating-point reductions)"
+               if (c.tp > 1 or plan.dp > 1) else "")
         verdict, ok = f"match: max relative difference {worst:.1e} <= {RTOL:g}{why}", True
     else:
         verdict, ok = f"MISMATCH: max relative difference {worst:.1e} > {RTOL:g}", False

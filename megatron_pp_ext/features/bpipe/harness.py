@@ -45,7 +45,7 @@ def predict_peaks(schedule: Schedule, forward_bytes: dict[int, float], evictable
 
 def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshold: float | None = None,
          transfer_time: float = 0.0, num_layers: int = 7, variant: str = "gpt", steps: int = 1,
-         seed: int = 1234, synchronous: bool | None = None, run_options: tuple = ()) -> dict:
+         seed: int = 1234, synchronous: bool | None = None, run_options: tuple = (), spec=None) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -54,8 +54,8 @@ def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshol
     from .runtime import BPipeRuntime
 
     plain = BPipeScheduleFactory(schedule, chunks=chunks, threshold=float("inf"), transfer_time=transfer_time)
-    cfg = RunConfig(spec=tiny_spec(variant, num_layers), pp=pp, schedule=plain, chunks=chunks,
-                    num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
+    cfg = RunConfig(spec=spec if spec is not None else tiny_spec(variant, num_layers), pp=pp, schedule=plain,
+                    chunks=chunks, num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
     tr = setup_training(cfg)
     rank = parallel_state.get_pipeline_model_parallel_rank()
 
@@ -111,7 +111,8 @@ def bpipe_parity_run(*, pp: int, configs: Sequence[dict]) -> list[dict]:
     """Worker function (every rank, world size ``pp``): one report per configuration (see the
     module docstring). A configuration is the keyword arguments of one run: ``schedule``,
     ``microbatches``, ``chunks``, ``threshold``, ``transfer_time``, ``num_layers``, ``steps``,
-    ``synchronous`` (False: the CUDA code path's non-blocking posts and lazy waits, on gloo)."""
+    ``synchronous`` (False: the CUDA code path's non-blocking posts and lazy waits, on gloo), ``spec``
+    (a ModelSpec instead of the tiny GPT, e.g. a mixture of experts)."""
     from ...runtime.pool import reset_megatron_state
     from .runtime import BPipeGroups
 

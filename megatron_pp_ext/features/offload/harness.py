@@ -75,9 +75,10 @@ def _predict(schedule: Schedule, runtime_none, runtime_full, rank: int) -> dict:
 def offload_policies_run(*, schedule: str, pp: int, microbatches: int, chunks: int = 1,
                          policies: Sequence[str] = ("none", "full"), variant: str = "gpt", num_layers: int = 7,
                          recompute_cheap_ops: bool = False, min_tensor_bytes: int = 1024, steps: int = 2,
-                         options: tuple = (), seed: int = 1234, run_options: tuple = ()) -> dict:
+                         options: tuple = (), seed: int = 1234, run_options: tuple = (), spec=None) -> dict:
     """Worker function (every rank): see the module docstring. Returns this rank's report.
-    ``run_options``: (name, value) pairs of RunConfig fields (precision, distributed optimizer, ...)."""
+    ``run_options``: (name, value) pairs of RunConfig fields (precision, distributed optimizer, ...);
+    ``spec``: a ModelSpec instead of ``tiny_spec(variant, num_layers)`` (e.g. a mixture of experts)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -88,8 +89,8 @@ def offload_policies_run(*, schedule: str, pp: int, microbatches: int, chunks: i
 
     options = tuple(tuple(kv) for kv in options)
     base_factory = OffloadScheduleFactory(schedule, policy="none", chunks=chunks, options=options)
-    cfg = RunConfig(spec=tiny_spec(variant, num_layers), pp=pp, schedule=base_factory, chunks=chunks,
-                    num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
+    cfg = RunConfig(spec=spec if spec is not None else tiny_spec(variant, num_layers), pp=pp, schedule=base_factory,
+                    chunks=chunks, num_microbatches=microbatches, steps=1, seed=seed, **dict(run_options))
     tr = setup_training(cfg)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     ref_out = tr.step(0)
