@@ -23,7 +23,7 @@
 #   EXTRA_ARGS         appended verbatim (word-split)
 #   MPPX_DRY_RUN=1     print the pretrain_gpt.py arguments, one per line, and exit (flag checks)
 
-MPPX_MODELS="gpt3-1.3b gpt3-13b gpt3-175b llama2-7b llama3-8b llama2-13b llama2-70b llama3-70b tiny-gpt tiny-llama"
+MPPX_MODELS="gpt3-1.3b gpt3-13b gpt3-175b llama2-7b llama3-8b llama2-13b llama2-70b llama3-70b mixtral-8x7b tiny-gpt tiny-llama tiny-moe"
 
 # mppx_model_preset NAME: architecture flags (MODEL_ARGS) and default layout for one model.
 mppx_model_preset() {
@@ -73,6 +73,15 @@ mppx_model_preset() {
                     --max-position-embeddings "${SEQ_LENGTH:-8192}" --rotary-base 500000 --lr 1.5e-4 --min-lr 1.5e-5)
         : "${TP:=8}" "${PP:=8}" "${MBS:=1}" "${GBS:=1024}" "${GPUS_PER_NODE:=8}" "${NNODES:=8}"
         MODEL_FAMILY=llama; LLAMA_VOCAB=128256 ;;
+    mixtral-8x7b)   # 8 experts, top-2 (docs/moe.md); EP from EP (default 8: one expert per rank of a node)
+        MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention
+                    --num-query-groups 8 --ffn-hidden-size 14336 --seq-length "${SEQ_LENGTH:-4096}"
+                    --max-position-embeddings 32768 --rotary-base 1000000 --lr 3.0e-4 --min-lr 3.0e-5
+                    --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 14336 --moe-aux-loss-coeff 1e-2
+                    --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss
+                    --expert-model-parallel-size "${EP:=8}")
+        : "${TP:=1}" "${PP:=4}" "${MBS:=1}" "${GBS:=1024}" "${GPUS_PER_NODE:=8}" "${NNODES:=4}"
+        MODEL_FAMILY=llama; LLAMA_VOCAB=32000 ;;
     tiny-gpt)   # a few-second model for trying the scripts (and for their CPU test)
         MODEL_ARGS=(--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length "${SEQ_LENGTH:-16}"
                     --max-position-embeddings "${SEQ_LENGTH:-16}" --init-method-std 0.02 --lr 1.0e-3 --min-lr 1.0e-4)
@@ -82,6 +91,14 @@ mppx_model_preset() {
         MODEL_ARGS=(--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention
                     --num-query-groups 2 --ffn-hidden-size 64 --seq-length "${SEQ_LENGTH:-16}"
                     --max-position-embeddings "${SEQ_LENGTH:-16}" --rotary-base 10000 --lr 1.0e-3 --min-lr 1.0e-4)
+        : "${TP:=1}" "${PP:=2}" "${MBS:=1}" "${GBS:=8}" "${GPUS_PER_NODE:=2}" "${NNODES:=1}"
+        MODEL_FAMILY=llama; LLAMA_VOCAB=200 ;;
+    tiny-moe)   # tiny-llama with 4 experts (top-2) in every layer
+        MODEL_ARGS=(--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention
+                    --num-query-groups 2 --ffn-hidden-size 64 --seq-length "${SEQ_LENGTH:-16}"
+                    --max-position-embeddings "${SEQ_LENGTH:-16}" --rotary-base 10000 --lr 1.0e-3 --min-lr 1.0e-4
+                    --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 1e-2
+                    --moe-token-dispatcher-type "${MOE_DISPATCHER:-alltoall}" --expert-model-parallel-size "${EP:=1}")
         : "${TP:=1}" "${PP:=2}" "${MBS:=1}" "${GBS:=8}" "${GPUS_PER_NODE:=2}" "${NNODES:=1}"
         MODEL_FAMILY=llama; LLAMA_VOCAB=200 ;;
     *)

@@ -23,7 +23,7 @@ from megatron_pp_ext.megatron_lm.flags import (check_megatron_args, is_our_provi
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b", "llama2-7b", "llama3-8b", "llama2-13b", "llama2-70b", "llama3-70b")
+MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b", "llama2-7b", "llama3-8b", "llama2-13b", "llama2-70b", "llama3-70b", "mixtral-8x7b")
 
 
 def opts(*argv: str):
