@@ -183,6 +183,18 @@ def test_v_placement_plan_and_layout_string():
     assert plan.layers_per_stage == (1, 4, 4, 1)
 
 
+def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
+    """An interleaved schedule with --num-virtual-stages-per-pipeline-rank and an explicit uneven
+    split: the layout string we hand Megatron-LM replaces the chunk-count flag (its validate_args
+    allows only one of them), and the plan keeps the chunks and the split."""
+    a, plan = plan_for(opts("--pipeline-schedule", "interleaved-zb", "--pipeline-layers-per-stage", "1,2,2,1"),
+                       num_layers=6, num_virtual_stages_per_pipeline_rank=2)
+    assert a.num_virtual_stages_per_pipeline_rank is None and a.pipeline_model_parallel_layout == "Et*1|t*2|t*2|t*1L"
+    assert plan.chunks == 2 and plan.layers_per_stage == (1, 2, 2, 1)
+    assert sum(x is not None for x in (a.num_layers_per_virtual_pipeline_stage, a.num_virtual_stages_per_pipeline_rank,
+                                        a.pipeline_model_parallel_layout)) == 1
+
+
 @pytest.mark.parametrize("argv, kw, needle", [
     (["--pipeline-schedule", "zbv"], {"pipeline_model_parallel_size": 1}, "--pipeline-model-parallel-size P"),
     (["--pipeline-schedule", "zbv"], {"num_layers_per_virtual_pipeline_stage": 1},

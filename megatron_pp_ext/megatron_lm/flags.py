@@ -486,6 +486,8 @@ def prevalidate(args: argparse.Namespace, opts: PipelineOptions) -> tuple[int, .
     parts[-1] = parts[-1] + "L"
     args.pipeline_model_parallel_layout = "|".join(parts)
     args._mppx_layout_string = args.pipeline_model_parallel_layout
+    # the string carries the chunk count; Megatron-LM allows only one of the two
+    args.num_virtual_stages_per_pipeline_rank = None
     return lps
 
 
