@@ -365,17 +365,6 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
 
 # --- against Megatron-LM's own flags ------------------------------------------------------------
 
-def _split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    """As even as possible; the extra layers go to the middle stages first (the first and last
-    stages also hold the embedding and the loss), as ``runtime.model.split_layers`` does."""
-    base, extra = divmod(num_layers, stages)
-    counts = [base] * stages
-    order = list(range(1, stages - 1)) + [0, stages - 1]
-    for s in order[:extra]:
-        counts[s] += 1
-    return tuple(counts)
-
-
 def layers_per_stage_for(num_layers: int, stages: int, *, given: Sequence[int] | None, allow_padding: bool,
                          what: str) -> tuple[int, ...]:
     """Layer counts per stage: ``given`` (checked), an even split, or (``allow_padding``) the
@@ -391,7 +380,8 @@ def layers_per_stage_for(num_layers: int, stages: int, *, given: Sequence[int] |
     if num_layers % stages == 0:
         return (num_layers // stages,) * stages
     if allow_padding:
-        return _split_layers(num_layers, stages)
+        from ..schedule import split_layers
+        return split_layers(num_layers, stages)
     lo = max(stages, num_layers - num_layers % stages)
     raise MegatronLMFlagError(f"--num-layers {num_layers} cannot be split evenly over the {stages} stages of "
                               f"{what}; use --num-layers {lo} or {lo + stages}, add --allow-padding-num-layers (an "

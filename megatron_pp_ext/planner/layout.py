@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..schedule import ScheduleError, build_schedule, loop_placement, schedule_info, v_placement
+from ..schedule import ScheduleError, build_schedule, loop_placement, schedule_info, split_layers, v_placement
 from .memory import StagePart, StaticMemory, split_buffers, stage_param_tensors, static_memory, vocab_shard_numels
 from .presets import ModelSpec
 
@@ -29,18 +29,6 @@ def takes_chunks(schedule: str) -> bool:
     except ScheduleError:
         return False
     return sched.chunks_per_rank == 2
-
-
-def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per stage: even when ``stages`` divides the layers, else the uneven split of
-    ``--allow-padding-num-layers`` / the runtime (extra layers to the middle stages first, then
-    the first and the last, which also hold the embedding and the loss)."""
-    base, extra = divmod(num_layers, stages)
-    counts = [base] * stages
-    order = list(range(1, stages - 1)) + [0, stages - 1]
-    for s in order[:extra]:
-        counts[s] += 1
-    return tuple(counts)
 
 
 def stage_parts(model: ModelSpec, stages: int) -> tuple[StagePart, ...]:

@@ -37,6 +37,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..schedule.ir import split_layers
+
 #: Megatron-Core's token dispatchers that run here (``flex`` needs DeepEP / HybridEP on GPUs)
 MOE_DISPATCHERS = ("allgather", "alltoall")
 
@@ -134,17 +136,6 @@ class ModelSpec:
                                  f"summing to num_layers={self.num_layers}")
             return tuple(self.layers_per_stage)
         return split_layers(self.num_layers, num_stages)
-
-
-def split_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per stage, as even as possible; when the count does not divide, the middle
-    stages get the extra layers first (the first and last also hold the embedding and loss)."""
-    base, extra = divmod(num_layers, num_stages)
-    counts = [base] * num_stages
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]  # middle stages first
-    for s in order[:extra]:
-        counts[s] += 1
-    return tuple(counts)
 
 
 # --- Megatron layout for an arbitrary placement ---------------------------------------------

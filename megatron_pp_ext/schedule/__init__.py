@@ -3,7 +3,7 @@ matplotlib lazily)."""
 
 from .costs import CostModel
 from .ir import (BW, B, F, W, Op, OpKind, Schedule, ScheduleError, loop_placement, op_kind,
-                 register_op_kind, v_placement)
+                 register_op_kind, split_layers, v_placement)
 from .passes import insert_comm
 from .registry import (ScheduleInfo, ScheduleRequest, build_schedule, parse_memory_budget,
                        register_schedule, schedule_info, schedule_names)
@@ -12,7 +12,7 @@ from .validate import ValidationError, register_check, validate
 
 __all__ = [
     "BW", "B", "F", "W", "Op", "OpKind", "Schedule", "ScheduleError", "loop_placement", "op_kind",
-    "register_op_kind", "v_placement", "insert_comm", "ScheduleInfo", "ScheduleRequest",
+    "register_op_kind", "split_layers", "v_placement", "insert_comm", "ScheduleInfo", "ScheduleRequest",
     "build_schedule", "parse_memory_budget", "register_schedule", "schedule_info", "schedule_names",
     "DeadlockError", "SimResult", "simulate", "ValidationError", "register_check", "validate",
     "CostModel",

@@ -263,6 +263,18 @@ def v_placement(p: int) -> tuple[int, ...]:
     return tuple(range(p)) + tuple(reversed(range(p)))
 
 
+def split_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Transformer layers per stage, as even as possible; when the count does not divide, the
+    middle stages get the extra layers first, then the first and the last (which also hold the
+    embedding and the loss). One rule for the runtime, the Megatron-LM integration and the planner."""
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]   # middle stages first
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
 def placement_kind(placement: Sequence[int]) -> str:
     p = max(placement) + 1
     if tuple(placement) == v_placement(p):
