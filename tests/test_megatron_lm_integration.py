@@ -127,7 +127,7 @@ def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_port()), "-m", "megatron_pp_ext.megatron_lm.multirun", str(tmp / f"{name}.spec.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp, timeout=840)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp, timeout=1800)   # one launch of ~22 runs: 12-14 min on a busy 2-core machine
     (tmp / f"{name}.log").write_text(r.stdout + r.stderr)
     assert r.returncode == 0, f"{name} launch failed:\n{_tail(r.stdout + r.stderr)}"
     out = json.loads((tmp / f"{name}.json").read_text())
