@@ -74,6 +74,7 @@ __all__ = [
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
+    "default_pg_collection",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -359,6 +360,37 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     if takes:
         return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def default_pg_collection(pp_group=None):
+    """The ``ProcessGroupCollection`` Megatron-Core's schedules build when the caller passes none
+    (``schedules._build_default_pg_collection`` where the release has it, core 0.19+; the same
+    fields from ``parallel_state`` otherwise), so that ``finalize_model_grads`` finds every group
+    it asks for -- e.g. ``tp_dp_cp`` with ``moe_router_enable_expert_bias`` (0.18.2+ assert it).
+    ``pp_group``: the caller's pipeline group (a ``p2p_communicator``'s), if any."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules as msched
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    build = getattr(msched, "_build_default_pg_collection", None)
+    if build is not None:
+        pgc = build()
+    else:
+        pgc = ProcessGroupCollection()
+        pgc.tp = ps.get_tensor_model_parallel_group()
+        pgc.cp = ps.get_context_parallel_group()
+        pgc.embd = ps.get_embedding_group(check_initialized=False)
+        pgc.pos_embd = ps.get_position_embedding_group(check_initialized=False)
+        pgc.pp = ps.get_pipeline_model_parallel_group()
+        pgc.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    # what later releases add, where this one's parallel_state has the group
+    if getattr(pgc, "tp_dp_cp", None) is None and hasattr(ps, "get_tensor_and_data_parallel_group"):
+        pgc.tp_dp_cp = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if getattr(pgc, "dp", None) is None:
+        pgc.dp = ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    if pp_group is not None:
+        pgc.pp = pp_group
+    return pgc
 
 
 def moe_without_te() -> None:

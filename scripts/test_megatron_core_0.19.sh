@@ -23,6 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/pip" install -q --no-deps --ignore-requires-python megatron-core==0.19.2
     "$VENV/bin/pip" install -q -e ".[test,megatron-lm]"
 fi
+# Each parametrised test runs a covering subset of its cases here (every schedule, layout, precision
+# and feature row at least once; tests/conftest.py): the full matrix runs on the first venv.
+export MPPX_TEST_COVERING="${MPPX_TEST_COVERING:-1}"
 if [ $# -eq 0 ]; then
     set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer*.py tests/test_compat.py \
         tests/test_megatron_lm_integration.py

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -112,7 +113,9 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # (our executor runs its GPU path's point-to-point under NCCL's rules emulated on gloo)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MPPX_EMULATE_NCCL=os.environ.get("MPPX_EMULATE_NCCL", "channels"))
     env.pop("RANK", None)
     return env
 
@@ -121,15 +124,35 @@ def _tail(text: str, n: int = 60) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
+def launch(cmd: list, cwd: Path, timeout: float, *, what: str, env: dict | None = None) -> tuple[int, str]:
+    """Run a launch in a session of its own; past ``timeout`` kill the whole session (torchrun and
+    every rank) and fail in one line naming the run that was going on, not hang or leave orphans."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                         env=env or _env(), start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        started = re.findall(r"multirun: run (\S+)", out or "")
+        pytest.fail(f"launch {what} did not finish within {timeout:g} s (MPPX_LAUNCH_TIMEOUT); "
+                    f"the run going on: {started[-1] if started else 'none started'}", pytrace=False)
+    return p.returncode, out
+
+
+#: seconds one launch of a few runs may take (each is well under a minute on a quiet 2-core machine)
+LAUNCH_TIMEOUT = float(os.environ.get("MPPX_LAUNCH_TIMEOUT", "420"))
+
+
 def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]) -> dict:
     spec = {"script": str(SCRIPT), "common": COMMON, "out": str(tmp / f"{name}.json"),
             "runs": [{"name": n, "args": a} for n, a in runs]}
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_port()), "-m", "megatron_pp_ext.megatron_lm.multirun", str(tmp / f"{name}.spec.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp, timeout=1800)   # one launch of ~22 runs: 12-14 min on a busy 2-core machine
-    (tmp / f"{name}.log").write_text(r.stdout + r.stderr)
-    assert r.returncode == 0, f"{name} launch failed:\n{_tail(r.stdout + r.stderr)}"
+    rc, out = launch(cmd, tmp, LAUNCH_TIMEOUT, what=name)
+    (tmp / f"{name}.log").write_text(out)
+    assert rc == 0, f"{name} launch failed:\n{_tail(out)}"
     out = json.loads((tmp / f"{name}.json").read_text())
     by = {run["name"]: run for run in out["runs"]}
     for n, _ in runs:
@@ -142,43 +165,78 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("megatron_lm")
 
 
+# Four-rank launches, each a few configurations (a launch's start-up is seconds; each launch has
+# its own time limit, so a slow or hung run fails its own tests, not every test of the module).
+
 @pytest.fixture(scope="module")
-def world4(work) -> dict:
-    """One launch of 4 ranks: the schedules at pp=4 (and tp=2 x pp=2), tied V, a V checkpoint."""
-    ck = str(work / "ckpt_zbv")
-    return multirun(work, "world4", 4, [
+def sched4(work) -> dict:
+    """Our schedules at pp=4 through Megatron-LM's loop (loop, interleaved and V placements, the
+    Megatron-LM spelling of V-Half, bf16) and Megatron-Core's own 1F1B."""
+    return multirun(work, "sched4", 4, [
         ("mcore-1f1b", UNTIE + PP4),
-        ("1f1b", UNTIE + PP4 + ["--pipeline-schedule", "1f1b"]),
         ("zb-h1", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1"]),
-        ("interleaved-1f1b", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-1f1b",
-                                            "--num-virtual-stages-per-pipeline-rank", "2"]),
         ("interleaved-zb", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-zb",
                                           "--num-virtual-stages-per-pipeline-rank", "2"]),
         ("zbv", UNTIE + PP4 + ["--pipeline-schedule", "zbv"]),
         ("v-half", UNTIE + PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half"]),
-        ("zbv-tp2", UNTIE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                             "--pipeline-schedule", "zbv"]),
-        ("zbv-tied", PP4 + ["--pipeline-schedule", "zbv"]),
-        ("mcore-1f1b-tied", PP4),
-        ("llama-zbv", LLAMA + PP4 + ["--pipeline-schedule", "zbv"]),
-        ("llama-zbv-tp2", LLAMA + TP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
         ("zbv-bf16", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--bf16"]),
         ("zb-h1-bf16", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1", "--bf16"]),
+    ])
+
+
+@pytest.fixture(scope="module")
+def layout4(work) -> dict:
+    """tp=2 x pp=2 (GPT and LLaMA shapes) and tied embeddings under the V placement."""
+    return multirun(work, "layout4", 4, [
+        ("zbv-tp2", UNTIE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--pipeline-schedule", "zbv"]),
+        ("llama-zbv-tp2", LLAMA + TP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
+        ("zbv-tied", PP4 + ["--pipeline-schedule", "zbv"]),
+        ("mcore-1f1b-tied", PP4),
+    ])
+
+
+@pytest.fixture(scope="module")
+def feat4(work) -> dict:
+    """Activation offload, BPipe and vocabulary parallelism at pp=4."""
+    return multirun(work, "feat4", 4, [
         ("1f1b-offload", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--activation-offload", "full"]),
         ("1f1b-bpipe", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--bpipe"]),
         ("zbv-vocab", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
+    ])
+
+
+@pytest.fixture(scope="module")
+def ckpt4(work) -> dict:
+    """A checkpoint saved under zbv after 2 iterations, resumed under zbv and Megatron-Core's 1F1B."""
+    ck = str(work / "ckpt_zbv")
+    return multirun(work, "ckpt4", 4, [
         ("zbv-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--save", ck, "--save-interval", "2",
                                     "--exit-interval", "2"]),
         ("zbv-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--load", ck]),
-        ("zbv-vocab-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--save", ck + "-vocab",
-                                          "--save-interval", "2", "--exit-interval", "2"]),
-        ("zbv-vocab-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--load", ck + "-vocab"]),
         ("mcore-load", UNTIE + PP4 + ["--load", ck]),
     ])
 
 
 @pytest.fixture(scope="module")
-def world1(work, world4) -> dict:
+def vocab_ckpt4(work) -> dict:
+    """The same with vocabulary parallelism (its shards in the checkpoint)."""
+    ck = str(work / "ckpt_zbv-vocab")
+    return multirun(work, "vocab_ckpt4", 4, [
+        ("zbv-vocab-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--save", ck,
+                                          "--save-interval", "2", "--exit-interval", "2"]),
+        ("zbv-vocab-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--load", ck]),
+    ])
+
+
+@pytest.fixture(scope="module")
+def world4(sched4, layout4) -> dict:
+    """Every run of the schedule and layout launches, by name."""
+    return {**sched4, **layout4}
+
+
+@pytest.fixture(scope="module")
+def world1(work, ckpt4) -> dict:
     """Plain Megatron-LM at pp=1 (the references), and the V checkpoint resumed at pp=1."""
     return multirun(work, "world1", 1, [
         ("pp1", UNTIE),
@@ -248,9 +306,8 @@ def ulps(a: str, b: str) -> float:
 
 
 #: (run, its bit-exact reference: Megatron-LM itself at pp=1 with the same tensor-parallel size)
-SCHEDULE_RUNS = [("mcore-1f1b", "pp1"), ("1f1b", "pp1"), ("zb-h1", "pp1"), ("interleaved-1f1b", "pp1"),
-                 ("interleaved-zb", "pp1"), ("zbv", "pp1"), ("v-half", "pp1"), ("zbv-tp2", "pp1-tp2"),
-                 ("llama-zbv", "pp1-llama"), ("llama-zbv-tp2", "pp1-llama-tp2")]
+SCHEDULE_RUNS = [("mcore-1f1b", "pp1"), ("zb-h1", "pp1"), ("interleaved-zb", "pp1"), ("zbv", "pp1"),
+                 ("v-half", "pp1"), ("zbv-tp2", "pp1-tp2"), ("llama-zbv-tp2", "pp1-llama-tp2")]
 
 
 @pytest.mark.parametrize("name,ref", SCHEDULE_RUNS, ids=[n for n, _ in SCHEDULE_RUNS])
@@ -276,70 +333,70 @@ def test_tensor_parallel_against_tp1_within_two_ulps(world4, world1, name, ref):
         assert ulps(a, b) <= 2, (name, a, b)
 
 
-def test_tied_embeddings_under_v_placement(world4, world1):
+def test_tied_embeddings_under_v_placement(layout4, world1):
     """The embedding and the output layer of tied embeddings get the sum of their gradients,
     (sum over microbatches of the embedding's) + (sum of the output layer's), as in Megatron-LM's
     own pp > 1 runs (its embedding all-reduce): bit for bit with Megatron's 1F1B at pp=4. At pp=1
     one parameter accumulates both per microbatch, in another order: within 2 float32 ulps."""
-    assert losses(world4["zbv-tied"]) == losses(world4["mcore-1f1b-tied"])
-    for a, b in zip(sum(losses(world4["zbv-tied"]), []), sum(losses(world1["pp1-tied"]), [])):
+    assert losses(layout4["zbv-tied"]) == losses(layout4["mcore-1f1b-tied"])
+    for a, b in zip(sum(losses(layout4["zbv-tied"]), []), sum(losses(world1["pp1-tied"]), [])):
         assert ulps(a, b) <= 2, (a, b)
-    assert losses(world4["zbv-tied"])[0] != losses(world1["pp1"])[0]  # (tying does change the model)
+    assert losses(layout4["zbv-tied"])[0] != losses(world1["pp1"])[0]  # (tying does change the model)
 
 
-def test_bf16_under_the_v_placement(world4):
+def test_bf16_under_the_v_placement(sched4):
     """--bf16: Megatron-LM wraps every chunk in its Float16Module (from core_v0.19 through the model
     builder), whose casts assume the loop placement; ours follow each chunk's own stage, so zbv
     trains, with the losses of zb-h1 (the same stages in the loop placement) bit for bit."""
-    zbv, zbh1 = losses(world4["zbv-bf16"]), losses(world4["zb-h1-bf16"])
+    zbv, zbh1 = losses(sched4["zbv-bf16"]), losses(sched4["zb-h1-bf16"])
     assert zbv == zbh1
     assert all(math.isfinite(float.fromhex(x)) for x in zbv[0] + zbv[1])
 
 
-def test_activation_offload_is_exact(world4, world1):
-    assert losses(world4["1f1b-offload"]) == losses(world1["pp1"])
-    metrics = world4["1f1b-offload"]["feature_metrics"]
+def test_activation_offload_is_exact(feat4, world1):
+    assert losses(feat4["1f1b-offload"]) == losses(world1["pp1"])
+    metrics = feat4["1f1b-offload"]["feature_metrics"]
     assert metrics[0]["peak_offloaded_bytes"] > 0      # rank 0 (pp rank 0) moved activations to the host
 
 
-def test_bpipe_is_exact(world4, world1):
-    assert losses(world4["1f1b-bpipe"]) == losses(world1["pp1"])
-    metrics = world4["1f1b-bpipe"]["feature_metrics"]
+def test_bpipe_is_exact(feat4, world1):
+    assert losses(feat4["1f1b-bpipe"]) == losses(world1["pp1"])
+    metrics = feat4["1f1b-bpipe"]["feature_metrics"]
     assert metrics[3]["peak_partner_bytes"] > 0        # rank 3 holds what rank 0 evicted
 
 
-def test_vocabulary_parallel_matches_within_softmax_rounding(world4, world1):
-    (train, evals), (ref_train, ref_eval) = losses(world4["zbv-vocab"]), losses(world1["pp1"])
+def test_vocabulary_parallel_matches_within_softmax_rounding(feat4, world1):
+    (train, evals), (ref_train, ref_eval) = losses(feat4["zbv-vocab"]), losses(world1["pp1"])
     assert train[0] == ref_train[0]     # the same initial model (shards cut from the full tensors)
     for a, b in zip(train + evals, ref_train + ref_eval):
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b))
 
 
-def test_checkpoint_saved_under_v_resumes_anywhere(world4, world1):
-    full, _ = losses(world4["zbv"])
-    saved, _ = losses(world4["zbv-save"])
+def test_checkpoint_saved_under_v_resumes_anywhere(sched4, ckpt4, world1):
+    full, _ = losses(sched4["zbv"])
+    saved, _ = losses(ckpt4["zbv-save"])
     assert saved == full[:2]
-    for name, run in (("zbv", world4["zbv-load"]), ("mcore 1F1B", world4["mcore-load"]), ("pp=1", world1["pp1-load"])):
+    for name, run in (("zbv", ckpt4["zbv-load"]), ("mcore 1F1B", ckpt4["mcore-load"]), ("pp=1", world1["pp1-load"])):
         assert losses(run)[0] == full[2:], f"resumed under {name}"
 
 
-def test_vocabulary_parallel_checkpoint_resumes_exactly(world4):
+def test_vocabulary_parallel_checkpoint_resumes_exactly(feat4, vocab_ckpt4):
     """The shards save under the plain model's keys (Megatron-Core distributed checkpoint);
     a resumed vocabulary-parallel run continues with exactly the uninterrupted one's losses."""
-    full, _ = losses(world4["zbv-vocab"])
-    saved, _ = losses(world4["zbv-vocab-save"])
+    full, _ = losses(feat4["zbv-vocab"])
+    saved, _ = losses(vocab_ckpt4["zbv-vocab-save"])
     assert saved == full[:2]
-    assert losses(world4["zbv-vocab-load"])[0] == full[2:]
+    assert losses(vocab_ckpt4["zbv-vocab-load"])[0] == full[2:]
 
 
 def test_flag_error_ends_the_run_with_one_line(work):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
            "-m", "megatron_pp_ext.launch", str(SCRIPT), *COMMON, *UNTIE,
            "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zbv"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work, timeout=300)
-    assert r.returncode != 0
+    rc, out = launch(cmd, work, 300, what="flag error")
+    assert rc != 0
     assert ("megatron_pp_ext: error: --pipeline-schedule zbv needs pipeline parallelism: add "
-            "--pipeline-model-parallel-size P") in r.stdout, _tail(r.stdout + r.stderr)
+            "--pipeline-model-parallel-size P") in out, _tail(out)
 
 
 def test_patch_applies_to_the_checkout():
@@ -374,9 +431,8 @@ def test_patched_pretrain_gpt_runs_zbv_without_launcher(work, world1):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
            str(clone / "pretrain_gpt.py"), *COMMON, *UNTIE, "--pipeline-model-parallel-size", "2",
            "--pipeline-schedule", "zbv"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, _tail(out)
+    rc, out = launch(cmd, work, 600, what="patched pretrain_gpt.py", env=env)
+    assert rc == 0, _tail(out)
     assert "megatron_pp_ext: schedule zbv (--pipeline-schedule zbv) at pp=2" in out
     # Megatron-LM's own log lines (it averages over its logging window): the same as plain pp=1 printed
     pattern = r"iteration\s+\d+/\s*\d+ .*?\| lm loss: ([0-9.E+-]+)"
@@ -427,9 +483,8 @@ def test_never_a_silent_fallback(work, hook, text):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
            str(ROOT / "tests" / "megatron_lm_wheel" / "unhooked.py"), hook, str(SCRIPT), *COMMON, *UNTIE,
            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--train-iters", "1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, _tail(out)
+    rc, out = launch(cmd, work, 300, what=f"unhooked {hook}")
+    assert rc != 0, _tail(out)
     assert text in out and "megatron_pp_ext: " in out, _tail(out)
     assert not re.search(r"iteration\s+1/", out), "a training step ran"
 
@@ -510,9 +565,8 @@ def test_launch_scripts_run_end_to_end(work, script, model, schedule):
         cmd, env["MODEL"], env["MPPX_LAUNCHER"] = ["bash", str(ROOT / "scripts" / script)], model, "local"
     else:
         cmd = ["bash", str(ROOT / "scripts" / script), model]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, _tail(out)
+    rc, out = launch(cmd, work, 300, what=f"{script} {model}", env=env)
+    assert rc == 0, _tail(out)
     assert f"megatron_pp_ext: schedule {schedule}" in out, _tail(out)
     printed = re.findall(r"iteration\s+(\d+)/\s*3 .*?\| lm loss: ([0-9.E+-]+)", out)
     assert [int(i) for i, _ in printed] == [1, 2, 3], _tail(out)
@@ -535,10 +589,9 @@ def _launch_tiny_moe(work: Path, tag: str, schedule: str, *, pp: int = 2, ep: in
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     cwd = work / f"moe-{tag}"
     cwd.mkdir(exist_ok=True)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_torchrun.sh"), "tiny-moe"], capture_output=True,
-                       text=True, env=env, cwd=cwd, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, _tail(out)
+    rc, out = launch(["bash", str(ROOT / "scripts" / "pretrain_torchrun.sh"), "tiny-moe"], cwd, 300,
+                     what=f"tiny-moe {tag}", env=env)
+    assert rc == 0, _tail(out)
     if schedule != "mcore":
         assert f"megatron_pp_ext: schedule {schedule}" in out, _tail(out)
     got = re.findall(r"(lm loss(?: value)?|load_balancing_loss|grad norm): ([0-9.E+-]+)", out)

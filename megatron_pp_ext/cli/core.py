@@ -240,6 +240,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, microbatches: int =
                              "peak (e.g. 0.5x or 50%%); for schedules that take a budget (v-budget)")
 
 
+def add_comm_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--comm-model``: which communication model the figures assume (schedule/commmodel.py)."""
+    from ..schedule.commmodel import comm_model_names
+    parser.add_argument("--comm-model", default="eager", choices=comm_model_names(), metavar="MODEL",
+                        help="how the send/recv ops run: eager (any transfer once both sides are posted), nccl "
+                             "(what the executor runs on GPUs: one NCCL communicator per channel), "
+                             "nccl-batched (Megatron-Core's batch_isend_irecv, waited for at the batch end), "
+                             "nccl-batched-consumer, nccl-batched-sync, nccl-pairwise, nccl-channels, blocking; "
+                             "anything but eager inserts the send/recv ops (default: eager)")
+
+
+def comm_model_of(args: argparse.Namespace) -> str:
+    return getattr(args, "comm_model", None) or "eager"
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser, *, microbatches: int = 16,
                            with_comm: bool = True) -> None:
     parser.add_argument("--schedule", required=True, metavar="NAME",
@@ -263,7 +278,7 @@ def build_from_args(args: argparse.Namespace, name: str | None = None, *, chunks
     if memory_budget is None:
         memory_budget = args.memory_budget
     if with_comm is None:
-        with_comm = bool(getattr(args, "with_comm", False))
+        with_comm = bool(getattr(args, "with_comm", False)) or comm_model_of(args) != "eager"
     try:
         return build_schedule(name, args.pp, args.microbatches, chunks=chunks, costs=costs,
                               memory_budget=memory_budget, with_comm=with_comm)

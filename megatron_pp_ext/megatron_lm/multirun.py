@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.argv = [script] + prepare_argv(list(spec.get("common", [])) + list(run.get("args", [])), cuda=cuda)
             t0 = time.perf_counter()
             entry: dict[str, Any] = {"name": run.get("name"), "args": run.get("args", [])}
+            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 or not \
+                    torch.distributed.is_initialized():
+                print(f"multirun: run {run.get('name')}", flush=True)   # (a launcher's timeout names it)
             try:
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as e:

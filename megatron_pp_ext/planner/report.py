@@ -155,6 +155,9 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "rejections": result.rejections.to_dict(),
         "search": dict(result.stats, complete=result.complete),
         "disclaimer": DISCLAIMER,
+        # the pipeline times assume the executor's NCCL strategy, whose model equals the eager one
+        # for every registered schedule and feature (docs/benchmarks/comm.md)
+        "comm_model": "nccl-channels",
     }
     if result.baseline is not None:
         doc["baseline"] = estimate_to_dict(result.baseline.best, req)

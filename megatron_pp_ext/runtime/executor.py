@@ -21,10 +21,14 @@ rank before any op runs):
   gradients of the linear layers queued by :mod:`.wgrad` under ``(s, m)``; ``W(s, m)`` runs
   them. ``BW(s, m)`` is the full backward. Without the B/W split (``split_backward=False``,
   or :mod:`.wgrad` unavailable) B is the full backward and W a no-op.
-* runs of consecutive comm ops are one batch for :class:`~megatron_pp_ext.runtime.p2p.P2P`
-  (batched on NCCL, tagged plain isend/irecv on gloo). On the tagged path a batch only posts its
-  receives; each is waited for right before the op that uses its data (the simulator's eager
-  model: a receive posted early never holds up the ops before its consumer).
+* runs of consecutive comm ops are one batch for the point-to-point strategy
+  (:mod:`~megatron_pp_ext.runtime.p2p`: one NCCL communicator per channel on GPUs, tagged plain
+  isend/irecv on gloo, or NCCL's rules emulated on gloo); the strategy says where a receive is
+  waited for -- right before the op that uses its data (a receive posted early never holds up
+  the ops before its consumer, the simulator's eager model), or at the end of its batch.
+
+The ops of one call run in :class:`~megatron_pp_ext.runtime.iteration.Iteration` (a handler per
+op kind, the tensors in flight); this class prepares and finishes the call.
 
 Around the ops it does what Megatron-Core's schedules do: loss scaling and averaging inside
 ``forward_step`` (``num_tokens`` / ``calculate_per_token_loss``), ``config.grad_scale_func`` on
@@ -50,26 +54,25 @@ the arithmetic of every compute op replaced by a wait of its cost-model time (``
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import os
 import inspect
 import math
-import time
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
-from .p2p import P2P, Transfer, message_key
+from ..schedule.validate import validate_comm_model
+from .iteration import COMM_KINDS as _COMM, COMPUTE_KINDS as _COMPUTE, Iteration, OpTiming, Shapes
+from .p2p import P2P, make_p2p
 
 __all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook",
            "SyncPoints", "sync_points", "GRAD_OP_KINDS"]
 
-_COMPUTE = {"F", "B", "W", "BW"}
-_COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
 
 try:  # the B/W split is an optional module of this package
     from . import wgrad as _wgrad
@@ -111,32 +114,14 @@ def _event_times(timings: list, ev0) -> list:
             for t in timings]
 
 
-@dataclass
-class OpTiming:
-    """Wall-clock interval of one op (seconds from the start of the iteration)."""
-
-    op: str
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+_NOTED: set = set()
 
 
-@dataclass
-class _State:
-    """Tensors in flight on this rank during one call."""
-
-    inputs: dict = field(default_factory=dict)       # (s, m) -> input of F(s, m), until F runs
-    saved_inputs: dict = field(default_factory=dict)  # (s, m) -> input of F(s, m), kept for B
-    outputs: dict = field(default_factory=dict)      # (s, m) -> output of F(s, m) (for B)
-    out_grads: dict = field(default_factory=dict)    # (s, m) -> gradient of F(s, m)'s output
-    sendable: dict = field(default_factory=dict)     # message key -> tensor waiting for its SEND
-    identity: set = field(default_factory=set)       # (s, m) whose F returned its input unchanged
+def _note_once(text: str) -> None:
+    if text not in _NOTED:
+        _NOTED.add(text)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(text, flush=True)
 
 
 def _core(model):
@@ -155,7 +140,15 @@ class ScheduleExecutor:
         chunks, costs, memory_budget, options: passed to ``build_schedule`` with a name.
         split_backward: run B and W separately (None: when the schedule has B/W ops and the
             B/W split module is available; False: B is the full backward, W a no-op).
-        batch_p2p: None (batched on NCCL, plain on gloo), True or False.
+        batch_p2p: True: Megatron-Core's batched p2p (``p2p="batched"``); None/False: ``p2p``.
+        p2p: the point-to-point strategy (:mod:`.p2p`): None picks ``channels`` on NCCL (one
+            communicator per sender, receiver and message kind: the schedule's eager timing)
+            and ``tagged`` on gloo; ``batched``, ``pairwise`` (NCCL) for comparison.
+        emulate_nccl: on gloo, run the NCCL strategy with NCCL's semantics
+            (:mod:`.nccl_emulation`: untagged, in-order streams, hangs reported as errors);
+            None: the environment's ``MPPX_EMULATE_NCCL`` (``1`` or a strategy name; what
+            ``mppx train --emulate-nccl`` and the runtime tests set).
+        nccl_timeout: seconds before an emulated NCCL wait is reported as a hang.
         record_timings: keep per-op wall-clock timings of the last call in ``last_timings``.
         sync_timings: with CUDA, synchronise the device around every op while recording, so
             that the timings are device times (slower; for profiling runs). Without it, CUDA
@@ -183,7 +176,8 @@ class ScheduleExecutor:
                  record_timings: bool = False, sync_timings: bool = False,
                  op_hook: Callable[[Op, str], None] | None = None,
                  op_handlers: dict[str, Callable] | None = None, check_ranks_agree: bool = True,
-                 emulate=None, defer_receives: bool = True):
+                 emulate=None, defer_receives: bool = True, p2p: str | None = None,
+                 emulate_nccl: bool | None = None, nccl_timeout: float | None = None):
         if not (isinstance(schedule, (str, Schedule)) or callable(schedule)):
             raise TypeError("schedule must be a name, a Schedule or a factory (pp, num_microbatches) -> Schedule")
         self.schedule = schedule
@@ -200,7 +194,19 @@ class ScheduleExecutor:
         self.check_ranks_agree = check_ranks_agree
         self.emulate = emulate
         self.defer_receives = defer_receives
+        env = os.environ.get("MPPX_EMULATE_NCCL", "").strip()
+        if emulate_nccl is None:   # (the switch of mppx train --emulate-nccl and of the test harness)
+            emulate_nccl = env not in ("", "0") and p2p != "tagged"
+            if emulate_nccl and p2p is None and not batch_p2p and env not in ("1", "channels"):
+                p2p = env
+        self.p2p = "batched" if batch_p2p else p2p
+        self.emulate_nccl = bool(emulate_nccl)
+        self.nccl_timeout = nccl_timeout
+        self._p2p: dict[tuple, P2P] = {}
+        #: the strategy of the last call (its ``comm_model`` names the simulator's model of it)
+        self.last_p2p: P2P | None = None
         self._cache: dict[tuple, Schedule] = {}
+        self._costs: dict[tuple, CostModel] = {}
         self._agreed: set = set()
         self.last_timings: list[OpTiming] | None = None
         self.last_schedule: Schedule | None = None
@@ -212,7 +218,7 @@ class ScheduleExecutor:
         #: feature op kinds that read parameters outside a module's forward: with
         #: overlap_param_gather the first of them waits for every all-gather of this rank
         self.param_op_kinds: set[str] = set()
-        self.state: _State | None = None
+        self.state = None   # the iteration's State while a call runs (hooks read it)
         self.__name__ = f"ScheduleExecutor[{schedule if isinstance(schedule, str) else getattr(schedule, 'name', 'custom')}]"
         if isinstance(schedule, str):  # unknown names fail now, not at the first step
             from ..schedule.registry import schedule_info
@@ -261,9 +267,10 @@ class ScheduleExecutor:
             return self._cache[key]
         gkey = self._global_key(pp, num_microbatches, forward_only)
         if gkey is not None and gkey in _SCHEDULE_CACHE:
-            self._cache[key] = _SCHEDULE_CACHE[gkey]
+            self._cache[key], self._costs[key] = _SCHEDULE_CACHE[gkey]
             return self._cache[key]
         train, cost, budget = self._compute_schedule(pp, num_microbatches)
+        self._costs[key] = cost
         if not forward_only:
             sched = train
         else:
@@ -277,7 +284,7 @@ class ScheduleExecutor:
         self._check_executable(sched)
         self._cache[key] = sched
         if gkey is not None:
-            _SCHEDULE_CACHE[gkey] = sched
+            _SCHEDULE_CACHE[gkey] = (sched, cost)
         return sched
 
     def _check_executable(self, sched: Schedule) -> None:
@@ -373,13 +380,33 @@ class ScheduleExecutor:
                 f"{[hex(v[0]) for v in vals]}); every rank must build the same schedule")
         self._agreed.add(key)
 
+    def _p2p_for(self, pp_group, num_stages: int, m: int, config) -> P2P:
+        """This call's point-to-point strategy (kept across calls: its communicators and, when
+        emulating NCCL, its stream workers live as long as the executor)."""
+        key = (id(pp_group), num_stages, m)
+        p2p = self._p2p.get(key)
+        if p2p is None:
+            strategy = self.p2p
+            if (strategy is None and dist.get_backend(pp_group) == "nccl"
+                    and (getattr(config, "batch_p2p_comm", False) or getattr(config, "overlap_p2p_comm", False))):
+                _note_once("megatron_pp_ext: point-to-point on NCCL uses one communicator per channel (sender, "
+                           "receiver, activations or gradients); batch_p2p_comm / overlap_p2p_comm are not used: "
+                           "a batch holds the compute until all its transfers end and per-pair streams hold an "
+                           "early receive behind every op between two ranks (docs/schedules.md, NCCL)")
+            p2p = make_p2p(pp_group, strategy, num_stages=num_stages, num_microbatches=m,
+                           emulate_nccl=self.emulate_nccl, defer_recvs=self.defer_receives,
+                           sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)) and strategy == "batched",
+                           timeout=self.nccl_timeout)
+            self._p2p[key] = p2p
+        self.last_p2p = p2p
+        return p2p
+
     # -- the forward-backward function ------------------------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
                  collect_non_loss_data: bool = False, first_val_step: bool | None = None,
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator=None, pg_collection=None,
                  force_all_reduce: bool | None = False) -> list:
-        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import schedules as msched
         from megatron.core.utils import get_model_config, get_model_type
 
@@ -390,18 +417,10 @@ class ScheduleExecutor:
         config = get_model_config(models[0])
         model_type = get_model_type(models[0])
 
-        # process groups, as Megatron-Core's schedules build them
+        # process groups, as Megatron-Core's schedules build them (every field its finalize reads)
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-            pg_collection = ProcessGroupCollection()
-            pg_collection.tp = parallel_state.get_tensor_model_parallel_group()
-            pg_collection.cp = parallel_state.get_context_parallel_group()
-            pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
-            pg_collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-            pg_collection.pp = (p2p_communicator.pp_group if p2p_communicator is not None
-                                else parallel_state.get_pipeline_model_parallel_group())
-            pg_collection.dp_cp = parallel_state.get_data_parallel_group(
-                with_context_parallel=True, partial_data_parallel=False)
+            pg_collection = compat.default_pg_collection(
+                p2p_communicator.pp_group if p2p_communicator is not None else None)
         pp_group = pg_collection.pp
         tp_group, cp_group = pg_collection.tp, pg_collection.cp
         pp, rank = pp_group.size(), pp_group.rank()
@@ -437,10 +456,16 @@ class ScheduleExecutor:
         if self.split_backward and _wgrad is None:
             raise RuntimeError("split_backward=True but megatron_pp_ext.runtime.wgrad is not available")
 
-        p2p = P2P(pp_group, num_stages=S, num_microbatches=num_microbatches,
-                  batched=self.batch_p2p if self.batch_p2p is not None else (
-                      None if dist.get_backend(pp_group) != "nccl" else bool(config.batch_p2p_comm)),
-                  sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)))
+        p2p = self._p2p_for(pp_group, S, num_microbatches, config)
+        bytes0 = (p2p.bytes_sent, p2p.bytes_received)   # (the strategy outlives the call)
+        if (id(p2p), id(sched)) not in self._agreed:
+            # NCCL's rules for this strategy (matching order, streams, feature communicators), then
+            # its communicators: every rank of the job, before the first op
+            cost = self._costs.get((pp, num_microbatches, forward_only)) or CostModel.uniform(
+                sched.num_stages, sched.chunks_per_rank)
+            validate_comm_model(sched, cost, p2p.comm_model)
+            p2p.prepare(sched)
+            self._agreed.add((id(p2p), id(sched)))
 
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -453,264 +478,21 @@ class ScheduleExecutor:
         # Disable config.grad_sync_func / param_sync_func in forward-only mode, as Megatron does.
         grad_sync_func = None if forward_only else config.grad_sync_func
         param_sync_func = None if forward_only else config.param_sync_func
-
-        ops = sched.ops[rank]
         chunk_of = {s: c for c, s in enumerate(stages)}
-        placement = sched.placement
-        points = sync_points(ops, chunk_of, GRAD_OP_KINDS | frozenset(self.grad_op_kinds))
-        grad_sync_fns = _per_chunk(grad_sync_func, len(models))
-        param_sync_fns = _per_chunk(param_sync_func, len(models))
-        sync_log: list[tuple[str, int, int]] = []
-        first_mb = {}
-        for op in ops:
-            if op.kind == "F":
-                first_mb.setdefault(op.stage, op.microbatch)
-        partial_ckpt = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
-        max_outstanding = None
-        if partial_ckpt is not None:
-            n_warm = 0
-            for op in ops:
-                if op.kind in ("B", "BW"):
-                    break
-                n_warm += op.kind == "F"
-            max_outstanding = max(1, n_warm)
-
-        st = _State()
-        self.state = st  # tensors in flight, for hooks (memory accounting); None between calls
-        forward_data_store: list = []
-        total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-        timings: list[OpTiming] | None = [] if self.record_timings else None
-        t0 = time.perf_counter()
+        it = Iteration(
+            self, sched=sched, rank=rank, models=models, iters=iters, config=config, model_type=model_type,
+            forward_step_func=forward_step_func, num_microbatches=num_microbatches, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, cp_size=cp_group.size(),
+            shapes=Shapes(recv_shape, send_shape, dtype, recv_bytes, send_bytes), device=device, p2p=p2p,
+            split=split, points=sync_points(sched.ops[rank], chunk_of, GRAD_OP_KINDS | frozenset(self.grad_op_kinds)),
+            grad_sync_fns=_per_chunk(grad_sync_func, len(models)),
+            param_sync_fns=_per_chunk(param_sync_func, len(models)), pp_group=pp_group, wgrad=_wgrad,
+            msched=msched, backward_step=compat.backward_step, wait_param_gathers=wait_param_gathers)
+        self.state = it.st  # tensors in flight, for hooks (memory accounting); None between calls
+        it.run()
         train = not forward_only
-        cp_size = cp_group.size()
-
-        sync = self.sync_timings and timings is not None and device.type == "cuda"
-        events = timings is not None and device.type == "cuda" and not sync
-        ev0 = None
-        if events:
-            ev0 = torch.cuda.Event(enable_timing=True)
-            ev0.record()
-
-        def now():
-            if events:  # a CUDA event; converted to seconds after the call (_event_times)
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                return ev
-            if sync:
-                torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        def span(ts, te) -> tuple:
-            return (ts, te) if events else (ts - t0, te - t0)
-
-        def hook(op: Op, phase: str) -> None:
-            if self.op_hook is not None:
-                self.op_hook(op, phase)
-
-        def run_forward(op: Op) -> None:
-            nonlocal total_num_tokens
-            s, mb = op.stage, op.microbatch
-            c = chunk_of[s]
-            inp = st.inputs.pop((s, mb), None)
-            if s > 0 and inp is None:
-                raise RuntimeError(f"rank {rank}: {op} has no input (missing receive or hand-over)")
-            ckpt = None
-            if max_outstanding is not None:
-                ckpt = (mb % max_outstanding) >= partial_ckpt
-            out, num_tokens = msched.forward_step(
-                forward_step_func, iters[c], models[c], num_microbatches, inp, forward_data_store, config,
-                cp_size, collect_non_loss_data, checkpoint_activations_microbatch=ckpt,
-                is_first_microbatch=msched.check_first_val_step(first_val_step, forward_only, mb == first_mb[s]),
-                current_microbatch=mb, vp_stage=c if len(stages) > 1 else None, is_last_stage=(s == last))
-            total_num_tokens += num_tokens  # (a 0-dim CPU tensor acts as a scalar, as in Megatron)
-            if s != last:
-                alias = out.detach()
-                if placement[s + 1] == rank:  # local hand-over (V turn-around, same-rank neighbours)
-                    st.inputs[(s + 1, mb)] = alias.requires_grad_(train)
-                else:
-                    st.sendable[("act", s, mb)] = alias if alias.is_contiguous() else alias.contiguous()
-            if train:
-                if out is inp:  # a stage without layers returns its input: B passes the gradient on
-                    st.identity.add((s, mb))
-                    return
-                st.saved_inputs[(s, mb)] = inp
-                st.outputs[(s, mb)] = out
-                if s != last:
-                    msched.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
-
-        def run_backward(op: Op, collect: bool) -> None:
-            s, mb = op.stage, op.microbatch
-            grad = None
-            if s != last:
-                grad = st.out_grads.pop((s, mb), None)
-                if grad is None:
-                    raise RuntimeError(f"rank {rank}: {op} has no output gradient (missing receive or hand-over)")
-            if (s, mb) in st.identity:
-                st.identity.discard((s, mb))
-                in_grad = grad
-            else:
-                inp = st.saved_inputs.pop((s, mb))
-                out = st.outputs.pop((s, mb))
-                ctx = store.collect((s, mb)) if collect else contextlib.nullcontext()
-                with ctx:
-                    in_grad = compat.backward_step(inp, out, grad, model_type, config)
-            if s > 0:
-                if placement[s - 1] == rank:
-                    st.out_grads[(s - 1, mb)] = in_grad
-                else:
-                    st.sendable[("grad", s, mb)] = in_grad
-
-        def run_comm(batch: list[Op]) -> None:
-            transfers, recvs = [], []
-            for op in batch:
-                key = message_key(op.kind, op.stage, op.microbatch)
-                if op.kind.startswith("SEND"):
-                    t = st.sendable.pop(key, None)
-                    if t is None:
-                        raise RuntimeError(f"rank {rank}: {op}: nothing to send (its producer has not run)")
-                    # (its size is the receiver's buffer's: point-to-point transfers must match)
-                    transfers.append(Transfer(True, op.peer, key, t, send_bytes if op.kind == "SEND_F" else recv_bytes))
-                else:
-                    fwd = op.kind == "RECV_F"
-                    # a received activation is a leaf that B differentiates to (as Megatron-Core allocates it)
-                    buf = torch.empty(recv_shape if fwd else send_shape, dtype=dtype, device=device,
-                                      requires_grad=train and fwd)
-                    transfers.append(Transfer(False, op.peer, key, buf, recv_bytes if fwd else send_bytes))
-                    recvs.append((op, buf))
-            if emu is not None:
-                emu.stamp_sends(transfers)
-            works = p2p.run_batch(transfers, defer_recvs=self.defer_receives)
-            for op, buf in recvs:
-                if works:  # (tagged p2p) waited for right before the op that reads it: take_recv
-                    key = message_key(op.kind, op.stage, op.microbatch)
-                    in_flight[key] = (works[key], op, buf)
-                else:
-                    if emu is not None:
-                        emu.arrived(op, buf)
-                    deliver(op, buf)
-
-        def deliver(op: Op, buf) -> None:
-            if op.kind == "RECV_F":
-                st.inputs[(op.stage, op.microbatch)] = buf
-            else:
-                st.out_grads[(op.stage, op.microbatch)] = buf
-
-        def take_recv(key) -> None:
-            work, rop, buf = in_flight.pop(key)
-            work.wait()
-            if emu is not None:
-                emu.arrived(rop, buf)
-            deliver(rop, buf)
-
-        def start_chunk_grad_sync(c: int) -> None:
-            if store is not None:
-                # a bucket reduced now would miss the weight gradients still queued for its W ops
-                queued = [k for k in store.pending() if isinstance(k, tuple) and chunk_of.get(k[0]) == c]
-                if queued:
-                    raise RuntimeError(f"rank {rank}: the gradient reduction of model chunk {c} would start while "
-                                       f"its W ops {queued[:4]} are still queued (executor sync point bug)")
-            if grad_sync_fns is not None:
-                grad_sync_fns[c](models[c].parameters())
-            else:
-                ddp_config = getattr(models[c], "ddp_config", None)
-                if ddp_config is None or not ddp_config.overlap_grad_reduce or not hasattr(models[c], "start_grad_sync"):
-                    return
-                models[c].start_grad_sync()
-            sync_log.append(("grad", c, idx))
-
-        if param_sync_fns is not None:
-            # every chunk's parameter all-gather, dispatched now in the order of first use; DDP's
-            # forward pre-hooks make each module's first forward wait for its own bucket
-            for c in points.param_order:
-                param_sync_fns[c](models[c].parameters())
-                sync_log.append(("param", c, -1))
-
-        # no_sync for the whole iteration: DDP must not start reducing a bucket while later
-        # backward/W ops of this rank still add to it.
-        no_sync = config.no_sync_func
-        store = _wgrad.WeightGradStore(require_key=False) if split else None
-        params_ready = False
-        idx = 0
-        #: receives posted but not waited for: message key -> (work, op, buffer)
-        in_flight: dict = {}
-        emu = self.emulate
-        with contextlib.ExitStack() as stack:
-            if emu is not None:  # (first in, last out: its clock spans the ops and the drain)
-                stack.enter_context(emu.running(sched, rank, pp_group, shape=send_shape, dtype=dtype,
-                                                device=device))
-            if train and no_sync is not None:
-                for fn in (no_sync if isinstance(no_sync, (list, tuple)) else [no_sync]):
-                    stack.enter_context(fn())
-            if split:
-                stack.enter_context(_wgrad.split_weight_grads(store, models))
-            n = len(ops)
-            while idx < n:
-                op = ops[idx]
-                if op.kind in _COMM:
-                    j = idx
-                    while j < n and ops[j].kind in _COMM:
-                        j += 1
-                    batch = ops[idx:j]
-                    for o in batch:
-                        if emu is not None:
-                            emu.begin(o)
-                        hook(o, "before")
-                    ts = now()
-                    run_comm(batch)
-                    te = now()
-                    for o in batch:
-                        hook(o, "after")
-                        if timings is not None:
-                            timings.append(OpTiming(str(o), o.kind, o.stage, o.microbatch, *span(ts, te)))
-                    idx = j
-                    continue
-                if in_flight:  # the message this op reads, if it is still in flight
-                    if op.kind == "F" and op.stage > 0 and ("act", op.stage - 1, op.microbatch) in in_flight:
-                        take_recv(("act", op.stage - 1, op.microbatch))
-                    elif op.kind in ("B", "BW") and ("grad", op.stage + 1, op.microbatch) in in_flight:
-                        take_recv(("grad", op.stage + 1, op.microbatch))
-                if emu is not None:
-                    emu.begin(op)
-                hook(op, "before")
-                ts = now()
-                if emu is not None and op.kind not in _COMPUTE:
-                    emu.feature_op(op)  # (its cost-model time, on its stream; the handler is not run)
-                elif op.kind == "F":
-                    run_forward(op)
-                elif op.kind == "B":
-                    run_backward(op, collect=split)
-                elif op.kind == "BW":
-                    run_backward(op, collect=False)
-                elif op.kind == "W":
-                    if split:
-                        store.run((op.stage, op.microbatch))
-                else:
-                    if op.kind in self.param_op_kinds and not params_ready:
-                        wait_param_gathers(models)  # (no module forward, so no DDP pre-hook waits for them)
-                        params_ready = True
-                    self.op_handlers[op.kind](self, op, {"state": st, "models": models, "rank": rank,
-                                                         "schedule": sched, "config": config})
-                if emu is not None:
-                    emu.end(op)
-                te = now()
-                hook(op, "after")
-                if timings is not None:
-                    timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, *span(ts, te)))
-                if train:
-                    for c in points.grad_after.get(idx, ()):
-                        start_chunk_grad_sync(c)
-                idx += 1
-            if split:
-                _wgrad.check_split_active(f"in schedule {sched.name!r} on pipeline rank {rank}")
-                _wgrad.check_no_pending_wgrad(store, "before gradient reduction")
-            for key in list(in_flight):  # (none: every receive has a consumer)
-                take_recv(key)
-            p2p.drain()
-        # (no_sync exited: DDP's buckets are back to "last microbatch")
-        leftovers = [k for k in ("inputs", "saved_inputs", "outputs", "out_grads", "sendable", "identity")
-                     if getattr(st, k)]
-        if leftovers:
-            raise RuntimeError(f"rank {rank}: schedule {sched.name!r} left tensors behind in {leftovers}")
+        placement = sched.placement
+        total_num_tokens = it.total_num_tokens
 
         if config.finalize_model_grads_func is not None and train:
             msched.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
@@ -730,11 +512,11 @@ class ScheduleExecutor:
         if config.timers is not None:
             config.timers("forward-backward").stop()
         self.state = None
-        self.last_timings = _event_times(timings, ev0) if events else timings
+        self.last_timings = _event_times(it.timings, it.ev0) if it.events else it.timings
         self.last_schedule = sched
-        self.last_p2p_bytes = (p2p.bytes_sent, p2p.bytes_received)
-        self.last_sync_log = sync_log
-        return forward_data_store
+        self.last_p2p_bytes = (p2p.bytes_sent - bytes0[0], p2p.bytes_received - bytes0[1])
+        self.last_sync_log = it.sync_log
+        return it.forward_data_store
 
 
 #: op kinds that add to the parameter gradients of their stage's chunk

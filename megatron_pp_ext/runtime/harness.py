@@ -91,6 +91,10 @@ class RunConfig:
     recompute_num_layers: int | None = None
     deallocate_pipeline_outputs: bool = True
     record_timings: bool = False
+    #: the executor's point-to-point strategy (runtime/p2p.py; None: the backend's default) and,
+    #: on gloo, NCCL's semantics emulated for it (runtime/nccl_emulation.py)
+    p2p: str | None = None
+    emulate_nccl: bool = False
     config_overrides: dict = field(default_factory=dict, hash=False)
     executor_options: dict = field(default_factory=dict, hash=False)
     #: feature hooks (picklable): ``model_hook(chunks, config, cfg) -> extra`` runs on the bare
@@ -369,8 +373,9 @@ def setup_training(cfg: RunConfig) -> Training:
     else:
         from .executor import ScheduleExecutor
         make = ScheduleExecutor if cfg.executor_factory is None else partial(cfg.executor_factory, cfg, extra)
+        comm = {k: v for k, v in (("p2p", cfg.p2p), ("emulate_nccl", cfg.emulate_nccl)) if v}
         executor = make(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget, costs=cfg.costs,
-                        record_timings=cfg.record_timings, **cfg.executor_options)
+                        record_timings=cfg.record_timings, **comm, **cfg.executor_options)
         if cfg.spec.tie_embeddings and v_shape and hasattr(executor, "allow_tied_v"):
             executor.allow_tied_v = True   # (the copies are summed after finalize_model_grads: runtime.tied)
         fb = executor

@@ -1,28 +1,34 @@
-"""Device-agnostic point-to-point transfers for the schedule executor.
+"""Point-to-point transfers of the schedule executor: one interface, one strategy per backend.
 
-A schedule lists, per rank, *batches* of consecutive comm ops (SEND_F / RECV_F / SEND_B /
-RECV_B). The comm pass orders them so that the schedule is deadlock-free even if every batch
-blocks until all its transfers are matched, and so that the sends and receives between any
-two ranks come in the same order on both sides. :class:`P2P` executes one batch:
+A schedule lists, per rank, runs of consecutive comm ops (SEND_F / RECV_F / SEND_B / RECV_B).
+The comm pass posts every receive early (before the send happens, so the transfer can start at
+once) and keeps the sends and receives between two ranks in the same order on both sides. What
+the backend then does with them decides the iteration time, so each strategy names the
+communication model (:mod:`megatron_pp_ext.schedule.commmodel`) it realises and owns its wait
+policy: ``run_batch`` returns the receives the executor waits for right before their consumer
+(``recv_wait == "consumer"``), or waits itself at the end of the batch (``"batch-end"``).
 
-* **NCCL** (GPU): one ``batch_isend_irecv`` per batch, in the batch's order (NCCL matches
-  point-to-point messages between two ranks in order, which the comm pass guarantees);
-  optionally ``torch.cuda.synchronize()`` afterwards, as Megatron-Core does
-  (``config.batch_p2p_sync``) against a known race of batched p2p.
-* **gloo** (CPU) and other backends: plain ``isend``/``irecv`` with a distinct *tag* per
-  message. gloo's batched p2p silently swaps two messages between ranks that are both the
-  previous and the next neighbour of each other (pp=2 with several chunks, V placement); with
-  unique tags the matching cannot go wrong whatever the posting order.
+* :class:`TaggedP2P` (gloo; model ``eager``): plain ``isend``/``irecv`` with a tag per message.
+  gloo's batched p2p swaps two messages between ranks that are both the previous and the next
+  neighbour of each other (pp=2 with several chunks, V placement); with unique tags the
+  matching cannot go wrong whatever the posting order.
+* :class:`ChannelP2P` (NCCL default; ``nccl-channels``): one two-rank communicator per channel
+  -- sender, receiver, activations or gradients -- created before the first op in one global
+  order. NCCL runs a communicator's ops in issue order on one stream; with a stream per
+  channel a receive posted early waits only for the messages before it on its own channel, so
+  the iteration keeps the eager model's time (on the pipeline group, torch's per-pair streams
+  make an early receive hold up every later op between the two ranks, and a batch holds up
+  the compute until all its transfers end: up to 1.8x the eager makespan).
+* :class:`BatchedP2P` (``nccl-batched``): one ``batch_isend_irecv`` per run, waited for at its
+  end (Megatron-Core's way; ``sync_after_batch``: its ``batch_p2p_sync``).
+* :class:`PairwiseP2P` (``nccl-pairwise``): plain untagged ``isend``/``irecv`` on the pipeline
+  group (torch's per-pair communicators), each pair's communicator created before the first op
+  in one global order (created lazily, in whatever order the ranks reach them, they can hang).
+* :class:`~megatron_pp_ext.runtime.nccl_emulation.EmulatedNCCL`: any NCCL strategy on gloo
+  with NCCL's semantics (``--emulate-nccl``).
 
-Every message is identified by ``(tag, stage, microbatch)`` of the tensor it carries
-(``("act", s, m)``: output of F(s, m); ``("grad", s, m)``: input gradient made by B(s, m)),
-so the tag is the same on the sending and the receiving side. A sent tensor is kept alive
-(the handle holds it) until its send has completed; sends are waited for lazily
-(:meth:`P2P.reap`, :meth:`P2P.drain`). Receives of a batch are waited for at the end of the
-batch (:meth:`P2P.run_batch`), or, with ``defer_recvs`` on the tagged path, handed back to the
-caller, which waits for each right before the op that uses its data: a receive posted early
-(the comm pass posts it before the send happens, so the transfer can start at once) then never
-holds up the ops in between, as in the simulator's eager model.
+Every message is identified by :func:`message_key` of the tensor it carries (the tag on gloo);
+a sent tensor is kept alive until its send has completed (:meth:`P2P.reap`, :meth:`P2P.drain`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "Transfer", "message_key"]
+from ..schedule.ir import Schedule, comm_channel
+
+__all__ = ["P2P", "Transfer", "message_key", "TaggedP2P", "BatchedP2P", "PairwiseP2P", "ChannelP2P",
+           "STRATEGIES", "make_p2p", "channels_of"]
 
 
 def message_key(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
@@ -58,73 +67,67 @@ class Transfer:
     key: tuple           # message_key(...)
     tensor: torch.Tensor
     nbytes: int | None = None   # its size, when the caller knows it (saves two tensor calls per message)
+    stamp: Any = None    # (emulated compute) called with the tensor right before a send starts
 
 
 class P2P:
-    """Point-to-point transfers inside one pipeline-parallel group.
+    """The interface: post one batch of transfers of a pipeline-parallel group."""
 
-    ``batched``: None picks batched p2p on NCCL and plain tagged p2p elsewhere (gloo).
-    """
+    name = "base"
+    comm_model = "eager"
+    recv_wait = "consumer"
 
-    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int, batched: bool | None = None,
-                 sync_after_batch: bool = False):
+    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int):
         self.group = pp_group
         self.backend = dist.get_backend(pp_group)
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
-        self.batched = (self.backend == "nccl") if batched is None else bool(batched)
-        if self.batched and self.backend == "gloo":
-            raise ValueError("batched p2p is not safe on gloo (messages between two ranks that are "
-                             "both neighbours of each other can be swapped); use batched=False")
-        self.sync_after_batch = sync_after_batch
         self._global = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def tag(self, key: tuple) -> int:
-        """A tag unique per message of one iteration (same on both sides)."""
-        kind, stage, mb = key
-        k = 0 if kind == "act" else 1
-        return (k * self.num_stages + stage) * self.num_microbatches + mb
+    def prepare(self, schedule: Schedule) -> None:
+        """Before the first op of ``schedule`` (every rank of the group, together): create what
+        the strategy needs (communicators) in one global order."""
 
-    def run_batch(self, transfers: Sequence[Transfer], *, defer_recvs: bool = False) -> dict:
-        """Post every transfer of one batch; return once its receives have completed. With
-        ``defer_recvs`` on the tagged (unbatched) path, return at once with ``{key: work}`` of
-        the receives, each to be ``wait()``-ed before its buffer is read (batched p2p waits as
-        without it and returns ``{}``)."""
+    def run_batch(self, transfers: Sequence[Transfer]) -> dict:
+        """Post every transfer of one batch. Returns ``{key: handle}`` of the receives the
+        caller waits for (``handle.wait()``) right before the op that reads them; ``{}`` when
+        the strategy has waited for them already (``recv_wait == "batch-end"``)."""
         if not transfers:
             return {}
-        recv_works = []
-        if self.batched:
-            ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, t.tensor, self._global[t.peer],
-                              self.group) for t in transfers]
-            # NCCL: wait() orders the compute stream after the batch (the host does not block);
-            # tensors freed afterwards are freed in stream order, so nothing is kept here.
-            recv_works = list(dist.batch_isend_irecv(ops))
-        else:
-            for t in transfers:
-                peer = self._global[t.peer]
-                if t.is_send:
-                    w = dist.isend(t.tensor, dst=peer, group=self.group, tag=self.tag(t.key))
-                    self._pending_sends.append((w, t.tensor))
-                else:
-                    recv_works.append(dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key)))
+        for t in transfers:
+            if t.is_send and t.stamp is not None:
+                t.stamp(t.tensor)
+        works = self._post(transfers)
+        self._count(transfers)
+        recvs = [(t, w) for t, w in zip(transfers, works) if not t.is_send]
+        if self.recv_wait == "consumer":
+            self.reap()
+            return {t.key: w for t, w in recvs}
+        for _, w in recvs:
+            w.wait()
+        self._after_batch()
+        self.reap()
+        return {}
+
+    def _post(self, transfers: Sequence[Transfer]) -> list:
+        raise NotImplementedError
+
+    def _after_batch(self) -> None:
+        pass
+
+    def _count(self, transfers: Sequence[Transfer]) -> None:
         for t in transfers:
             n = t.nbytes if t.nbytes is not None else t.tensor.numel() * t.tensor.element_size()
             if t.is_send:
                 self.bytes_sent += n
             else:
                 self.bytes_received += n
-        if defer_recvs and not self.batched:
-            self.reap()
-            return {t.key: w for t, w in zip((t for t in transfers if not t.is_send), recv_works)}
-        for w in recv_works:
-            w.wait()
-        if self.sync_after_batch and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.reap()
-        return {}
+
+    def _keep(self, work, tensor: torch.Tensor) -> None:
+        self._pending_sends.append((work, tensor))
 
     def reap(self) -> None:
         """Forget sends that have completed (their tensors can be freed)."""
@@ -137,9 +140,251 @@ class P2P:
             w.wait()
         self._pending_sends.clear()
 
+    def settle(self, timeout: float = 10.0) -> None:
+        """At the end of a call, also one that failed: give transfers already started a chance to
+        end (at most ``timeout`` seconds), never raising."""
+
     @property
     def pending_sends(self) -> int:
         return len(self._pending_sends)
+
+
+class TaggedP2P(P2P):
+    """gloo: plain isend/irecv, one tag per message of an iteration (same on both sides)."""
+
+    name = "tagged"
+    comm_model = "eager"
+
+    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int, defer_recvs: bool = True):
+        super().__init__(pp_group, num_stages=num_stages, num_microbatches=num_microbatches)
+        self.recv_wait = "consumer" if defer_recvs else "batch-end"
+
+    def tag(self, key: tuple) -> int:
+        kind, stage, mb = key
+        k = 0 if kind == "act" else 1
+        return (k * self.num_stages + stage) * self.num_microbatches + mb
+
+    def _post(self, transfers):
+        works = []
+        for t in transfers:
+            peer = self._global[t.peer]
+            if t.is_send:
+                w = dist.isend(t.tensor, dst=peer, group=self.group, tag=self.tag(t.key))
+                self._keep(w, t.tensor)
+            else:
+                w = dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key))
+            works.append(w)
+        return works
+
+
+class BatchedP2P(P2P):
+    """NCCL: one ``batch_isend_irecv`` per batch, waited for at its end (Megatron-Core's way).
+    ``wait()`` orders the compute stream after the group (the host does not block); tensors
+    freed afterwards are freed in stream order, so nothing is kept."""
+
+    name = "batched"
+    comm_model = "nccl-batched"
+    recv_wait = "batch-end"
+
+    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int, sync_after_batch: bool = False):
+        super().__init__(pp_group, num_stages=num_stages, num_microbatches=num_microbatches)
+        if self.backend == "gloo":
+            raise ValueError("batched p2p is not safe on gloo (messages between two ranks that are both "
+                             "neighbours of each other can be swapped): use the tagged strategy, or "
+                             "--emulate-nccl for NCCL's semantics")
+        self.sync_after_batch = sync_after_batch
+        if sync_after_batch:
+            self.comm_model = "nccl-batched-sync"
+
+    def _post(self, transfers):
+        ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, t.tensor, self._global[t.peer], self.group)
+               for t in transfers]
+        works = list(dist.batch_isend_irecv(ops))
+        if len(works) != len(transfers):  # (one work for the whole coalesced group)
+            works = [works[-1]] * len(transfers)
+        return works
+
+    def _after_batch(self) -> None:
+        if self.sync_after_batch and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+class PairwiseP2P(P2P):
+    """NCCL: untagged isend/irecv on the pipeline group (one communicator and stream per pair of
+    ranks, in torch), every pair's communicator created up front in one global order."""
+
+    name = "pairwise"
+    comm_model = "nccl-pairwise"
+
+    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int):
+        super().__init__(pp_group, num_stages=num_stages, num_microbatches=num_microbatches)
+        self._warm: set = set()
+
+    def prepare(self, schedule: Schedule) -> None:
+        pairs = sorted({tuple(sorted((src, dst))) for src, dst, _ in channels_of(schedule)} - self._warm)
+        me = self.group.rank()
+        for a, b in pairs:   # one global order: a rank's first op with a peer creates their communicator
+            if me in (a, b):
+                _warm_up(self._global, me, a, b, self.group, self._device())
+        self._warm.update(pairs)
+
+    def _device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def _post(self, transfers):
+        works = []
+        for t in transfers:
+            peer = self._global[t.peer]
+            if t.is_send:
+                w = dist.isend(t.tensor, dst=peer, group=self.group)
+                self._keep(w, t.tensor)
+            else:
+                w = dist.irecv(t.tensor, src=peer, group=self.group)
+            works.append(w)
+        return works
+
+
+def channels_of(schedule: Schedule) -> list[tuple[int, int, str]]:
+    """(sender, receiver, "act"|"grad") of every pipeline message of ``schedule``, sorted."""
+    out = set()
+    for r, ops in enumerate(schedule.ops):
+        for op in ops:
+            if op.kind in ("SEND_F", "SEND_B") and comm_channel(op.kind) == "pp":
+                out.add((r, op.peer, "act" if op.kind == "SEND_F" else "grad"))
+    return sorted(out)
+
+
+#: backend -> {label: process group} of the groups this process is a member of, for the default
+#: group in ``_GROUPS_OF`` (a new job -- a new default group -- starts afresh)
+_GROUPS: dict[str, dict] = {}
+_GROUPS_OF: list = [None]
+
+
+def member_groups(wanted: dict, backend: str, *, timeout: float | None = None) -> dict:
+    """Process groups by label (``wanted``: label -> global ranks), created once per job.
+    ``new_group`` wants every process to take part, in one order, so the processes first agree
+    on every label any of them wants (an all-gather over the world), then create them all
+    sorted; each keeps those it is a member of. Returns ``{label: group}`` for ``wanted``."""
+    default = dist.distributed_c10d._get_default_group()
+    if _GROUPS_OF[0] is not default:   # (kept alive here, so its identity cannot be reused)
+        _GROUPS.clear()
+        _WARM.clear()
+        _GROUPS_OF[0] = default
+    cache = _GROUPS.setdefault(backend, {})
+    todo_mine = sorted((lbl, tuple(r)) for lbl, r in wanted.items() if lbl not in cache)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, todo_mine)
+    todo = sorted({(tuple(lbl) if isinstance(lbl, list) else lbl, tuple(r)) for lst in everyone for lbl, r in lst})
+    me = dist.get_rank()
+    kw = {} if timeout is None else {"timeout": _timedelta(timeout)}
+    for lbl, ranks in todo:   # (every process, the same order)
+        g = dist.new_group(ranks=list(ranks), backend=backend, **kw)
+        if me in ranks:
+            cache[lbl] = g
+    return {lbl: cache[lbl] for lbl in wanted}
+
+
+def _timedelta(seconds: float):
+    import datetime
+    return datetime.timedelta(seconds=seconds)
+
+
+def channel_groups(pp_group, schedule: Schedule, backend: str | None = None, *,
+                   timeout: float | None = None) -> dict:
+    """The two-rank process group of every channel of ``schedule`` this rank sends or receives
+    on, by ``(global sender, global receiver, "act"|"grad")``; on NCCL each communicator is
+    created now by a first transfer, in one global order (NCCL creates it at its first op,
+    blocking both ranks: created lazily in different orders on different ranks, they hang)."""
+    backend = backend or dist.get_backend(pp_group)
+    glob = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
+    me = dist.get_rank()
+    wanted = {("chan", glob[s], glob[d], c): (min(glob[s], glob[d]), max(glob[s], glob[d]))
+              for s, d, c in channels_of(schedule) if me in (glob[s], glob[d])}
+    groups = {k[1:]: g for k, g in member_groups(wanted, backend, timeout=timeout).items()}
+    if backend == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        for (src, dst, cls) in sorted(groups):
+            if (src, dst, cls) not in _WARM:
+                _warm_up([src, dst], 0 if me == src else 1, 0, 1, groups[(src, dst, cls)], dev)
+                _WARM.add((src, dst, cls))
+    return groups
+
+
+_WARM: set = set()
+
+
+def _warm_up(glob: Sequence[int], me: int, a: int, b: int, group, device) -> None:
+    """One tiny blocking transfer a -> b (group ranks ``a``, ``b``; ``me`` is one of them)."""
+    t = torch.zeros(1, device=device)
+    if me == a:
+        dist.send(t, dst=glob[b], group=group)
+    else:
+        dist.recv(t, src=glob[a], group=group)
+
+
+class ChannelP2P(P2P):
+    """NCCL: a two-rank communicator per (sender, receiver, activations|gradients)."""
+
+    name = "channels"
+    comm_model = "nccl-channels"
+
+    def __init__(self, pp_group, *, num_stages: int, num_microbatches: int):
+        super().__init__(pp_group, num_stages=num_stages, num_microbatches=num_microbatches)
+        self._groups: dict = {}
+
+    def prepare(self, schedule: Schedule) -> None:
+        self._groups.update(channel_groups(self.group, schedule))
+
+    def _post(self, transfers):
+        works = []
+        me = self._global[self.group.rank()]
+        for t in transfers:
+            peer = self._global[t.peer]
+            cls = t.key[0]
+            if t.is_send:
+                w = dist.isend(t.tensor, dst=peer, group=self._channel(me, peer, cls))
+                self._keep(w, t.tensor)
+            else:
+                w = dist.irecv(t.tensor, src=peer, group=self._channel(peer, me, cls))
+            works.append(w)
+        return works
+
+    def _channel(self, src: int, dst: int, cls: str):
+        try:
+            return self._groups[(src, dst, cls)]
+        except KeyError:
+            raise RuntimeError(f"no NCCL channel {src}->{dst} ({cls}): the executor did not prepare the "
+                               "schedule's channels before its first op") from None
+
+
+#: strategy name -> (class, the communication model it realises)
+STRATEGIES = {"tagged": TaggedP2P, "batched": BatchedP2P, "pairwise": PairwiseP2P, "channels": ChannelP2P}
+
+
+def make_p2p(pp_group, strategy: str | None, *, num_stages: int, num_microbatches: int,
+             emulate_nccl: bool = False, defer_recvs: bool = True, sync_after_batch: bool = False,
+             timeout: float | None = None) -> P2P:
+    """The strategy for a call: ``None`` picks ``channels`` on NCCL (and when emulating NCCL on
+    gloo) and ``tagged`` elsewhere."""
+    backend = dist.get_backend(pp_group)
+    if strategy is None:
+        strategy = "channels" if backend == "nccl" or emulate_nccl else "tagged"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown p2p strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    kw = dict(num_stages=num_stages, num_microbatches=num_microbatches)
+    if emulate_nccl:
+        if strategy == "tagged":
+            raise ValueError("--emulate-nccl emulates an NCCL strategy (channels, batched or pairwise), not 'tagged'")
+        from .nccl_emulation import EmulatedNCCL
+        return EmulatedNCCL(pp_group, strategy, sync_after_batch=sync_after_batch, timeout=timeout, **kw)
+    if strategy == "tagged":
+        return TaggedP2P(pp_group, defer_recvs=defer_recvs, **kw)
+    if strategy == "batched":
+        return BatchedP2P(pp_group, sync_after_batch=sync_after_batch, **kw)
+    if backend != "nccl":
+        raise ValueError(f"p2p strategy {strategy!r} is NCCL's (untagged, matched in issue order); on "
+                         f"{backend} use 'tagged', or emulate NCCL (--emulate-nccl)")
+    return STRATEGIES[strategy](pp_group, **kw)
 
 
 def _done(work) -> bool:

@@ -110,8 +110,9 @@ def reset_megatron_state() -> None:
         pass
 
 
-def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list) -> None:
+def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, env: dict | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    os.environ.update(env or {})
     for c in parent_ends:
         c.close()
     import torch
@@ -184,7 +185,8 @@ class WorkerPool:
     """
 
     def __init__(self, size: int = 4, *, timeout: float = 120.0, grace: float = 10.0, threads: int = 1,
-                 cpu_compat: bool | None = None, preload: tuple[str, ...] = DEFAULT_PRELOAD):
+                 cpu_compat: bool | None = None, preload: tuple[str, ...] = DEFAULT_PRELOAD,
+                 env: dict | None = None):
         if size < 1:
             raise ValueError("WorkerPool needs at least one worker")
         import importlib
@@ -195,6 +197,8 @@ class WorkerPool:
         self.timeout = float(timeout)
         self.grace = float(grace)
         self.threads = threads
+        #: environment variables of the workers (e.g. MPPX_EMULATE_NCCL), not of this process
+        self.env = dict(env or {})
         self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
         # fork (cheap: the preloaded modules are inherited) unless this process already ran a
         # process group whose threads survive: then fork from a clean forkserver (one
@@ -224,7 +228,7 @@ class WorkerPool:
                 # The child closes its copies of the parent's ends, so that it sees EOF (and
                 # exits) when the parent goes away, however that happens.
                 p = self._ctx.Process(target=_worker_main,
-                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [parent]),
+                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [parent], self.env),
                                       name=f"mppx-pool-{i}", daemon=True)
                 p.start()
                 child.close()

@@ -115,10 +115,26 @@ def cost_from_dict(d: dict) -> CostModel:
         raise ScheduleError(f"cost model: malformed field ({e})") from None
 
 
-def dumps_json(schedule: Schedule, cost: CostModel | None = None, *, indent: int | None = None) -> str:
-    """JSON text of ``schedule`` (and of ``cost`` when given); see the module doc."""
+def dumps_json(schedule: Schedule, cost: CostModel | None = None, *, indent: int | None = None,
+               comm_model: str | None = None) -> str:
+    """JSON text of ``schedule`` (and of ``cost`` when given); see the module doc.
+
+    ``comm_model``: an NCCL model (:mod:`.commmodel`; ``"nccl"`` is the executor's strategy): the
+    comm ops as that NCCL path issues them -- each carries ``"stream"`` and, batched, ``"batch"``
+    (shared by the ops of one ``batch_isend_irecv``) -- and ``meta`` gains ``"p2p"``
+    (``"batched"`` | ``"pairwise"``), ``"recv_wait"`` (``"batch-end"`` | ``"consumer"``) and
+    ``"comm_model"``. (Loading ignores them.)"""
     d = schedule.to_dict()
-    d["meta"] = _encode(dict(schedule.meta), "schedule meta")
+    meta = dict(schedule.meta)
+    if comm_model is not None:
+        from .commmodel import annotate_ops, comm_model as _model
+        model = _model(comm_model)
+        if model is not None:
+            for ops, notes in zip(d["ops"], annotate_ops(schedule, model)):
+                for o, extra in zip(ops, notes):
+                    o.update(extra)
+            meta.update(p2p=model.p2p, recv_wait=model.recv_wait, comm_model=model.name)
+    d["meta"] = _encode(meta, "schedule meta")
     if cost is not None:
         if cost.num_stages != schedule.num_stages:
             raise ScheduleError(f"cost model has {cost.num_stages} stages but the schedule has "

@@ -67,6 +67,9 @@ class OpKind:
     category: "compute" (occupies the rank's compute stream), "comm" (point-to-point,
     matched between ranks), or any stream name a feature defines (e.g. "d2h").
     requires/produces: data keys (see module doc). duration/memory: from the cost model.
+    communicators: the process groups (by name) on which the op issues collectives; on NCCL
+    every rank of one must issue its collectives in the same order, and none may be the
+    pipeline group ("pp"), whose stream carries the point-to-point transfers.
     """
 
     name: str
@@ -76,6 +79,7 @@ class OpKind:
     produces: Callable[[Op, "Schedule"], tuple] = _no_keys
     duration: Callable[[object, Op], float] = _zero
     memory: Callable[[object, Op], float] = _zero
+    communicators: tuple = ()
 
 
 _KINDS: dict[str, OpKind] = {}

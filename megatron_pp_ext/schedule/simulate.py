@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from .checks import check_complete, check_structure
+from .commmodel import StreamComm, comm_model as comm_model_of
 from .costs import CostModel
 from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel, matching_recv, op_kind
 from .simresult import DeadlockError, SimResult
@@ -46,20 +47,23 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
     refuse for its structure or completeness (an op missing or duplicated, no microbatch, a
     placement that does not match the ops), and costs the arithmetic cannot carry
     (:meth:`CostModel.check_scale`). Generators simulating their own orders pass False."""
-    if comm_model not in ("eager", "blocking"):
-        raise ScheduleError(f"comm_model must be 'eager' or 'blocking', got {comm_model!r}")
-    eager = comm_model == "eager"
+    nccl = comm_model_of(comm_model)  # (None: eager or blocking; refuses unknown names)
+    if nccl is not None and not schedule.has_comm():
+        nccl = None  # (no comm ops: the compute-only model)
+    eager = comm_model != "blocking"
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
     from . import fastsim  # same results for the built-in kinds, much faster
+    fast = None
     if check:
         prep = fastsim.prepare(schedule, cost)
         if prep is None or not prep.check():
             check_structure(schedule)
             check_complete(schedule)
         cost.check_scale(schedule.num_microbatches, "cost model")
-        fast = prep.simulate(eager) if prep is not None else None
-    else:
+        if nccl is None and prep is not None:
+            fast = prep.simulate(eager)
+    elif nccl is None:
         fast = fastsim.simulate_builtin(schedule, cost, eager)
     if fast is not None:
         return fast
@@ -215,7 +219,65 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
         ptr[r] += 1
         return True
 
+    # NCCL stream models (commmodel.py): the rank issues its comm ops and goes on; transfers are
+    # resolved in stream order; with "batch-end" waits (or a device sync) it waits for the batch.
+    def set_ready(key: tuple, rank: int, t: float) -> None:
+        ready[(key, rank)] = t
+
+    def set_times(op: Op, start: float, end: float) -> None:
+        times[op] = (start, end)
+
+    def add_mem(rank: int, t: float, order: int, delta: float) -> None:
+        mem_events[rank].append((t, order, delta))
+
+    streams = StreamComm(nccl, cost.comm, set_ready, set_times, add_mem) if nccl is not None else None
+    awaiting: list[tuple[list, float] | None] = [None] * p   # (items, issue time) a rank's compute waits for
+
+    def step_comm_streams(r: int) -> bool:
+        start = end = ptr[r]
+        chan = comm_channel(plans[r][start][0].kind)
+        while end < len(plans[r]) and plans[r][end][1] == "comm" and comm_channel(plans[r][end][0].kind) == chan:
+            end += 1
+        t_post = max(stream_free[r]["compute"], last_start[r])
+        entries = []
+        for i in range(start, end):
+            op, _, req, prod, dur, mem = plans[r][i]
+            if op.peer is None:
+                raise ScheduleError(f"rank {r}: comm op {op} has no peer")
+            for key in req:  # a send needs its data made on this rank first
+                kt = ready.get((key, r))
+                if kt is None:
+                    blocked_on[r] = (ready, (key, r))
+                    return False
+                t_post = max(t_post, kt)
+            entries.append((op, prod, dur, mem))
+            if op.kind in COMM_PAIRS:
+                messages[r] += 1
+        t_post = _round(t_post)
+        items = streams.issue(r, entries, t_post)
+        if nccl.sync_after_batch:
+            awaiting[r] = (list(streams.outstanding.get(r, [])) + items, t_post)
+        elif nccl.recv_wait == "batch-end":
+            awaiting[r] = (items, t_post)
+        last_start[r] = t_post
+        ptr[r] = end
+        return True
+
+    def resume(r: int) -> bool:
+        """A rank waiting for a batch (or a device sync) goes on once it has ended."""
+        items, t_post = awaiting[r]
+        done = streams.done_by(items)
+        if done is None:
+            return False
+        done = max(done, t_post)
+        comm_wait[r] += done - t_post
+        stream_free[r]["compute"] = max(stream_free[r]["compute"], done)
+        awaiting[r] = None
+        return True
+
     def step_comm(r: int) -> bool:
+        if streams is not None:
+            return step_comm_streams(r)
         if eager:
             return step_comm_eager(r)
         if current_batch[r] is None:
@@ -274,7 +336,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
         return True
 
     remaining = sum(len(x) for x in plans)
-    while remaining:
+    while remaining or (streams is not None and streams.pending):
         progressed = False
         for r in range(p):
             wait = blocked_on[r]
@@ -282,6 +344,10 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
                 if wait[1] not in wait[0]:
                     continue
                 blocked_on[r] = None
+            if awaiting[r] is not None:
+                if not resume(r):
+                    continue
+                progressed = True
             while ptr[r] < len(plans[r]):
                 before = ptr[r]
                 ok = step_comm(r) if plans[r][ptr[r]][1] == "comm" else step_compute(r)
@@ -289,10 +355,15 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
                     break
                 remaining -= ptr[r] - before
                 progressed = True
+                if awaiting[r] is not None and not resume(r):
+                    break
         if not progressed:
-            raise DeadlockError(_deadlock_message(schedule, plans, ptr))
+            msg = _deadlock_message(schedule, plans, ptr)
+            if streams is not None:
+                msg += f"\nNCCL streams ({nccl.name}):\n" + "\n".join(streams.stuck())
+            raise DeadlockError(msg)
 
-    if eager:  # receive ops end when their data arrives
+    if eager and streams is None:  # receive ops end when their data arrives
         for r in range(p):
             for op, cat, _, prod, _, _ in plans[r]:
                 if cat == "comm" and prod:

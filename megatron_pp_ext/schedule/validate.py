@@ -13,6 +13,12 @@ Every generated schedule passes through :func:`validate` before anything runs. C
    waits until its partners are posted: the strictest way a runtime can block); a rank
    that can never proceed is reported;
 5. memory: the peak activation of every rank is within ``memory_budget`` (units).
+6. (:func:`validate_comm_model`, for the backend's strategy) NCCL's rules: on every stream the
+   sends of one rank and the receives of the other name the same messages in the same order
+   (tags are ignored), the schedule runs to the end under the strategy's stream model (a
+   stream op or a batch that waits for a partner stuck behind it is a deadlock), and every
+   feature collective runs on a communicator of its own, issued in the same order on every
+   rank that takes part.
 
 Feature packages register extra checks with :func:`register_check`.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
+from .commmodel import check_matching_order, comm_model as _comm_model
 from .costs import CostModel
 from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, comm_channel, matching_recv, op_kind
 from . import fastsim
@@ -142,3 +149,53 @@ def _check_budget(schedule: Schedule, peaks: list[float], memory_budget: float |
             f"schedule {schedule.name!r} needs {pk:g} activation units on rank {r}, over the memory "
             f"budget of {memory_budget:g} (--memory-budget); raise the budget or pick a schedule with "
             "less memory (v-half, v-min, v-budget)")
+
+
+def validate_comm_model(schedule: Schedule, cost: CostModel, comm_model: str) -> SimResult | None:
+    """Check 6 of the module doc for the strategy a runtime uses (``comm_model``: a name of
+    :mod:`.commmodel`; eager and blocking need nothing more). Returns the simulation under
+    that model (None for eager/blocking), or raises ValidationError / DeadlockError."""
+    model = _comm_model(comm_model)
+    if model is None or not schedule.has_comm():
+        return None
+    problems = check_matching_order(schedule, model)
+    problems += check_communicators(schedule)
+    recv_kinds = {rk for rk, _ in COMM_PAIRS.values()}
+    for r, ops in enumerate(schedule.ops):
+        for op in ops:
+            if ((op.kind in COMM_PAIRS or op.kind in recv_kinds) and op.kind not in _BUILTIN_P2P
+                    and comm_channel(op.kind) == "pp"):
+                problems.append(f"rank {r}: {op}: a feature's transfers on the pipeline group's stream "
+                                "(register its kinds on a channel of their own)")
+                break
+    _fail(schedule, problems)
+    return simulate(schedule, cost, comm_model=comm_model, check=False)
+
+
+_BUILTIN_P2P = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+
+
+def check_communicators(schedule: Schedule) -> list[str]:
+    """Every collective a feature op issues (``OpKind.communicators``) is on a group other than
+    the pipeline group, and each group sees its ops in the same order on every rank that has
+    them (NCCL needs one submission order per communicator). Returns the problems."""
+    seqs: dict[str, dict[int, list]] = defaultdict(dict)
+    problems = []
+    for r, ops in enumerate(schedule.ops):
+        for op in ops:
+            for name in op_kind(op.kind).communicators:
+                if name == "pp":
+                    problems.append(f"rank {r}: {op} issues a collective on the pipeline group, whose NCCL "
+                                    "stream carries the point-to-point transfers")
+                seqs[name].setdefault(r, []).append(op.microbatch)
+    for name, by_rank in sorted(seqs.items()):
+        ranks = sorted(by_rank)
+        first = by_rank[ranks[0]]
+        for r in ranks[1:]:
+            if by_rank[r] != first:
+                i = next((i for i, (a, b) in enumerate(zip(first, by_rank[r])) if a != b), min(len(first), len(by_rank[r])))
+                problems.append(f"communicator {name!r}: rank {ranks[0]} and rank {r} issue its collectives in "
+                                f"different orders (position {i}: microbatch "
+                                f"{first[i] if i < len(first) else None} vs {by_rank[r][i] if i < len(by_rank[r]) else None})")
+                break
+    return problems

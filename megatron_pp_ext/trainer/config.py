@@ -63,6 +63,8 @@ class TrainConfig:
     #: --emulate-compute MS: every compute op waits its --costs time (1 unit = MS milliseconds)
     #: instead of computing (runtime/emulate.py); None: real compute
     emulate_compute: float | None = None
+    #: --emulate-nccl [STRATEGY]: the executor's NCCL strategy with NCCL's semantics on gloo
+    emulate_nccl: str | None = None
     # training
     iters: int = 20
     lr: float = 1e-3
@@ -234,7 +236,7 @@ class Plan:
         c = self.cfg
         pipelined = c.pp > 1
         if self.emulation is not None:
-            return self.emulation.run_config(self)
+            return self._comm(self.emulation.run_config(self))
         run = RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
                          schedule=(self.schedule_factory or self.runtime_schedule) if pipelined else None,
                          chunks=self.chunks if pipelined else 1,
@@ -246,6 +248,12 @@ class Plan:
         if c.features:
             from .features import feature_run_config
             run = feature_run_config(c.features, run)
+        return self._comm(run)
+
+    def _comm(self, run):
+        """--emulate-nccl: the strategy and its emulation for the executor of the main run."""
+        if self.cfg.emulate_nccl:
+            return run.replace(p2p=self.cfg.emulate_nccl, emulate_nccl=True)
         return run
 
     def reference_config(self):
@@ -383,6 +391,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         _fail(f"unknown schedule {c.schedule!r} (--schedule); available: {', '.join(names)}")
     mcore = c.schedule == MCORE
     pipelined = c.pp > 1
+    if c.emulate_nccl and mcore:
+        _fail("--emulate-nccl emulates our executor's NCCL path; --schedule mcore runs Megatron-Core's own "
+              "point-to-point: drop one of them")
     if mcore:
         info = None
         chunks = c.vp or 1
@@ -586,6 +597,11 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     device = _resolve_device(c.device, launch, world)
     if emulation is not None and device == "cuda":
         device = "cpu"  # (--device auto: emulated compute runs on CPU processes, see trainer/emulation.py)
+    if c.emulate_nccl and device == "cuda":
+        if c.device == "cuda":
+            _fail("--emulate-nccl emulates NCCL on CPU processes (gloo); with --device cuda NCCL itself runs: "
+                  "drop --emulate-nccl or use --device cpu")
+        device = "cpu"
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "
@@ -682,6 +698,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="replace the arithmetic of every compute op (F, B, W, BW and the feature ops) by a wait of "
                         "its --costs time, one unit = MS milliseconds; messages stay real; the JSON log gains "
                         "measured_makespan_s and simulated_makespan_s; no loss is computed (default: off)")
+    g.add_argument("--emulate-nccl", nargs="?", const="channels", default=None, metavar="STRATEGY",
+                   choices=("channels", "batched", "pairwise"),
+                   help="run the executor's NCCL point-to-point path on the CPU processes with NCCL's rules "
+                        "emulated on gloo (untagged, matched in issue order, one stream per communicator, hangs "
+                        "reported in one line): channels (the default on GPUs), batched or pairwise (default: off)")
     g.add_argument("--profile-iters", type=_int(0, 3), default=None, metavar="K",
                    help="time every op over K iterations after a warm-up one, then re-generate the schedule "
                         "once from the median F/B/W per stage and the measured p2p latency (default: 3 with "
@@ -746,7 +767,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
-        profile_iters=args.profile_iters, emulate_compute=args.emulate_compute, iters=args.iters, lr=args.lr, **options_from_args(args),
+        profile_iters=args.profile_iters, emulate_compute=args.emulate_compute,
+        emulate_nccl=args.emulate_nccl, iters=args.iters, lr=args.lr, **options_from_args(args),
         seed=args.seed, data_path=args.data_path, **moe_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,

@@ -122,7 +122,9 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
         if "vocab_parallel" in flags:
             from ..features.vocab.schedule_pass import with_vocab_comm
             overlay = with_vocab_comm(sched, cost)   # the collectives, as the simulator models them
-    sim = simulate(overlay if overlay is not None else sched, cost).makespan * ms / 1e3
+    # the model of the point-to-point path the run takes (--emulate-nccl: that NCCL strategy's)
+    model = f"nccl-{c.emulate_nccl}" if getattr(c, "emulate_nccl", None) else "eager"
+    sim = simulate(overlay if overlay is not None else sched, cost, comm_model=model).makespan * ms / 1e3
     return EmulationPlan(ms, None if mcore else sched, cost, sim, overlay=overlay, mcore=mcore,
                          costs=tuple(_costs(c)), features=tuple(feats)), 0
 

@@ -61,16 +61,26 @@ def write_schedule_figure(plan) -> dict:
     title = (f"{plan.schedule_label}: pp={plan.cfg.pp}, {plan.microbatches} microbatches, "
              f"costs F,B,W,comm = {','.join(f'{x:g}' for x in plan.costs)}")
     info: dict = {"schedule": plan.figure_schedule}
+    from ..schedule import simulate
+    # the communication model of the path this run takes: NCCL's (the executor's strategy) on GPUs
+    # and with --emulate-nccl, the eager model of the tagged gloo path otherwise
+    model = _comm_model_of_run(plan) if sched.has_comm() else "eager"
+    res = simulate(sched, cost, comm_model=model)
     try:
-        res = plot_timeline(sched, cost, plan.figure, title=title)
+        plot_timeline(sched, cost, plan.figure, title=title, result=res)
         info["figure"] = plan.figure
     except Exception as e:  # noqa: BLE001 - a figure must not stop the run
-        from ..schedule import simulate
-        res = simulate(sched, cost)
         info["figure_error"] = f"{type(e).__name__}: {e}"
     info.update(makespan=res.makespan, bubble_rate=res.bubble_rate, peak_units=list(res.peak_memory),
-                costs=list(plan.costs))
+                costs=list(plan.costs), comm_model=model)
     return info
+
+
+def _comm_model_of_run(plan) -> str:
+    c = plan.cfg
+    if getattr(c, "emulate_nccl", None):
+        return f"nccl-{c.emulate_nccl}"
+    return "nccl" if getattr(plan, "device", "cpu") == "cuda" else "eager"
 
 
 class RankZeroLog:

@@ -14,13 +14,18 @@ import pytest
 from megatron_pp_ext.runtime.harness import merge_results, run_training
 from megatron_pp_ext.runtime.pool import WorkerPool
 
+from runtime_helpers import GPU_PATH_ENV
+
 # Megatron-Core warns at import time that Transformer Engine / apex are missing (expected on CPU).
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
 
 
 @pytest.fixture(scope="session")
 def pool():
-    p = WorkerPool(4, timeout=180)
+    # Every executor of these tests runs the GPU path's point-to-point (the NCCL strategy) under
+    # NCCL's rules emulated on gloo (runtime/nccl_emulation.py): untagged, matched in issue order,
+    # one stream per communicator. Tests of the tagged gloo path ask for it (p2p="tagged").
+    p = WorkerPool(4, timeout=180, env=GPU_PATH_ENV)
     yield p
     p.close()
 

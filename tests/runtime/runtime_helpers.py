@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from megatron_pp_ext.runtime.harness import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 from megatron_pp_ext.schedule import ScheduleError, build_schedule, schedule_names
@@ -15,6 +17,12 @@ SPECS = {
                        vocab_size=64, max_sequence_length=16),
 }
 VARIANTS = tuple(SPECS)
+
+#: the environment of every worker pool of the runtime tests: the executor runs the GPU path's
+#: point-to-point (its NCCL strategy) under NCCL's rules emulated on gloo (runtime/nccl_emulation.py:
+#: untagged, matched in issue order, a stream per communicator). MPPX_EMULATE_NCCL=0 in the caller's
+#: environment: the tagged gloo path instead; tests of the tagged path ask for it (p2p="tagged").
+GPU_PATH_ENV = {"MPPX_EMULATE_NCCL": os.environ.get("MPPX_EMULATE_NCCL", "channels")}
 SCHEDULES = tuple(schedule_names())
 
 

@@ -14,10 +14,12 @@ import pytest
 from megatron_pp_ext.features.bpipe.harness import bpipe_parity_run
 from megatron_pp_ext.runtime.pool import WorkerPool
 
+from runtime_helpers import GPU_PATH_ENV
+
 
 @pytest.fixture(scope="module")
 def pool6():
-    p = WorkerPool(6, timeout=240)
+    p = WorkerPool(6, timeout=240, env=GPU_PATH_ENV)
     yield p
     p.close()
 

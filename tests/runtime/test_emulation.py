@@ -127,7 +127,7 @@ def receive_waits_worker(defer: bool, iters: int) -> dict:
     tr = setup_training(RunConfig(spec=spec, pp=4, schedule="zbv", num_microbatches=8, seq_length=16,
                                   costs=(1, 1.8, 0.4, 0.1), steps=iters, eval_iters=0))
     emu = ComputeEmulation(0.02, cost)
-    ex = ScheduleExecutor(lambda pp, m: (sched, cost), emulate=emu, defer_receives=defer)
+    ex = ScheduleExecutor(lambda pp, m: (sched, cost), emulate=emu, defer_receives=defer, p2p="tagged")
     tr.forward_backward = tr.executor = ex
     out = []
     for it in range(iters):

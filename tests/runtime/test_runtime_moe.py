@@ -218,3 +218,17 @@ def test_moe_bpipe_exact(pool):
     assert all(r["exact"] and r["hooks_exact"] for r in per_rank), [r["max_grad_diff"] for r in per_rank]
     assert sum(r["evictions_on_rank"] for r in per_rank) > 0
     assert all(r["evicted_bytes"] == r["fetched_bytes"] for r in per_rank)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "v-half"])
+def test_moe_expert_bias_matches_pp1(runs, schedule):
+    """The sigmoid router with expert-bias balancing (DeepSeek-V3's aux-loss-free load balancing,
+    which `mppx plan` emits for its DeepSeek-V3-like preset): finalize_model_grads updates the
+    expert biases from the token counts over the tp x dp x cp group, and megatron-core 0.18.2+
+    assert that the executor's process-group collection has it (issue 30: the collection it built
+    when the caller passed none had no tp_dp_cp; the 0.19.2 venv of CI runs this)."""
+    import dataclasses
+    spec = dataclasses.replace(MOE_SPECS["llama"], config_overrides={
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True})
+    cfg = moe_config("llama", schedule=schedule, ep=2).replace(spec=spec)
+    _check(runs, cfg, f"{schedule} expert bias")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from megatron_pp_ext.runtime.p2p import P2P, Transfer, message_key
+from megatron_pp_ext.runtime.p2p import TaggedP2P, Transfer, message_key
 
 
 def crossed_messages():
     import torch
     import torch.distributed as dist
     group = dist.new_group([0, 1])
-    p2p = P2P(group, num_stages=4, num_microbatches=2)
-    assert not p2p.batched
+    p2p = TaggedP2P(group, num_stages=4, num_microbatches=2)
     me, peer = dist.get_rank(), 1 - dist.get_rank()
     # Both ranks send an activation and a gradient to each other, in *opposite* orders, and
     # receive in yet another order: untagged matching would swap them.
@@ -20,7 +19,8 @@ def crossed_messages():
     sends = [Transfer(True, peer, ("act", me, 0), a), Transfer(True, peer, ("grad", me, 1), g)]
     recvs = [Transfer(False, peer, ("grad", peer, 1), rg), Transfer(False, peer, ("act", peer, 0), ra)]
     batch = sends + recvs if me == 0 else recvs + sends[::-1]
-    p2p.run_batch(batch)
+    for work in p2p.run_batch(batch).values():   # (receives are waited for by their consumer)
+        work.wait()
     p2p.drain()
     return ra.tolist(), rg.tolist(), p2p.bytes_sent
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..core import CLIError, add_config_arguments, format_table, parse_costs, register_command
+from ..core import CLIError, add_comm_model_argument, add_config_arguments, comm_model_of, format_table, parse_costs, register_command
 
 DEFAULT_BUDGET = "0.5x"
 
@@ -16,6 +16,7 @@ def configure(parser):
     parser.add_argument("--schedules", default=None, metavar="A,B,...",
                         help="compare only these schedules (default: all registered)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    add_comm_model_argument(parser)
     parser.add_argument("-o", "--output", default=None, metavar="FIG.png|svg",
                         help="also write the Pareto figure (bubble rate vs peak memory) to this file")
     from ...features.vocab.cli import add_compare_arguments  # --vocab-layouts (vocabulary parallelism)
@@ -35,7 +36,8 @@ def _build(name, args, costs, budget_arg):
     err = None
     for v in tries:
         try:
-            s, c = build_schedule(name, args.pp, args.microbatches, chunks=v, costs=costs, memory_budget=budget)
+            s, c = build_schedule(name, args.pp, args.microbatches, chunks=v, costs=costs, memory_budget=budget,
+                                  with_comm=comm_model_of(args) != "eager")
             return s, c, budget
         except ScheduleError as e:
             err = err or e
@@ -89,7 +91,7 @@ def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | N
             raise  # the budget asked for cannot be met: that is bad input, not a note
         skipped.append({"schedule": name, "reason": " ".join(str(e).split())})
         return None
-    res = simulate(sched, cost)
+    res = simulate(sched, cost, comm_model=comm_model_of(args))
     note = ""
     if budget is not None:
         units = parse_memory_budget(budget, args.pp)
@@ -117,8 +119,10 @@ def _config_line(args) -> str:
     f, b, w, comm = parse_costs(args.costs)
     p, m = args.pp, args.microbatches
     beta = (p - 1) / (m + p - 1)
+    model = comm_model_of(args)
     return (f"pp={p} microbatches={m} chunks={args.chunks} costs F={f:g} B={b:g} W={w:g} comm={comm:g} "
-            f"(per rank); 1F1B bubble (p-1)/(m+p-1) = {beta:.1%}")
+            f"(per rank); 1F1B bubble (p-1)/(m+p-1) = {beta:.1%}"
+            + (f"; comm model {model}" if model != "eager" else ""))
 
 
 def run(args) -> int:

@@ -15,6 +15,13 @@ def configure(parser):
     parser.add_argument("--format", choices=sorted(FORMATS), default=None,
                         help="json (ops, placement, meta; with --with-comm also send/recv ops) or torch-csv "
                              "(torch.distributed.pipelining actions); default: from the -o extension")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="with --with-comm: nccl writes the comm ops as the executor's NCCL path issues "
+                             "them (each with its 'stream' and, batched, its 'batch'; meta 'p2p' and "
+                             "'recv_wait'); gloo: the tagged point-to-point, no such keys (default: gloo)")
+    parser.add_argument("--p2p", choices=("channels", "batched", "pairwise"), default="channels",
+                        help="with --backend nccl: the executor's NCCL strategy (default: channels, what it "
+                             "runs on GPUs)")
     parser.add_argument("-o", "--output", default="-", metavar="FILE",
                         help="output file ('-' or omitted: standard output)")
 
@@ -37,8 +44,13 @@ def run(args) -> int:
                        "drop --with-comm or use --format json")
     from ...schedule import export
 
+    if args.backend == "nccl" and not args.with_comm:
+        raise CLIError("--backend nccl describes the comm ops: add --with-comm")
+    if args.p2p != "channels" and args.backend != "nccl":
+        raise CLIError(f"--p2p {args.p2p} is an NCCL strategy: add --backend nccl")
     sched, cost = build_from_args(args)
-    text = export.dumps_json(sched, cost, indent=1) if fmt == "json" else export.to_torch_csv(sched)
+    model = f"nccl-{args.p2p}" if args.backend == "nccl" else None
+    text = export.dumps_json(sched, cost, indent=1, comm_model=model) if fmt == "json" else export.to_torch_csv(sched)
     write_text(args.output, text)
     if args.output != "-":
         print(f"wrote {args.output} ({fmt}: {sched.name}, pp={sched.num_ranks}, "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..core import add_schedule_arguments, build_from_args, format_table, parse_bytes, parse_costs, register_command
+from ..core import (add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, format_table,
+                    parse_bytes, parse_costs, register_command)
 
 
 def configure(parser):
@@ -16,6 +17,7 @@ def configure(parser):
     parser.add_argument("--bytes-per-message", default=None, metavar="SIZE",
                         help="bytes of one p2p message, e.g. 16MiB; adds traffic in bytes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_comm_model_argument(parser)
 
 
 def simulate_report(args, bar=None) -> dict:
@@ -32,7 +34,8 @@ def simulate_report(args, bar=None) -> dict:
     if changes:
         cost = cost.with_(**changes)
     step("simulating")
-    res = simulate(sched, cost)
+    model = comm_model_of(args)
+    res = simulate(sched, cost, comm_model=model)
     f, b, w, comm = parse_costs(args.costs)
     doc = {
         "schedule": sched.meta.get("schedule", sched.name),
@@ -43,6 +46,7 @@ def simulate_report(args, bar=None) -> dict:
         "costs": {"F": f, "B": b, "W": w, "comm": comm},
         "memory_budget": sched.meta.get("memory_budget"),
         "with_comm": sched.has_comm(),
+        "comm_model": model,
     }
     doc.update(res.to_dict())
     doc["messages"] = sum(res.messages)
@@ -62,7 +66,7 @@ def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
         ref_sched, ref_cost = build_from_args(plain, "1f1b", chunks=1, with_comm=with_comm)
     except ScheduleError:
         return None
-    ref = simulate(ref_sched, ref_cost)
+    ref = simulate(ref_sched, ref_cost, comm_model=comm_model_of(args))
     return {"makespan": ref.makespan, "bubble_rate": ref.bubble_rate, "max_peak_memory": ref.max_peak_memory,
             "speedup": ref.makespan / res.makespan if res.makespan > 0 else 1.0}
 
@@ -79,7 +83,8 @@ def run(args) -> int:
     print(f"schedule  {doc['schedule']}  (pp={doc['pp']}, microbatches={doc['microbatches']}, "
           f"chunks={doc['chunks']}, costs F={c['F']:g} B={c['B']:g} W={c['W']:g} comm={c['comm']:g}"
           + (f", budget {doc['memory_budget']:g} units" if doc["memory_budget"] is not None else "")
-          + (", with send/recv" if doc["with_comm"] else "") + ")")
+          + (", with send/recv" if doc["with_comm"] else "")
+          + (f", comm model {doc['comm_model']}" if doc["comm_model"] != "eager" else "") + ")")
     print(f"makespan  {doc['makespan']:g}")
     print(f"bubble    {doc['bubble_rate']:.2%} (busiest rank)")
     print(f"peak mem  {doc['max_peak_memory']:g} units (busiest rank)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core import add_schedule_arguments, build_from_args, register_command
+from ..core import add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, register_command
 
 
 def configure(parser):
@@ -10,6 +10,7 @@ def configure(parser):
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png|svg",
                         help="figure file; the format follows the extension (.png, .svg, .pdf)")
     parser.add_argument("--title", default=None, help="figure title (default: schedule, config and figures)")
+    add_comm_model_argument(parser)
 
 
 def run(args) -> int:
@@ -22,7 +23,9 @@ def run(args) -> int:
     per_rank = args.microbatches * chunks * (3 if info.split_backward else 2)
     check_figure_size(args.pp, per_rank, microbatches=args.microbatches)  # before building anything
     sched, cost = build_from_args(args)
-    res = plot_timeline(sched, cost, args.output, title=args.title)
+    from ...schedule import simulate
+    res = plot_timeline(sched, cost, args.output, title=args.title,
+                        result=simulate(sched, cost, comm_model=comm_model_of(args)))
     print(f"wrote {args.output} ({sched.name}: pp={sched.num_ranks}, microbatches={sched.num_microbatches}, "
           f"bubble {res.bubble_rate:.1%}, peak {res.max_peak_memory:g} units, makespan {res.makespan:g})")
     return 0

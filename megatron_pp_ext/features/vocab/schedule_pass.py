@@ -184,29 +184,31 @@ def _veb_requires(op: Op, s: Schedule) -> tuple:
 
 register_op_kind(OpKind(
     VEF, "compute", "vocabulary parallel: this rank's partial lookup of the input embedding",
-    produces=lambda op, s: (("ve", op.stage, op.microbatch),), duration=_dur(VEF)), replace=True)
+    produces=lambda op, s: (("ve", op.stage, op.microbatch),), duration=_dur(VEF),
+    communicators=("vocab-emb",)), replace=True)
 register_op_kind(OpKind(
     VEIN, "compute", "vocabulary parallel: the summed input embedding arrives at the first stage (before its F)",
     requires=_vein_requires, duration=_dur(VEIN)), replace=True)
 register_op_kind(OpKind(
     VS, "compute", "vocabulary parallel: S pass (shard logits, softmax statistics; Alg. 2 also A_i, B_i)",
     requires=_vs_requires, produces=lambda op, s: (("vs", op.stage, op.microbatch),), duration=_dur(VS),
-    memory=lambda c, op: _cost_value(c, "vocab_s_mem", op.rank)), replace=True)
+    memory=lambda c, op: _cost_value(c, "vocab_s_mem", op.rank), communicators=("vocab-x", "vocab-stats")),
+    replace=True)
 register_op_kind(OpKind(
     VSE, "compute", "vocabulary parallel: S pass of forward-only evaluation (statistics only)",
-    requires=_vs_requires, produces=lambda op, s: (("vs", op.stage, op.microbatch),), duration=_dur(VSE)),
-    replace=True)
+    requires=_vs_requires, produces=lambda op, s: (("vs", op.stage, op.microbatch),), duration=_dur(VSE),
+    communicators=("vocab-x", "vocab-stats")), replace=True)
 register_op_kind(OpKind(
     VT, "compute", "vocabulary parallel: T pass (shard weight gradient; Alg. 1 also the partial input gradient)",
     requires=_vt_requires, produces=lambda op, s: (("vt", op.stage, op.microbatch),), duration=_dur(VT),
-    memory=lambda c, op: -_cost_value(c, "vocab_s_mem", op.rank)), replace=True)
+    memory=lambda c, op: -_cost_value(c, "vocab_s_mem", op.rank), communicators=("vocab-dx",)), replace=True)
 register_op_kind(OpKind(
     VLOSS, "compute", "vocabulary parallel: the loss from the reduced statistics (before the last stage's B)",
     requires=_vloss_requires, produces=lambda op, s: (("vloss", op.stage, op.microbatch),), duration=_dur(VLOSS)),
     replace=True)
 register_op_kind(OpKind(
     VEB, "compute", "vocabulary parallel: input-embedding gradient of this rank's shard",
-    requires=_veb_requires, duration=_dur(VEB)), replace=True)
+    requires=_veb_requires, duration=_dur(VEB), communicators=("vocab-embgrad",)), replace=True)
 
 
 # Communication kinds of the *proof* schedule only (with_vocab_comm): one message per
