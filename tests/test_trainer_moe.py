@@ -40,6 +40,8 @@ MOE = ["--model", "llama", "--num-experts", "4", "--pp", "2", "--layers", "4"]
     (["--num-experts", "4", "--pp", "2", "--layers", "4", "--nproc", "4", "--expert-model-parallel-size", "2",
       "--reference-iters", "2"], "--reference-iters with --num-experts and --model gpt"),
     (MOE + ["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
+    (MOE + ["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias need(s) --num-experts"),
     (MOE + ["--save", "ckpt"], "--save with --num-experts: checkpoints of mixture-of-experts models are not"),
 ])
 def test_bad_moe_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):  # noqa: F811
@@ -111,3 +113,21 @@ def test_train_moe_with_features(tmp_path, feature):
     assert r.returncode == 0, r.stdout + r.stderr
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("pp=1 reference")][0]
     assert "2 iterations" in line and (line.endswith("bit-exact match") or ": match: max relative difference" in line)
+
+
+def test_expert_bias_flags_reach_the_model():
+    """--moe-router-score-function / --moe-router-enable-expert-bias (what `mppx plan` emits for its
+    DeepSeek-V3-like preset) end up in the model the workers build; the runtime parity of that
+    model is tests/runtime/test_runtime_moe.py::test_moe_expert_bias_matches_pp1."""
+    import argparse
+
+    from megatron_pp_ext.trainer.config import add_arguments, config_from_args, make_plan
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    plan = make_plan(config_from_args(ap.parse_args(MOE + ["--moe-router-score-function", "sigmoid",
+                                                          "--moe-router-enable-expert-bias"])))
+    spec = plan.model_spec()
+    assert spec.moe_router_score_function == "sigmoid" and spec.moe_router_enable_expert_bias
+    from megatron_pp_ext.runtime.model import make_config
+    cfg = make_config(spec, tp=1, pp=1)
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function == "sigmoid"

@@ -393,10 +393,16 @@ class ScheduleExecutor:
                            "receiver, activations or gradients); batch_p2p_comm / overlap_p2p_comm are not used: "
                            "a batch holds the compute until all its transfers end and per-pair streams hold an "
                            "early receive behind every op between two ranks (docs/schedules.md, NCCL)")
+            sync = bool(getattr(config, "batch_p2p_sync", False)) and strategy == "batched"
+            if sync and self.op_handlers:
+                # a device-wide sync waits for every stream, the features' pre-posted collectives too
+                # (vocabulary parallelism's broadcasts), which may need this very rank later: a hang
+                sync = False
+                _note_once("megatron_pp_ext: batch_p2p_sync is not applied with feature ops in the schedule: "
+                           "torch.cuda.synchronize() would also wait for their collectives posted ahead")
             p2p = make_p2p(pp_group, strategy, num_stages=num_stages, num_microbatches=m,
                            emulate_nccl=self.emulate_nccl, defer_recvs=self.defer_receives,
-                           sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)) and strategy == "batched",
-                           timeout=self.nccl_timeout)
+                           sync_after_batch=sync, timeout=self.nccl_timeout)
             self._p2p[key] = p2p
         self.last_p2p = p2p
         return p2p

@@ -76,6 +76,9 @@ class ModelSpec:
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"
+    #: the router's score function and aux-loss-free balancing (Megatron-LM's flags of those names)
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in ("gpt", "llama"):
@@ -273,6 +276,8 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
                                   else list(spec.moe_pattern())),
                   moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
                   moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+                  moe_router_score_function=spec.moe_router_score_function,
+                  moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp)
     elif ep != 1:
         raise ValueError(f"expert model parallel size {ep} needs a mixture-of-experts model (num_experts)")

@@ -94,6 +94,8 @@ class TrainConfig:
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None   # None: --tp
     # run

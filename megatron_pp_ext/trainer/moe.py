@@ -28,6 +28,8 @@ MOE_FLAG_DEFAULTS = {
     "moe_layer_freq": ("--moe-layer-freq", 1),
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", None),
     "moe_token_dispatcher_type": ("--moe-token-dispatcher-type", "allgather"),
+    "moe_router_score_function": ("--moe-router-score-function", "softmax"),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", False),
     "expert_model_parallel_size": ("--expert-model-parallel-size", 1),
     "expert_tensor_parallel_size": ("--expert-tensor-parallel-size", None),
 }
@@ -87,6 +89,11 @@ def add_moe_arguments(parser: argparse.ArgumentParser, whole: Callable[[str], in
                         "default: none)")
     g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="allgather",
                    help="how tokens reach their experts' ranks (default: allgather, as in Megatron-LM)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax",
+                   help="the router's scores (default: softmax; sigmoid, as DeepSeek-V3)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing: a per-expert bias on the routing scores, updated from each "
+                        "iteration's token counts (DeepSeek-V3; needs --moe-router-score-function sigmoid)")
     g.add_argument("--expert-model-parallel-size", type=whole, default=1, metavar="EP",
                    help="split the experts over EP ranks of a pipeline stage; EP x expert tensor parallel size "
                         "must divide tp x dp (default: 1)")
@@ -121,6 +128,9 @@ def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
         return f"--moe-router-topk {k}: must be between 1 and --num-experts {e}"
     if c.moe_aux_loss_coeff < 0 or c.moe_aux_loss_coeff != c.moe_aux_loss_coeff:
         return f"--moe-aux-loss-coeff {c.moe_aux_loss_coeff}: must be a number >= 0"
+    if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
+        return ("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule); "
+                "add it")
     freq = c.moe_layer_freq
     if isinstance(freq, int) and freq < 1:
         return f"--moe-layer-freq {freq}: must be >= 1 (every N-th layer is MoE)"
@@ -181,4 +191,6 @@ def moe_spec_fields(c: Any) -> dict:
                 moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_aux_loss_coeff=float(c.moe_aux_loss_coeff),
                 moe_layer_freq=c.moe_layer_freq,
                 moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
-                moe_token_dispatcher_type=c.moe_token_dispatcher_type)
+                moe_token_dispatcher_type=c.moe_token_dispatcher_type,
+                moe_router_score_function=c.moe_router_score_function,
+                moe_router_enable_expert_bias=bool(c.moe_router_enable_expert_bias))

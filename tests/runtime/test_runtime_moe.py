@@ -228,7 +228,7 @@ def test_moe_expert_bias_matches_pp1(runs, schedule):
     assert that the executor's process-group collection has it (issue 30: the collection it built
     when the caller passed none had no tp_dp_cp; the 0.19.2 venv of CI runs this)."""
     import dataclasses
-    spec = dataclasses.replace(MOE_SPECS["llama"], config_overrides={
-        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True})
+    spec = dataclasses.replace(MOE_SPECS["llama"], moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True)
     cfg = moe_config("llama", schedule=schedule, ep=2).replace(spec=spec)
     _check(runs, cfg, f"{schedule} expert bias")
