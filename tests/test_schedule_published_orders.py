@@ -1,8 +1,9 @@
 """Published orders as patterns and as search candidates: the Zero Bubble paper's handcrafted
 ZB-V (PyTorch's ``ScheduleZBVZeroBubble``) for zbv, PyTorch's ``ScheduleInterleavedZeroBubble``
 for interleaved-zb (also when p does not divide m: torch's rounds then hold more than p units,
-and the claim is at no more memory); and the validator's verdict-only mode. The comparison with
-the published generators themselves is tests/test_schedule_vs_published.py."""
+and the claim is at no more memory); and the validator's verdict-only mode. Ours against
+PyTorch's generated orders and against the stored figures of sail-sg's orders (whose generators
+CI cannot run) is tests/test_schedule_vs_published.py."""
 
 from __future__ import annotations
 
