@@ -35,7 +35,6 @@ def test_valid_for_any_m_with_1f1b_memory(p, mult):
 
 @pytest.mark.parametrize("p,m", [(2, 3), (3, 5), (4, 7), (4, 8), (4, 13), (6, 24)])
 def test_same_order_as_torch_zbv(p, m):
-    pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     theirs = from_torch_rows(get_schedule_ops("ZBVZeroBubble", p, m, num_stages_per_rank=2))
     assert zbv_handcrafted_pattern(p, m).ops == theirs.ops
@@ -81,7 +80,6 @@ def test_verdict_only_validation_reads_the_proofs_peaks():
 def test_interleaved_zb_pattern_is_torchs_order(p, m):
     # p need not divide m: torch runs rounds of m // (m // p) microbatches (m=12 at p=8, two
     # rounds of 10 at m=20), and so does the pattern by default
-    pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     theirs = from_torch_rows(get_schedule_ops("InterleavedZeroBubble", p, m, num_stages_per_rank=2))
     assert interleaved_zb_pattern(p, m, 2).ops == theirs.ops

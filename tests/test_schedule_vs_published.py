@@ -180,7 +180,6 @@ def test_v_half_matches_the_reference_at_the_issues_example():
 
 
 def _torch(name: str, p: int, m: int):
-    pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     return from_torch_rows(get_schedule_ops(name, p, m, num_stages_per_rank=2))
 
