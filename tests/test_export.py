@@ -222,7 +222,6 @@ def _torch_dry_run(ts, runtime):
 @pytest.mark.parametrize("name", schedule_names())
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 9)])
 def test_exported_csv_loads_and_validates_in_torch(name, p, m, tmp_path):
-    pytest.importorskip("torch.distributed.pipelining")
     s, _ = build(name, p, m, costs=(1, 2, 1, 0.1), with_comm=True)
     path = tmp_path / f"{name}.csv"
     save(s, path)
@@ -246,7 +245,6 @@ TORCH_SCHEDULES = [("Interleaved1F1B", 2, "loop"), ("InterleavedZeroBubble", 2, 
 @pytest.mark.parametrize("torch_name,v,placement", TORCH_SCHEDULES)
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_torch_schedules_convert_and_run_in_our_simulator(torch_name, v, placement, p, m):
-    pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     from megatron_pp_ext.schedule import loop_placement, v_placement
@@ -267,7 +265,6 @@ def test_torch_schedules_convert_and_run_in_our_simulator(torch_name, v, placeme
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 16), (5, 13)])
 def test_torch_dualpipev_equals_ours(p, m):
-    pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     ours, _ = build("dualpipev", p, m)
     theirs = from_torch_rows(get_schedule_ops("DualPipeV", p, m))

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-nn = torch.nn
-
-from megatron_pp_ext.features.offload.runtime import OffloadRuntime, measure_transfer_bandwidth  # noqa: E402
-from megatron_pp_ext.features.offload.store import (ActivationStore, DiscardedActivationError,  # noqa: E402
+from megatron_pp_ext.features.offload.runtime import OffloadRuntime, measure_transfer_bandwidth
+from megatron_pp_ext.features.offload.store import (ActivationStore, DiscardedActivationError,
                                                     PinnedHostPool)
+
+nn = torch.nn
 
 
 class Block(nn.Module):

@@ -28,10 +28,10 @@ import os
 import socket
 import warnings
 
+import megatron.core  # noqa: F401 - a dependency: a broken install fails here, it does not skip
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402

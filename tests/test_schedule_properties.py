@@ -6,18 +6,17 @@ properties do not depend on size. Costs are per rank (F, B, W, COMM) as ``--cost
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from megatron_pp_ext.schedule import CostModel, build_schedule, simulate  # noqa: E402
-from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound  # noqa: E402
-from megatron_pp_ext.schedule.generators.evaluate import evaluate  # noqa: E402
-from megatron_pp_ext.schedule.generators.patterns import (  # noqa: E402
+from megatron_pp_ext.schedule import CostModel, build_schedule, simulate
+from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound
+from megatron_pp_ext.schedule.generators.evaluate import evaluate
+from megatron_pp_ext.schedule.generators.patterns import (
     FIXED_PATTERNS, baseline_patterns, fixed_pattern)
-from megatron_pp_ext.schedule.generators.vshape import v_budget_units  # noqa: E402
+from megatron_pp_ext.schedule.generators.vshape import v_budget_units
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 ZB_AND_V = ["zb-h1", "zb-h2", "zbv", "v-half", "v-min"]

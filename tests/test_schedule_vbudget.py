@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from megatron_pp_ext.schedule import build_schedule, simulate  # noqa: E402
-from megatron_pp_ext.schedule.generators.budget_ladder import ladder  # noqa: E402
+from megatron_pp_ext.schedule import build_schedule, simulate
+from megatron_pp_ext.schedule.generators.budget_ladder import ladder
 
 EPS = 1e-6
 

@@ -58,14 +58,33 @@ FAMILIES = [
     ("v-half", dict(pp=2)),
     ("mcore", dict(pp=2, vp=2)),        # Megatron-Core's own interleaved 1F1B (model0/model1)
 ]
-_RUNS: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def saved_run(pool, tmp_path_factory):
+    """``saved_run(schedule)``: the uninterrupted 4-iteration run of a family, saving at 2 and 4,
+    and its directory; run on first use and shared by the tests below, so that each of them also
+    runs alone (``-k``, ``--lf``) and fails, never skips, when the run fails."""
+    done: dict[str, object] = {}
+
+    def get(schedule: str):
+        if schedule not in done:
+            tmp = tmp_path_factory.mktemp(schedule)
+            try:
+                full = train(pool, tmp, "full", schedule=schedule, save=str(tmp / "ck"), save_interval=2,
+                             **dict(FAMILIES)[schedule])
+                done[schedule] = (full, tmp)
+            except Exception as e:  # (not run twice: each later user fails with the same error)
+                done[schedule] = e
+        if isinstance(done[schedule], Exception):
+            raise done[schedule]
+        return done[schedule]
+    return get
 
 
 @pytest.mark.parametrize("schedule,kw", FAMILIES, ids=[f[0] for f in FAMILIES])
-def test_resume_is_bit_exact_for_every_schedule(pool, tmp_path_factory, schedule, kw):
-    tmp = tmp_path_factory.mktemp(schedule)
-    full = train(pool, tmp, "full", schedule=schedule, save=str(tmp / "ck"), save_interval=2, **kw)
-    _RUNS[schedule] = (full, tmp / "ck")
+def test_resume_is_bit_exact_for_every_schedule(saved_run, pool, schedule, kw):
+    full, tmp = saved_run(schedule)
     assert [r["iteration"] for r in full.records] == [1, 2, 3, 4]
     assert [r.get("checkpoint") for r in full.records] == [None, str(tmp / "ck" / "iter_0000002"), None,
                                                            str(tmp / "ck" / "iter_0000004")]
@@ -121,12 +140,10 @@ def test_distributed_optimizer_checkpoint_loads_at_other_pp_and_schedule(pool, t
     assert same(losses(loop), losses(full)[2:]), (losses(loop), losses(full))
 
 
-def test_saving_does_not_change_the_run(pool, tmp_path):
+def test_saving_does_not_change_the_run(saved_run, pool, tmp_path):
     """The uninterrupted runs above save twice: a run without --save has the same losses."""
-    if "zbv" not in _RUNS:
-        pytest.skip("needs the zbv run of test_resume_is_bit_exact_for_every_schedule")
     plain = train(pool, tmp_path, "plain", schedule="zbv", pp=4)
-    assert losses(plain) == losses(_RUNS["zbv"][0])
+    assert losses(plain) == losses(saved_run("zbv")[0])
 
 
 def test_resume_across_profiling_and_rescheduling(pool, tmp_path):
@@ -215,17 +232,15 @@ def loss_values(res) -> list[float]:
     return [r["loss"] for r in res.records]
 
 
-def test_resume_under_another_layout_and_schedule(pool, tmp_path):
+def test_resume_under_another_layout_and_schedule(saved_run, pool, tmp_path):
     """Saved by zbv at pp=4 (V placement, 8 stages); resumed by 1f1b at pp=2 (loop placement,
     2 stages of 4 layers) and at pp=1. The resumed pp=2 run equals an uninterrupted pp=2 run bit
     for bit (losses and gradient norms). With tp = dp = 1 the losses are also those of the zbv
     run; its gradient norm is summed over the pipeline ranks, in an order that depends on pp,
     so across layouts it agrees to rounding only. The pp=1 reference of the pp=2 run loads the
     same checkpoint on one process."""
-    if "zbv" not in _RUNS or "mcore" not in _RUNS:
-        pytest.skip("needs the runs of test_resume_is_bit_exact_for_every_schedule")
-    full, root = _RUNS["zbv"]
-    load = str(root / "iter_0000002")
+    full, tmp = saved_run("zbv")
+    load = str(tmp / "ck" / "iter_0000002")
     kw = dict(schedule="1f1b", pp=2, global_batch_size=8)
     loop = train(pool, tmp_path, "pp2", load=load, reference_iters=2, **kw)
     assert losses(loop) == losses(train(pool, tmp_path, "pp2-full", **kw))[2:]
@@ -238,8 +253,8 @@ def test_resume_under_another_layout_and_schedule(pool, tmp_path):
     single = train(pool, tmp_path, "pp1", pp=1, global_batch_size=8, load=load)
     assert loss_values(single) == loss_values(full)[2:]
     # Megatron-Core's interleaved 1F1B checkpoint (model0/model1 on 2 ranks) into zbv's V placement
-    full_m, root_m = _RUNS["mcore"]
-    v = train(pool, tmp_path, "zbv", schedule="zbv", pp=2, load=str(root_m / "iter_0000002"))
+    full_m, tmp_m = saved_run("mcore")
+    v = train(pool, tmp_path, "zbv", schedule="zbv", pp=2, load=str(tmp_m / "ck" / "iter_0000002"))
     assert loss_values(v) == loss_values(full_m)[2:]
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_pp_ext.trainer.features import merge_feature_metrics, train_features
-from test_trainer import _mppx, no_processes, train_error  # noqa: F401 (fixture)
+from test_trainer import _mppx, close_to_pp1, no_processes, train_error  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|apex).*"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -85,16 +85,14 @@ def test_offload_full_end_to_end_same_losses_less_device_memory(tmp_path):
 def test_vocab_parallel_end_to_end_tied_on_a_v_schedule(tmp_path):
     """Tied embeddings on zbv (first and last stage on rank 0), which the plain runtime refuses:
     the vocabulary shards hold the tied tensor on every rank. Loss within the softmax's
-    reduction-order tolerance of the pp=1 run of the plain model."""
+    reduction-order tolerance of the pp=1 run of the plain model: the sharded softmax sums in
+    another order, measured 1.1e-8 relative, bound 1e-6."""
     log = tmp_path / "v.jsonl"
     r = _mppx("--enable-vocab-parallel", "--tie-embeddings", "--vocab-parallel-algorithm", "1", "--iters", "2",
               "--no-progress", "--out", "v", "--json-log", str(log), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "note: vocabulary parallelism (algorithm 1, 2 barrier(s) per microbatch)" in r.stdout
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("pp=1 reference")][0]
-    assert line.endswith("bit-exact match") or ": match: max relative difference" in line, line
-    worst = json.loads((tmp_path / "v" / "summary.json").read_text())["reference"]["max_rel_diff"]
-    assert worst <= 1e-6, worst
+    close_to_pp1(r.stdout, tmp_path / "v" / "summary.json", ["the vocabulary-parallel softmax sums per shard"], 1e-6)
     recs = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert len(recs) == 2 and recs[1]["loss"] < recs[0]["loss"]
 

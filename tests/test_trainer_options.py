@@ -3,7 +3,8 @@ optimizer, both overlaps, sequence parallelism, --clip-grad, recomputation.
 
 Validation follows Megatron-LM's rules (one line, exit 2, no process started); end-to-end runs
 (subprocesses of 4 gloo processes) must match the pp=1 reference: bit-exact where the layout
-keeps every reduction in order (tp=1, dp=1, no clipping), else within the trainer's tolerance.
+keeps every reduction in order (tp=1, dp=1, no clipping), else within the bound each test
+measured and states.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from megatron_pp_ext.trainer.config import TrainConfig, make_plan
 
-from test_trainer import _mppx, no_processes, train_error  # noqa: F401 - fixture
+from test_trainer import _mppx, close_to_pp1, no_processes, train_error  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|apex).*"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -76,15 +77,19 @@ def _reference_line(stdout: str) -> str:
 
 def test_scripts_configuration_end_to_end(tmp_path):
     """What scripts/common.sh launches at tp=2 (bf16, distributed optimizer, SP, clip 1.0) plus both
-    overlaps, LLaMA, tp=2 x pp=2, ZB-V: matches the one-process pp=1 run within the trainer's
-    tolerance (tp=2 reduces in another order), logs the clipped norm, no loss scale."""
+    overlaps, LLaMA, tp=2 x pp=2, ZB-V: matches the one-process pp=1 run, logs the clipped norm,
+    no loss scale. Not bit for bit: tp=2 sums in another order and the clipping factor follows
+    the norm's last bits, both rounded to bf16 (8-bit mantissa) and carried through 4 Adam steps:
+    measured 1.2e-4 relative (megatron-core 0.16.1 and 0.19.2), bound 5e-4."""
     r = _mppx("--model", "llama", "--tp", "2", "--pp", "2", "--nproc", "4", "--iters", "4", "--bf16",
               "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--sequence-parallel",
               "--clip-grad", "1.0", "--profile-iters", "0", "--out", "user", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert ("training: bf16, fp32 main parameters and gradients, distributed optimizer, overlapped grad reduce and "
             "param gather, sequence parallel, clip grad 1") in r.stdout
-    assert ": match: max relative difference" in _reference_line(r.stdout) or "bit-exact" in _reference_line(r.stdout)
+    close_to_pp1(r.stdout, tmp_path / "user" / "summary.json", [
+        "tp=2 splits every GEMM's sum and all-reduces the parts",
+        "clipping scales by the gradient norm, summed per pipeline rank"], 5e-4)
     recs = _records(tmp_path, "user")
     assert len(recs) == 4
     for rec in recs:

@@ -71,19 +71,37 @@ RESUME = {
 }
 
 
-_SAVED: dict[str, tuple[list, object]] = {}   # name -> (argv, checkpoint directory) for the tests below
+@pytest.fixture(scope="module")
+def saved_run(pool, tmp_path_factory):
+    """``saved_run(name)``: the uninterrupted 4-iteration run of ``RESUME[name]``, saving at 2 and
+    4, and its directory; run on first use and shared, so that the loading tests below also run
+    alone (``-k``, ``--lf``) and fail, never skip, when the run fails."""
+    done: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            try:
+                full = train(pool, *VOCAB, *RESUME[name], "--iters", "4", "--out", str(tmp / "full"),
+                             "--save", str(tmp / "ck"), "--save-interval", "2")
+                done[name] = (full, tmp)
+            except Exception as e:  # (not run twice: each later user fails with the same error)
+                done[name] = e
+        if isinstance(done[name], Exception):
+            raise done[name]
+        return done[name]
+    return get
 
 
 @pytest.mark.parametrize("name", list(RESUME))
-def test_vocab_parallel_resume_is_bit_exact(pool, tmp_path, name):
+def test_vocab_parallel_resume_is_bit_exact(saved_run, pool, name):
     argv = [*VOCAB, *RESUME[name], "--iters", "4"]
-    full = train(pool, *argv, "--out", str(tmp_path / "full"), "--save", str(tmp_path / "ck"), "--save-interval", "2")
+    full, tmp = saved_run(name)
     assert [r.get("checkpoint") is not None for r in full.records] == [False, True, False, True]
-    _SAVED[name] = (RESUME[name], tmp_path / "ck" / "iter_0000002")
-    (tmp_path / "ck" / ckpt.TRACKER).write_text("2")   # as if the run had stopped after iteration 2
+    (tmp / "ck" / ckpt.TRACKER).write_text("2")   # as if the run had stopped after iteration 2
     # (one of them also loads the checkpoint into the pp=1 reference: the plain model, one process)
     ref = ["--reference-iters", "2"] if name == "alg2-untied" else []
-    part = train(pool, *argv, "--out", str(tmp_path / "resumed"), "--load", str(tmp_path / "ck"), *ref)
+    part = train(pool, *argv, "--out", str(tmp / "resumed"), "--load", str(tmp / "ck"), *ref)
     assert losses(part) == losses(full)[2:], (losses(part), losses(full))
     assert part.summary["resumed_from"]["same_layout"] and part.summary["resumed_from"]["rng_restored"]
     if ref:  # the plain model at pp=1 resumed from the shards: the same losses up to the softmax's rounding
@@ -182,14 +200,12 @@ def _assert_same(got: dict, ref_name: str) -> None:
             assert state[p]["step"] == ref[p]["step"] == 2.0, (name, p)
 
 
-def test_vocab_checkpoint_loads_at_other_layouts_and_into_the_plain_model(pool, tmp_path):
+def test_vocab_checkpoint_loads_at_other_layouts_and_into_the_plain_model(saved_run, pool, tmp_path):
     """The padded tp=2 x pp=2 shards (4 x 63 rows of a vocabulary of 250) load unchanged into
     2 shards of 125 rows (dp=2), into 4 shards on a V placement (pp=4) and into the plain model at
     pp=1 and at tp=2 x pp=2; untied llama, so both the embedding and the output layer."""
-    if "tp2-padded" not in _SAVED:
-        pytest.skip("needs the runs of test_vocab_parallel_resume_is_bit_exact")
-    model, load = _SAVED["tp2-padded"]
-    model = [a for a in model if a not in ("--pp", "--tp", "--schedule", "1f1b", "2")]
+    load = saved_run("tp2-padded")[1] / "ck" / "iter_0000002"
+    model = [a for a in RESUME["tp2-padded"] if a not in ("--pp", "--tp", "--schedule", "1f1b", "2")]
     assert model == ["--model", "llama", "--vocab", "250"], model
     model += ["--global-batch-size", "4"]
     got = _load_everywhere(pool, tmp_path, model, load, {
@@ -203,12 +219,10 @@ def test_vocab_checkpoint_loads_at_other_layouts_and_into_the_plain_model(pool, 
     _assert_same(got, "saved")
 
 
-def test_plain_checkpoint_loads_into_the_shards_and_tied_vocab_into_the_plain_model(pool, tmp_path):
+def test_plain_checkpoint_loads_into_the_shards_and_tied_vocab_into_the_plain_model(saved_run, pool, tmp_path):
     """A plain model's checkpoint (tied, pp=2) loads into tied shards on a V placement (the plain
     model cannot tie there) and 3 shards of a padded vocabulary; the tied shards' checkpoint (V
     placement) loads into the plain tied model at pp=2 (whose last stage holds a copy)."""
-    if "alg2-tied-v" not in _SAVED:
-        pytest.skip("needs the runs of test_vocab_parallel_resume_is_bit_exact")
     tied = ["--tie-embeddings", "--global-batch-size", "4"]
     train(pool, *tied, "--pp", "2", "--schedule", "1f1b", "--iters", "2", "--out", str(tmp_path / "plain"),
           "--save", str(tmp_path / "ck"))
@@ -218,7 +232,7 @@ def test_plain_checkpoint_loads_into_the_shards_and_tied_vocab_into_the_plain_mo
         "vocab-pp3": [*VOCAB, "--pp", "3", "--layers-per-stage", "3,3,2", "--schedule", "1f1b"],
     })
     _assert_same(got, "saved")
-    _, load = _SAVED["alg2-tied-v"]
+    load = saved_run("alg2-tied-v")[1] / "ck" / "iter_0000002"
     got = _load_everywhere(pool, tmp_path, tied, load, {"saved": [*VOCAB, "--pp", "2", "--schedule", "zbv"],
                                                          "plain-pp2": ["--pp", "2", "--schedule", "1f1b"]})
     _assert_same(got, "saved")

@@ -629,9 +629,8 @@ def test_ddp_sees_weight_grads_only_after_w(megatron_env, gaf, protocol):
                                                  use_distributed_optimizer=False),
         module=model)
     assert len(ddp.bucket_groups) > 1
-    if protocol == "overlapped" and not hasattr(ddp.bucket_groups[0], "golden_per_param_grad_ready_counts"):
-        pytest.skip("this megatron-core allows one grad-ready call per parameter (0.15): "
-                    "only the after-flush protocol applies")
+    # every supported megatron-core (0.16.1+) counts grad-ready calls per parameter (0.15 did not)
+    assert hasattr(ddp.bucket_groups[0], "golden_per_param_grad_ready_counts")
     name_of = {id(p): n for n, p in model.named_parameters()}
     last_b = max(k for k, (kind, _) in enumerate(OPS) if kind == "B")
     last_w = max(k for k, (kind, _) in enumerate(OPS) if kind == "W")

@@ -546,10 +546,20 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+#: the parts of a merged record that :func:`compare_records` compares
+RECORD_PARTS = ("losses", "eval_losses", "grads", "params", "optimizer_steps")
+
+
 def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: float | None = None,
-                    what: str = "", norm_rtol: float = 1e-6, exact_steps: int = 0) -> dict:
+                    what: str = "", norm_rtol: float = 1e-6, exact_steps: int = 0,
+                    without: tuple[str, ...] = ()) -> dict:
     """Compare two merged records (losses of every step and microbatch, evaluation losses,
-    gradients of every step, final parameters).
+    gradients of every step, final parameters, optimizer steps).
+
+    Every part of :data:`RECORD_PARTS` is compared, and a part that either side lacks (no key,
+    or None) is a mismatch, as are training losses of no step: a comparison never passes by
+    having compared nothing. ``without`` names the parts the caller leaves out on both sides (a
+    forward-only run has no gradients; the caller says why).
 
     ``rtol == 0``: everything must be bit-exact. Otherwise: every microbatch loss within
     ``rtol`` (relative), the gradients of every step and the final parameters within ``rtol``
@@ -565,6 +575,21 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
         tensor_rtol = 10 * rtol
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "grad_tensor": 0.0, "param_tensor": 0.0}
     problems: list[str] = []
+    unknown = set(without) - set(RECORD_PARTS)
+    if unknown or set(without) >= {"losses", "eval_losses"} or set(without) >= {"grads", "params"}:
+        raise ValueError(f"compare_records(without={without!r}): leave out some of {RECORD_PARTS}, keeping a "
+                         "loss and a tensor part")
+    for part in RECORD_PARTS:
+        if part in without:
+            continue
+        have = [rec.get(part) is not None for rec in (got, ref)]
+        if not all(have):
+            side = "either side" if not any(have) else ("the reference" if have[0] else "this run")
+            problems.append(f"{part}: missing on {side} (nothing to compare; without=({part!r},) if that is meant)")
+    if "losses" not in without and not got.get("losses"):
+        problems.append("losses: no training step to compare (without=('losses',) if that is meant)")
+    got = {k: (None if k in without else v) for k, v in got.items()}
+    ref = {k: (None if k in without else v) for k, v in ref.items()}
 
     def exact(kind: str, name: str, a: torch.Tensor, b: torch.Tensor, strict: bool = False) -> bool:
         if a.shape != b.shape:
@@ -575,7 +600,7 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
             return False
         return True
 
-    loss_sets = [("step", got["losses"], ref["losses"])]
+    loss_sets = [("step", got.get("losses") or [], ref.get("losses") or [])]
     if got.get("eval_losses") is not None and ref.get("eval_losses") is not None:
         loss_sets.append(("eval", got["eval_losses"], ref["eval_losses"]))
     for label, gsteps, rsteps in loss_sets:
@@ -595,12 +620,12 @@ def compare_records(got: dict, ref: dict, *, rtol: float = 0.0, tensor_rtol: flo
                         if e > rtol:
                             problems.append(f"loss {name}: rel err {e:.3e} > {rtol:.1e}")
     pairs = []
-    if got["grads"] is not None and ref["grads"] is not None:
+    if got.get("grads") is not None and ref.get("grads") is not None:
         if len(got["grads"]) != len(ref["grads"]):
             problems.append(f"gradients of {len(got['grads'])} steps vs {len(ref['grads'])}")
         pairs += [("grad", f"step {s}", g, r, s < exact_steps)
                   for s, (g, r) in enumerate(zip(got["grads"], ref["grads"]))]
-    if got["params"] is not None and ref["params"] is not None:
+    if got.get("params") is not None and ref.get("params") is not None:
         pairs.append(("param", "final", got["params"], ref["params"], False))
     for kind, where, g, r, strict in pairs:
         if set(g) != set(r):

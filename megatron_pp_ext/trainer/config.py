@@ -570,6 +570,14 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         notes.append("no pp=1 reference: it would run on one process (expert parallel size 1), where Megatron-Core "
                      "cannot run the gpt model's expert biases (--model llama can)")
         ref = 0
+    if c.dropout > 0 and ref and emulation is None:
+        # dropout draws its masks per rank and layout: no loss of the pp=1 run could be compared
+        if c.reference_iters:
+            _fail(f"--reference-iters {c.reference_iters} with --dropout {c.dropout:g}: dropout draws other masks "
+                  "under another layout, so the pp=1 losses cannot be compared; use --reference-iters 0")
+        notes.append(f"no pp=1 reference: --dropout {c.dropout:g} draws other masks under another layout, so its "
+                     "losses could not be compared")
+        ref = 0
     if emulation is not None:
         ref = 0  # (no loss is computed: nothing to compare; an explicit --reference-iters is refused above)
 
@@ -668,8 +676,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "copies are on rank 0 and their gradients are summed there)")
     g.add_argument("--seq", type=_int(2, 32), default=d.seq, metavar="S", help="sequence length (default: 32)")
     g.add_argument("--dropout", type=_float_pos, default=d.dropout, metavar="P",
-                   help="hidden and attention dropout (default: 0; with dropout the pp=1 comparison is "
-                        "statistical, not exact)")
+                   help="hidden and attention dropout (default: 0; with dropout there is no pp=1 comparison: "
+                        "the masks depend on the layout)")
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
                    help="layer implementation: Megatron-Core's local spec or the Transformer Engine spec (default "
                         "auto: local, the verified path; TE's B/W split has not run on a GPU here yet)")

@@ -18,6 +18,10 @@ named ``megatron_pp_ext.features.<name>.train`` (imported on first use), through
   connect to the executor's ``op_hook``/``op_handlers`` and return a :class:`FeatureRuntime`
   that wraps the forward-backward function and reports per-rank figures each iteration.
 
+A feature whose run rounds differently from the plain pp=1 reference sets ``reference_rounding``
+(a string: why), so the pp=1 comparison allows a tolerance, names the reason, and otherwise
+requires the losses bit for bit (trainer/report.py).
+
 A feature that changes the model itself (vocabulary parallelism) also offers
 ``megatron_lm(config)``: per-process hooks for Megatron-LM's own loop, where Megatron-LM builds
 the model (:class:`megatron_pp_ext.megatron_lm.integration.MegatronLMFeature`).

@@ -31,25 +31,28 @@ def pool():
 
 
 class Runs:
-    """Run configurations on the pool; memoise the merged records (references are shared)."""
+    """Run configurations on the pool; memoise the merged records (references are shared).
+    ``worker``: the function each rank runs (default ``run_training``; a module-level wrapper of
+    it, e.g. runtime_helpers.run_training_fused)."""
 
     def __init__(self, pool: WorkerPool):
         self.pool = pool
         self._cache: dict = {}
 
-    def __call__(self, cfg, *, cache: bool = False) -> dict:
-        if cache and cfg in self._cache:
-            return self._cache[cfg]
-        rec = merge_results(self.pool.run(run_training, cfg.world_size, cfg=cfg), cfg)
+    def __call__(self, cfg, *, cache: bool = False, worker=run_training) -> dict:
+        key = cfg if worker is run_training else (cfg, worker.__name__)
+        if cache and key in self._cache:
+            return self._cache[key]
+        rec = merge_results(self.pool.run(worker, cfg.world_size, cfg=cfg), cfg)
         if cache:
-            self._cache[cfg] = rec
+            self._cache[key] = rec
         return rec
 
-    def reference(self, cfg) -> dict:
+    def reference(self, cfg, *, worker=run_training) -> dict:
         """The pp=1 run of ``cfg`` (same model, data, tp, dp, loss and optimizer); cached."""
         ref = cfg.replace(pp=1, schedule=None, chunks=1, memory_budget=None, executor_options={},
                           record_timings=False)
-        return self(ref, cache=True)
+        return self(ref, cache=True, worker=worker)
 
 
 @pytest.fixture(scope="session")

@@ -140,6 +140,65 @@ def op_trace(cfg) -> dict:
             "bytes": tr.executor.last_p2p_bytes, "rank": dist.get_rank()}
 
 
+# --- gradient_accumulation_fusion on the CPU (test_runtime_parity) ---------------------------------
+
+class FusedWGradStandIn:
+    """CPU stand-in for apex's ``fused_weight_gradient_mlp_cuda``, which Megatron-Core's linear
+    layers call with ``gradient_accumulation_fusion``: ``main_grad += grad_outputᵀ · input`` as one
+    GEMM then an add, in ``main_grad``'s precision: the arithmetic of the B/W split's own CPU path
+    (runtime/wgrad.py ``_accumulate_main_grad``), so runs with and without the split can be
+    compared bit for bit. The apex kernel's own rounding (a GEMM accumulating into main_grad) is
+    not what this checks: it checks the ``main_grad`` path of W (accumulation straight into
+    ``main_grad``, ``grad_added_to_main_grad``, the dummy gradient that fires DDP's hook once)."""
+
+    calls = 0
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        FusedWGradStandIn.calls += 1
+        main_grad.add_(grad_output.to(main_grad.dtype).t().matmul(total_input.to(main_grad.dtype)))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def run_training_fused(cfg) -> dict:
+    """``run_training`` with ``gradient_accumulation_fusion=True``: Megatron-Core refuses it without
+    apex's kernel, so :class:`FusedWGradStandIn` stands in for the kernel while the run lasts.
+    Fails unless the weight gradients really went into ``main_grad`` there: through the split's
+    W (schedules with a B/W split) or through Megatron-Core's backward (the others, pp=1)."""
+    from megatron.core.tensor_parallel import layers
+
+    import megatron_pp_ext.runtime.wgrad as wgrad
+    from megatron_pp_ext.runtime.harness import run_training
+    from megatron_pp_ext.schedule.registry import schedule_info
+    old = (layers._grad_accum_fusion_available, layers.__dict__.get("fused_weight_gradient_mlp_cuda"),
+           wgrad._accumulate_main_grad)
+    ours = [0]
+
+    def counted(*a):
+        ours[0] += 1
+        return old[2](*a)
+
+    layers._grad_accum_fusion_available = True
+    layers.fused_weight_gradient_mlp_cuda = FusedWGradStandIn
+    wgrad._accumulate_main_grad = counted
+    FusedWGradStandIn.calls = 0
+    try:
+        res = run_training(cfg.replace(config_overrides={**cfg.config_overrides,
+                                                         "gradient_accumulation_fusion": True}))
+    finally:
+        layers._grad_accum_fusion_available = old[0]
+        wgrad._accumulate_main_grad = old[2]
+        if old[1] is None:
+            del layers.fused_weight_gradient_mlp_cuda
+        else:
+            layers.fused_weight_gradient_mlp_cuda = old[1]
+    split = isinstance(cfg.schedule, str) and schedule_info(cfg.schedule).split_backward
+    fused = ours[0] if split else FusedWGradStandIn.calls
+    assert fused > 0, f"{cfg.schedule}: no weight gradient went into main_grad ({ours[0]}, {FusedWGradStandIn.calls})"
+    return res
+
+
 # --- the data-parallel hooks of the executor, with deliberate mistakes (test_runtime_sync_order) ----
 
 def _patch_sync(mutation: str, synchronous_reduce: bool) -> list:
@@ -237,3 +296,4 @@ def param_gather_watch_run(cfg, *, drop_pre_hooks: bool = False) -> dict:
         tr.step(step)
         optimizer_step(tr.optimizer)
     return seen
+

@@ -35,11 +35,35 @@ def test_forward_only_from_the_start(runs, schedule, pp):
     m = microbatches_for(schedule, pp, 4)
     cfg = config("gpt", schedule=schedule, pp=pp, m=m, steps=1, eval_iters=0, forward_only=True)
     got = runs(cfg)
-    ref = runs.reference(cfg.replace(forward_only=False))  # step 0 of training: same weights
-    assert got["grads"] is None and len(got["losses"][0]) == m
-    compare_records({"losses": got["losses"], "grads": None, "params": got["params"]},
-                    {"losses": ref["losses"][:1], "grads": None, "params": None},
-                    what=f"forward-only {schedule} pp={pp}")
+    ref = runs.reference(cfg)   # forward-only at pp=1 too: the same losses, the parameters untouched
+    assert got["grads"] is None and got["optimizer_steps"] == [] and len(got["losses"][0]) == m
+    # a forward-only run has no gradients on either side: the losses, the (unchanged) parameters
+    # and the absence of optimizer steps are compared
+    compare_records(got, ref, without=("grads",), what=f"forward-only {schedule} pp={pp}")
+
+
+def test_compare_records_fails_on_what_it_did_not_compare():
+    """A part one side lacks, or no training step at all, is a mismatch unless the caller leaves
+    that part out by name; the rest is still compared."""
+    import torch
+
+    from megatron_pp_ext.runtime.harness import ParityMismatch
+    t = torch.ones(2)
+    full = {"losses": [[{"lm loss": t}]], "eval_losses": [], "grads": [{"w": t}], "params": {"w": t},
+            "optimizer_steps": [{"update_successful": True, "grad_norm": 1.0, "loss_scale": None}]}
+    compare_records(full, dict(full))
+    for part in ("eval_losses", "grads", "params", "optimizer_steps"):
+        with pytest.raises(ParityMismatch, match=f"{part}: missing on the reference"):
+            compare_records(full, {**full, part: None})
+        with pytest.raises(ParityMismatch, match=f"{part}: missing on either side"):
+            compare_records({**full, part: None}, {k: v for k, v in full.items() if k != part})
+        compare_records(full, {**full, part: None}, without=(part,))
+    with pytest.raises(ParityMismatch, match="no training step"):
+        compare_records({**full, "losses": []}, {**full, "losses": []})
+    with pytest.raises(ParityMismatch, match="not bit-exact"):   # what is left is still compared
+        compare_records(full, {**full, "grads": None, "params": {"w": 2 * t}}, without=("grads",))
+    with pytest.raises(ValueError):
+        compare_records(full, full, without=("grads", "params"))
 
 
 # -- fewer microbatches than stages, odd counts (odd counts > p: the dp=2 parity layout) --------

@@ -191,7 +191,9 @@ def test_moe_vocab_parallel_matches_pp1(pool, runs):
     cfg = moe_config("llama", schedule="zbv", ep=2, optimizer="sgd", lr=0.05, steps=1)
     got = merge_vocab_results(pool.run(run_vocab_training, cfg.world_size, cfg=cfg,
                                        vcfg=VocabParallelConfig(algorithm=2)), cfg)
-    worst = compare_records(got, runs.reference(cfg), rtol=1e-5, tensor_rtol=1e-4, what="moe vocab")
+    # (the vocabulary harness records no optimizer steps: their effect is in the parameters compared)
+    worst = compare_records(got, runs.reference(cfg), rtol=1e-5, tensor_rtol=1e-4, without=("optimizer_steps",),
+                            what="moe vocab")
     assert worst["grad"] > 0   # (the sharded computation really ran)
     assert any(".local_experts." in n for n in got["grads"][0])
 

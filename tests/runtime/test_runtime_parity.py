@@ -4,7 +4,10 @@ For every registered schedule, pipeline layout (pp=2 x dp=2, pp=2 x tp=2, pp=4: 
 and model variant (gpt, llama), 3 training iterations (Megatron-Core DDP + finalize_model_grads, Megatron
 optimizer, Adam) and one forward-only (evaluation) iteration must give the same loss for every
 microbatch, the same gradient of every parameter at every step and the same final parameters as
-the pp=1 run with the same tp and dp:
+the pp=1 run with the same tp and dp. That matrix runs m <= p + 1 microbatches (dualpipev: 2p),
+where warm-up and cool-down are most of the schedule; test_steady_state_matches_pp1_bit_exact adds
+each schedule once at m = 2p or 4p, half of them with gradient_accumulation_fusion (W into
+main_grad, as on a GPU with apex):
 
 * **bit-exact**: the pipeline only moves activations and gradients between ranks; every
   floating-point reduction (GEMMs, the tp all-reduces, the dp all-reduce, the accumulation of
@@ -26,7 +29,7 @@ import pytest
 
 from megatron_pp_ext.runtime.harness import compare_records
 
-from runtime_helpers import SCHEDULES, VARIANTS, config, microbatches_for
+from runtime_helpers import SCHEDULES, VARIANTS, config, microbatches_for, run_training_fused
 
 # (pp, tp, dp): every layout fills the 4 ranks (dp where tp leaves room)
 LAYOUTS = [(2, 1, 2), (2, 2, 1), (4, 1, 1)]
@@ -52,6 +55,37 @@ def test_schedule_matches_pp1_bit_exact(runs, schedule, layout, variant):
     assert len(got["losses"]) == 3 and len(got["losses"][0]) == m * dp
     assert len(got["eval_losses"]) == 1 and len(got["eval_losses"][0]) == m * dp
     compare_records(got, ref, what=f"{schedule} {_id(layout)} {variant}")
+
+
+def _steady_rows():
+    """One row per schedule in the steady state: m = 2p or 4p microbatches per data-parallel
+    rank, where W ops are deferred furthest and receives are posted earliest. Layout, m, variant
+    and gradient_accumulation_fusion alternate instead of multiplying: each layout meets both m
+    and both fusion settings, fusion meets both variants."""
+    rows = []
+    for i, schedule in enumerate(SCHEDULES):
+        layout = LAYOUTS[i % 3]
+        mult = (2, 4)[(i // 3) % 2]
+        variant = VARIANTS[i % 2]
+        fused = i % 4 in (1, 2)
+        rows.append(pytest.param(schedule, layout, mult, variant, fused,
+                                 id=f"{schedule}-{_id(layout)}-m{mult}p-{variant}" + ("-fused" if fused else "")))
+    return rows
+
+
+@pytest.mark.parametrize("schedule,layout,mult,variant,fused", _steady_rows())
+def test_steady_state_matches_pp1_bit_exact(runs, schedule, layout, mult, variant, fused):
+    """As test_schedule_matches_pp1_bit_exact, at m = 2p / 4p (2 training iterations, one
+    evaluation). ``fused``: Megatron-Core's gradient_accumulation_fusion on both sides, so W
+    accumulates straight into main_grad (the path of every GPU run with apex); on the CPU a
+    stand-in for apex's kernel does Megatron-Core's part (runtime_helpers.run_training_fused)."""
+    pp, tp, dp = layout
+    m = microbatches_for(schedule, pp, mult * pp)
+    cfg = config(variant, schedule=schedule, pp=pp, tp=tp, dp=dp, m=m, steps=2)
+    worker = {"worker": run_training_fused} if fused else {}
+    got = runs(cfg, **worker)
+    assert len(got["losses"]) == 2 and len(got["losses"][0]) == m * dp and m >= mult * pp
+    compare_records(got, runs.reference(cfg, **worker), what=f"{schedule} {_id(layout)} m={m} {variant} fused={fused}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

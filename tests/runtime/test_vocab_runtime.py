@@ -66,7 +66,9 @@ def test_vocab_parallel_matches_plain_model(pool, runs, schedule, layout, algori
     ref = runs.reference(cfg)
     assert len(got["losses"]) == 1 and len(got["losses"][0]) == cfg.num_microbatches
     assert len(got["eval_losses"]) == 1 and len(got["eval_losses"][0]) == cfg.num_microbatches
-    worst = compare_records(got, ref, rtol=1e-5, tensor_rtol=1e-4,
+    # (the vocabulary harness steps the optimizer without recording the steps: their effect is in
+    # the gradients and parameters compared; so in every comparison of this file)
+    worst = compare_records(got, ref, rtol=1e-5, tensor_rtol=1e-4, without=("optimizer_steps",),
                             what=f"{schedule} pp{pp} tp{tp} alg{algorithm} {'tied' if tied else 'untied'}")
     assert worst["grad"] > 0   # the gradients really went through the sharded computation
     # every rank holds one vocabulary shard: balanced within one shard
@@ -95,7 +97,8 @@ def test_vocab_parallel_with_sequence_parallelism(pool, runs, schedule, variant,
     got = _run(pool, cfg, VocabParallelConfig(algorithm=algorithm))
     ref = runs.reference(cfg)
     assert len(got["losses"][0]) == cfg.num_microbatches
-    worst = compare_records(got, ref, rtol=1e-5, tensor_rtol=1e-4, what=f"{schedule} {variant} SP alg{algorithm}")
+    worst = compare_records(got, ref, rtol=1e-5, tensor_rtol=1e-4, without=("optimizer_steps",),
+                            what=f"{schedule} {variant} SP alg{algorithm}")
     assert worst["grad"] > 0
 
 
@@ -126,7 +129,8 @@ def test_vocab_distributed_optimizer_overlaps_fp32(pool, runs, schedule):
     parameters together 2.5e-5, hence 1e-4)."""
     cfg = config("gpt", schedule=schedule, pp=2, dp=2, m=4, steps=2, **OVERLAPS)
     got = _run(pool, cfg, VocabParallelConfig(algorithm=2))
-    worst = compare_records(got, runs.reference(cfg), rtol=1e-4, tensor_rtol=1e-2, what=f"{schedule} distopt")
+    worst = compare_records(got, runs.reference(cfg), rtol=1e-4, tensor_rtol=1e-2, without=("optimizer_steps",),
+                            what=f"{schedule} distopt")
     assert worst["loss"] <= 1e-6 and worst["grad"] <= 1e-5, worst
 
 
