@@ -544,7 +544,8 @@ def write_report(args, cases, overhead, tiny, wall, load, figdir, torch_version,
     rel = os.path.relpath(figdir, os.path.dirname(os.path.abspath(args.out)))
     rt = all(getattr(c, "rt", False) for c in cases)
     L = ["# Emulated compute: measured vs simulated makespan, executor overhead\n"]
-    L.append(f"Produced by `python benchmarks/fidelity.py{' --quick' if args.quick else ''}` ({wall / 60:.0f} min wall "
+    flags = (" --quick" if args.quick else "") + (" --only-nccl" if args.only_nccl else "")
+    L.append(f"Produced by `python benchmarks/fidelity.py{flags}` ({wall / 60:.0f} min wall "
              f"time; raw results in `{args.json}`).\n")
     L.append(f"- **Machine**: {os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), Linux, no GPU, "
              f"shared with other jobs: load average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end "
