@@ -1,6 +1,7 @@
 #!/bin/bash
 # The tests that touch Megatron, on the newest supported megatron-core (0.19.2), in a venv of
-# their own: the runtime parity suite, the B/W split, the trainer, the version layer and the
+# their own: the runtime parity suite, the B/W split, the trainer, the version layer, the
+# planner's emitted MoE flags through Megatron-LM's own validation, and the
 # Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
 # driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
 # full suite on megatron-core 0.16.1, so CI covers both ends of the supported range.
@@ -28,7 +29,8 @@ fi
 export MPPX_TEST_COVERING="${MPPX_TEST_COVERING:-1}"
 if [ $# -eq 0 ]; then
     set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer*.py tests/test_compat.py \
-        tests/test_megatron_lm_integration.py
+        tests/test_megatron_lm_integration.py \
+        tests/test_planner.py::test_emitted_moe_flags_pass_megatron_lm_validation
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"
 exec "$VENV/bin/python" -m pytest "$@"
