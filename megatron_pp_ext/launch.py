@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as e:
         print(e.msg, file=sys.stderr)
         raise
+    from .runtime.lifeline import die_with_torchrun_agent
+    die_with_torchrun_agent()
     script = os.path.abspath(script)
     sys.path.insert(0, os.path.dirname(script))
     from . import megatron_lm

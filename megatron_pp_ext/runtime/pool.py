@@ -34,6 +34,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -110,8 +111,14 @@ def reset_megatron_state() -> None:
         pass
 
 
-def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list) -> None:
+def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, parent: int | None,
+                 forked_by_main_thread: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    # a worker (and whatever it forks: checkpoint writers) dies with the pool's process, even
+    # when that one is killed with SIGKILL (a scheduler stopping the job)
+    from .lifeline import children_die_with_me, die_with_parent
+    die_with_parent(parent, forked_by_main_thread=forked_by_main_thread)
+    children_die_with_me()
     for c in parent_ends:
         c.close()
     import torch
@@ -218,22 +225,34 @@ class WorkerPool:
         # collections (the per-configuration gc.collect() then only scans new objects).
         gc.freeze()
         self._procs, self._conns = [], []
+        # (a forkserver child's parent is the server, which exits with this process)
+        parent = os.getpid() if self.start_method == "fork" else None
+        main = threading.current_thread() is threading.main_thread() or self.start_method != "fork"
         try:
             for i in range(self.size):
-                parent, child = self._ctx.Pipe()
+                end, child = self._ctx.Pipe()
                 # The child closes its copies of the parent's ends, so that it sees EOF (and
                 # exits) when the parent goes away, however that happens.
                 p = self._ctx.Process(target=_worker_main,
-                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [parent]),
+                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [end],
+                                            parent, main),
                                       name=f"mppx-pool-{i}", daemon=True)
                 p.start()
                 child.close()
                 self._procs.append(p)
-                self._conns.append(parent)
+                self._conns.append(end)
         finally:
             gc.unfreeze()
 
-    def _kill(self) -> None:
+    def _kill(self, *, gentle: float = 0.0) -> None:
+        """Stop every worker: SIGTERM and up to ``gentle`` seconds to exit first, then SIGKILL."""
+        if gentle > 0:
+            for p in self._procs:
+                if p.is_alive():
+                    p.terminate()
+            deadline = time.monotonic() + gentle
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
             if p.is_alive():
                 p.kill()
@@ -277,6 +296,8 @@ class WorkerPool:
             raise RuntimeError("the worker pool is closed")
         if not 1 <= world_size <= self.size:
             raise ValueError(f"world_size {world_size} is outside 1..{self.size} (pool size)")
+        if not self._procs:  # stopped by an interruption: fork afresh
+            self._start()
         limit = self.timeout if timeout is None else float(timeout)
         task_id = next(self._ids)
         store = os.path.join(self._tmp, f"store_{task_id}")
@@ -318,8 +339,11 @@ class WorkerPool:
                         results[i] = payload
                     else:
                         errors[i] = payload
-        except BaseException:
+        except Exception:
             self.restart()
+            raise
+        except BaseException:  # Ctrl-C, SIGTERM, exit: stop the workers (forked again by the next run)
+            self._kill(gentle=self.grace)
             raise
         finally:
             try:

@@ -21,10 +21,13 @@ before any process group exists, so bad input fails fast with one message.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -52,11 +55,51 @@ POOL_PRELOAD = (
 
 
 class TrainRunError(RuntimeError):
-    """A rank failed during the run; ``details`` holds the traceback(s)."""
+    """A rank failed during the run; ``details`` holds the traceback(s); ``status``: the exit status."""
 
-    def __init__(self, message: str, details: str = ""):
+    def __init__(self, message: str, details: str = "", status: int = 1):
         super().__init__(message)
         self.details = details
+        self.status = status
+
+
+class RunTerminated(BaseException):
+    """SIGTERM reached the launcher (a scheduler stopping the job): raised in its main thread so
+    that the workers are stopped and waited for before it exits."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _forward_sigterm():
+    """Within: SIGTERM raises :class:`RunTerminated` (main thread only; elsewhere the default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise RunTerminated(signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _terminated(plan: Plan, what: str) -> TrainRunError:
+    ckpt = ""
+    if plan.cfg.save is not None:
+        from .checkpoint import read_tracker
+        try:
+            it = read_tracker(plan.cfg.save)
+        except TrainConfigError:
+            it = None
+        ckpt = (f"; the latest complete checkpoint in --save {plan.cfg.save} is iteration {it}" if it is not None
+                else f"; no complete checkpoint in --save {plan.cfg.save}")
+    return TrainRunError(f"terminated (SIGTERM): {what} stopped{ckpt}", status=128 + signal.SIGTERM)
 
 
 @dataclass
@@ -122,6 +165,9 @@ def train(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> int:
     launch = detect_launch(env)
     plan = make_plan(cfg, launch)
     if launch.external:
+        if launch.mode == "torchrun":
+            from ..runtime.lifeline import die_with_torchrun_agent
+            die_with_torchrun_agent(os.environ if env is None else env)
         return run_external(plan)
     if plan.device == "cuda":
         return run_spawned(plan)
@@ -158,9 +204,8 @@ def crowding_note(world: int, cores: int) -> str | None:
 def run_local(plan: Plan, *, pool=None) -> RunResult:
     """CPU: run ``plan`` on forked gloo workers (a pool of ``plan.world``, or the one given),
     then the pp=1 reference on worker 0. Raises TrainRunError if a rank fails."""
-    from ..runtime.pool import DEFAULT_PRELOAD, PoolTimeout, WorkerError, WorkerPool
-    from .loop import reference_worker, train_worker
-    from .report import finish, write_schedule_figure
+    from ..runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    from .report import write_schedule_figure
 
     _prepare_out(plan)
     crowded = crowding_note(plan.world, os.cpu_count() or 1)
@@ -170,26 +215,36 @@ def run_local(plan: Plan, *, pool=None) -> RunResult:
     sys.stdout.flush()
     sys.stderr.flush()
     own = pool is None
-    if own:
-        pool = WorkerPool(plan.world, timeout=plan.cfg.timeout, threads=plan.cfg.threads,
-                          cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
-    try:
-        worker_plan = plan.for_workers()
+    with _forward_sigterm():
         try:
-            res = pool.run(train_worker, plan.world, timeout=plan.cfg.timeout, plan=worker_plan,
-                           sim_info=sim_info)[0]
-            ref = None
-            if plan.reference_iters:
-                ref = pool.run(reference_worker, 1, timeout=plan.cfg.timeout, plan=worker_plan)[0]
-        except WorkerError as e:
-            first = min(e.tracebacks)
-            last = [ln for ln in e.tracebacks[first].strip().splitlines() if ln.strip()][-1]
-            raise TrainRunError(f"training failed on rank(s) {sorted(e.tracebacks)}: {last}", str(e)) from None
-        except PoolTimeout as e:
-            raise TrainRunError(f"training did not finish within --timeout {plan.cfg.timeout:g} s", str(e)) from None
-    finally:
-        if own:
-            pool.close()
+            if own:
+                pool = WorkerPool(plan.world, timeout=plan.cfg.timeout, threads=plan.cfg.threads,
+                                  cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+            return _run_on_pool(plan, pool, sim_info)
+        except RunTerminated:
+            raise _terminated(plan, f"the {plan.world} worker processes were") from None
+        finally:
+            if own and pool is not None:
+                pool.close()
+
+
+def _run_on_pool(plan: Plan, pool, sim_info: dict) -> RunResult:
+    from ..runtime.pool import PoolTimeout, WorkerError
+    from .loop import reference_worker, train_worker
+    from .report import finish
+
+    worker_plan = plan.for_workers()
+    try:
+        res = pool.run(train_worker, plan.world, timeout=plan.cfg.timeout, plan=worker_plan, sim_info=sim_info)[0]
+        ref = None
+        if plan.reference_iters:
+            ref = pool.run(reference_worker, 1, timeout=plan.cfg.timeout, plan=worker_plan)[0]
+    except WorkerError as e:
+        first = min(e.tracebacks)
+        last = [ln for ln in e.tracebacks[first].strip().splitlines() if ln.strip()][-1]
+        raise TrainRunError(f"training failed on rank(s) {sorted(e.tracebacks)}: {last}", str(e)) from None
+    except PoolTimeout as e:
+        raise TrainRunError(f"training did not finish within --timeout {plan.cfg.timeout:g} s", str(e)) from None
     doc = finish(plan, res, ref)
     return RunResult(doc["status"], res["records"], doc, ref)
 
@@ -237,7 +292,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_entry(cfg: TrainConfig, env: dict, queue) -> None:
+def _spawn_entry(cfg: TrainConfig, env: dict, queue, parent: int, forked_by_main_thread: bool) -> None:
+    from ..runtime.lifeline import children_die_with_me, die_with_parent
+    die_with_parent(parent, forked_by_main_thread=forked_by_main_thread)
+    children_die_with_me()
     rank = int(env["RANK"])
     try:
         os.environ.update(env)
@@ -257,30 +315,25 @@ def run_spawned(plan: Plan) -> int:
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = []
-    for r in range(plan.world):
-        env = {"RANK": str(r), "WORLD_SIZE": str(plan.world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(plan.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        p = ctx.Process(target=_spawn_entry, args=(plan.cfg, env, queue), name=f"mppx-train-{r}")
-        p.start()
-        procs.append(p)
+    main = threading.current_thread() is threading.main_thread()
     results: dict[int, tuple] = {}
     deadline = time.monotonic() + plan.cfg.timeout
     try:
-        while len(results) < len(procs) and time.monotonic() < deadline:
-            if not queue.empty():
-                r, ok, payload = queue.get()
-                results[r] = (ok, payload)
-                if not ok:  # the others usually wait on the failed rank forever
-                    deadline = min(deadline, time.monotonic() + 30.0)
-                continue
-            for i, p in enumerate(procs):
-                if i not in results and not p.is_alive():
-                    time.sleep(0.5)  # its last word may still be in the queue
-                    if queue.empty():
-                        results[i] = (False, f"process {i} died (exit code {p.exitcode})")
-                        deadline = min(deadline, time.monotonic() + 30.0)
-                    break
-            time.sleep(0.05)
+        with _forward_sigterm():
+            for r in range(plan.world):
+                env = {"RANK": str(r), "WORLD_SIZE": str(plan.world), "LOCAL_RANK": str(r),
+                       "LOCAL_WORLD_SIZE": str(plan.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                p = ctx.Process(target=_spawn_entry, args=(plan.cfg, env, queue, os.getpid(), main),
+                                name=f"mppx-train-{r}")
+                p.start()
+                procs.append(p)
+            _collect(procs, queue, results, deadline)
+    except RunTerminated:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(timeout=30)
+        raise _terminated(plan, f"the {len(procs)} processes were") from None
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -297,3 +350,22 @@ def run_spawned(plan: Plan) -> int:
         raise TrainRunError(f"training failed on rank(s) {sorted(failed)}: {last}",
                             "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items())))
     return int(results.get(0, (True, 0))[1] or 0)
+
+
+def _collect(procs: list, queue, results: dict, deadline: float) -> None:
+    """Wait for the spawned ranks' results (a failed or dead rank shortens the wait for the others)."""
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        if not queue.empty():
+            r, ok, payload = queue.get()
+            results[r] = (ok, payload)
+            if not ok:  # the others usually wait on the failed rank forever
+                deadline = min(deadline, time.monotonic() + 30.0)
+            continue
+        for i, p in enumerate(procs):
+            if i not in results and not p.is_alive():
+                time.sleep(0.5)  # its last word may still be in the queue
+                if queue.empty():
+                    results[i] = (False, f"process {i} died (exit code {p.exitcode})")
+                    deadline = min(deadline, time.monotonic() + 30.0)
+                break
+        time.sleep(0.05)

@@ -36,7 +36,7 @@ def run(args) -> int:
         if e.details:
             print(e.details, file=sys.stderr)
         print(f"mppx: error: {e}", file=sys.stderr)
-        return 1
+        return e.status
 
 
 register_command(
