@@ -65,12 +65,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import TrainConfigError
+from .errors import RunFailure, TrainConfigError
 
 __all__ = ["TRACKER", "META", "FORMAT", "Resume", "CheckpointPart", "PartContext", "register_checkpoint_part",
            "checkpoint_parts", "iteration_dir", "read_tracker", "find_checkpoint", "plan_resume", "check_save",
            "save_checkpoint", "load_checkpoint", "model_sharded_state_dict", "should_save", "MODEL_FLAGS",
-           "check_features"]
+           "check_features", "is_checkpoint_dir", "holds_checkpoints"]
 
 #: how the optimizer state is laid out in a checkpoint (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -305,11 +305,22 @@ def check_features(cfg, flag: str) -> None:
                                 f"megatron_pp_ext.trainer.checkpoint); drop {flag} or the feature's flags")
 
 
+def _same_run(cfg) -> bool:
+    """``--load`` continues the run of ``--save`` (the same directory, or one of its iterations)."""
+    if cfg.load is None:
+        return False
+    save, load = os.path.realpath(cfg.save), os.path.realpath(cfg.load)
+    return load == save or os.path.dirname(load) == save
+
+
 def check_save(cfg) -> None:
-    """``--save`` must be a (creatable) directory; ``--save-interval`` needs ``--save``."""
+    """``--save`` must be a (creatable) directory; ``--save-interval`` needs ``--save``; a ``--save``
+    directory holding another run's checkpoints is not overwritten without ``--save-overwrite``."""
     if cfg.save is None:
         if cfg.save_interval is not None:
             raise _config_error(f"--save-interval {cfg.save_interval} needs --save DIR (where the checkpoints go)")
+        if getattr(cfg, "save_overwrite", False):
+            raise _config_error("--save-overwrite needs --save DIR (the directory whose checkpoints it replaces)")
         return
     check_features(cfg, "--save")
     if cfg.save_interval is not None and cfg.save_interval < 1:
@@ -321,6 +332,12 @@ def check_save(cfg) -> None:
         parent = os.path.dirname(parent.rstrip(os.sep))
     if not os.access(parent or ".", os.W_OK):
         raise _config_error(f"--save {cfg.save}: {parent or '.'} is not writable; give a writable directory")
+    held = holds_checkpoints(cfg.save)
+    if held is not None and not _same_run(cfg) and not getattr(cfg, "save_overwrite", False):
+        why = (f"and --load {cfg.load} resumes another run" if cfg.load is not None else "and there is no --load")
+        raise _config_error(f"--save {cfg.save} holds the checkpoints of a run (up to iteration {held}) {why}: saving "
+                            f"there would replace them; add --load {cfg.save} to continue that run, give a new --save "
+                            "directory, or add --save-overwrite to replace them")
 
 
 def should_save(cfg, iteration: int) -> bool:
@@ -534,13 +551,37 @@ def _state_dict(tr, plan, iteration: int, directory: str, *, loading: bool) -> t
     return sd, model_sd, parts
 
 
+def is_checkpoint_dir(directory: str) -> bool:
+    """Whether ``directory`` holds (part of) a checkpoint: its metadata or shards, even a save cut short."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n in (META, "metadata.json", "common.pt", ".metadata") or n.endswith(".distcp") for n in names)
+
+
+def holds_checkpoints(root: str) -> int | None:
+    """The latest iteration ``root`` holds a checkpoint of (its tracker, else its newest iteration
+    directory), None when there is none."""
+    if not os.path.isdir(root):
+        return None
+    try:
+        it = read_tracker(root)
+    except TrainConfigError:
+        it = None
+    if it is not None:
+        return it
+    found = [int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
+             and is_checkpoint_dir(os.path.join(root, n))]
+    return max(found) if found else None
+
+
 def _prepare_directory(directory: str) -> None:
     """An empty ``directory``; an earlier (or incomplete) save of the same iteration is replaced."""
     if os.path.isdir(directory) and os.listdir(directory):
-        marks = (META, "metadata.json", "common.pt", ".metadata")
-        if not any(os.path.exists(os.path.join(directory, m)) for m in marks):
-            raise RuntimeError(f"--save: {directory} exists and is not a checkpoint; move it away or give another "
-                               "--save directory")
+        if not is_checkpoint_dir(directory):
+            raise RunFailure(f"--save: {directory} exists and is not a checkpoint; move it away or give another "
+                             "--save directory")
         shutil.rmtree(directory)
     os.makedirs(directory, exist_ok=True)
 
@@ -577,8 +618,47 @@ def _synchronous_writer():
             fa._results_queue = None
 
 
+def _io_cause(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (its causes, or the per-rank failures torch's checkpoint writer
+    collects), if any."""
+    seen: set = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v for v in failures.values() if isinstance(v, BaseException)]
+            todo += [v[0] for v in failures.values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)]
+    return None
+
+
 def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
-    """Write the checkpoint of ``iteration`` (done) to ``--save`` (collective: every rank)."""
+    """Write the checkpoint of ``iteration`` (done) to ``--save`` (collective: every rank). A write
+    that fails (a full disk, a directory that went away) is a :class:`RunFailure` naming the
+    checkpoint; the tracker still names the previous complete one."""
+    try:
+        return _save_checkpoint(tr, plan, iteration, device=device)
+    except RunFailure:
+        raise
+    except Exception as e:
+        cause = _io_cause(e)
+        if cause is None and "Checkpoint" not in type(e).__name__:
+            raise
+        what = (f"{cause.strerror or cause}" + (f": {cause.filename}" if getattr(cause, "filename", None) else "")
+                if cause is not None else str(e).strip().splitlines()[0][:300])
+        raise RunFailure(f"--save {plan.cfg.save}: writing the checkpoint of iteration {iteration} "
+                         f"({iteration_dir(plan.cfg.save, iteration)}) failed ({what}); {TRACKER} still names the "
+                         "previous complete checkpoint: fix the directory (space, permissions), then resume with "
+                         f"--load {plan.cfg.save}") from e
+
+
+def _save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 

@@ -109,6 +109,7 @@ class TrainConfig:
     save: str | None = None
     save_interval: int | None = None     # default: save at the end only
     load: str | None = None
+    save_overwrite: bool = False         # --save over a directory holding another run's checkpoints
 
     def replace(self, **kw) -> "TrainConfig":
         return dataclasses.replace(self, **kw)
@@ -722,6 +723,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "format) at the end, and every --save-interval iterations")
     g.add_argument("--save-interval", type=_int(1, 5), default=None, metavar="N",
                    help="also save every N iterations (default: at the end only)")
+    g.add_argument("--save-overwrite", action="store_true",
+                   help="allow --save into a directory that holds the checkpoints of another run (without --load "
+                        "of it): iterations this run saves replace that run's, and the tracker names this run's "
+                        "latest (default: refused)")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from the latest checkpoint in DIR (or an iter_XXXXXXX directory); --iters is "
                         "the total; no checkpoint there: start from scratch with a warning, as Megatron-LM does")
@@ -750,4 +755,5 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed, data_path=args.data_path, **moe_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
-        timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)
+        timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load,
+        save_overwrite=args.save_overwrite)

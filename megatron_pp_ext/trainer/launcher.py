@@ -174,16 +174,31 @@ def train(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> int:
     return run_local(plan).status
 
 
-def _prepare_out(plan: Plan) -> None:
-    try:
-        os.makedirs(plan.out_dir, exist_ok=True)
-        if os.path.dirname(plan.json_log):
-            os.makedirs(os.path.dirname(plan.json_log), exist_ok=True)
-        with open(plan.json_log, "a", encoding="utf-8"):
-            pass
-    except OSError as e:
-        raise TrainConfigError(f"--out {plan.out_dir} / --json-log {plan.json_log}: cannot write there "
-                               f"({e.strerror or e}); give a writable directory") from None
+def _failure_line(tracebacks: dict) -> str | None:
+    """The message of a :class:`~.errors.RunFailure` among the ranks' tracebacks (the first rank's),
+    else None: what the user can act on, in one line, without the tracebacks of the others."""
+    from .errors import RunFailure
+
+    names, todo = set(), [RunFailure]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    for r in sorted(tracebacks):
+        for ln in reversed([ln for ln in str(tracebacks[r]).strip().splitlines() if ln.strip()]):
+            head, sep, msg = ln.partition(": ")
+            if sep and head.rsplit(".", 1)[-1] in names and " " not in head:
+                return msg
+    return None
+
+
+def _rank_failure(tracebacks: dict, details: str) -> TrainRunError:
+    one = _failure_line(tracebacks)
+    if one is not None:
+        return TrainRunError(one)
+    first = min(tracebacks)
+    last = [ln for ln in str(tracebacks[first]).strip().splitlines() if ln.strip()][-1]
+    return TrainRunError(f"training failed on rank(s) {sorted(tracebacks)}: {last}", details)
 
 
 #: start-up of local CPU processes, measured on a 2-core machine: about 8 s, plus about 1 s per
@@ -206,26 +221,29 @@ def run_local(plan: Plan, *, pool=None) -> RunResult:
     then the pp=1 reference on worker 0. Raises TrainRunError if a rank fails."""
     from ..runtime.pool import DEFAULT_PRELOAD, WorkerPool
     from .report import write_schedule_figure
+    from .rundirs import prepare_run_dirs
 
-    _prepare_out(plan)
-    crowded = crowding_note(plan.world, os.cpu_count() or 1)
-    if crowded:
-        print(crowded, flush=True)
-    sim_info = write_schedule_figure(plan)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    own = pool is None
-    with _forward_sigterm():
-        try:
-            if own:
-                pool = WorkerPool(plan.world, timeout=plan.cfg.timeout, threads=plan.cfg.threads,
-                                  cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
-            return _run_on_pool(plan, pool, sim_info)
-        except RunTerminated:
-            raise _terminated(plan, f"the {plan.world} worker processes were") from None
-        finally:
-            if own and pool is not None:
-                pool.close()
+    with prepare_run_dirs(plan) as dirs:
+        for note in dirs.notes:
+            print(f"note: {note}", flush=True)
+        crowded = crowding_note(plan.world, os.cpu_count() or 1)
+        if crowded:
+            print(crowded, flush=True)
+        sim_info = write_schedule_figure(plan)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        own = pool is None
+        with _forward_sigterm():
+            try:
+                if own:
+                    pool = WorkerPool(plan.world, timeout=plan.cfg.timeout, threads=plan.cfg.threads,
+                                      cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+                return _run_on_pool(plan, pool, sim_info)
+            except RunTerminated:
+                raise _terminated(plan, f"the {plan.world} worker processes were") from None
+            finally:
+                if own and pool is not None:
+                    pool.close()
 
 
 def _run_on_pool(plan: Plan, pool, sim_info: dict) -> RunResult:
@@ -240,17 +258,16 @@ def _run_on_pool(plan: Plan, pool, sim_info: dict) -> RunResult:
         if plan.reference_iters:
             ref = pool.run(reference_worker, 1, timeout=plan.cfg.timeout, plan=worker_plan)[0]
     except WorkerError as e:
-        first = min(e.tracebacks)
-        last = [ln for ln in e.tracebacks[first].strip().splitlines() if ln.strip()][-1]
-        raise TrainRunError(f"training failed on rank(s) {sorted(e.tracebacks)}: {last}", str(e)) from None
+        raise _rank_failure(e.tracebacks, str(e)) from None
     except PoolTimeout as e:
         raise TrainRunError(f"training did not finish within --timeout {plan.cfg.timeout:g} s", str(e)) from None
     doc = finish(plan, res, ref)
     return RunResult(doc["status"], res["records"], doc, ref)
 
 
-def run_external(plan: Plan) -> int:
-    """This process is one rank of a torchrun / srun launch (or of :func:`run_spawned`)."""
+def run_external(plan: Plan, *, dirs_ready: bool = False) -> int:
+    """This process is one rank of a torchrun / srun launch (or of :func:`run_spawned`, whose
+    parent prepared and locked the run's directories: ``dirs_ready``)."""
     import torch
     import torch.distributed as dist
 
@@ -269,19 +286,39 @@ def run_external(plan: Plan) -> int:
         dist.init_process_group(backend, init_method=init, rank=launch.rank, world_size=launch.world)
     rank = dist.get_rank()
     sim_info = None
-    if rank == 0:
-        _prepare_out(plan)
-        sim_info = write_schedule_figure(plan)
-    res = train_worker(plan.for_workers(), sim_info=sim_info or {})
-    ref = None
-    if plan.reference_iters:
-        ref = reference_in_process(plan.for_workers())
-    else:
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        return finish(plan, res, ref)["status"]
-    return 0
+    dirs = None
+    if not dirs_ready:  # rank 0 checks and locks the directories; every rank learns the verdict
+        from .rundirs import prepare_run_dirs
+        verdict: list = [None]
+        if rank == 0:
+            try:
+                dirs = prepare_run_dirs(plan)
+                verdict[0] = ("ok", dirs.notes)
+            except TrainConfigError as e:
+                verdict[0] = ("error", str(e))
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0][0] == "error":
+            dist.destroy_process_group()
+            raise TrainConfigError(verdict[0][1])
+        if rank == 0:
+            for note in verdict[0][1]:
+                print(f"note: {note}", flush=True)
+    try:
+        if rank == 0:
+            sim_info = write_schedule_figure(plan)
+        res = train_worker(plan.for_workers(), sim_info=sim_info or {})
+        ref = None
+        if plan.reference_iters:
+            ref = reference_in_process(plan.for_workers())
+        else:
+            dist.barrier()
+            dist.destroy_process_group()
+        if rank == 0:
+            return finish(plan, res, ref)["status"]
+        return 0
+    finally:
+        if dirs is not None:
+            dirs.release()
 
 
 # --- local GPU launch: spawn, as torchrun would ---------------------------------------------
@@ -300,7 +337,7 @@ def _spawn_entry(cfg: TrainConfig, env: dict, queue, parent: int, forked_by_main
     try:
         os.environ.update(env)
         plan = make_plan(cfg, detect_launch(os.environ))
-        status = run_external(plan)
+        status = run_external(plan, dirs_ready=True)
         queue.put((rank, True, status))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -308,9 +345,17 @@ def _spawn_entry(cfg: TrainConfig, env: dict, queue, parent: int, forked_by_main
 
 def run_spawned(plan: Plan) -> int:
     """GPU: spawn ``plan.world`` processes (one GPU each, NCCL) with torchrun's environment."""
+    from .rundirs import prepare_run_dirs
+
+    with prepare_run_dirs(plan) as dirs:
+        for note in dirs.notes:
+            print(f"note: {note}", flush=True)
+        return _run_spawned(plan)
+
+
+def _run_spawned(plan: Plan) -> int:
     import multiprocessing as mp
 
-    _prepare_out(plan)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
@@ -345,10 +390,7 @@ def run_spawned(plan: Plan) -> int:
                                       "rank failed)"))
     failed = {r: v[1] for r, v in results.items() if not v[0]}
     if failed:
-        first = min(failed)
-        last = [ln for ln in str(failed[first]).strip().splitlines() if ln.strip()][-1]
-        raise TrainRunError(f"training failed on rank(s) {sorted(failed)}: {last}",
-                            "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items())))
+        raise _rank_failure(failed, "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items())))
     return int(results.get(0, (True, 0))[1] or 0)
 
 

@@ -73,6 +73,17 @@ def write_schedule_figure(plan) -> dict:
     return info
 
 
+def _append(f, text: str, flag: str) -> None:
+    """Write and flush a log line; a failed write (a full disk) ends the run in one line."""
+    try:
+        f.write(text)
+        f.flush()
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"{flag}: writing {f.name} failed ({e.strerror or e}); free some space or give another "
+                         f"{flag}") from None
+
+
 class RankZeroLog:
     """Rank 0's terminal output, text log and JSON log during training."""
 
@@ -104,15 +115,13 @@ class RankZeroLog:
 
     def line(self, text: str) -> None:
         _print(text, self.bar)
-        self.text.write(text + "\n")
-        self.text.flush()
+        _append(self.text, text + "\n", "--out")
 
     def iteration(self, rec: dict) -> None:
         c = self.plan.cfg
         rec = dict(rec, schedule=self.label, lr=c.lr,
                    activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "saved_tensors")
-        self.json.write(json.dumps(rec) + "\n")
-        self.json.flush()
+        _append(self.json, json.dumps(rec) + "\n", "--json-log")
         i = rec["iteration"]
         if self.plan.emulation is not None:
             if i == 1 or i == c.iters or i % c.log_interval == 0:
@@ -374,11 +383,16 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
         **summary,
         "status": status,
     }
-    with open(plan.summary, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, default=str)
-    lines.append(f"summary {plan.summary}")
-    with open(plan.text_log, "a", encoding="utf-8") as f:
-        for ln in lines:
-            print(ln, flush=True)
-            f.write(ln + "\n")
+    try:
+        with open(plan.summary, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, default=str)
+        lines.append(f"summary {plan.summary}")
+        with open(plan.text_log, "a", encoding="utf-8") as f:
+            for ln in lines:
+                print(ln, flush=True)
+                f.write(ln + "\n")
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"--out {plan.out_dir}: writing the summary failed ({e.strerror or e}); free some space "
+                         "or give another --out") from None
     return doc
