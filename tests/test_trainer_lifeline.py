@@ -85,3 +85,41 @@ def test_killing_the_launcher_mid_save_leaves_no_process(tmp_path):
         os.path.join(ck, "latest_checkpointed_iteration.txt")) else None
     if it is not None:
         assert os.path.exists(os.path.join(ck, f"iter_{it:07d}", "mppx_checkpoint.json"))
+
+
+CHILD = """
+import sys, time
+from megatron_pp_ext.runtime.lifeline import die_with_torchrun_agent
+assert not die_with_torchrun_agent({})          # not under torchrun: nothing armed
+assert die_with_torchrun_agent({"TORCHELASTIC_RUN_ID": "x"})
+print("armed", flush=True)
+time.sleep(60)
+"""
+AGENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "armed"
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_torchrun_rank_dies_with_its_agent():
+    """Under torchrun (the Megatron-LM launcher, mppx train's external launch) a rank watches the
+    agent that started it (which of its threads did is unknown, so a watchdog, not the kernel's
+    parent-death signal): the agent killed by SIGKILL, the rank is gone within seconds."""
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, MPPX_TEST_MARK=mark, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, CHILD], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        rank = int(agent.stdout.readline())
+        assert rank in marked_processes(mark)
+        agent.kill()
+        agent.wait()
+        t = time.monotonic()
+        while marked_processes(mark) and time.monotonic() - t < 5:
+            time.sleep(0.1)
+        assert not marked_processes(mark), "the rank outlived its agent"
+    finally:
+        for pid in marked_processes(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -17,6 +17,10 @@ from megatron_pp_ext.trainer import checkpoint as ckpt
 from megatron_pp_ext.trainer.config import TrainConfig, make_plan
 from megatron_pp_ext.trainer.rundirs import LOCK_NAME
 
+pytestmark = [pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|apex).*"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--device", "cpu", "--pp", "2", "--layers", "2", "--schedule", "1f1b", "--iters", "4", "--no-progress"]
 
@@ -66,6 +70,29 @@ def test_json_log_that_takes_no_write_is_refused(capsys, no_processes, tmp_path)
         pytest.skip("no /dev/full")
     err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--json-log", "/dev/full")
     assert "--json-log /dev/full: cannot write there (No space left on device)" in err, err
+
+
+# --- values that crashed or hung a run -------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--moe-layer-freq", "([1]*99999999999)", "--num-experts", "4"], "the pattern is longer than 65536 entries"),
+    (["--emulate-compute", "1e308"], "--emulate-compute 1e+308: each iteration would wait about"),
+    (["--emulate-compute", "1e6"], "each iteration would wait about 7.08 h"),     # 7 hours per iteration
+    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be from 0 to 2147483647"),
+    (["--timeout", "1e300"], "--timeout 1e+300: must be a positive number of seconds, at most 1e+09"),
+    (["--lr", "1e30", "--fp16", "--loss-scale", "1e300"], "--loss-scale 1e+300: above the largest fp32 number"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "inf"], "--moe-aux-loss-coeff inf: must be a finite number"),
+])
+def test_values_that_crashed_or_hung_a_run_are_refused(capsys, no_processes, tmp_path, argv, expect):
+    err = one_line(capsys, "--device", "cpu", "--out", str(tmp_path / "o"), *argv)
+    assert expect in err, err
+
+
+def test_a_long_moe_layer_pattern_is_read():
+    """A 3000-term pattern: Python's own parser gives up on it (too deep a tree); ours reads it."""
+    from megatron_pp_ext.trainer.moe import parse_layer_freq
+    assert parse_layer_freq("+".join(["[1]", "[0]"] * 1500)) == (1, 0) * 1500
+    assert parse_layer_freq("([1]*3+[0])*2") == (1, 1, 1, 0) * 2 and parse_layer_freq("1,0,1") == (1, 0, 1)
 
 
 # --- another run's checkpoints ------------------------------------------------------------------------
@@ -136,3 +163,190 @@ def test_the_lock_of_a_dead_run_is_taken_over(tmp_path):
             prepare_run_dirs(plan)
     with prepare_run_dirs(plan) as dirs:   # released cleanly: nothing to take over
         assert dirs.notes == []
+
+
+# --- runs on a shared pool of 2 forked workers -------------------------------------------------------
+
+RUN = dict(device="cpu", pp=2, layers=2, schedule="1f1b", reference_iters=0, profile_iters=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    from megatron_pp_ext.trainer.launcher import POOL_PRELOAD
+    p = WorkerPool(2, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+    yield p
+    p.close()
+
+
+def run(pool, tmp, name: str, **kw):
+    from megatron_pp_ext.trainer.launcher import run_local
+    return run_local(make_plan(TrainConfig(**{**RUN, "out": str(tmp / name), **kw})), pool=pool)
+
+
+@pytest.fixture(scope="module")
+def saved(pool, tmp_path_factory):
+    """A checkpoint of iteration 2 (its directory) and the losses of iterations 3 and 4 after it."""
+    tmp = tmp_path_factory.mktemp("saved")
+    res = run(pool, tmp, "full", iters=4, save=str(tmp / "ck"), save_interval=2)
+    return tmp / "ck" / "iter_0000002", [r["loss"] for r in res.records[2:]]
+
+
+def flip_bit(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+DAMAGE = {
+    "truncated shard": (lambda d: os.truncate(d / "__1_0.distcp", 1000), "__1_0.distcp has 1000 bytes, the save wrote"),
+    "missing shard": (lambda d: (d / "__0_1.distcp").unlink(), "__0_1.distcp is missing"),
+    "bit-flipped shard": (lambda d: flip_bit(d / "__0_0.distcp", 4000), "__0_0.distcp does not match its checksum"),
+    "garbage common.pt": (lambda d: (d / "common.pt").write_bytes(os.urandom((d / "common.pt").stat().st_size)),
+                          "common.pt does not match its checksum"),
+    "bad metadata.json": (lambda d: (d / "metadata.json").write_text("{bad"), "metadata.json has 4 bytes"),
+    "bad .metadata": (lambda d: flip_bit(d / ".metadata", 100), ".metadata does not match its checksum"),
+    "garbage manifest": (lambda d: (d / ckpt.META).write_text("{garbage"),
+                         f"{ckpt.META} cannot be read (Expecting property name"),
+    "incomplete save": (lambda d: [p.unlink() for p in d.iterdir() if p.name != "common.pt"],
+                        f"has no {ckpt.META} (an incomplete save: it holds only common.pt"),
+}
+
+
+def test_damaged_checkpoints_are_refused_naming_the_file(capsys, saved, tmp_path, no_processes):
+    """Each damage, before any process starts: one line naming the checkpoint and the file (the
+    sizes are checked when the run is planned, the checksums by the launcher)."""
+    import shutil
+    for name, (damage, expect) in DAMAGE.items():
+        d = tmp_path / name.replace(" ", "-") / "iter_0000002"
+        shutil.copytree(saved[0], d)
+        damage(d)
+        err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--load", str(d))
+        assert f"--load: {d} has no" in err or f"checkpoint {d} is damaged" in err, (name, err)
+        assert expect in err, (name, err)
+
+
+def test_a_checkpoint_that_loads_resumes_and_one_skipping_verification_fails_in_one_line(capsys, pool, saved,
+                                                                                         tmp_path):
+    """The intact copy resumes (its files verified first, said in the log); a damaged one with
+    --no-verify-checkpoint fails on the workers, reported in one line naming the checkpoint."""
+    import shutil
+
+    from megatron_pp_ext.trainer.launcher import TrainRunError
+    d = tmp_path / "ck" / "iter_0000002"
+    shutil.copytree(saved[0], d)
+    res = run(pool, tmp_path, "ok", iters=4, load=str(d))
+    assert [r["loss"] for r in res.records] == saved[1]
+    assert f"note: checkpoint {d} verified: 7 files" in capsys.readouterr().out
+    (d / "common.pt").write_bytes(os.urandom((d / "common.pt").stat().st_size))
+    with pytest.raises(TrainRunError) as info:
+        run(pool, tmp_path, "bad", iters=4, load=str(d), verify_checkpoint=False)
+    msg = str(info.value)
+    assert (msg.startswith(f"--load: reading checkpoint {d} failed (common.pt: UnpicklingError") and "\n" not in msg
+            and "run without --no-verify-checkpoint to find the damaged one" in msg and not info.value.details), msg
+
+
+def _fail_saves(flag: bool) -> None:
+    """In a worker: make Megatron-Core's checkpoint writer fail as a full disk does (or stop)."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+    if flag:
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", "ck/iter_0000002/__0_0.distcp")
+        dist_checkpointing._mppx_saved_save = dist_checkpointing.save
+        dist_checkpointing.save = full
+    elif hasattr(dist_checkpointing, "_mppx_saved_save"):
+        dist_checkpointing.save = dist_checkpointing._mppx_saved_save
+
+
+def test_a_save_failing_mid_run_is_one_line(pool, tmp_path):
+    from megatron_pp_ext.trainer.launcher import TrainRunError
+    pool.run(_fail_saves, 2, flag=True)
+    try:
+        with pytest.raises(TrainRunError) as info:
+            run(pool, tmp_path, "o", iters=4, save=str(tmp_path / "ck"), save_interval=2)
+    finally:
+        pool.run(_fail_saves, 2, flag=False)
+    msg = str(info.value)
+    assert (msg.startswith(f"--save {tmp_path / 'ck'}: writing the checkpoint of iteration 2")
+            and "failed (No space left on device: ck/iter_0000002/__0_0.distcp)" in msg and "\n" not in msg
+            and not info.value.details), msg
+    assert not (tmp_path / "ck" / ckpt.TRACKER).exists()
+
+
+# --- verdicts: a diverged or untrained run is never a match ----------------------------------------------
+
+def test_a_diverging_run_stops_fails_and_keeps_its_last_good_checkpoint(capsys, pool, tmp_path):
+    """--lr 1e30: the loss turns non-finite at iteration 2; the run stops there (no checkpoint of the
+    diverged model, no pp=1 reference), says so and fails."""
+    res = run(pool, tmp_path, "o", iters=5, lr=1e30, reference_iters=5, save=str(tmp_path / "ck"), save_interval=1)
+    out = capsys.readouterr().out
+    assert res.status == 1 and res.reference is None
+    last = res.records[-1]
+    assert last["nonfinite_loss"] and all(r.get("nonfinite_loss") is None for r in res.records[:-1])
+    stopped = res.summary["stopped"]
+    assert stopped["iteration"] == last["iteration"] < 5
+    assert ckpt.read_tracker(str(tmp_path / "ck")) == last["iteration"] - 1
+    assert not (tmp_path / "ck" / f"iter_{last['iteration']:07d}").exists()
+    assert f"FAILED: the loss is {last['loss']:g} at iteration {last['iteration']}: the model diverged" in out, out
+    assert "match" not in out.split("FAILED")[-1]
+
+
+def test_with_allow_nonfinite_loss_the_run_trains_on_and_still_fails(pool, tmp_path):
+    res = run(pool, tmp_path, "o", iters=3, lr=1e30, reference_iters=3, allow_nonfinite_loss=True)
+    assert [r["iteration"] for r in res.records] == [1, 2, 3] and res.summary["stopped"] is None
+    assert res.status == 1 and res.summary["nonfinite_loss_iterations"]
+    ref = res.summary["reference"]
+    assert not ref["ok"] and not ref["bit_exact"] and ref["verdict"].startswith("NOT COMPARED: non-finite loss"), ref
+
+
+def test_a_run_that_skipped_every_step_is_not_a_match(pool, tmp_path):
+    """fp16 at a static loss scale of 1e30: every gradient overflows, every step is skipped, the
+    losses equal the (equally untrained) pp=1 run's bit for bit: never reported as a match."""
+    res = run(pool, tmp_path, "o", iters=2, fp16=True, loss_scale=1e30, reference_iters=2)
+    assert all(r["skipped"] for r in res.records) and res.summary["all_steps_skipped"]
+    ref = res.summary["reference"]
+    assert res.status == 1 and not ref["ok"] and "every optimizer step of the run was skipped" in ref["verdict"]
+
+
+# --- SIGTERM: forwarded to the workers and waited for ---------------------------------------------------
+
+def test_sigterm_mid_save_stops_the_workers_and_waits_for_them(pool, tmp_path):
+    """What a scheduler sends first: the launcher stops its workers, waits for them, and ends with
+    one line naming the latest complete checkpoint (exit status 143); the checkpoint being written
+    is not the latest."""
+    import signal
+    import threading
+    import time
+
+    from megatron_pp_ext.trainer.launcher import TrainRunError
+    ck = tmp_path / "ck"
+    workers = [p.pid for p in pool._procs]
+
+    def being_written():
+        for d in sorted(ck.glob("iter_*")) if ck.is_dir() else []:
+            if any(d.iterdir()) and not (d / ckpt.META).exists():
+                return d
+        return None
+
+    def signal_mid_save():
+        deadline = time.monotonic() + 120
+        while being_written() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_mid_save, daemon=True).start()
+    with pytest.raises(TrainRunError) as info:
+        run(pool, tmp_path, "o", iters=10000, save=str(ck), save_interval=1)
+    assert info.value.status == 128 + signal.SIGTERM
+    assert str(info.value).startswith("terminated (SIGTERM): the 2 worker processes were stopped"), info.value
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    latest = ckpt.read_tracker(str(ck))
+    if latest is not None:
+        assert (ck / f"iter_{latest:07d}" / ckpt.META).exists()
+        assert f"the latest complete checkpoint in --save {ck} is iteration {latest}" in str(info.value)

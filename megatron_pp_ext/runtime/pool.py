@@ -304,7 +304,7 @@ class WorkerPool:
         what = _describe(fn, kwargs)
         # The workers' gloo timeout is longer than ours: a hang is reported here as a timeout
         # (and the workers are killed), not as a gloo error on the ranks that waited.
-        msg = (task_id, fn, kwargs, world_size, store, limit + 60.0)
+        msg = (task_id, fn, kwargs, world_size, store, min(limit + 60.0, 1e9))
         for i in range(world_size):
             self._conns[i].send(msg)
         results: dict[int, Any] = {}
@@ -320,7 +320,8 @@ class WorkerPool:
                 left = deadline - now
                 if left <= 0:
                     break
-                ready = mp_wait(list(pending) + list(sentinels), timeout=left)
+                # (in slices: poll() takes at most 2^31 ms, and a long --timeout exceeds that)
+                ready = mp_wait(list(pending) + list(sentinels), timeout=min(left, 3600.0))
                 for r in ready:
                     if r in sentinels:
                         i = sentinels.pop(r)

@@ -60,6 +60,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ from .errors import RunFailure, TrainConfigError
 __all__ = ["TRACKER", "META", "FORMAT", "Resume", "CheckpointPart", "PartContext", "register_checkpoint_part",
            "checkpoint_parts", "iteration_dir", "read_tracker", "find_checkpoint", "plan_resume", "check_save",
            "save_checkpoint", "load_checkpoint", "model_sharded_state_dict", "should_save", "MODEL_FLAGS",
-           "check_features", "is_checkpoint_dir", "holds_checkpoints"]
+           "check_features", "is_checkpoint_dir", "holds_checkpoints", "verify_resume"]
 
 #: how the optimizer state is laid out in a checkpoint (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -112,18 +113,64 @@ def read_tracker(root: str) -> int | None:
                             "the file") from None
 
 
+#: fields of mppx_checkpoint.json the checks read, with their types
+_META_FIELDS = (("iteration", int), ("consumed_samples", int), ("global_batch_size", int), ("config", dict),
+                ("layout", dict))
+
+
 def _read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
     if not os.path.isfile(path):
-        what = ("a Megatron-Core distributed checkpoint not written by mppx train"
-                if os.path.isfile(os.path.join(directory, "metadata.json")) else "not a checkpoint")
-        raise _config_error(f"--load: {directory} has no {META} ({what}); give a directory written by "
-                            "mppx train --save")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise _config_error(f"--load: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        if os.path.isfile(os.path.join(directory, "metadata.json")):
+            what = ("a Megatron-Core distributed checkpoint not written by mppx train, or a save of mppx train cut "
+                    f"short: it writes {META} last, after every shard")
+        elif is_checkpoint_dir(directory):
+            what = (f"an incomplete save: it holds only {', '.join(present[:6])}; mppx train writes {META} last, "
+                    "after every shard")
+        else:
+            what = "not a checkpoint"
+        raise _config_error(f"--load: {directory} has no {META} ({what}); load a complete checkpoint ({TRACKER} of "
+                            "the --save directory names the latest) or give a directory written by mppx train --save")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _config_error(f"--load: checkpoint {directory} is damaged: {META} cannot be read "
+                            f"({getattr(e, 'strerror', None) or e}); load another checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _config_error(f"--load: {path} has format {got!r}, expected {FORMAT!r}")
+    for key, typ in _META_FIELDS:
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            raise _config_error(f"--load: checkpoint {directory} is damaged: {META} has no valid {key!r}; load another "
+                                "checkpoint")
+    files = meta.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values())):
+        raise _config_error(f"--load: checkpoint {directory} is damaged: the file list of {META} is malformed; load "
+                            "another checkpoint")
     return meta
+
+
+def _is_iteration_dir(path: str) -> bool:
+    return is_checkpoint_dir(path) or bool(re.match(r"^iter_\d{7}$", os.path.basename(os.path.normpath(path))))
+
+
+def _checked(directory: str, meta: dict) -> tuple[str, dict]:
+    """The files of the checkpoint are all there, at the sizes the save wrote (cheap; the contents
+    are hashed by :func:`verify_resume` before any worker starts)."""
+    from .integrity import check_files, manifest_of
+    files = manifest_of(meta)
+    if files is None:   # (saved before checkpoints listed their files)
+        if not os.path.isfile(os.path.join(directory, "metadata.json")):
+            raise _config_error(f"--load: {directory} is incomplete (no metadata.json: the save did not finish)")
+        return directory, meta
+    problem = check_files(directory, files)
+    if problem is not None:
+        raise _config_error(f"--load: checkpoint {directory} is damaged: {problem}; load another checkpoint (an "
+                            "earlier iter_XXXXXXX directory)")
+    return directory, meta
 
 
 def find_checkpoint(load: str) -> tuple[str, dict] | None:
@@ -133,8 +180,8 @@ def find_checkpoint(load: str) -> tuple[str, dict] | None:
     if os.path.isfile(load):
         raise _config_error(f"--load {load} is a file; give the directory passed to --save (or one of its "
                             "iter_XXXXXXX directories)")
-    if os.path.isfile(os.path.join(load, META)) or os.path.isfile(os.path.join(load, "metadata.json")):
-        return load, _read_meta(load)  # an iteration directory
+    if os.path.isdir(load) and _is_iteration_dir(load):
+        return _checked(load, _read_meta(load))  # an iteration directory
     it = read_tracker(load)
     if it is None:
         return None
@@ -142,10 +189,26 @@ def find_checkpoint(load: str) -> tuple[str, dict] | None:
     if not os.path.isdir(d):
         raise _config_error(f"--load {load}: {TRACKER} names iteration {it}, but {d} does not exist; point "
                             f"--load at an existing iter_XXXXXXX directory or fix {TRACKER}")
-    meta = _read_meta(d)
-    if not os.path.isfile(os.path.join(d, "metadata.json")):
-        raise _config_error(f"--load {load}: {d} is incomplete (no metadata.json: the save did not finish)")
-    return d, meta
+    return _checked(d, _read_meta(d))
+
+
+def verify_resume(plan, *, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Hash the files of the checkpoint ``plan`` resumes from (this process's ``share`` of them)
+    against its manifest: TrainConfigError naming the damaged file, else a note for the log."""
+    resume = plan.resume
+    if resume is None or not getattr(plan.cfg, "verify_checkpoint", True):
+        return None
+    from .integrity import manifest_of, verify_files
+    meta = _read_meta(resume.directory)
+    files = manifest_of(meta)
+    if files is None:
+        return f"checkpoint {resume.directory} has no checksums (saved by an older mppx): not verified"
+    problem, info = verify_files(resume.directory, files, share=share)
+    if problem is not None:
+        raise _config_error(f"--load: checkpoint {resume.directory} is damaged: {problem}; load another checkpoint "
+                            "(an earlier iter_XXXXXXX directory)")
+    return (f"checkpoint {resume.directory} verified: {info['files']} files, {info['bytes'] / 2**20:.1f} MiB in "
+            f"{info['seconds']:.1f} s (--no-verify-checkpoint skips this)")
 
 
 # --- the plan (parent process, before any worker starts) -------------------------------------
@@ -646,9 +709,9 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
         return _save_checkpoint(tr, plan, iteration, device=device)
     except RunFailure:
         raise
-    except Exception as e:
+    except BaseException as e:   # (torch's CheckpointException is a BaseException)
         cause = _io_cause(e)
-        if cause is None and "Checkpoint" not in type(e).__name__:
+        if not _checkpoint_error(e) or (cause is None and "Checkpoint" not in type(e).__name__):
             raise
         what = (f"{cause.strerror or cause}" + (f": {cause.filename}" if getattr(cause, "filename", None) else "")
                 if cause is not None else str(e).strip().splitlines()[0][:300])
@@ -656,6 +719,25 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
                          f"({iteration_dir(plan.cfg.save, iteration)}) failed ({what}); {TRACKER} still names the "
                          "previous complete checkpoint: fix the directory (space, permissions), then resume with "
                          f"--load {plan.cfg.save}") from e
+
+
+def _manifest(directory: str, rank: int) -> dict | None:
+    """Size and checksum of every file of the checkpoint just written (collective): each rank
+    hashes its own shards, rank 0 the rest; rank 0 gets the whole list."""
+    import torch.distributed as dist
+
+    from .integrity import hash_files, list_files
+    names = list_files(directory, skip=(META,))
+    mine = hash_files(directory, [n for n in names if n.startswith(f"__{rank}_")])
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    files: dict = {}
+    for part in gathered:
+        files.update(part)
+    files.update(hash_files(directory, [n for n in names if n not in files]))
+    return dict(sorted(files.items()))
 
 
 def _save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
@@ -688,9 +770,10 @@ def _save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
         if p.save is not None:
             p.save(PartContext(os.path.join(directory, p.name), tr, plan, iteration))
     dist.barrier()
+    files = _manifest(directory, rank)
     if rank == 0:
         with open(os.path.join(directory, META), "w", encoding="utf-8") as f:
-            json.dump(dict(meta, time=time.strftime("%Y-%m-%d %H:%M:%S")), f, indent=1)
+            json.dump(dict(meta, time=time.strftime("%Y-%m-%d %H:%M:%S"), files=files), f, indent=1)
         tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(str(iteration))
@@ -701,7 +784,58 @@ def _save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
 
 def load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
     """Load model, optimizer (and, with the same layout, RNG) state from ``resume`` into ``tr``
-    (collective: every rank). Returns what was restored."""
+    (collective: every rank). Returns what was restored. A file that cannot be read or decoded
+    is a :class:`RunFailure` naming the checkpoint and, where the error tells, the file."""
+    try:
+        return _load_checkpoint(tr, plan, resume, device=device)
+    except RunFailure:
+        raise
+    except BaseException as e:   # (torch's CheckpointException is a BaseException)
+        if not _checkpoint_error(e):
+            raise
+        from .integrity import manifest_of
+        checked = manifest_of(_read_meta(resume.directory)) is not None
+        verified = checked and getattr(plan.cfg, "verify_checkpoint", True)
+        if verified and _io_cause(e) is None:
+            raise   # (every file matches its checksum: not damage but a bug, reported with its traceback)
+        named = _named_files(e)
+        what = f"{', '.join(named)}: " if named else ""
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:   # (torch's: one wrapped exception per rank)
+            inner = next(iter(failures.values()))
+            e = inner[0] if isinstance(inner, tuple) else inner
+        first = re.split(r"(?<=\.)\s", (str(e).strip().splitlines() or [""])[0])[0][:160]
+        hint = ("" if verified else " (its files were not checked against their checksums: run without "
+                "--no-verify-checkpoint to find the damaged one)" if checked else " (saved without checksums)")
+        raise RunFailure(f"--load: reading checkpoint {resume.directory} failed ({what}{type(e).__name__}: {first}); "
+                         f"it is damaged{hint}: load another checkpoint") from e
+
+
+def _checkpoint_error(e: BaseException) -> bool:
+    """An error of the run's own (not Ctrl-C, SIGTERM or an exit on the way through)."""
+    return isinstance(e, Exception) or "Checkpoint" in type(e).__name__
+
+
+def _named_files(e: BaseException) -> list[str]:
+    """The checkpoint files an exception from Megatron-Core's or torch's loader points at: named in
+    its message, or told by the loader's function that raised it."""
+    import traceback
+    found: set = set()
+    failures = getattr(e, "failures", None)
+    inner = [v[0] if isinstance(v, tuple) else v for v in failures.values()] if isinstance(failures, dict) else []
+    for x in [e, e.__cause__, e.__context__] + inner:
+        if not isinstance(x, BaseException):
+            continue
+        text = str(x)
+        found.update(re.findall(r"__\d+_\d+\.distcp|common\.pt|metadata\.json", text))
+        if re.search(r"\bmetadata\b(?!\.json)", text):
+            found.add(".metadata")
+        if any("common" in f.name for f in traceback.extract_tb(x.__traceback__)):
+            found.add("common.pt")
+    return sorted(found)
+
+
+def _load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()

@@ -255,7 +255,7 @@ def _run_on_pool(plan: Plan, pool, sim_info: dict) -> RunResult:
     try:
         res = pool.run(train_worker, plan.world, timeout=plan.cfg.timeout, plan=worker_plan, sim_info=sim_info)[0]
         ref = None
-        if plan.reference_iters:
+        if plan.reference_iters and not res["summary"].get("stopped"):   # (a run that diverged: nothing to compare)
             ref = pool.run(reference_worker, 1, timeout=plan.cfg.timeout, plan=worker_plan)[0]
     except WorkerError as e:
         raise _rank_failure(e.tracebacks, str(e)) from None
@@ -289,19 +289,28 @@ def run_external(plan: Plan, *, dirs_ready: bool = False) -> int:
     dirs = None
     if not dirs_ready:  # rank 0 checks and locks the directories; every rank learns the verdict
         from .rundirs import prepare_run_dirs
-        verdict: list = [None]
-        if rank == 0:
-            try:
-                dirs = prepare_run_dirs(plan)
-                verdict[0] = ("ok", dirs.notes)
-            except TrainConfigError as e:
-                verdict[0] = ("error", str(e))
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0][0] == "error":
+        from .checkpoint import verify_resume
+        verdict: tuple = ("ok", [])
+        try:
+            if rank == 0:
+                dirs = prepare_run_dirs(plan, verify=False)
+                verdict = ("ok", list(dirs.notes))
+            note = verify_resume(plan, share=(rank, dist.get_world_size()))   # (each rank hashes a share)
+            if note and rank == 0:
+                verdict[1].append(note + (f" (rank 0's share; each of the {dist.get_world_size()} ranks hashed "
+                                           "its own)" if dist.get_world_size() > 1 else ""))
+        except TrainConfigError as e:
+            verdict = ("error", str(e))
+        verdicts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+        errors = [v[1] for v in verdicts if v[0] == "error"]
+        if errors:
+            if dirs is not None:
+                dirs.release()
             dist.destroy_process_group()
-            raise TrainConfigError(verdict[0][1])
+            raise TrainConfigError(errors[0])
         if rank == 0:
-            for note in verdict[0][1]:
+            for note in verdict[1]:
                 print(f"note: {note}", flush=True)
     try:
         if rank == 0:
@@ -309,7 +318,7 @@ def run_external(plan: Plan, *, dirs_ready: bool = False) -> int:
         res = train_worker(plan.for_workers(), sim_info=sim_info or {})
         ref = None
         if plan.reference_iters:
-            ref = reference_in_process(plan.for_workers())
+            ref = reference_in_process(plan.for_workers(), skip=bool(res and res["summary"].get("stopped")))
         else:
             dist.barrier()
             dist.destroy_process_group()

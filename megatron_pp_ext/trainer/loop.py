@@ -20,6 +20,7 @@ weights, same data: every global microbatch, same optimizer) that the losses are
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -156,6 +157,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                      + (", RNG state" if resumed["rng_restored"] else "") + f" loaded in {resumed['time_s']:.1f} s")
 
         records: list[dict] = []
+        nonfinite: list[int] = []
+        stopped = None
         try:
             for it in range(start, c.iters):
                 batches = data.microbatches(it, dp_rank * m, m)
@@ -208,8 +211,16 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     rec.update(_feature_metrics(features, pp_rank, plan))
                 if resumed is not None:
                     rec["resumed_from"] = start
+                # a non-finite loss (every rank has the merged record, so all stop together): the
+                # model diverged; it is not saved over a good checkpoint, and the run stops unless
+                # --allow-nonfinite-loss
+                diverged = emu is None and not math.isfinite(rec["loss"])
+                if diverged:
+                    rec["nonfinite_loss"] = True
+                    nonfinite.append(it + 1)
+                stop = diverged and not c.allow_nonfinite_loss
                 info = None
-                if should_save(c, it + 1):  # --save: after the optimizer step, as Megatron-LM does
+                if should_save(c, it + 1) and not stop:  # --save: after the optimizer step, as Megatron-LM does
                     info = save_checkpoint(tr, plan, it + 1, device=device)
                     saved.append(info)
                     rec["checkpoint"] = info["directory"]
@@ -218,6 +229,10 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     log.iteration(rec)
                     if info is not None:
                         log.line(f"saved checkpoint {info['directory']} in {info['time_s']:.1f} s")
+                if stop:
+                    stopped = {"iteration": it + 1, "loss": rec["loss"], "last_checkpoint": saved[-1]["directory"]
+                               if saved else None}
+                    break
                 if profiler is not None and profiler.last(it):
                     res = profiler.reschedule(tr, plan, device=device)
                     if log is not None:
@@ -262,6 +277,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
             "saved_schedule": plan.resume.saved_schedule, "rng_restored": resumed["rng_restored"],
             "load_time_s": resumed["time_s"]}
         summary["checkpoints_saved"] = [{k: v for k, v in i.items()} for i in saved]
+        summary["nonfinite_loss_iterations"] = nonfinite
+        summary["stopped"] = stopped
+        summary["all_steps_skipped"] = (emu is None and bool(records) and all(r.get("skipped") for r in records))
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
@@ -364,9 +382,9 @@ def reference_worker(plan) -> dict:
         return {"losses": losses, "grad_norms": norms, "time_s": time.perf_counter() - t0}
 
 
-def reference_in_process(plan) -> dict | None:
+def reference_in_process(plan, *, skip: bool = False) -> dict | None:
     """Under an external launcher: tear the world down, then run the reference on rank 0 alone
-    in a fresh one-process group (other ranks return None)."""
+    in a fresh one-process group (other ranks return None; ``skip``: rank 0 runs none either)."""
     from ..runtime.pool import reset_megatron_state
 
     rank = dist.get_rank()
@@ -374,7 +392,7 @@ def reference_in_process(plan) -> dict | None:
     dist.barrier()
     reset_megatron_state()
     dist.destroy_process_group()
-    if rank != 0:
+    if rank != 0 or skip:
         return None
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1)

@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 
-__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "fmt_bytes"]
+__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "run_verdict", "fmt_bytes"]
 
 #: relative tolerance of the pp=1 comparison when the result is not bit-exact (tensor or data
 #: parallelism change the order of floating-point reductions; Adam amplifies the rounding)
@@ -308,16 +308,27 @@ def training_label(c, plan) -> str:
     return ", ".join(parts)
 
 
-def compare_losses(losses: list[float], ref: list[float], plan) -> dict:
-    """Compare the iteration losses of the run with the pp=1 reference."""
+def compare_losses(losses: list[float], ref: list[float], plan, *, first: int = 1, all_skipped: bool = False) -> dict:
+    """Compare the iteration losses of the run with the pp=1 reference (``first``: the number of
+    the first iteration compared). A non-finite loss on either side, or a run that skipped every
+    optimizer step (``all_skipped``: nothing was trained, equal losses prove nothing), is never a
+    match."""
     n = min(len(losses), len(ref))
     got, want = losses[:n], ref[:n]
+    nonfinite = [i for i, (a, b) in enumerate(zip(got, want)) if not (math.isfinite(a) and math.isfinite(b))]
     diffs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
-    worst = max(diffs) if diffs else 0.0
-    exact = all(a == b for a, b in zip(got, want))
+    worst = max(diffs) if diffs and not nonfinite else (float("nan") if nonfinite else 0.0)
+    exact = not nonfinite and all(a == b for a, b in zip(got, want))
     c = plan.cfg
     if n == 0:
         verdict, ok = "nothing to compare", True
+    elif nonfinite:
+        k = nonfinite[0]
+        verdict, ok = (f"NOT COMPARED: non-finite loss at iteration {first + k} (run {got[k]:g}, reference "
+                       f"{want[k]:g}); a diverged run is never a match"), False
+    elif all_skipped:
+        verdict, ok = ("NOT COMPARED: every optimizer step of the run was skipped (inf/nan gradients), so nothing was "
+                       "trained and equal losses prove nothing"), False
     elif c.dropout > 0:
         verdict, ok = (f"not comparable exactly (dropout {c.dropout:g} draws different masks per layout); "
                        f"max relative difference {worst:.1e}"), True
@@ -348,6 +359,30 @@ def comparison_line(cmp: dict, losses: list[float], ref_time: float | None) -> s
     return f"pp=1 reference (1 process, {start} and data, {n} iterations{t}): {mid}: {cmp['verdict']}"
 
 
+def run_verdict(summary: dict, plan) -> str | None:
+    """What went wrong with the training itself, in one line (the run then fails, exit status 1):
+    a non-finite loss (the model diverged), or every optimizer step skipped (nothing trained)."""
+    stopped = summary.get("stopped")
+    if stopped:
+        kept = (f"the last checkpoint saved is {stopped['last_checkpoint']}" if stopped.get("last_checkpoint")
+                else "no checkpoint was saved after it" if plan.cfg.save else "")
+        return (f"FAILED: the loss is {stopped['loss']:g} at iteration {stopped['iteration']}: the model diverged; "
+                f"training stopped there{'; ' + kept if kept else ''}; lower --lr or clip the gradients "
+                "(--clip-grad 1.0), or add --allow-nonfinite-loss to train on")
+    bad = summary.get("nonfinite_loss_iterations") or []
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        return (f"FAILED: non-finite loss at iteration(s) {shown} ({len(bad)} in all; trained on past them with "
+                "--allow-nonfinite-loss): the model diverged")
+    if summary.get("all_steps_skipped"):
+        c = plan.cfg
+        scale = (f"--loss-scale {c.loss_scale:g}" if c.loss_scale is not None
+                 else f"--initial-loss-scale {c.initial_loss_scale:g}")
+        return (f"FAILED: every optimizer step was skipped (inf/nan gradients{' at ' + scale if c.fp16 else ''}): "
+                "nothing was trained" + ("; lower the loss scale" if c.fp16 else ""))
+    return None
+
+
 def finish(plan, result: dict, ref: dict | None) -> dict:
     """After the run (and the reference): print the comparison line, write summary.json.
     Returns the summary document; its ``status`` is the exit status (1 when the comparison
@@ -360,16 +395,22 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
     if plan.emulation is not None:
         summary["reference"] = None   # (no loss: the header said so)
     elif ref is not None:
-        cmp = compare_losses(losses, ref["losses"], plan)
+        first = records[0]["iteration"] if records else 1
+        cmp = compare_losses(losses, ref["losses"], plan, first=first, all_skipped=bool(summary.get("all_steps_skipped")))
         cmp["reference_time_s"] = ref.get("time_s")
-        cmp["first_iteration"] = records[0]["iteration"] if records else 1
+        cmp["first_iteration"] = first
         cmp["reference_grad_norms"] = ref.get("grad_norms")
         summary["reference"] = cmp
         lines.append(comparison_line(cmp, losses, ref.get("time_s")))
         status = 0 if cmp["ok"] else 1
     else:
         summary["reference"] = None
-        lines.append("pp=1 reference: skipped (--reference-iters 0)")
+        if not summary.get("stopped"):
+            lines.append("pp=1 reference: skipped (--reference-iters 0)")
+    verdict = run_verdict(summary, plan)
+    if verdict:
+        lines.append(verdict)
+        status = 1
     c = plan.cfg
     doc = {
         "config": dataclasses.asdict(c),

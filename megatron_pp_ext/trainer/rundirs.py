@@ -212,9 +212,10 @@ def _check_save(plan) -> None:
                                    "is not a checkpoint; move it away or give another --save directory")
 
 
-def prepare_run_dirs(plan, *, lock: bool = True) -> RunDirs:
-    """Create and check ``--out``, ``--json-log`` and ``--save``, then lock ``--out`` and ``--save``
-    (TrainConfigError, one line naming the flag, for anything that would fail later)."""
+def prepare_run_dirs(plan, *, lock: bool = True, verify: bool = True) -> RunDirs:
+    """Create and check ``--out``, ``--json-log`` and ``--save``, lock ``--out`` and ``--save``, and
+    (``verify``) hash the ``--load`` checkpoint against its checksums (TrainConfigError, one line
+    naming the flag, for anything that would fail later)."""
     c = plan.cfg
     dirs = RunDirs()
     _makedirs("--out", plan.out_dir)
@@ -234,6 +235,11 @@ def prepare_run_dirs(plan, *, lock: bool = True) -> RunDirs:
         _check_json_log(plan.json_log)
         if c.save is not None:
             _check_save(plan)
+        if verify:
+            from .checkpoint import verify_resume
+            note = verify_resume(plan)
+            if note:
+                dirs.notes.append(note)
     except BaseException:
         dirs.release()
         raise
