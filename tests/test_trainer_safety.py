@@ -88,6 +88,17 @@ def test_values_that_crashed_or_hung_a_run_are_refused(capsys, no_processes, tmp
     assert expect in err, err
 
 
+def test_a_model_that_cannot_fit_this_machine_is_refused(capsys, no_processes, monkeypatch, tmp_path):
+    """--hidden 4000000 made every worker fail in the allocator (64 TB for one matrix), with tracebacks."""
+    from megatron_pp_ext.trainer import hostmem
+    monkeypatch.setattr(hostmem, "available_bytes", lambda: 8 << 30)
+    for argv, flags in ((["--hidden", "4000000"], "--hidden 4000000, --layers 8"),
+                        (["--vocab", "10000000000"], "--vocab 10000000000"), (["--seq", "1000000"], "--seq 1000000")):
+        err = one_line(capsys, "--device", "cpu", "--out", str(tmp_path / "o"), *argv)
+        assert f"{flags}: the model does not fit this machine's memory" in err and "8.0 GiB is available" in err, err
+    make_plan(TrainConfig(device="cpu", out=str(tmp_path / "o")))   # the default model fits
+
+
 def test_a_long_moe_layer_pattern_is_read():
     """A 3000-term pattern: Python's own parser gives up on it (too deep a tree); ours reads it."""
     from megatron_pp_ext.trainer.moe import parse_layer_freq
@@ -286,7 +297,7 @@ def test_a_diverging_run_stops_fails_and_keeps_its_last_good_checkpoint(capsys, 
     out = capsys.readouterr().out
     assert res.status == 1 and res.reference is None
     last = res.records[-1]
-    assert last["nonfinite_loss"] and all(r.get("nonfinite_loss") is None for r in res.records[:-1])
+    assert last["diverged"] and all(r.get("diverged") is None for r in res.records[:-1])
     stopped = res.summary["stopped"]
     assert stopped["iteration"] == last["iteration"] < 5
     assert ckpt.read_tracker(str(tmp_path / "ck")) == last["iteration"] - 1
@@ -295,10 +306,38 @@ def test_a_diverging_run_stops_fails_and_keeps_its_last_good_checkpoint(capsys, 
     assert "match" not in out.split("FAILED")[-1]
 
 
+def _inf_grad_norm(flag: bool) -> None:
+    """In a worker: the optimizer reports an inf gradient norm for a step it applied (or stops)."""
+    from megatron_pp_ext.runtime import harness
+    if flag:
+        orig = harness.optimizer_step
+
+        def step(optimizer):
+            return dict(orig(optimizer), grad_norm=float("inf"))
+        step._orig = orig
+        harness.optimizer_step = step
+    elif hasattr(harness.optimizer_step, "_orig"):
+        harness.optimizer_step = harness.optimizer_step._orig
+
+
+def test_a_step_applied_with_a_nonfinite_gradient_norm_stops_the_run(pool, tmp_path):
+    """The weights are NaN after such a step though the loss of that iteration was finite: the run
+    stops there and does not save them."""
+    pool.run(_inf_grad_norm, 2, flag=True)
+    try:
+        res = run(pool, tmp_path, "o", iters=3, save=str(tmp_path / "ck"), save_interval=1)
+    finally:
+        pool.run(_inf_grad_norm, 2, flag=False)
+    assert res.status == 1 and [r["iteration"] for r in res.records] == [1] and res.records[0]["diverged"]
+    assert res.summary["stopped"]["iteration"] == 1 and not (tmp_path / "ck" / "iter_0000001").exists()
+    assert "FAILED: the gradient norm is inf (the step applied it) at iteration 1" in (
+        tmp_path / "o" / "train.log").read_text()
+
+
 def test_with_allow_nonfinite_loss_the_run_trains_on_and_still_fails(pool, tmp_path):
     res = run(pool, tmp_path, "o", iters=3, lr=1e30, reference_iters=3, allow_nonfinite_loss=True)
     assert [r["iteration"] for r in res.records] == [1, 2, 3] and res.summary["stopped"] is None
-    assert res.status == 1 and res.summary["nonfinite_loss_iterations"]
+    assert res.status == 1 and res.summary["diverged_iterations"]
     ref = res.summary["reference"]
     assert not ref["ok"] and not ref["bit_exact"] and ref["verdict"].startswith("NOT COMPARED: non-finite loss"), ref
 

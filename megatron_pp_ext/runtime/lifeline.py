@@ -17,6 +17,7 @@ checkpoint writers fork one process per write bucket).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -25,7 +26,8 @@ import threading
 import time
 from typing import Mapping
 
-__all__ = ["die_with_parent", "children_die_with_me", "die_with_torchrun_agent", "pdeathsig_supported"]
+__all__ = ["die_with_parent", "children_die_with_me", "die_with_torchrun_agent", "pdeathsig_supported",
+           "Terminated", "terminate_on_sigterm", "check_terminated"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -102,3 +104,61 @@ def die_with_torchrun_agent(env: Mapping[str, str] | None = None) -> bool:
     die_with_parent(forked_by_main_thread=False)   # (which agent thread started us is unknown: watchdog)
     children_die_with_me()
     return True
+
+
+# --- SIGTERM to the process that started workers --------------------------------------------------
+
+class Terminated(BaseException):
+    """SIGTERM reached this process (a scheduler stopping the job): raised in its main thread, so
+    that its workers are stopped and waited for before it exits."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_PENDING: list[int] = []
+
+
+@contextlib.contextmanager
+def terminate_on_sigterm():
+    """Within: SIGTERM raises :class:`Terminated` in the main thread (elsewhere nothing changes).
+    A raise that lands where Python swallows exceptions (a finalizer) is not lost: the signal stays
+    pending until :func:`check_terminated` (the worker pool calls it at least once a second)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        _PENDING.append(signum)
+        raise Terminated(signum)
+    handler._mppx_terminate = True   # type: ignore[attr-defined]
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        _PENDING.clear()
+
+
+def check_terminated() -> None:
+    """Raise :class:`Terminated` if SIGTERM came (under :func:`terminate_on_sigterm`) and its own
+    raise was swallowed."""
+    if _PENDING:
+        raise Terminated(_PENDING[-1])
+
+
+def _default_sigterm_in_child() -> None:
+    """A child forked under :func:`terminate_on_sigterm` does not inherit its SIGTERM handling: a
+    worker told to stop simply stops."""
+    _PENDING.clear()
+    if getattr(signal.getsignal(signal.SIGTERM), "_mppx_terminate", False):
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):   # (a fork from another thread)
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_default_sigterm_in_child)

@@ -42,6 +42,8 @@ from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable
 
+from .lifeline import check_terminated
+
 __all__ = ["WorkerPool", "WorkerError", "PoolTimeout", "reset_megatron_state"]
 
 
@@ -114,6 +116,7 @@ def reset_megatron_state() -> None:
 def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, parent: int | None,
                  forked_by_main_thread: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the parent's handler: a worker just stops)
     # a worker (and whatever it forks: checkpoint writers) dies with the pool's process, even
     # when that one is killed with SIGKILL (a scheduler stopping the job)
     from .lifeline import children_die_with_me, die_with_parent
@@ -320,8 +323,10 @@ class WorkerPool:
                 left = deadline - now
                 if left <= 0:
                     break
-                # (in slices: poll() takes at most 2^31 ms, and a long --timeout exceeds that)
-                ready = mp_wait(list(pending) + list(sentinels), timeout=min(left, 3600.0))
+                # (in slices of a second: poll() takes at most 2^31 ms, and a SIGTERM whose raise
+                # was swallowed is noticed here)
+                check_terminated()
+                ready = mp_wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
                 for r in ready:
                     if r in sentinels:
                         i = sentinels.pop(r)

@@ -596,6 +596,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     device = _resolve_device(c.device, launch, world)
     if emulation is not None and device == "cuda":
         device = "cpu"  # (--device auto: emulated compute runs on CPU processes, see trainer/emulation.py)
+    if device == "cpu" and not launch.external:   # (every process on this machine)
+        from .hostmem import check_fits
+        check_fits(c, layers=sum(lps), kv_heads=kv, ffn=ffn, dp=dp, fail=_fail)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "

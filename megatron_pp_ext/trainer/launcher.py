@@ -21,7 +21,6 @@ before any process group exists, so bad input fails fast with one message.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -33,10 +32,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ..runtime.lifeline import Terminated, terminate_on_sigterm
 from .config import Launch, Plan, TrainConfig, TrainConfigError, make_plan
 
 __all__ = ["detect_launch", "plan_from_env", "train", "run_local", "run_external", "run_spawned", "RunResult", "TrainRunError",
-           "POOL_PRELOAD"]
+           "POOL_PRELOAD", "Terminated"]
 
 #: what the worker pool imports before forking (on top of the runtime's own list)
 POOL_PRELOAD = (
@@ -61,32 +61,6 @@ class TrainRunError(RuntimeError):
         super().__init__(message)
         self.details = details
         self.status = status
-
-
-class RunTerminated(BaseException):
-    """SIGTERM reached the launcher (a scheduler stopping the job): raised in its main thread so
-    that the workers are stopped and waited for before it exits."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _forward_sigterm():
-    """Within: SIGTERM raises :class:`RunTerminated` (main thread only; elsewhere the default)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise RunTerminated(signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _terminated(plan: Plan, what: str) -> TrainRunError:
@@ -165,9 +139,10 @@ def train(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> int:
     launch = detect_launch(env)
     plan = make_plan(cfg, launch)
     if launch.external:
+        from ..runtime.lifeline import children_die_with_me, die_with_torchrun_agent
         if launch.mode == "torchrun":
-            from ..runtime.lifeline import die_with_torchrun_agent
             die_with_torchrun_agent(os.environ if env is None else env)
+        children_die_with_me()   # (checkpoint writers forked by this rank die with it)
         return run_external(plan)
     if plan.device == "cuda":
         return run_spawned(plan)
@@ -233,13 +208,13 @@ def run_local(plan: Plan, *, pool=None) -> RunResult:
         sys.stdout.flush()
         sys.stderr.flush()
         own = pool is None
-        with _forward_sigterm():
+        with terminate_on_sigterm():
             try:
                 if own:
                     pool = WorkerPool(plan.world, timeout=plan.cfg.timeout, threads=plan.cfg.threads,
                                       cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
                 return _run_on_pool(plan, pool, sim_info)
-            except RunTerminated:
+            except Terminated:
                 raise _terminated(plan, f"the {plan.world} worker processes were") from None
             finally:
                 if own and pool is not None:
@@ -373,7 +348,7 @@ def _run_spawned(plan: Plan) -> int:
     results: dict[int, tuple] = {}
     deadline = time.monotonic() + plan.cfg.timeout
     try:
-        with _forward_sigterm():
+        with terminate_on_sigterm():
             for r in range(plan.world):
                 env = {"RANK": str(r), "WORLD_SIZE": str(plan.world), "LOCAL_RANK": str(r),
                        "LOCAL_WORLD_SIZE": str(plan.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -382,7 +357,7 @@ def _run_spawned(plan: Plan) -> int:
                 p.start()
                 procs.append(p)
             _collect(procs, queue, results, deadline)
-    except RunTerminated:
+    except Terminated:
         for p in procs:
             p.terminate()
         for p in procs:

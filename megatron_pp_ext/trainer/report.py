@@ -361,19 +361,22 @@ def comparison_line(cmp: dict, losses: list[float], ref_time: float | None) -> s
 
 def run_verdict(summary: dict, plan) -> str | None:
     """What went wrong with the training itself, in one line (the run then fails, exit status 1):
-    a non-finite loss (the model diverged), or every optimizer step skipped (nothing trained)."""
+    a non-finite loss or gradient norm (the model diverged), or every optimizer step skipped
+    (nothing trained)."""
     stopped = summary.get("stopped")
     if stopped:
         kept = (f"the last checkpoint saved is {stopped['last_checkpoint']}" if stopped.get("last_checkpoint")
                 else "no checkpoint was saved after it" if plan.cfg.save else "")
-        return (f"FAILED: the loss is {stopped['loss']:g} at iteration {stopped['iteration']}: the model diverged; "
+        what = (f"the loss is {stopped['loss']:g}" if not math.isfinite(stopped["loss"]) else
+                f"the gradient norm is {stopped.get('grad_norm', float('nan')):g} (the step applied it)")
+        return (f"FAILED: {what} at iteration {stopped['iteration']}: the model diverged; "
                 f"training stopped there{'; ' + kept if kept else ''}; lower --lr or clip the gradients "
                 "(--clip-grad 1.0), or add --allow-nonfinite-loss to train on")
-    bad = summary.get("nonfinite_loss_iterations") or []
+    bad = summary.get("diverged_iterations") or []
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        return (f"FAILED: non-finite loss at iteration(s) {shown} ({len(bad)} in all; trained on past them with "
-                "--allow-nonfinite-loss): the model diverged")
+        return (f"FAILED: non-finite loss or gradient norm at iteration(s) {shown} ({len(bad)} in all; trained on past "
+                "them with --allow-nonfinite-loss): the model diverged")
     if summary.get("all_steps_skipped"):
         c = plan.cfg
         scale = (f"--loss-scale {c.loss_scale:g}" if c.loss_scale is not None
