@@ -82,6 +82,7 @@ def test_json_log_that_takes_no_write_is_refused(capsys, no_processes, tmp_path)
     (["--timeout", "1e300"], "--timeout 1e+300: must be a positive number of seconds, at most 1e+09"),
     (["--lr", "1e30", "--fp16", "--loss-scale", "1e300"], "--loss-scale 1e+300: above the largest fp32 number"),
     (["--num-experts", "4", "--moe-aux-loss-coeff", "inf"], "--moe-aux-loss-coeff inf: must be a finite number"),
+    (["--pp", "1", "--global-batch-size", "1000000000000"], "microbatches per data-parallel rank and iteration, more"),
 ])
 def test_values_that_crashed_or_hung_a_run_are_refused(capsys, no_processes, tmp_path, argv, expect):
     err = one_line(capsys, "--device", "cpu", "--out", str(tmp_path / "o"), *argv)
@@ -224,6 +225,20 @@ DAMAGE = {
     "incomplete save": (lambda d: [p.unlink() for p in d.iterdir() if p.name != "common.pt"],
                         f"has no {ckpt.META} (an incomplete save: it holds only common.pt"),
 }
+
+
+def test_a_lost_tracker_does_not_restart_the_run_from_scratch(capsys, saved, tmp_path, no_processes):
+    """--save DIR --load DIR restarts a job wherever it stopped; without the tracker it would start
+    from scratch and save over its own checkpoints: refused, naming the newest complete one. A save
+    cut short before any tracker existed (no complete checkpoint) still starts from scratch."""
+    import shutil
+    shutil.copytree(saved[0], tmp_path / "ck" / "iter_0000002")
+    ck = str(tmp_path / "ck")
+    err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--save", ck, "--load", ck)
+    assert f"--load {ck} holds complete checkpoints (iter_0000002) but no {ckpt.TRACKER}" in err, err
+    (tmp_path / "ck" / "iter_0000002" / ckpt.META).unlink()
+    plan = make_plan(TrainConfig(**{**RUN, "iters": 4, "out": str(tmp_path / "o"), "save": ck, "load": ck}))
+    assert plan.resume is None and any("starts from scratch" in n for n in plan.notes)
 
 
 def test_damaged_checkpoints_are_refused_naming_the_file(capsys, saved, tmp_path, no_processes):

@@ -184,6 +184,12 @@ def find_checkpoint(load: str) -> tuple[str, dict] | None:
         return _checked(load, _read_meta(load))  # an iteration directory
     it = read_tracker(load)
     if it is None:
+        complete = sorted(n for n in (os.listdir(load) if os.path.isdir(load) else [])
+                          if re.match(r"^iter_\d{7}$", n) and os.path.isfile(os.path.join(load, n, META)))
+        if complete:   # (a lost tracker must not restart the run from scratch over its own checkpoints)
+            raise _config_error(f"--load {load} holds complete checkpoints ({', '.join(complete[-3:])}) but no "
+                                f"{TRACKER}: give the one to resume from, e.g. --load "
+                                f"{os.path.join(load, complete[-1])}, or restore {TRACKER}")
         return None
     d = iteration_dir(load, it)
     if not os.path.isdir(d):

@@ -440,6 +440,11 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
               f"{c.micro_batch_size} x {dp}; use e.g. --global-batch-size "
               f"{_divisors_near(gbs, c.micro_batch_size * dp)}")
     m = gbs // (c.micro_batch_size * dp)
+    from ..schedule.registry import MAX_OPS
+    if m * 3 > MAX_OPS:  # (pipelined runs are refused by the schedule builder too; pp=1 builds none)
+        _fail(f"--global-batch-size {gbs}: {m:,} microbatches per data-parallel rank and iteration, more than the "
+              f"{MAX_OPS // 3:,} a run may have here; use at most --global-batch-size "
+              f"{MAX_OPS // 3 * c.micro_batch_size * dp} (or a larger --micro-batch-size)")
 
     # -- layers on stages ----------------------------------------------------------------
     S = c.pp * chunks if pipelined else 1
