@@ -187,6 +187,17 @@ def test_torch_csv_import_is_bounded_and_validated(tmp_path, csv_text, match):
     assert time.perf_counter() - t < 2.0
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/zero"), reason="no /dev/zero")
+def test_endless_input_files_are_refused(capsys, monkeypatch):
+    """A device with no end (/dev/zero) was read until the memory ran out."""
+    from megatron_pp_ext.schedule import export
+    monkeypatch.setattr(export, "MAX_FILE_BYTES", 1 << 16)
+    with pytest.raises(ScheduleError, match="holds more than 65,536 characters"):
+        load("/dev/zero", fmt="json")
+    assert "--calibration /dev/zero: larger than 16 MiB" in one_line_error(
+        capsys, "plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64", "--calibration", "/dev/zero")
+
+
 def test_load_and_save_errors_are_schedule_errors(tmp_path):
     s, c = build_schedule("zbv", 2, 4)
     with pytest.raises(ScheduleError, match="cannot read"):
@@ -267,6 +278,21 @@ def test_viz_refuses_a_figure_too_large_to_draw_before_building_it(capsys, tmp_p
                           "-o", str(tmp_path / "big.png"))
     assert "--pp" in line
     assert not (tmp_path / "big.png").exists()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full")
+def test_standard_output_that_takes_no_write_is_one_line():
+    """``mppx compare --json > /dev/full`` ended in a traceback (issue 26)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "megatron_pp_ext.cli", "schedules", "--json"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "mppx: error: writing the output failed (No space left on device); free some space or write it elsewhere"], r.stderr
 
 
 def test_viz_title_with_dollar_signs_is_drawn_as_written(capsys, tmp_path):

@@ -6,6 +6,7 @@ Everything here is refused (or taken over) in the launcher, before a worker is f
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,10 +67,13 @@ def test_save_that_cannot_be_written_is_refused_before_any_process(capsys, no_pr
 
 
 def test_json_log_that_takes_no_write_is_refused(capsys, no_processes, tmp_path):
-    if not os.path.exists("/dev/full"):
-        pytest.skip("no /dev/full")
-    err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--json-log", "/dev/full")
-    assert "--json-log /dev/full: cannot write there (No space left on device)" in err, err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)   # a pipe nobody reads: the first log line would block the run forever
+    err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--json-log", str(fifo))
+    assert f"--json-log {fifo} is a pipe nobody reads" in err, err
+    if os.path.exists("/dev/full"):
+        err = one_line(capsys, *SMALL, "--out", str(tmp_path / "o"), "--json-log", "/dev/full")
+        assert "--json-log /dev/full: cannot write there (No space left on device)" in err, err
 
 
 # --- values that crashed or hung a run -------------------------------------------------------------------
@@ -245,6 +249,10 @@ def test_damaged_checkpoints_are_refused_naming_the_file(capsys, saved, tmp_path
     """Each damage, before any process starts: one line naming the checkpoint and the file (the
     sizes are checked when the run is planned, the checksums by the launcher)."""
     import shutil
+    from megatron_pp_ext.trainer.integrity import verify_files
+    files = json.loads((saved[0] / ckpt.META).read_text())["files"]
+    shares = [verify_files(str(saved[0]), files, share=(r, 3)) for r in range(3)]   # (torchrun: a share per rank)
+    assert all(p is None for p, _ in shares) and sum(i["files"] for _, i in shares) == len(files) == 7
     for name, (damage, expect) in DAMAGE.items():
         d = tmp_path / name.replace(" ", "-") / "iter_0000002"
         shutil.copytree(saved[0], d)

@@ -391,6 +391,7 @@ _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
 _LAYER_KEYS = ("mbs", "tp", "forward_ms")
 #: layer points: microbatch sizes and tp the planner's models describe
 _MAX_MBS, _MAX_TP = 4096, 1024
+_MAX_FILE = 16 << 20
 
 
 def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Efficiency:
@@ -434,7 +435,10 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
     with nothing to calibrate, out-of-range points and non-integer sizes are PlannerErrors."""
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            text = f.read(_MAX_FILE + 1)   # (a device such as /dev/zero has no end)
+        if len(text) > _MAX_FILE:
+            raise PlannerError(f"--calibration {path}: larger than {_MAX_FILE >> 20} MiB; not a calibration file")
+        doc = json.loads(text)
     except OSError as e:
         raise PlannerError(f"--calibration {path}: cannot read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -383,6 +383,8 @@ def from_torch_csv(text: str, num_microbatches: int | None = None, placement: Se
 # --- files ---------------------------------------------------------------------------------
 
 _FORMATS = {"json": "json", "csv": "csv", "torch": "csv", "torch-csv": "csv"}
+#: the largest schedule file read (a JSON of MAX_OPS ops with their comm ops is well below it)
+MAX_FILE_BYTES = 1 << 30
 
 
 def _format_of(path: str | os.PathLike, fmt: str | None) -> str:
@@ -420,8 +422,15 @@ def load_with_cost(path: str | os.PathLike, fmt: str | None = None, **csv_option
     ``check`` also applies to JSON (validated by default)."""
     kind = _format_of(path, fmt)
     try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise ScheduleError(f"schedule file {os.fspath(path)!r} has {size:,} bytes, more than a schedule of "
+                                f"{MAX_OPS:,} ops takes ({MAX_FILE_BYTES:,}); not a schedule file")
         with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+            text = f.read(MAX_FILE_BYTES + 1)   # (a device such as /dev/zero has no size and no end)
+        if len(text) > MAX_FILE_BYTES:
+            raise ScheduleError(f"schedule file {os.fspath(path)!r} holds more than {MAX_FILE_BYTES:,} characters; "
+                                "not a schedule file")
     except OSError as e:
         raise ScheduleError(f"cannot read schedule file {os.fspath(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:

@@ -36,11 +36,18 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def _print(text: str, bar=None) -> None:
-    if bar is not None:
-        bar.write(text, file=sys.stdout)
-        sys.stdout.flush()
-    else:
-        print(text, flush=True)
+    try:
+        if bar is not None:
+            bar.write(text, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(text, flush=True)
+    except BrokenPipeError:   # (`mppx train | head`: the log files still get every line)
+        pass
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"writing to standard output failed ({e.strerror or e}); free some space or send the "
+                         "output elsewhere (the logs are in --out)") from None
 
 
 def _isatty(stream) -> bool:
