@@ -687,26 +687,6 @@ def _synchronous_writer():
             fa._results_queue = None
 
 
-def _io_cause(e: BaseException) -> OSError | None:
-    """The OSError behind ``e`` (its causes, or the per-rank failures torch's checkpoint writer
-    collects), if any."""
-    seen: set = set()
-    todo = [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError):
-            return x
-        todo += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            todo += [v for v in failures.values() if isinstance(v, BaseException)]
-            todo += [v[0] for v in failures.values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)]
-    return None
-
-
 def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
     """Write the checkpoint of ``iteration`` (done) to ``--save`` (collective: every rank). A write
     that fails (a full disk, a directory that went away) is a :class:`RunFailure` naming the
@@ -716,13 +696,12 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
     except RunFailure:
         raise
     except BaseException as e:   # (torch's CheckpointException is a BaseException)
-        cause = _io_cause(e)
-        if not _checkpoint_error(e) or (cause is None and "Checkpoint" not in type(e).__name__):
+        from .integrity import write_failure
+        reason = write_failure(e)
+        if reason is None:
             raise
-        what = (f"{cause.strerror or cause}" + (f": {cause.filename}" if getattr(cause, "filename", None) else "")
-                if cause is not None else str(e).strip().splitlines()[0][:300])
         raise RunFailure(f"--save {plan.cfg.save}: writing the checkpoint of iteration {iteration} "
-                         f"({iteration_dir(plan.cfg.save, iteration)}) failed ({what}); {TRACKER} still names the "
+                         f"({iteration_dir(plan.cfg.save, iteration)}) failed ({reason}); {TRACKER} still names the "
                          "previous complete checkpoint: fix the directory (space, permissions), then resume with "
                          f"--load {plan.cfg.save}") from e
 
@@ -797,48 +776,16 @@ def load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
     except RunFailure:
         raise
     except BaseException as e:   # (torch's CheckpointException is a BaseException)
-        if not _checkpoint_error(e):
-            raise
-        from .integrity import manifest_of
+        from .integrity import manifest_of, read_failure
         checked = manifest_of(_read_meta(resume.directory)) is not None
         verified = checked and getattr(plan.cfg, "verify_checkpoint", True)
-        if verified and _io_cause(e) is None:
-            raise   # (every file matches its checksum: not damage but a bug, reported with its traceback)
-        named = _named_files(e)
-        what = f"{', '.join(named)}: " if named else ""
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict) and failures:   # (torch's: one wrapped exception per rank)
-            inner = next(iter(failures.values()))
-            e = inner[0] if isinstance(inner, tuple) else inner
-        first = re.split(r"(?<=\.)\s", (str(e).strip().splitlines() or [""])[0])[0][:160]
+        reason = read_failure(e, verified=verified)
+        if reason is None:
+            raise
         hint = ("" if verified else " (its files were not checked against their checksums: run without "
                 "--no-verify-checkpoint to find the damaged one)" if checked else " (saved without checksums)")
-        raise RunFailure(f"--load: reading checkpoint {resume.directory} failed ({what}{type(e).__name__}: {first}); "
-                         f"it is damaged{hint}: load another checkpoint") from e
-
-
-def _checkpoint_error(e: BaseException) -> bool:
-    """An error of the run's own (not Ctrl-C, SIGTERM or an exit on the way through)."""
-    return isinstance(e, Exception) or "Checkpoint" in type(e).__name__
-
-
-def _named_files(e: BaseException) -> list[str]:
-    """The checkpoint files an exception from Megatron-Core's or torch's loader points at: named in
-    its message, or told by the loader's function that raised it."""
-    import traceback
-    found: set = set()
-    failures = getattr(e, "failures", None)
-    inner = [v[0] if isinstance(v, tuple) else v for v in failures.values()] if isinstance(failures, dict) else []
-    for x in [e, e.__cause__, e.__context__] + inner:
-        if not isinstance(x, BaseException):
-            continue
-        text = str(x)
-        found.update(re.findall(r"__\d+_\d+\.distcp|common\.pt|metadata\.json", text))
-        if re.search(r"\bmetadata\b(?!\.json)", text):
-            found.add(".metadata")
-        if any("common" in f.name for f in traceback.extract_tb(x.__traceback__)):
-            found.add("common.pt")
-    return sorted(found)
+        raise RunFailure(f"--load: reading checkpoint {resume.directory} failed ({reason}); it is damaged{hint}: "
+                         "load another checkpoint") from e
 
 
 def _load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-__all__ = ["HASH", "list_files", "digest", "hash_files", "check_files", "verify_files", "manifest_of"]
+__all__ = ["HASH", "list_files", "digest", "hash_files", "check_files", "verify_files", "manifest_of", "write_failure",
+           "read_failure"]
 
 HASH = "sha256"
 _CHUNK = 8 << 20
@@ -108,3 +111,69 @@ def verify_files(directory: str, files: dict[str, dict], *, share: tuple[int, in
                 problem = f"{n} does not match its checksum (its content changed after the save: damaged)"
                 break
     return problem, {"files": len(names), "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+# --- what a failed write or read of a checkpoint was about ----------------------------------------
+
+def _io_cause(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (its causes, or the per-rank failures torch's checkpoint writer and
+    reader collect), if any."""
+    seen: set = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        todo += _inner(x)
+    return None
+
+
+def _inner(e: BaseException) -> list[BaseException]:
+    """torch's CheckpointException: one wrapped exception (or (exception, stack)) per rank."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [v[0] if isinstance(v, tuple) else v for v in failures.values()
+            if isinstance(v[0] if isinstance(v, tuple) else v, BaseException)]
+
+
+def _own(e: BaseException) -> bool:
+    """An error of the run's own, not Ctrl-C, SIGTERM or an exit on the way through (torch's
+    CheckpointException is a BaseException)."""
+    return isinstance(e, Exception) or "Checkpoint" in type(e).__name__
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why writing a checkpoint failed, in a few words (``No space left on device: PATH``), when it is
+    the files' fault; None for anything else (a bug keeps its traceback)."""
+    cause = _io_cause(e)
+    if not _own(e) or (cause is None and "Checkpoint" not in type(e).__name__):
+        return None
+    if cause is not None:
+        return f"{cause.strerror or cause}" + (f": {cause.filename}" if getattr(cause, "filename", None) else "")
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def read_failure(e: BaseException, *, verified: bool) -> str | None:
+    """Why reading a checkpoint failed (``common.pt: UnpicklingError: ...``), naming the file where the
+    loader tells. ``verified``: every file matched its checksum, so only an I/O error is the files'
+    fault; None for anything else (a bug keeps its traceback)."""
+    if not _own(e) or (verified and _io_cause(e) is None):
+        return None
+    named: set = set()
+    for x in [e, e.__cause__, e.__context__] + _inner(e):
+        if not isinstance(x, BaseException):
+            continue
+        text = str(x)
+        named.update(re.findall(r"__\d+_\d+\.distcp|common\.pt|metadata\.json", text))
+        if re.search(r"\bmetadata\b(?!\.json)", text):
+            named.add(".metadata")
+        if any("common" in f.name for f in traceback.extract_tb(x.__traceback__)):
+            named.add("common.pt")
+    first = (_inner(e) or [e])[0]
+    text = re.split(r"(?<=\.)\s", (str(first).strip().splitlines() or [""])[0])[0][:160]
+    return f"{', '.join(sorted(named)) + ': ' if named else ''}{type(first).__name__}: {text}"
