@@ -86,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as e:
         print(e.msg, file=sys.stderr)
         raise
+    from .runtime.lifeline import children_die_with_me, die_with_torchrun_agent
+    die_with_torchrun_agent()   # under torchrun: this rank dies with the agent
+    children_die_with_me()      # what it forks (checkpoint writers, their result-queue server) dies with it
     script = os.path.abspath(script)
     sys.path.insert(0, os.path.dirname(script))
     from . import megatron_lm

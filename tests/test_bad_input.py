@@ -150,6 +150,54 @@ def test_loads_json_check_false_reads_without_validating():
     assert len(s.ops[1]) == len(_doc()["ops"][1]) - 1
 
 
+@pytest.mark.parametrize("text,match", [
+    (lambda: json.dumps(_doc(num_microbatches=10**18)), "larger than the 10,000,000 ops"),
+    (lambda: json.dumps(_doc(num_microbatches=10**7)), "larger than the 10,000,000 ops"),
+    (lambda: json.dumps(_doc(num_microbatches=10**6)), "declares 1000000 microbatches on 2 stages but lists only"),
+    (lambda: "[" * 100000, "nested too deeply"),
+    (lambda: json.dumps(_doc(meta={}))[:-1] + ', "meta": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}",
+     "nested too deeply"),
+])
+def test_schedule_import_refuses_what_would_hang_or_crash_at_once(text, match):
+    """(issue 26) a JSON declaring 10^7 microbatches took 67 s to fail, 10^18 overflowed, deep
+    nesting raised RecursionError: each is a ScheduleError in well under a second."""
+    import time
+    t = time.perf_counter()
+    with pytest.raises(ScheduleError, match=match):
+        loads_json(text())
+    assert time.perf_counter() - t < 2.0
+
+
+@pytest.mark.parametrize("csv_text,match", [
+    ("99999999999F0\n", "cannot read action '99999999999F0'"),        # was a MemoryError
+    ("0F99999999999999999999\n", "cannot read action"),                # never returned
+    ("999999999F0,999999999I0,999999999W0\n", "appear on no rank"),
+    ("0F0,0I0,0W0\n1F999999999,1I999999999,1W999999999\n", "larger than the 10,000,000 ops"),
+    # a cross-rank deadlock and a causality violation: refused by the validator generated schedules pass
+    ("0F0,0I0,0W0,0F1,0I1,0W1\n1F1,1I1,1W1,1F0,1I0,1W0\n", "deadlocks"),
+    ("0I0,0F0,0W0,0F1,0I1,0W1\n1F0,1I0,1W0,1F1,1I1,1W1\n", "deadlocks"),
+])
+def test_torch_csv_import_is_bounded_and_validated(tmp_path, csv_text, match):
+    import time
+    path = tmp_path / "s.csv"
+    path.write_text(csv_text)
+    t = time.perf_counter()
+    with pytest.raises(ScheduleError, match=match):
+        load(path)
+    assert time.perf_counter() - t < 2.0
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/zero"), reason="no /dev/zero")
+def test_endless_input_files_are_refused(capsys, monkeypatch):
+    """A device with no end (/dev/zero) was read until the memory ran out."""
+    from megatron_pp_ext.schedule import export
+    monkeypatch.setattr(export, "MAX_FILE_BYTES", 1 << 16)
+    with pytest.raises(ScheduleError, match="holds more than 65,536 characters"):
+        load("/dev/zero", fmt="json")
+    assert "--calibration /dev/zero: larger than 16 MiB" in one_line_error(
+        capsys, "plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64", "--calibration", "/dev/zero")
+
+
 def test_load_and_save_errors_are_schedule_errors(tmp_path):
     s, c = build_schedule("zbv", 2, 4)
     with pytest.raises(ScheduleError, match="cannot read"):
@@ -232,6 +280,30 @@ def test_viz_refuses_a_figure_too_large_to_draw_before_building_it(capsys, tmp_p
     assert not (tmp_path / "big.png").exists()
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full")
+def test_standard_output_that_takes_no_write_is_one_line():
+    """``mppx compare --json > /dev/full`` ended in a traceback (issue 26)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "megatron_pp_ext.cli", "schedules", "--json"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "mppx: error: writing the output failed (No space left on device); free some space or write it elsewhere"], r.stderr
+
+
+def test_viz_title_with_dollar_signs_is_drawn_as_written(capsys, tmp_path):
+    """``$\\frac{1}{$`` was parsed as mathematics when the figure was saved (a traceback)."""
+    out = tmp_path / "t.svg"
+    rc = main(["viz", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(out),
+               "--title", "$\\frac{1}{$ costs $5"])
+    assert rc == 0, capsys.readouterr().err
+    assert "$\\frac{1}{$ costs $5" in out.read_text()
+
+
 def test_viz_largest_allowed_figure_is_drawn(capsys, tmp_path):
     from megatron_pp_ext.schedule.plots import MAX_FIGURE_OPS_PER_RANK
     m = MAX_FIGURE_OPS_PER_RANK // 6  # zbv: 2 chunks x F, B, W per microbatch
@@ -273,6 +345,18 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
     ({"gemm_points": 7}, "must be a list"),
     ({"layer_points": [{"mbs": 1, "forward_ms": float("nan")}]}, "forward_ms"),
     ({"layer_points": [{"mbs": 0, "forward_ms": 3}]}, "mbs and tp"),
+    # (issue 26) nothing in the file is ignored: a field at the wrong level, an empty file, a point out
+    # of range or not whole is refused, not dropped, truncated or reported as "calibrated from FILE"
+    ({"gemm_max": 0.6}, "unknown keys ['gemm_max']; gemm_max go(es) under \"efficiency\""),
+    ({}, "nothing to calibrate"),
+    ({"gemm_points": []}, "nothing to calibrate"),
+    ({"gemm_points": [{"x": 1e5, "efficiency": 1.5}]}, "need x (or tokens x hidden_per_tp) > 0 and 0 < efficiency <= 1"),
+    ({"gemm_points": [{"x": 0, "efficiency": 0.5}]}, "need x (or tokens x hidden_per_tp) > 0"),
+    ({"gemm_points": [{"x": 1e5, "efficiency": 0.5, "eff": 0.6}]}, "unknown keys ['eff']"),
+    ({"layer_points": [{"mbs": 1.9, "tp": 1, "forward_ms": 3}]}, "mbs and tp must be whole numbers"),
+    ({"layer_points": [{"mbs": 1e300, "tp": 1, "forward_ms": 3}]}, "mbs and tp must be whole numbers (mbs 1 to 4096"),
+    ({"layer_points": [{"mbs": 1, "tp": 1, "forward_ms": 3, "seq": 4096}]}, "unknown keys ['seq']"),
+    ({"efficiency": {"dp_overlap": 1}}, "dp_overlap=1: must be true or false"),
 ])
 def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
     path = tmp_path / "cal.json"
@@ -290,6 +374,9 @@ def test_planner_library_refuses_the_same_values():
         make_cluster("h100", 8, peak_tflops=0.0)
     with pytest.raises(PlannerError, match="gemm_max"):
         Efficiency(gemm_max=1.5)
+    from megatron_pp_ext.planner.timing import fit_gemm_curve
+    with pytest.raises(PlannerError, match="efficiency=1.5. is out of range"):   # refused, not dropped
+        fit_gemm_curve([(1e5, 0.5), (1e6, 1.5)], Efficiency())
     cluster = make_cluster("h100", 8)
     with pytest.raises(PlannerError, match="--time-limit"):
         PlanRequest(get_model("llama2-7b"), cluster, 64, time_limit=0.0)

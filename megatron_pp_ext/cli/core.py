@@ -26,8 +26,10 @@ command, or a bad flag, prints one line ``mppx: error: ...`` on stderr and exits
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import math
+import os
 import pkgutil
 import sys
 from dataclasses import dataclass
@@ -167,14 +169,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ScheduleError) as e:
         return error(str(e))
     except BrokenPipeError:  # e.g. `mppx schedules | head -1`
-        try:
-            sys.stdout = open(__import__("os").devnull, "w")
-        except OSError:
-            pass
+        _drop_stdout()
         return 0
+    except OSError as e:  # e.g. `mppx compare --json > /dev/full`: the output cannot be written
+        if e.errno not in (errno.ENOSPC, errno.EIO, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG):
+            raise
+        _drop_stdout()
+        return error(f"writing the output failed ({e.strerror or e}); free some space or write it elsewhere")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """Standard output failed: send what is left of it nowhere (not a second error at exit)."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
 
 
 # --- flag types and helpers shared by the commands -------------------------------------

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.load(f)
     script = os.path.abspath(spec["script"])
     sys.path.insert(0, os.path.dirname(script))
+    from ..runtime.lifeline import children_die_with_me, die_with_torchrun_agent
+    die_with_torchrun_agent()
+    children_die_with_me()
     import torch
 
     from ..launch import prepare_argv

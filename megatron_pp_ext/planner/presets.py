@@ -12,7 +12,6 @@ what collectives and copies typically reach; every field can be overridden.
 
 from __future__ import annotations
 
-import ast
 import math
 import re
 from dataclasses import dataclass, replace
@@ -171,45 +170,25 @@ MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
 
 def parse_moe_layer_freq(text: str | int) -> int | tuple[int, ...]:
     """``--moe-layer-freq`` as Megatron-LM reads it: an integer N, or a Python list expression of
-    0s and 1s such as ``([0]*3+[1]*58)``. Evaluated by walking its syntax tree (lists, +, * and
-    integers only), never with eval()."""
+    0s and 1s such as ``([0]*3+[1]*58)``; evaluated by :mod:`megatron_pp_ext.layer_pattern`
+    (integers, lists, + and * only, bounded sizes), never with eval()."""
+    from ..layer_pattern import evaluate_pattern
     if isinstance(text, int):
         return text
     s = str(text).strip().strip("'\"")
-    if re.fullmatch(r"\d+", s):
+    if re.fullmatch(r"\d{1,19}", s):
         return int(s)
-    bad = PlannerError(f"--moe-layer-freq {text!r}: give an integer N (every N-th layer is MoE) or a list "
-                       "pattern of 0 (dense) and 1 (MoE) such as ([0]*3+[1]*58)")
-    if re.search(r"[^,\d\[\]()+* ]", s):
-        raise bad
-
-    def ev(node: ast.AST):
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-            return node.value
-        if isinstance(node, ast.List):
-            vals = [ev(e) for e in node.elts]
-            if not all(isinstance(v, int) for v in vals):
-                raise bad
-            return vals
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
-                return a + b
-            if isinstance(node.op, ast.Mult) and isinstance(a, list) != isinstance(b, list):
-                n = b if isinstance(a, list) else a
-                if n > 100000:
-                    raise bad
-                return a * b
-            if isinstance(a, int) and isinstance(b, int):
-                return a + b if isinstance(node.op, ast.Add) else a * b
-        raise bad
-
+    shown = repr(text) if len(str(text)) <= 60 else repr(str(text)[:57] + "...")
     try:
-        value = ev(ast.parse(s, mode="eval").body)
-    except (SyntaxError, RecursionError):
-        raise bad from None
+        value = evaluate_pattern(s)
+    except ValueError as e:
+        raise PlannerError(f"--moe-layer-freq {shown}: give an integer N (every N-th layer is MoE) or a list pattern "
+                           f"of 0 (dense) and 1 (MoE) such as ([0]*3+[1]*58) ({e})") from None
     if isinstance(value, int):
         return value
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise PlannerError(f"--moe-layer-freq {shown}: give an integer N (every N-th layer is MoE) or a list pattern "
+                           "of 0 (dense) and 1 (MoE) such as ([0]*3+[1]*58)")
     return tuple(value)
 
 

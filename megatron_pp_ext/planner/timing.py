@@ -385,15 +385,30 @@ def optimizer_time(num_params: float, cluster: ClusterSpec, eff: Efficiency, dp:
 _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source"}
 
 
+#: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
+_TOP_KEYS = ("efficiency", "gemm_points", "layer_points")
+_GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
+_LAYER_KEYS = ("mbs", "tp", "forward_ms")
+#: layer points: microbatch sizes and tp the planner's models describe
+_MAX_MBS, _MAX_TP = 4096, 1024
+_MAX_FILE = 16 << 20
+
+
 def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Efficiency:
     """Fit ``gemm_max`` and ``gemm_half`` to measured (x, efficiency) points: 1/e is linear in
-    1/x (least squares); with one point only ``gemm_max`` moves."""
-    pts = [(float(x), float(e)) for x, e in points if x > 0 and 0 < e <= 1]
+    1/x (least squares); with one point only ``gemm_max`` moves. Every point must have x > 0 and
+    0 < efficiency <= 1 (PlannerError otherwise: a point is never dropped)."""
+    pts = [(float(x), float(e)) for x, e in points]
+    bad = [(x, e) for x, e in pts if not (math.isfinite(x) and x > 0 and math.isfinite(e) and 0 < e <= 1)]
+    if bad:
+        raise PlannerError(f"calibration: point (x={bad[0][0]:g}, efficiency={bad[0][1]:g}) is out of range (need "
+                           "x > 0 and 0 < efficiency <= 1)")
     if not pts:
-        raise PlannerError("calibration: no usable (x, efficiency) points (need x > 0, 0 < efficiency <= 1)")
+        raise PlannerError("calibration: no (x, efficiency) points")
     if len(pts) == 1 or len({x for x, _ in pts}) == 1:
         x, e = pts[0]
-        return base.with_(gemm_max=min(1.0, e * (x + base.gemm_half) / x))
+        gmax = e * (x + base.gemm_half) / x
+        return base.with_(gemm_max=min(1.0, gmax))
     us = [1.0 / x for x, _ in pts]
     vs = [1.0 / e for _, e in pts]
     n = len(pts)
@@ -415,16 +430,30 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
     ``{"efficiency": {field: value}}`` overrides fields directly; ``"gemm_points": [{"x" |
     "tokens" + "hidden_per_tp", "efficiency"}]`` fits the GEMM curve; ``"layer_points":
     [{"mbs", "tp", "forward_ms"}]`` (measured forward time of one transformer layer of the
-    planned model) are turned into GEMM points by subtracting the modelled non-GEMM time."""
+    planned model) are turned into GEMM points by subtracting the modelled non-GEMM time.
+    Everything in the file is used or refused: unknown keys (a field at the wrong level), a file
+    with nothing to calibrate, out-of-range points and non-integer sizes are PlannerErrors."""
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            text = f.read(_MAX_FILE + 1)   # (a device such as /dev/zero has no end)
+        if len(text) > _MAX_FILE:
+            raise PlannerError(f"--calibration {path}: larger than {_MAX_FILE >> 20} MiB; not a calibration file")
+        doc = json.loads(text)
     except OSError as e:
         raise PlannerError(f"--calibration {path}: cannot read ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PlannerError(f"--calibration {path}: not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise PlannerError(f"--calibration {path}: expected a JSON object")
+    unknown = sorted(set(doc) - set(_TOP_KEYS))
+    if unknown:
+        misplaced = [k for k in unknown if k in _EFF_FIELDS]
+        hint = (f"; {', '.join(misplaced)} go(es) under \"efficiency\"" if misplaced else "")
+        raise PlannerError(f"--calibration {path}: unknown keys {unknown}{hint}; the file holds {', '.join(_TOP_KEYS)} "
+                           "(docs/planner.md)")
+    if not any(doc.get(k) for k in _TOP_KEYS):
+        raise PlannerError(f"--calibration {path}: nothing to calibrate (no efficiency fields, gemm_points or "
+                           "layer_points); see docs/planner.md")
     eff = base
     over = doc.get("efficiency", {})
     if not isinstance(over, dict):
@@ -433,6 +462,10 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
     if bad:
         raise PlannerError(f"--calibration {path}: unknown efficiency fields {sorted(bad)}; known: "
                            f"{sorted(_EFF_FIELDS)}")
+    for name, value in over.items():
+        if (name == "dp_overlap") != isinstance(value, bool):
+            raise PlannerError(f"--calibration {path}: efficiency {name}={value!r}: must be "
+                               + ("true or false" if name == "dp_overlap" else "a number"))
     if over:
         try:
             eff = eff.with_(**over)
@@ -440,24 +473,41 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
             raise PlannerError(f"--calibration {path}: {e}") from None
     points: list[tuple[float, float]] = []
     for p in _entries(doc, "gemm_points", path):
-        x = p.get("x") or (_num(p, "tokens", path, 0) * _num(p, "hidden_per_tp", path, 0))
-        points.append((_finite(x, "x", path), _num(p, "efficiency", path)))
+        e = _num(p, "efficiency", path)
+        _known(p, _GEMM_KEYS, path)
+        x = _num(p, "x", path) if "x" in p else _num(p, "tokens", path) * _num(p, "hidden_per_tp", path)
+        if not (math.isfinite(x) and x > 0) or not 0 < e <= 1:
+            raise PlannerError(f"--calibration {path}: gemm point {p}: need x (or tokens x hidden_per_tp) > 0 and "
+                               "0 < efficiency <= 1")
+        points.append((x, e))
     for p in _entries(doc, "layer_points", path):
         if model is None or cluster is None:
             raise PlannerError("--calibration: layer_points need the planned model and cluster")
-        mbs, tp, ms = int(_num(p, "mbs", path)), int(_num(p, "tp", path, 1)), _num(p, "forward_ms", path)
-        if mbs < 1 or tp < 1 or ms <= 0:
-            raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be >= 1 and forward_ms > 0")
+        _known(p, _LAYER_KEYS, path)
+        mbs, tp, ms = _num(p, "mbs", path), _num(p, "tp", path, 1), _num(p, "forward_ms", path)
+        if not (1 <= mbs <= _MAX_MBS and 1 <= tp <= _MAX_TP and mbs == int(mbs) and tp == int(tp) and ms > 0):
+            raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be whole numbers (mbs 1 to "
+                               f"{_MAX_MBS}, tp 1 to {_MAX_TP}) and forward_ms > 0")
+        mbs, tp = int(mbs), int(tp)
         lt = layer_times(model, cluster, eff, mbs, tp)
         other = lt.f - lt.detail["gemm_f"]
         t_gemm = ms * 1e-3 - other
         if t_gemm <= 0:
             raise PlannerError(f"--calibration: layer point {p} is faster than the modelled non-GEMM work")
         e = linear_flops(model, mbs) / tp / (cluster.gpu.peak_tflops * 1e12 * t_gemm)
+        if not 0 < e <= 1:
+            raise PlannerError(f"--calibration {path}: layer point {p} implies a GEMM efficiency of {e:.3g}, above "
+                               f"the GPU's peak ({cluster.gpu.peak_tflops:g} TFLOPS); check forward_ms and the model")
         points.append((mbs * model.seq * model.hidden / tp, e))
     if points:
         eff = fit_gemm_curve(points, eff)
     return eff.with_(source=f"calibrated from {path}")
+
+
+def _known(entry: dict, keys: tuple[str, ...], path: str) -> None:
+    unknown = sorted(set(entry) - set(keys))
+    if unknown:
+        raise PlannerError(f"--calibration {path}: {entry}: unknown keys {unknown}; known: {', '.join(keys)}")
 
 
 def _entries(doc: dict, key: str, path: str) -> list[dict]:

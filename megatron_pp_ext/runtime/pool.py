@@ -34,12 +34,15 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable
+
+from .lifeline import check_terminated
 
 __all__ = ["WorkerPool", "WorkerError", "PoolTimeout", "reset_megatron_state"]
 
@@ -110,9 +113,16 @@ def reset_megatron_state() -> None:
         pass
 
 
-def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, env: dict | None = None) -> None:
+def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, parent: int | None,
+                 forked_by_main_thread: bool, env: dict | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     os.environ.update(env or {})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the parent's handler: a worker just stops)
+    # a worker (and whatever it forks: checkpoint writers) dies with the pool's process, even
+    # when that one is killed with SIGKILL (a scheduler stopping the job)
+    from .lifeline import children_die_with_me, die_with_parent
+    die_with_parent(parent, forked_by_main_thread=forked_by_main_thread)
+    children_die_with_me()
     for c in parent_ends:
         c.close()
     import torch
@@ -222,22 +232,34 @@ class WorkerPool:
         # collections (the per-configuration gc.collect() then only scans new objects).
         gc.freeze()
         self._procs, self._conns = [], []
+        # (a forkserver child's parent is the server, which exits with this process)
+        parent = os.getpid() if self.start_method == "fork" else None
+        main = threading.current_thread() is threading.main_thread() or self.start_method != "fork"
         try:
             for i in range(self.size):
-                parent, child = self._ctx.Pipe()
+                end, child = self._ctx.Pipe()
                 # The child closes its copies of the parent's ends, so that it sees EOF (and
                 # exits) when the parent goes away, however that happens.
                 p = self._ctx.Process(target=_worker_main,
-                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [parent], self.env),
+                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [end],
+                                            parent, main, self.env),
                                       name=f"mppx-pool-{i}", daemon=True)
                 p.start()
                 child.close()
                 self._procs.append(p)
-                self._conns.append(parent)
+                self._conns.append(end)
         finally:
             gc.unfreeze()
 
-    def _kill(self) -> None:
+    def _kill(self, *, gentle: float = 0.0) -> None:
+        """Stop every worker: SIGTERM and up to ``gentle`` seconds to exit first, then SIGKILL."""
+        if gentle > 0:
+            for p in self._procs:
+                if p.is_alive():
+                    p.terminate()
+            deadline = time.monotonic() + gentle
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
             if p.is_alive():
                 p.kill()
@@ -281,13 +303,15 @@ class WorkerPool:
             raise RuntimeError("the worker pool is closed")
         if not 1 <= world_size <= self.size:
             raise ValueError(f"world_size {world_size} is outside 1..{self.size} (pool size)")
+        if not self._procs:  # stopped by an interruption: fork afresh
+            self._start()
         limit = self.timeout if timeout is None else float(timeout)
         task_id = next(self._ids)
         store = os.path.join(self._tmp, f"store_{task_id}")
         what = _describe(fn, kwargs)
         # The workers' gloo timeout is longer than ours: a hang is reported here as a timeout
         # (and the workers are killed), not as a gloo error on the ranks that waited.
-        msg = (task_id, fn, kwargs, world_size, store, limit + 60.0)
+        msg = (task_id, fn, kwargs, world_size, store, min(limit + 60.0, 1e9))
         for i in range(world_size):
             self._conns[i].send(msg)
         results: dict[int, Any] = {}
@@ -303,7 +327,10 @@ class WorkerPool:
                 left = deadline - now
                 if left <= 0:
                     break
-                ready = mp_wait(list(pending) + list(sentinels), timeout=left)
+                # (in slices of a second: poll() takes at most 2^31 ms, and a SIGTERM whose raise
+                # was swallowed is noticed here)
+                check_terminated()
+                ready = mp_wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
                 for r in ready:
                     if r in sentinels:
                         i = sentinels.pop(r)
@@ -322,8 +349,11 @@ class WorkerPool:
                         results[i] = payload
                     else:
                         errors[i] = payload
-        except BaseException:
+        except Exception:
             self.restart()
+            raise
+        except BaseException:  # Ctrl-C, SIGTERM, exit: stop the workers (forked again by the next run)
+            self._kill(gentle=self.grace)
             raise
         finally:
             try:

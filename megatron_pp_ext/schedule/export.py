@@ -37,7 +37,8 @@ from typing import Any, Iterable, Sequence
 
 from .costs import CostModel
 from .ir import Op, Schedule, ScheduleError, op_kind
-from .validate import check_complete, check_structure, validate
+from .registry import MAX_OPS
+from .validate import validate
 
 __all__ = [
     "cost_to_dict", "cost_from_dict", "dumps_json", "loads_json", "loads_json_with_cost",
@@ -51,6 +52,25 @@ TORCH_OF_KIND = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 KIND_OF_TORCH = {v: k for k, v in TORCH_OF_KIND.items()}
 
 _SCHEDULE_FORMAT = "megatron_pp_ext.schedule/1"
+
+
+def _check_size(where: str, stages: int, microbatches: int) -> None:
+    """Refuse, at once, a schedule that declares more stages x microbatches than a schedule can be
+    built with here (registry.MAX_OPS): the checks would walk them all (minutes, gigabytes)."""
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ScheduleError(f"{where}: num_microbatches must be a whole number, at least one, got {microbatches!r}")
+    if stages * microbatches * 3 > MAX_OPS:
+        raise ScheduleError(f"{where}: {stages} stages x {microbatches} microbatches is larger than the "
+                            f"{MAX_OPS:,} ops a schedule may have here")
+
+
+def _check_enough_ops(where: str, stages: int, microbatches: int, compute_ops: int, *, per_pair: int = 2) -> None:
+    """A complete schedule has a forward (and a backward) of every stage and microbatch: refuse one
+    that lists fewer compute ops than that before the completeness check walks every pair."""
+    if compute_ops < per_pair * stages * microbatches:
+        raise ScheduleError(f"{where}: declares {microbatches} microbatches on {stages} stages but lists only "
+                            f"{compute_ops} compute ops; a complete schedule has a forward"
+                            f"{' and a backward' if per_pair > 1 else ''} of every stage and microbatch")
 
 
 # --- JSON --------------------------------------------------------------------------------
@@ -153,6 +173,8 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
         d = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
         raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ScheduleError("schedule JSON is nested too deeply to read (thousands of [ or {)") from None
     if not isinstance(d, dict):
         raise ScheduleError(f"schedule JSON: expected an object at the top level, got {type(d).__name__}")
     if not isinstance(d.get("format"), str) or d["format"].split("/")[0] != _SCHEDULE_FORMAT.split("/")[0]:
@@ -182,19 +204,26 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
                                     "peer an integer")
             lst.append(op)
         ops.append(lst)
-    meta = _decode(d.get("meta") or {})
+    try:
+        meta = _decode(d.get("meta") or {})
+    except RecursionError:
+        raise ScheduleError("schedule JSON: 'meta' is nested too deeply") from None
     if not isinstance(meta, dict):
         raise ScheduleError("schedule JSON: 'meta' must be an object")
     try:
         placement = tuple(int(x) for x in d["placement"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ScheduleError("schedule JSON: 'placement' must be a list of rank numbers") from None
+    _check_size("schedule JSON", len(placement), d["num_microbatches"])
     sched = Schedule(d["name"], d["num_microbatches"], placement, ops, meta)
     cost = cost_from_dict(d["cost"]) if d.get("cost") is not None else None
     if cost is not None and cost.num_stages != sched.num_stages:
         raise ScheduleError(f"schedule JSON: the cost model has {cost.num_stages} stages but the placement "
                             f"{sched.num_stages}")
     if check:
+        compute = sum(1 for lst in ops for op in lst if op.kind in KIND_OF_TORCH.values())
+        _check_enough_ops("schedule JSON", len(placement), d["num_microbatches"], compute,
+                          per_pair=1 if meta.get("forward_only") else 2)
         validate(sched, cost, want_result=False)
     return sched, cost
 
@@ -207,10 +236,10 @@ def loads_json(text: str, *, check: bool = True) -> Schedule:
 
 # --- torch CSV -----------------------------------------------------------------------------
 
-_ACTION_RE = re.compile(r"^(\d+)([FIWB])(\d+)$")
+_ACTION_RE = re.compile(r"^(\d{1,9})([FIWB])(\d{1,9})$")   # (indices below 10^9: an int, not a memory bomb)
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 # torch's lowering actions (communication, FSDP unshard/reshard, grad reduction): skipped on import
-_TORCH_NONCOMPUTE_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+_TORCH_NONCOMPUTE_RE = re.compile(r"^(\d{1,9})(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d{0,9})$")
 
 
 def _torch_cell(op: Op) -> str:
@@ -263,8 +292,9 @@ def _parse_action(cell: str, where: str) -> tuple[str, int, int] | None:
         return KIND_OF_TORCH[m.group(2)], int(m.group(1)), int(m.group(3))
     if _TORCH_NONCOMPUTE_RE.match(cell):
         return None
-    raise ScheduleError(f"{where}: cannot read action {cell!r}; expected {{stage}}{{F|I|W|B}}{{microbatch}} "
-                        "such as 0F3, 7I0, 7W0, 5B2, or (0F3;7B1)OVERLAP_F_B")
+    shown = cell if len(cell) <= 40 else cell[:37] + "..."
+    raise ScheduleError(f"{where}: cannot read action {shown!r}; expected {{stage}}{{F|I|W|B}}{{microbatch}} "
+                        "such as 0F3, 7I0, 7W0, 5B2, or (0F3;7B1)OVERLAP_F_B (indices below 10^9)")
 
 
 def from_torch_rows(rows: Iterable[Iterable[Any]], num_microbatches: int | None = None,
@@ -312,7 +342,12 @@ def from_torch_rows(rows: Iterable[Iterable[Any]], num_microbatches: int | None 
                     raise ScheduleError(f"torch schedule: stage {s} appears on rank {stage_rank[s]} and on rank {r}; "
                                         "a stage must live on one rank")
         S = max(stage_rank) + 1
-        missing = [s for s in range(S) if s not in stage_rank]
+        missing = []
+        for st in range(S):   # (the first few only: a stage index may be huge)
+            if st not in stage_rank:
+                missing.append(st)
+                if len(missing) == 3 or len(missing) + len(stage_rank) >= S:
+                    break
         if missing:
             raise ScheduleError(f"torch schedule: stages {missing} appear on no rank, so their placement cannot be "
                                 "inferred; pass placement=")
@@ -336,14 +371,16 @@ def from_torch_rows(rows: Iterable[Iterable[Any]], num_microbatches: int | None 
         num_microbatches = max_mb + 1
     elif max_mb >= num_microbatches:
         raise ScheduleError(f"torch schedule uses microbatch {max_mb}, but num_microbatches={num_microbatches}")
+    _check_size("torch schedule", S, num_microbatches)
+    if check:
+        _check_enough_ops("torch schedule", S, num_microbatches, sum(len(lst) for lst in parsed))
     ops = [[Op(kind, s, mb, r) for kind, s, mb in lst] for r, lst in enumerate(parsed)]
     meta: dict = {"source": "torch"}
     if pairs:
         meta["overlap_pairs"] = pairs
     sched = Schedule(name, num_microbatches, placement_t, ops, meta)
-    if check:
-        check_structure(sched)
-        check_complete(sched)
+    if check:   # the validator every generated schedule passes: complete, causal, deadlock-free
+        validate(sched, want_result=False)
     return sched
 
 
@@ -362,6 +399,8 @@ def from_torch_csv(text: str, num_microbatches: int | None = None, placement: Se
 # --- files ---------------------------------------------------------------------------------
 
 _FORMATS = {"json": "json", "csv": "csv", "torch": "csv", "torch-csv": "csv"}
+#: the largest schedule file read (a JSON of MAX_OPS ops with their comm ops is well below it)
+MAX_FILE_BYTES = 1 << 30
 
 
 def _format_of(path: str | os.PathLike, fmt: str | None) -> str:
@@ -399,8 +438,15 @@ def load_with_cost(path: str | os.PathLike, fmt: str | None = None, **csv_option
     ``check`` also applies to JSON (validated by default)."""
     kind = _format_of(path, fmt)
     try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise ScheduleError(f"schedule file {os.fspath(path)!r} has {size:,} bytes, more than a schedule of "
+                                f"{MAX_OPS:,} ops takes ({MAX_FILE_BYTES:,}); not a schedule file")
         with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+            text = f.read(MAX_FILE_BYTES + 1)   # (a device such as /dev/zero has no size and no end)
+        if len(text) > MAX_FILE_BYTES:
+            raise ScheduleError(f"schedule file {os.fspath(path)!r} holds more than {MAX_FILE_BYTES:,} characters; "
+                                "not a schedule file")
     except OSError as e:
         raise ScheduleError(f"cannot read schedule file {os.fspath(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:

@@ -9,6 +9,7 @@ extension: ``.png`` or ``.svg`` (``.pdf`` works too).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Iterable, Mapping
 
@@ -27,6 +28,20 @@ KIND_COLORS: dict[str, str] = {
 _EXTRA_COLORS = ["#c8b631", "#c0504d", "#4bacc6", "#7f7f7f", "#b65f9b", "#6b8e23"]
 
 _FORMATS = (".png", ".svg", ".pdf")
+
+
+def _literal_text(fn):
+    """Draw every text of ``fn``'s figure as given: titles and names (``--title``, an imported
+    schedule's name) may hold ``$``, which matplotlib would parse as mathematics at save time and
+    fail on (``$\\frac{1}{$``)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import matplotlib
+        if "text.parse_math" not in matplotlib.rcParams:  # pragma: no cover - matplotlib < 3.6
+            return fn(*args, **kwargs)
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def _figure(**kw):
@@ -125,6 +140,7 @@ def _text_color(rgb: tuple[float, float, float]) -> str:
     return "black" if lum > 0.6 else "white"
 
 
+@_literal_text
 def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, title: str | None = None, *,
                   result: SimResult | None = None, memory_budget: float | None = None, dpi: int = 110) -> SimResult:
     """Draw ``schedule`` under ``cost`` to ``path`` (PNG/SVG by extension).
@@ -228,6 +244,7 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
     return result
 
 
+@_literal_text
 def plot_measured_vs_simulated(schedule: Schedule, simulated: Mapping, measured: Mapping, path: str | os.PathLike,
                                title: str | None = None, *, marks: Iterable[tuple[Any, str]] = (),
                                dpi: int = 110) -> None:
@@ -310,6 +327,7 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
+@_literal_text
 def plot_pareto(rows: Iterable[Any], path: str | os.PathLike, title: str | None = None, *,
                 dpi: int = 120) -> None:
     """Bubble rate vs peak activation memory (units) of many schedules of one configuration.

@@ -60,17 +60,18 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import TrainConfigError
+from .errors import RunFailure, TrainConfigError
 
 __all__ = ["TRACKER", "META", "FORMAT", "Resume", "CheckpointPart", "PartContext", "register_checkpoint_part",
            "checkpoint_parts", "iteration_dir", "read_tracker", "find_checkpoint", "plan_resume", "check_save",
            "save_checkpoint", "load_checkpoint", "model_sharded_state_dict", "should_save", "MODEL_FLAGS",
-           "check_features"]
+           "check_features", "is_checkpoint_dir", "holds_checkpoints", "verify_resume"]
 
 #: how the optimizer state is laid out in a checkpoint (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -112,18 +113,64 @@ def read_tracker(root: str) -> int | None:
                             "the file") from None
 
 
+#: fields of mppx_checkpoint.json the checks read, with their types
+_META_FIELDS = (("iteration", int), ("consumed_samples", int), ("global_batch_size", int), ("config", dict),
+                ("layout", dict))
+
+
 def _read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
     if not os.path.isfile(path):
-        what = ("a Megatron-Core distributed checkpoint not written by mppx train"
-                if os.path.isfile(os.path.join(directory, "metadata.json")) else "not a checkpoint")
-        raise _config_error(f"--load: {directory} has no {META} ({what}); give a directory written by "
-                            "mppx train --save")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise _config_error(f"--load: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        if os.path.isfile(os.path.join(directory, "metadata.json")):
+            what = ("a Megatron-Core distributed checkpoint not written by mppx train, or a save of mppx train cut "
+                    f"short: it writes {META} last, after every shard")
+        elif is_checkpoint_dir(directory):
+            what = (f"an incomplete save: it holds only {', '.join(present[:6])}; mppx train writes {META} last, "
+                    "after every shard")
+        else:
+            what = "not a checkpoint"
+        raise _config_error(f"--load: {directory} has no {META} ({what}); load a complete checkpoint ({TRACKER} of "
+                            "the --save directory names the latest) or give a directory written by mppx train --save")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _config_error(f"--load: checkpoint {directory} is damaged: {META} cannot be read "
+                            f"({getattr(e, 'strerror', None) or e}); load another checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _config_error(f"--load: {path} has format {got!r}, expected {FORMAT!r}")
+    for key, typ in _META_FIELDS:
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            raise _config_error(f"--load: checkpoint {directory} is damaged: {META} has no valid {key!r}; load another "
+                                "checkpoint")
+    files = meta.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values())):
+        raise _config_error(f"--load: checkpoint {directory} is damaged: the file list of {META} is malformed; load "
+                            "another checkpoint")
     return meta
+
+
+def _is_iteration_dir(path: str) -> bool:
+    return is_checkpoint_dir(path) or bool(re.match(r"^iter_\d{7}$", os.path.basename(os.path.normpath(path))))
+
+
+def _checked(directory: str, meta: dict) -> tuple[str, dict]:
+    """The files of the checkpoint are all there, at the sizes the save wrote (cheap; the contents
+    are hashed by :func:`verify_resume` before any worker starts)."""
+    from .integrity import check_files, manifest_of
+    files = manifest_of(meta)
+    if files is None:   # (saved before checkpoints listed their files)
+        if not os.path.isfile(os.path.join(directory, "metadata.json")):
+            raise _config_error(f"--load: {directory} is incomplete (no metadata.json: the save did not finish)")
+        return directory, meta
+    problem = check_files(directory, files)
+    if problem is not None:
+        raise _config_error(f"--load: checkpoint {directory} is damaged: {problem}; load another checkpoint (an "
+                            "earlier iter_XXXXXXX directory)")
+    return directory, meta
 
 
 def find_checkpoint(load: str) -> tuple[str, dict] | None:
@@ -133,19 +180,41 @@ def find_checkpoint(load: str) -> tuple[str, dict] | None:
     if os.path.isfile(load):
         raise _config_error(f"--load {load} is a file; give the directory passed to --save (or one of its "
                             "iter_XXXXXXX directories)")
-    if os.path.isfile(os.path.join(load, META)) or os.path.isfile(os.path.join(load, "metadata.json")):
-        return load, _read_meta(load)  # an iteration directory
+    if os.path.isdir(load) and _is_iteration_dir(load):
+        return _checked(load, _read_meta(load))  # an iteration directory
     it = read_tracker(load)
     if it is None:
+        complete = sorted(n for n in (os.listdir(load) if os.path.isdir(load) else [])
+                          if re.match(r"^iter_\d{7}$", n) and os.path.isfile(os.path.join(load, n, META)))
+        if complete:   # (a lost tracker must not restart the run from scratch over its own checkpoints)
+            raise _config_error(f"--load {load} holds complete checkpoints ({', '.join(complete[-3:])}) but no "
+                                f"{TRACKER}: give the one to resume from, e.g. --load "
+                                f"{os.path.join(load, complete[-1])}, or restore {TRACKER}")
         return None
     d = iteration_dir(load, it)
     if not os.path.isdir(d):
         raise _config_error(f"--load {load}: {TRACKER} names iteration {it}, but {d} does not exist; point "
                             f"--load at an existing iter_XXXXXXX directory or fix {TRACKER}")
-    meta = _read_meta(d)
-    if not os.path.isfile(os.path.join(d, "metadata.json")):
-        raise _config_error(f"--load {load}: {d} is incomplete (no metadata.json: the save did not finish)")
-    return d, meta
+    return _checked(d, _read_meta(d))
+
+
+def verify_resume(plan, *, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Hash the files of the checkpoint ``plan`` resumes from (this process's ``share`` of them)
+    against its manifest: TrainConfigError naming the damaged file, else a note for the log."""
+    resume = plan.resume
+    if resume is None or not getattr(plan.cfg, "verify_checkpoint", True):
+        return None
+    from .integrity import manifest_of, verify_files
+    meta = _read_meta(resume.directory)
+    files = manifest_of(meta)
+    if files is None:
+        return f"checkpoint {resume.directory} has no checksums (saved by an older mppx): not verified"
+    problem, info = verify_files(resume.directory, files, share=share)
+    if problem is not None:
+        raise _config_error(f"--load: checkpoint {resume.directory} is damaged: {problem}; load another checkpoint "
+                            "(an earlier iter_XXXXXXX directory)")
+    return (f"checkpoint {resume.directory} verified: {info['files']} files, {info['bytes'] / 2**20:.1f} MiB in "
+            f"{info['seconds']:.1f} s (--no-verify-checkpoint skips this)")
 
 
 # --- the plan (parent process, before any worker starts) -------------------------------------
@@ -305,11 +374,22 @@ def check_features(cfg, flag: str) -> None:
                                 f"megatron_pp_ext.trainer.checkpoint); drop {flag} or the feature's flags")
 
 
+def _same_run(cfg) -> bool:
+    """``--load`` continues the run of ``--save`` (the same directory, or one of its iterations)."""
+    if cfg.load is None:
+        return False
+    save, load = os.path.realpath(cfg.save), os.path.realpath(cfg.load)
+    return load == save or os.path.dirname(load) == save
+
+
 def check_save(cfg) -> None:
-    """``--save`` must be a (creatable) directory; ``--save-interval`` needs ``--save``."""
+    """``--save`` must be a (creatable) directory; ``--save-interval`` needs ``--save``; a ``--save``
+    directory holding another run's checkpoints is not overwritten without ``--save-overwrite``."""
     if cfg.save is None:
         if cfg.save_interval is not None:
             raise _config_error(f"--save-interval {cfg.save_interval} needs --save DIR (where the checkpoints go)")
+        if getattr(cfg, "save_overwrite", False):
+            raise _config_error("--save-overwrite needs --save DIR (the directory whose checkpoints it replaces)")
         return
     check_features(cfg, "--save")
     if cfg.save_interval is not None and cfg.save_interval < 1:
@@ -321,6 +401,12 @@ def check_save(cfg) -> None:
         parent = os.path.dirname(parent.rstrip(os.sep))
     if not os.access(parent or ".", os.W_OK):
         raise _config_error(f"--save {cfg.save}: {parent or '.'} is not writable; give a writable directory")
+    held = holds_checkpoints(cfg.save)
+    if held is not None and not _same_run(cfg) and not getattr(cfg, "save_overwrite", False):
+        why = (f"and --load {cfg.load} resumes another run" if cfg.load is not None else "and there is no --load")
+        raise _config_error(f"--save {cfg.save} holds the checkpoints of a run (up to iteration {held}) {why}: saving "
+                            f"there would replace them; add --load {cfg.save} to continue that run, give a new --save "
+                            "directory, or add --save-overwrite to replace them")
 
 
 def should_save(cfg, iteration: int) -> bool:
@@ -534,13 +620,37 @@ def _state_dict(tr, plan, iteration: int, directory: str, *, loading: bool) -> t
     return sd, model_sd, parts
 
 
+def is_checkpoint_dir(directory: str) -> bool:
+    """Whether ``directory`` holds (part of) a checkpoint: its metadata or shards, even a save cut short."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n in (META, "metadata.json", "common.pt", ".metadata") or n.endswith(".distcp") for n in names)
+
+
+def holds_checkpoints(root: str) -> int | None:
+    """The latest iteration ``root`` holds a checkpoint of (its tracker, else its newest iteration
+    directory), None when there is none."""
+    if not os.path.isdir(root):
+        return None
+    try:
+        it = read_tracker(root)
+    except TrainConfigError:
+        it = None
+    if it is not None:
+        return it
+    found = [int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
+             and is_checkpoint_dir(os.path.join(root, n))]
+    return max(found) if found else None
+
+
 def _prepare_directory(directory: str) -> None:
     """An empty ``directory``; an earlier (or incomplete) save of the same iteration is replaced."""
     if os.path.isdir(directory) and os.listdir(directory):
-        marks = (META, "metadata.json", "common.pt", ".metadata")
-        if not any(os.path.exists(os.path.join(directory, m)) for m in marks):
-            raise RuntimeError(f"--save: {directory} exists and is not a checkpoint; move it away or give another "
-                               "--save directory")
+        if not is_checkpoint_dir(directory):
+            raise RunFailure(f"--save: {directory} exists and is not a checkpoint; move it away or give another "
+                             "--save directory")
         shutil.rmtree(directory)
     os.makedirs(directory, exist_ok=True)
 
@@ -578,7 +688,44 @@ def _synchronous_writer():
 
 
 def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
-    """Write the checkpoint of ``iteration`` (done) to ``--save`` (collective: every rank)."""
+    """Write the checkpoint of ``iteration`` (done) to ``--save`` (collective: every rank). A write
+    that fails (a full disk, a directory that went away) is a :class:`RunFailure` naming the
+    checkpoint; the tracker still names the previous complete one."""
+    try:
+        return _save_checkpoint(tr, plan, iteration, device=device)
+    except RunFailure:
+        raise
+    except BaseException as e:   # (torch's CheckpointException is a BaseException)
+        from .integrity import write_failure
+        reason = write_failure(e)
+        if reason is None:
+            raise
+        raise RunFailure(f"--save {plan.cfg.save}: writing the checkpoint of iteration {iteration} "
+                         f"({iteration_dir(plan.cfg.save, iteration)}) failed ({reason}); {TRACKER} still names the "
+                         "previous complete checkpoint: fix the directory (space, permissions), then resume with "
+                         f"--load {plan.cfg.save}") from e
+
+
+def _manifest(directory: str, rank: int) -> dict | None:
+    """Size and checksum of every file of the checkpoint just written (collective): each rank
+    hashes its own shards, rank 0 the rest; rank 0 gets the whole list."""
+    import torch.distributed as dist
+
+    from .integrity import hash_files, list_files
+    names = list_files(directory, skip=(META,))
+    mine = hash_files(directory, [n for n in names if n.startswith(f"__{rank}_")])
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    files: dict = {}
+    for part in gathered:
+        files.update(part)
+    files.update(hash_files(directory, [n for n in names if n not in files]))
+    return dict(sorted(files.items()))
+
+
+def _save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -608,9 +755,10 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
         if p.save is not None:
             p.save(PartContext(os.path.join(directory, p.name), tr, plan, iteration))
     dist.barrier()
+    files = _manifest(directory, rank)
     if rank == 0:
         with open(os.path.join(directory, META), "w", encoding="utf-8") as f:
-            json.dump(dict(meta, time=time.strftime("%Y-%m-%d %H:%M:%S")), f, indent=1)
+            json.dump(dict(meta, time=time.strftime("%Y-%m-%d %H:%M:%S"), files=files), f, indent=1)
         tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(str(iteration))
@@ -621,7 +769,26 @@ def save_checkpoint(tr, plan, iteration: int, *, device) -> dict:
 
 def load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
     """Load model, optimizer (and, with the same layout, RNG) state from ``resume`` into ``tr``
-    (collective: every rank). Returns what was restored."""
+    (collective: every rank). Returns what was restored. A file that cannot be read or decoded
+    is a :class:`RunFailure` naming the checkpoint and, where the error tells, the file."""
+    try:
+        return _load_checkpoint(tr, plan, resume, device=device)
+    except RunFailure:
+        raise
+    except BaseException as e:   # (torch's CheckpointException is a BaseException)
+        from .integrity import manifest_of, read_failure
+        checked = manifest_of(_read_meta(resume.directory)) is not None
+        verified = checked and getattr(plan.cfg, "verify_checkpoint", True)
+        reason = read_failure(e, verified=verified)
+        if reason is None:
+            raise
+        hint = ("" if verified else " (its files were not checked against their checksums: run without "
+                "--no-verify-checkpoint to find the damaged one)" if checked else " (saved without checksums)")
+        raise RunFailure(f"--load: reading checkpoint {resume.directory} failed ({reason}); it is damaged{hint}: "
+                         "load another checkpoint") from e
+
+
+def _load_checkpoint(tr, plan, resume: Resume, *, device) -> dict:
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()

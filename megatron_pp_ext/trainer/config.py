@@ -26,6 +26,11 @@ from .options import add_training_arguments, check_training_options, options_fro
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
            "config_from_args", "MCORE", "DEFAULTS"]
 
+#: the largest --timeout (seconds: about 31 years) and --seed (Megatron-Core adds its offsets to the
+#: seed, and NumPy's generator takes at most 2^32 - 1)
+MAX_TIMEOUT_S = 1e9
+MAX_SEED = 2**31 - 1
+
 #: ``--schedule mcore``: Megatron-Core's own forward-backward function (1F1B, or interleaved
 #: 1F1B with ``--vp`` > 1): the baseline.
 MCORE = "mcore"
@@ -68,6 +73,7 @@ class TrainConfig:
     # training
     iters: int = 20
     lr: float = 1e-3
+    allow_nonfinite_loss: bool = False   # train on past a NaN/inf loss (the run still fails)
     # precision, data parallelism, clipping, recomputation (trainer/options.py; Megatron-LM's flags)
     bf16: bool = False
     fp16: bool = False
@@ -113,6 +119,8 @@ class TrainConfig:
     save: str | None = None
     save_interval: int | None = None     # default: save at the end only
     load: str | None = None
+    save_overwrite: bool = False         # --save over a directory holding another run's checkpoints
+    verify_checkpoint: bool = True       # hash the --load checkpoint's files before any worker starts
 
     def replace(self, **kw) -> "TrainConfig":
         return dataclasses.replace(self, **kw)
@@ -445,6 +453,11 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
               f"{c.micro_batch_size} x {dp}; use e.g. --global-batch-size "
               f"{_divisors_near(gbs, c.micro_batch_size * dp)}")
     m = gbs // (c.micro_batch_size * dp)
+    from ..schedule.registry import MAX_OPS
+    if m * 3 > MAX_OPS:  # (pipelined runs are refused by the schedule builder too; pp=1 builds none)
+        _fail(f"--global-batch-size {gbs}: {m:,} microbatches per data-parallel rank and iteration, more than the "
+              f"{MAX_OPS // 3:,} a run may have here; use at most --global-batch-size "
+              f"{MAX_OPS // 3 * c.micro_batch_size * dp} (or a larger --micro-batch-size)")
 
     # -- layers on stages ----------------------------------------------------------------
     S = c.pp * chunks if pipelined else 1
@@ -602,8 +615,10 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         data = prefix
     if c.threads > 64:
         _fail(f"--threads {c.threads}: at most 64")
-    if not (c.timeout > 0):
-        _fail(f"--timeout {c.timeout}: must be positive (seconds)")
+    if not (0 < c.timeout <= MAX_TIMEOUT_S):
+        _fail(f"--timeout {c.timeout:g}: must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}")
+    if not 0 <= c.seed <= MAX_SEED:
+        _fail(f"--seed {c.seed}: must be from 0 to {MAX_SEED} (NumPy and Megatron-Core's data seeds are 32-bit)")
     device = _resolve_device(c.device, launch, world)
     if emulation is not None and device == "cuda":
         device = "cpu"  # (--device auto: emulated compute runs on CPU processes, see trainer/emulation.py)
@@ -612,6 +627,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             _fail("--emulate-nccl emulates NCCL on CPU processes (gloo); with --device cuda NCCL itself runs: "
                   "drop --emulate-nccl or use --device cpu")
         device = "cpu"
+    if device == "cpu" and not launch.external:   # (every process on this machine)
+        from .hostmem import check_fits
+        check_fits(c, layers=sum(lps), kv_heads=kv, ffn=ffn, dp=dp, fail=_fail)
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "
@@ -720,6 +738,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--iters", type=_int(1, 20), default=d.iters, metavar="N", help="iterations (default: 20)")
     g.add_argument("--lr", type=_float_pos, default=d.lr, metavar="LR", help="Adam learning rate (default: 1e-3)")
+    g.add_argument("--allow-nonfinite-loss", action="store_true",
+                   help="train on after a NaN/inf loss instead of stopping at it (the run still ends with exit "
+                        "status 1 and says so; default: stop, without saving the diverged model)")
     g.add_argument("--seed", type=_int(0, 1234), default=d.seed, metavar="S",
                    help="seed of the initial weights (a function of the seed and each parameter's global "
                         "name) and of the data (default: 1234)")
@@ -753,6 +774,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "format) at the end, and every --save-interval iterations")
     g.add_argument("--save-interval", type=_int(1, 5), default=None, metavar="N",
                    help="also save every N iterations (default: at the end only)")
+    g.add_argument("--save-overwrite", action="store_true",
+                   help="allow --save into a directory that holds the checkpoints of another run (without --load "
+                        "of it): iterations this run saves replace that run's, and the tracker names this run's "
+                        "latest (default: refused)")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="skip reading and hashing every file of the --load checkpoint against the checksums saved "
+                        "with it (default: verified before any process starts; sizes are always checked)")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from the latest checkpoint in DIR (or an iter_XXXXXXX directory); --iters is "
                         "the total; no checkpoint there: start from scratch with a warning, as Megatron-LM does")
@@ -778,8 +806,10 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
         profile_iters=args.profile_iters, emulate_compute=args.emulate_compute,
-        emulate_nccl=args.emulate_nccl, iters=args.iters, lr=args.lr, **options_from_args(args),
+        emulate_nccl=args.emulate_nccl, iters=args.iters, lr=args.lr,
+        allow_nonfinite_loss=args.allow_nonfinite_loss, **options_from_args(args),
         seed=args.seed, data_path=args.data_path, **moe_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
-        timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load)
+        timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load,
+        save_overwrite=args.save_overwrite, verify_checkpoint=not args.no_verify_checkpoint)

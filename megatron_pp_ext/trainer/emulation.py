@@ -80,7 +80,8 @@ class EmulationPlan:
         what = "every compute op (F, B, W, BW" + (", " + ", ".join(self.features) + " ops" if self.features else "") + ")"
         return (f"--emulate-compute {self.unit_ms:g}: {what} waits its --costs time (1 unit = {self.unit_ms:g} ms) "
                 "instead of computing; messages are real tensors over the real process group; losses, gradients "
-                "and the optimizer step are not computed, so no loss is logged and no pp=1 reference runs")
+                "and the optimizer step are not computed, so no loss is logged and no pp=1 reference runs; each "
+                f"iteration takes about {duration(self.simulated_makespan_s)} (the simulated makespan)")
 
     def priority_note(self, realtime: bool) -> str:
         return ("the forward-backward ran at real-time priority (SCHED_RR; MPPX_EMULATE_REALTIME=0 turns it off)"
@@ -125,8 +126,23 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
     # the model of the point-to-point path the run takes (--emulate-nccl: that NCCL strategy's)
     model = f"nccl-{c.emulate_nccl}" if getattr(c, "emulate_nccl", None) else "eager"
     sim = simulate(overlay if overlay is not None else sched, cost, comm_model=model).makespan * ms / 1e3
+    total = sim * c.iters
+    if not (math.isfinite(total) and total <= c.timeout):
+        fail(f"{flag}: each iteration would wait about {duration(sim)} (the schedule's simulated makespan at {ms:g} ms "
+             f"per --costs unit), {c.iters} iterations {duration(total)}, beyond --timeout {c.timeout:g} s; use a "
+             "smaller --emulate-compute (e.g. 20) or fewer --iters")
     return EmulationPlan(ms, None if mcore else sched, cost, sim, overlay=overlay, mcore=mcore,
                          costs=tuple(_costs(c)), features=tuple(feats)), 0
+
+
+def duration(seconds: float) -> str:
+    """``0.25 s``, ``4.2 min``, ``7.0 h``, ``3.1 days``."""
+    if not math.isfinite(seconds):
+        return "more time than a float holds"
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def _costs(c) -> tuple:

@@ -20,6 +20,7 @@ weights, same data: every global microbatch, same optimizer) that the losses are
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -71,11 +72,12 @@ def _step_optimizer(optimizer) -> dict:
             gn = float(optimizer.get_grad_norm())
         except Exception:  # noqa: BLE001 - the log shows NaN then
             gn = None
+    known = gn is not None
     gn = float("nan") if gn is None else float(gn)
     clip = float(getattr(optimizer.config, "clip_grad", 0.0) or 0.0)
     after = gn * min(1.0, clip / (gn + 1.0e-6)) if clip > 0 and gn == gn else gn  # Megatron's clip coefficient
     scale = res["loss_scale"]
-    return {"grad_norm": gn, "grad_norm_after_clip": after,
+    return {"grad_norm": gn, "grad_norm_after_clip": after, "grad_norm_known": known,
             "loss_scale": float("nan") if scale is None else scale, "skipped": not res["update_successful"]}
 
 
@@ -156,6 +158,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                      + (", RNG state" if resumed["rng_restored"] else "") + f" loaded in {resumed['time_s']:.1f} s")
 
         records: list[dict] = []
+        diverged_at: list[int] = []
+        stopped = None
         try:
             for it in range(start, c.iters):
                 batches = data.microbatches(it, dp_rank * m, m)
@@ -183,7 +187,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     stepped = _step_optimizer(tr.optimizer)
                 else:  # (no gradient was computed: nothing to step)
                     stepped = {"grad_norm": float("nan"), "grad_norm_after_clip": float("nan"),
-                               "loss_scale": float("nan"), "skipped": False}
+                               "grad_norm_known": False, "loss_scale": float("nan"), "skipped": False}
                 _sync(device)
                 dt = time.perf_counter() - t0
                 if profiling:
@@ -195,7 +199,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                     float(peak), float(saved_peak), stepped["grad_norm"], stepped["grad_norm_after_clip"],
                                     stepped["loss_scale"], float(stepped["skipped"]),
                                     emu.last.makespan_s if emu is not None else float("nan"),
-                                    float(emu.last.realtime) if emu is not None else 0.0, aux],
+                                    float(emu.last.realtime) if emu is not None else 0.0, aux,
+                                    float(stepped["grad_norm_known"])],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
@@ -208,8 +213,17 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     rec.update(_feature_metrics(features, pp_rank, plan))
                 if resumed is not None:
                     rec["resumed_from"] = start
+                # a non-finite loss, or a non-finite gradient norm the optimizer stepped with (every
+                # rank has the merged record, so all stop together): the model diverged; it is not
+                # saved over a good checkpoint, and the run stops unless --allow-nonfinite-loss
+                bad_step = bool(rows[0][17]) and not rec["skipped"] and not math.isfinite(rec["grad_norm"])
+                diverged = emu is None and (not math.isfinite(rec["loss"]) or bad_step)
+                if diverged:
+                    rec["diverged"] = True
+                    diverged_at.append(it + 1)
+                stop = diverged and not c.allow_nonfinite_loss
                 info = None
-                if should_save(c, it + 1):  # --save: after the optimizer step, as Megatron-LM does
+                if should_save(c, it + 1) and not stop:  # --save: after the optimizer step, as Megatron-LM does
                     info = save_checkpoint(tr, plan, it + 1, device=device)
                     saved.append(info)
                     rec["checkpoint"] = info["directory"]
@@ -218,6 +232,10 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     log.iteration(rec)
                     if info is not None:
                         log.line(f"saved checkpoint {info['directory']} in {info['time_s']:.1f} s")
+                if stop:
+                    stopped = {"iteration": it + 1, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
+                               "last_checkpoint": saved[-1]["directory"] if saved else None}
+                    break
                 if profiler is not None and profiler.last(it):
                     res = profiler.reschedule(tr, plan, device=device)
                     if log is not None:
@@ -262,6 +280,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
             "saved_schedule": plan.resume.saved_schedule, "rng_restored": resumed["rng_restored"],
             "load_time_s": resumed["time_s"]}
         summary["checkpoints_saved"] = [{k: v for k, v in i.items()} for i in saved]
+        summary["diverged_iterations"] = diverged_at
+        summary["stopped"] = stopped
+        summary["all_steps_skipped"] = (emu is None and bool(records) and all(r.get("skipped") for r in records))
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
@@ -364,9 +385,9 @@ def reference_worker(plan) -> dict:
         return {"losses": losses, "grad_norms": norms, "time_s": time.perf_counter() - t0}
 
 
-def reference_in_process(plan) -> dict | None:
+def reference_in_process(plan, *, skip: bool = False) -> dict | None:
     """Under an external launcher: tear the world down, then run the reference on rank 0 alone
-    in a fresh one-process group (other ranks return None)."""
+    in a fresh one-process group (other ranks return None; ``skip``: rank 0 runs none either)."""
     from ..runtime.pool import reset_megatron_state
 
     rank = dist.get_rank()
@@ -374,7 +395,7 @@ def reference_in_process(plan) -> dict | None:
     dist.barrier()
     reset_megatron_state()
     dist.destroy_process_group()
-    if rank != 0:
+    if rank != 0 or skip:
         return None
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1)

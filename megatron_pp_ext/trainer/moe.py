@@ -12,7 +12,7 @@ here, in the parent, in one line naming the flag and the fix. No torch import.
 from __future__ import annotations
 
 import argparse
-import ast
+import math
 from typing import Any, Callable
 
 __all__ = ["add_moe_arguments", "moe_from_args", "check_moe", "parse_layer_freq", "moe_spec_fields",
@@ -35,35 +35,23 @@ MOE_FLAG_DEFAULTS = {
 }
 
 
-def _eval_pattern(node: ast.AST) -> Any:
-    """Integers, lists / tuples of them, ``+`` and ``*``: Megatron-LM's pattern expressions."""
-    if isinstance(node, ast.Expression):
-        return _eval_pattern(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_eval_pattern(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        a, b = _eval_pattern(node.left), _eval_pattern(node.right)
-        return a + b if isinstance(node.op, ast.Add) else a * b
-    raise ValueError("only integers, lists, + and * are allowed")
-
-
 def parse_layer_freq(text: str) -> int | tuple[int, ...]:
-    """``--moe-layer-freq``: an int N, ``1,0,1,1``, or a Megatron-LM expression like ``([1]*3+[0])*2``."""
+    """``--moe-layer-freq``: an int N, ``1,0,1,1``, or a Megatron-LM expression like ``([1]*3+[0])*2``
+    (:func:`~megatron_pp_ext.layer_pattern.evaluate_pattern`: bounded, without ``eval``)."""
+    from ..layer_pattern import evaluate_pattern
     text = text.strip()
     try:
-        if text.lstrip("-").isdigit():
+        if text.lstrip("-").isdigit() and len(text) <= 19:
             return int(text)
-        if text[:1] in "([":
-            value = _eval_pattern(ast.parse(text, mode="eval"))
-        else:
-            value = [int(x) for x in text.split(",")]
+        value = evaluate_pattern(f"({text})")   # (1,0,1 is the tuple Megatron-LM's eval makes of it)
+        if isinstance(value, int):
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
             raise ValueError("not a list of integers")
-    except (ValueError, SyntaxError, TypeError) as e:
+    except ValueError as e:
+        shown = text if len(text) <= 60 else text[:57] + "..."
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give an int N (every N-th layer is MoE), one 0/1 per layer such as 1,0,1,1, or a "
+            f"{shown!r}: give an int N (every N-th layer is MoE), one 0/1 per layer such as 1,0,1,1, or a "
             f"Megatron-LM pattern such as ([1]*3+[0])*2 ({e})") from None
     return tuple(value)
 
@@ -126,8 +114,8 @@ def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
         return f"--num-experts {e}: must be >= 1"
     if not 1 <= k <= e:
         return f"--moe-router-topk {k}: must be between 1 and --num-experts {e}"
-    if c.moe_aux_loss_coeff < 0 or c.moe_aux_loss_coeff != c.moe_aux_loss_coeff:
-        return f"--moe-aux-loss-coeff {c.moe_aux_loss_coeff}: must be a number >= 0"
+    if not (math.isfinite(c.moe_aux_loss_coeff) and c.moe_aux_loss_coeff >= 0):
+        return f"--moe-aux-loss-coeff {c.moe_aux_loss_coeff}: must be a finite number >= 0, e.g. 1e-2"
     if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
         return ("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule); "
                 "add it")

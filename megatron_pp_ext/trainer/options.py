@@ -18,6 +18,8 @@ from typing import Any
 __all__ = ["add_training_arguments", "options_from_args", "check_training_options", "run_options"]
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+#: the largest float32: the loss is scaled in fp32
+FP32_MAX = 3.4028234663852886e38
 RECOMPUTE_METHODS = ("uniform", "block")
 
 
@@ -116,6 +118,11 @@ def check_training_options(c: Any, *, tp: int, layers_per_stage: tuple[int, ...]
         msg = _finite("--loss-scale", c.loss_scale, positive=True)
         if msg:
             errors.append(msg)
+    for flag, value in (("--loss-scale", c.loss_scale), ("--initial-loss-scale", c.initial_loss_scale),
+                        ("--min-loss-scale", c.min_loss_scale)):
+        if value is not None and math.isfinite(value) and value > FP32_MAX:
+            errors.append(f"{flag} {value:g}: above the largest fp32 number ({FP32_MAX:.3g}); the scaled fp32 loss "
+                          "would be inf and every step skipped; use e.g. 65536")
     for flag, value in (("--loss-scale-window", c.loss_scale_window), ("--hysteresis", c.hysteresis)):
         if value < 1:
             errors.append(f"{flag} {value}: must be >= 1")

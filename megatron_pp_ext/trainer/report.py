@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 
-__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "fmt_bytes"]
+__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "run_verdict", "fmt_bytes"]
 
 #: relative tolerance of the pp=1 comparison where a reason says the run rounds differently
 #: (:func:`rounding_reasons`: tensor, data or expert parallelism, tied copies, clipping, CUDA
@@ -39,11 +39,18 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def _print(text: str, bar=None) -> None:
-    if bar is not None:
-        bar.write(text, file=sys.stdout)
-        sys.stdout.flush()
-    else:
-        print(text, flush=True)
+    try:
+        if bar is not None:
+            bar.write(text, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(text, flush=True)
+    except BrokenPipeError:   # (`mppx train | head`: the log files still get every line)
+        pass
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"writing to standard output failed ({e.strerror or e}); free some space or send the "
+                         "output elsewhere (the logs are in --out)") from None
 
 
 def _isatty(stream) -> bool:
@@ -86,6 +93,17 @@ def _comm_model_of_run(plan) -> str:
     return "nccl" if getattr(plan, "device", "cpu") == "cuda" else "eager"
 
 
+def _append(f, text: str, flag: str) -> None:
+    """Write and flush a log line; a failed write (a full disk) ends the run in one line."""
+    try:
+        f.write(text)
+        f.flush()
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"{flag}: writing {f.name} failed ({e.strerror or e}); free some space or give another "
+                         f"{flag}") from None
+
+
 class RankZeroLog:
     """Rank 0's terminal output, text log and JSON log during training."""
 
@@ -117,15 +135,13 @@ class RankZeroLog:
 
     def line(self, text: str) -> None:
         _print(text, self.bar)
-        self.text.write(text + "\n")
-        self.text.flush()
+        _append(self.text, text + "\n", "--out")
 
     def iteration(self, rec: dict) -> None:
         c = self.plan.cfg
         rec = dict(rec, schedule=self.label, lr=c.lr,
                    activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "saved_tensors")
-        self.json.write(json.dumps(rec) + "\n")
-        self.json.flush()
+        _append(self.json, json.dumps(rec) + "\n", "--json-log")
         i = rec["iteration"]
         if self.plan.emulation is not None:
             if i == 1 or i == c.iters or i % c.log_interval == 0:
@@ -340,21 +356,30 @@ def rounding_reasons(plan) -> list[str]:
     return why
 
 
-def compare_losses(losses: list[float], ref: list[float], plan) -> dict:
+def compare_losses(losses: list[float], ref: list[float], plan, *, first: int = 1, all_skipped: bool = False) -> dict:
     """Compare the iteration losses of the run with the pp=1 reference: the first
-    ``plan.reference_iters`` iterations, every one of them on both sides. Bit-exact unless
-    :func:`rounding_reasons` gives a reason, then within :data:`RTOL` (relative), the reason in the
-    verdict. A comparison of no iteration, or of fewer than planned, fails."""
+    ``plan.reference_iters`` iterations, every one of them on both sides (``first``: the number
+    of the first iteration compared). Bit-exact unless :func:`rounding_reasons` gives a reason,
+    then within :data:`RTOL` (relative), the reason in the verdict. A comparison of no
+    iteration, or of fewer than planned, fails; so does a non-finite loss on either side, or a
+    run that skipped every optimizer step (``all_skipped``: nothing was trained, equal losses
+    prove nothing)."""
     want_n = plan.reference_iters
     n = min(len(losses), len(ref))
     got, want = losses[:n], ref[:n]
+    nonfinite = [i for i, (a, b) in enumerate(zip(got, want)) if not (math.isfinite(a) and math.isfinite(b))]
     diffs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
-    worst = max(diffs) if diffs else 0.0
-    if any(d != d for d in diffs):   # NaN
-        worst = float("nan")
-    exact = n > 0 and all(a == b for a, b in zip(got, want))
+    worst = max(diffs) if diffs and not nonfinite else (float("nan") if nonfinite else 0.0)
+    exact = n > 0 and not nonfinite and all(a == b for a, b in zip(got, want))
     why = rounding_reasons(plan)
-    if n == 0 or len(ref) != want_n or len(losses) < want_n:
+    if nonfinite:
+        k = nonfinite[0]
+        verdict, ok = (f"NOT COMPARED: non-finite loss at iteration {first + k} (run {got[k]:g}, reference "
+                       f"{want[k]:g}); a diverged run is never a match"), False
+    elif all_skipped:
+        verdict, ok = ("NOT COMPARED: every optimizer step of the run was skipped (inf/nan gradients), so nothing was "
+                       "trained and equal losses prove nothing"), False
+    elif n == 0 or len(ref) != want_n or len(losses) < want_n:
         verdict, ok = (f"MISMATCH: compared {n} iterations, {want_n} planned (run {len(losses)}, "
                        f"reference {len(ref)})"), False
     elif exact:
@@ -386,6 +411,33 @@ def comparison_line(cmp: dict, losses: list[float], ref_time: float | None) -> s
     return f"pp=1 reference (1 process, {start} and data, {n} iterations{t}): {mid}: {cmp['verdict']}"
 
 
+def run_verdict(summary: dict, plan) -> str | None:
+    """What went wrong with the training itself, in one line (the run then fails, exit status 1):
+    a non-finite loss or gradient norm (the model diverged), or every optimizer step skipped
+    (nothing trained)."""
+    stopped = summary.get("stopped")
+    if stopped:
+        kept = (f"the last checkpoint saved is {stopped['last_checkpoint']}" if stopped.get("last_checkpoint")
+                else "no checkpoint was saved after it" if plan.cfg.save else "")
+        what = (f"the loss is {stopped['loss']:g}" if not math.isfinite(stopped["loss"]) else
+                f"the gradient norm is {stopped.get('grad_norm', float('nan')):g} (the step applied it)")
+        return (f"FAILED: {what} at iteration {stopped['iteration']}: the model diverged; "
+                f"training stopped there{'; ' + kept if kept else ''}; lower --lr or clip the gradients "
+                "(--clip-grad 1.0), or add --allow-nonfinite-loss to train on")
+    bad = summary.get("diverged_iterations") or []
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        return (f"FAILED: non-finite loss or gradient norm at iteration(s) {shown} ({len(bad)} in all; trained on past "
+                "them with --allow-nonfinite-loss): the model diverged")
+    if summary.get("all_steps_skipped"):
+        c = plan.cfg
+        scale = (f"--loss-scale {c.loss_scale:g}" if c.loss_scale is not None
+                 else f"--initial-loss-scale {c.initial_loss_scale:g}")
+        return (f"FAILED: every optimizer step was skipped (inf/nan gradients{' at ' + scale if c.fp16 else ''}): "
+                "nothing was trained" + ("; lower the loss scale" if c.fp16 else ""))
+    return None
+
+
 def finish(plan, result: dict, ref: dict | None) -> dict:
     """After the run (and the reference): print the comparison line, write summary.json.
     Returns the summary document; its ``status`` is the exit status (1 when the comparison
@@ -398,14 +450,15 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
     if plan.emulation is not None:
         summary["reference"] = None   # (no loss: the header said so)
     elif ref is not None:
-        cmp = compare_losses(losses, ref["losses"], plan)
+        first = records[0]["iteration"] if records else 1
+        cmp = compare_losses(losses, ref["losses"], plan, first=first, all_skipped=bool(summary.get("all_steps_skipped")))
         cmp["reference_time_s"] = ref.get("time_s")
-        cmp["first_iteration"] = records[0]["iteration"] if records else 1
+        cmp["first_iteration"] = first
         cmp["reference_grad_norms"] = ref.get("grad_norms")
         summary["reference"] = cmp
         lines.append(comparison_line(cmp, losses, ref.get("time_s")))
         status = 0 if cmp["ok"] else 1
-    elif plan.reference_iters:   # (planned, yet no reference came back: never a silent pass)
+    elif plan.reference_iters and not summary.get("stopped"):   # (planned, yet no reference came back: never a silent pass)
         summary["reference"] = {"iterations": 0, "losses": [], "bit_exact": False, "max_rel_diff": None,
                                 "verdict": f"MISMATCH: {plan.reference_iters} iterations planned, no reference ran",
                                 "ok": False}
@@ -413,8 +466,13 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
         status = 1
     else:
         summary["reference"] = None
-        why = "--reference-iters 0" if plan.cfg.reference_iters == 0 else "see the note above"
-        lines.append(f"pp=1 reference: skipped ({why})")
+        if not summary.get("stopped"):
+            why = "--reference-iters 0" if plan.cfg.reference_iters == 0 else "see the note above"
+            lines.append(f"pp=1 reference: skipped ({why})")
+    verdict = run_verdict(summary, plan)
+    if verdict:
+        lines.append(verdict)
+        status = 1
     c = plan.cfg
     doc = {
         "config": dataclasses.asdict(c),
@@ -428,11 +486,16 @@ def finish(plan, result: dict, ref: dict | None) -> dict:
         **summary,
         "status": status,
     }
-    with open(plan.summary, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, default=str)
-    lines.append(f"summary {plan.summary}")
-    with open(plan.text_log, "a", encoding="utf-8") as f:
-        for ln in lines:
-            print(ln, flush=True)
-            f.write(ln + "\n")
+    try:
+        with open(plan.summary, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, default=str)
+        lines.append(f"summary {plan.summary}")
+        with open(plan.text_log, "a", encoding="utf-8") as f:
+            for ln in lines:
+                print(ln, flush=True)
+                f.write(ln + "\n")
+    except OSError as e:
+        from .errors import RunFailure
+        raise RunFailure(f"--out {plan.out_dir}: writing the summary failed ({e.strerror or e}); free some space "
+                         "or give another --out") from None
     return doc

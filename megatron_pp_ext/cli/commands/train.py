@@ -23,6 +23,7 @@ def run(args) -> int:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|TE).*")
     from ...compat import UnsupportedMegatronError, check_supported
     from ...trainer.config import TrainConfigError, config_from_args
+    from ...trainer.errors import RunFailure
     from ...trainer.launcher import TrainRunError, train
 
     try:
@@ -32,11 +33,14 @@ def run(args) -> int:
         raise CLIError(str(e)) from None
     except TrainConfigError as e:
         raise CLIError(str(e)) from None
+    except RunFailure as e:   # (the launcher's own writes: one line, the run failed)
+        print(f"mppx: error: {e}", file=sys.stderr)
+        return 1
     except TrainRunError as e:
         if e.details:
             print(e.details, file=sys.stderr)
         print(f"mppx: error: {e}", file=sys.stderr)
-        return 1
+        return e.status
 
 
 register_command(
