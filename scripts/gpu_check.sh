@@ -12,7 +12,7 @@
 #   scripts/gpu_check.sh --fetch-wheels  # here, with network: the wheels the GPU machine lacks -> .whl/
 #
 # Python: $PYTHON, else python3. The GPU machine has no Megatron-Core and no network: the wheels in
-# .whl/ (git-ignored, about 3 MiB) travel with the working tree and are extracted for the run.
+# .whl/ (git-ignored, about 4 MiB) travel with the working tree and are extracted for the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

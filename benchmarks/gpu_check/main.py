@@ -137,8 +137,8 @@ class Runner:
         try:
             return self.pool.run(fn, world, timeout=timeout, **kwargs), time.monotonic() - t
         except PoolTimeout:
-            self.results.add(Check(step, name, "fail", f"hang: did not finish within {timeout:g} s on {world} rank(s); "
-                                   "workers killed and restarted", time.monotonic() - t))
+            self.results.add(Check(step, name, "fail", f"hang (or far too slow): did not finish within {timeout:g} s on "
+                                   f"{world} rank(s); workers killed and respawned", time.monotonic() - t))
         except WorkerError as e:
             first = min(e.tracebacks)
             self.results.add(Check(step, name, "fail", f"rank {first}: {_last_line(e.tracebacks[first])}",

@@ -3,10 +3,12 @@
 The GPU machine has torch, numpy and no Megatron-Core, and cannot reach a package index. The
 wheels are downloaded here (``scripts/gpu_check.sh --fetch-wheels``: ``pip download
 --only-binary=:all: --python-version 3.12 ...`` into the git-ignored ``.whl/``) and travel with
-the working tree (at most 64 MiB in all; the set is about 3 MiB). A wheel is a zip archive, so
-"installing" one for a single run is extracting it: no pip, no compilation. The folder goes
-to the *end* of ``sys.path`` and ``PYTHONPATH``, so whatever the machine has already (its
-``packaging``, say) wins and only what is missing comes from the wheels.
+the working tree (at most 64 MiB in all; the set is about 4 MiB: megatron-core, and packaging,
+setuptools -- ``torch.utils.cpp_extension``, which megatron-core imports, needs it --, tqdm and
+psutil, in case the image lacks them). A wheel is a zip archive, so "installing" one for a
+single run is extracting it: no pip, no compilation. The folder goes to the *end* of
+``sys.path`` and ``PYTHONPATH``, so whatever the machine has already (its ``packaging``, say)
+wins and only what is missing comes from the wheels.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ WHEEL_DIR = ROOT / ".whl"
 SITE_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "mppx-gpu-check-site"
 #: what ``--fetch-wheels`` downloads (name==version): megatron-core as CI uses it, and the pure-
 #: Python packages it (or mppx train) imports that a bare torch image may lack
-WHEELS = ("megatron-core==0.16.1", "packaging==24.2", "tqdm==4.67.1", "psutil==7.0.0")
+WHEELS = ("megatron-core==0.16.1", "packaging==24.2", "setuptools==80.9.0", "tqdm==4.67.1", "psutil==7.0.0")
 
 
 class SetupError(RuntimeError):
@@ -60,6 +62,7 @@ def ensure_packages(folder: Path = WHEEL_DIR, site: Path = SITE_DIR) -> dict:
             "wheel_bytes": sum(w.stat().st_size for w in wheels), "extracted": [], "site": None}
     if _importable("megatron.core"):
         info["source"] = "installed"
+        _import_megatron(folder)
         return info
     if not wheels:
         raise SetupError(f"megatron-core is not importable and {folder} holds no wheel: run "
@@ -76,9 +79,21 @@ def ensure_packages(folder: Path = WHEEL_DIR, site: Path = SITE_DIR) -> dict:
         raise SetupError(f"megatron.core still not importable after extracting {len(wheels)} wheel(s) from {folder} "
                          f"into {site}: is one of them megatron-core for this Python "
                          f"({sys.version_info.major}.{sys.version_info.minor})?")
+    _import_megatron(folder)
     info["source"] = "wheels"
     info["site"] = str(site)
     return info
+
+
+def _import_megatron(folder: Path) -> None:
+    """Import megatron.core now (its imports need more than the wheel: numpy, packaging and, through
+    torch.utils.cpp_extension, setuptools); a missing one is a one-line SetupError."""
+    try:
+        importlib.import_module("megatron.core")
+    except ImportError as e:
+        raise SetupError(f"import megatron.core failed ({type(e).__name__}: {e}): add the missing package to WHEELS "
+                         f"in benchmarks/gpu_check/setup_env.py and run scripts/gpu_check.sh --fetch-wheels "
+                         f"(wheels in {folder})") from None
 
 
 def _version(dist: str) -> str | None:

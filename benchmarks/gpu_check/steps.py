@@ -172,6 +172,11 @@ def _train(r) -> None:
         r.results.add(Check("nccl", name, "fail", "did not finish within 180 s", time.monotonic() - t))
 
 
+def _fmt(n: float) -> str:
+    from megatron_pp_ext.planner.memory import fmt_bytes
+    return fmt_bytes(n)
+
+
 def _tail(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "(no output)"
@@ -232,15 +237,14 @@ def _memory(r) -> None:
     g = got[0]
     act_pred = pred["activations"] + pred["transient"]
     growth = g["peak_growth"] / act_pred if act_pred else float("inf")
-    parts = [f"activations+transient {g['peak_growth'] / 2**20:.0f} MiB vs predicted {act_pred / 2**20:.0f} MiB "
-             f"({growth:.3f}x)", f"static {g['static_counted'] / 2**20:.0f} vs {pred['static'] / 2**20:.0f} MiB "
-             f"({g['static_counted'] / pred['static']:.3f}x)"]
+    from megatron_pp_ext.planner.memory import fmt_bytes as fb
+    parts = [f"activations+transient {fb(g['peak_growth'])} vs predicted {fb(act_pred)} ({growth:.3f}x)",
+             f"static {fb(g['static_counted'])} vs {fb(pred['static'])} ({g['static_counted'] / pred['static']:.3f}x)"]
     ratios = [growth, g["static_counted"] / pred["static"]]
     if "peak_total" in g:
         total = g["peak_total"] / pred["total"]
         ratios.append(total)
-        parts.insert(0, f"max_memory_allocated {g['peak_total'] / 2**30:.2f} GiB vs planned {pred['total'] / 2**30:.2f}"
-                        f" GiB ({total:.3f}x)")
+        parts.insert(0, f"max_memory_allocated {fb(g['peak_total'])} vs planned {fb(pred['total'])} ({total:.3f}x)")
     r.results.add(Check("cuda", name, "measured", "; ".join(parts), dt, {"measured": g, "predicted": pred},
                         goal_met=all(abs(x - 1) <= GOAL for x in ratios)))
 
@@ -264,8 +268,8 @@ def _offload(r) -> None:
     ratio = g["copy_ms_per_microbatch"] / g["f_ms"] if g.get("f_ms") else float("inf")
     slow = g["t_offload_s"] / g["t_none_s"]
     r.results.add(Check("cuda", name, "measured",
-                        f"{'copy streams' if g['streams'] else 'synchronous copies'}; {g['bytes_per_iteration'] / 2**20:.0f}"
-                        f" MiB offloaded per iteration at {g['d2h_gbps']:.1f} GB/s D2H: {g['copy_ms_per_microbatch']:.2f} ms "
+                        f"{'copy streams' if g['streams'] else 'synchronous copies'}; {_fmt(g['bytes_per_iteration'])}"
+                        f" offloaded per iteration at {g['d2h_gbps']:.1f} GB/s D2H: {g['copy_ms_per_microbatch']:.2f} ms "
                         f"per microbatch vs F {g['f_ms']:.2f} ms ({ratio:.2f}x); iteration {slow:.2f}x the one without "
                         "offload (bit-exact)", dt, g, goal_met=ratio <= 1.0))
 
