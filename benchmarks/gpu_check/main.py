@@ -80,10 +80,11 @@ def _gpu_info() -> dict:
     if not smi:
         return {}
     try:
-        line = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-        name, driver, mem = [x.strip() for x in line.split(",")]
-        return {"gpu": name, "driver": driver, "gpu_memory": mem}
+        line = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,compute_mode",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+        name, driver, mem, compute_mode = [x.strip() for x in line.strip().splitlines()[0].split(",")]
+        # (Exclusive_Process would allow one CUDA context: the NCCL ranks could not share the GPU)
+        return {"gpu": name, "driver": driver, "gpu_memory": mem, "compute_mode": compute_mode}
     except Exception as e:  # noqa: BLE001 - informative only
         return {"nvidia_smi_error": f"{type(e).__name__}: {e}"}
 

@@ -88,8 +88,8 @@ class Results:
         e = d["env"]
         lines = [f"# GPU check results ({d['mode']})", "",
                  f"{d['date']}, {d['wall_s']} s in all; `{' '.join(['scripts/gpu_check.sh'] + d['argv'])}`", ""]
-        keys = ("gpu", "capability", "gpu_memory", "driver", "cuda_runtime", "torch", "torch_cuda", "nccl",
-                "megatron_core", "python", "wheels")
+        keys = ("gpu", "capability", "gpu_memory", "compute_mode", "driver", "cuda_runtime", "torch", "torch_cuda",
+                "nccl", "megatron_core", "python", "wheels")
         lines += ["| what | version |", "|---|---|"]
         lines += [f"| {k} | {e[k]} |" for k in keys if e.get(k) not in (None, "")]
         s = d["summary"]
