@@ -271,10 +271,22 @@ class Training:
         from megatron.core import parallel_state
         return parallel_state.get_data_parallel_rank()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the chunks live (``RunConfig.device``)."""
+        p = next((p for chunk in self.model for p in chunk.parameters()), None)
+        return p.device if p is not None else torch.device("cpu")
+
     def batches(self, step: int) -> list[dict]:
+        """This rank's microbatches of iteration ``step``, on the model's device (made on the CPU
+        from the seed: the same data whatever the device)."""
         c, m = self.cfg, self.cfg.num_microbatches
-        return [make_batch(c.seed, step, self.dp_rank * m + i, c.micro_batch_size, c.seq_length,
-                           c.spec.vocab_size) for i in range(m)]
+        out = [make_batch(c.seed, step, self.dp_rank * m + i, c.micro_batch_size, c.seq_length,
+                          c.spec.vocab_size) for i in range(m)]
+        dev = self.device
+        if dev.type != "cpu":
+            out = [{k: v.to(dev) for k, v in b.items()} for b in out]
+        return out
 
     def step(self, step: int, *, forward_only: bool | None = None, iters: list | None = None) -> list:
         """One forward-backward (and nothing else); returns the forward-backward result."""
@@ -436,12 +448,18 @@ def reduced_main_grads(model: list) -> dict:
     return {n: full.get(id(p), p.main_grad).detach().clone() for n, p in global_named_parameters(model)}
 
 
-def run_training(cfg: RunConfig) -> dict:
-    """Run ``cfg`` on this rank; return its losses, gradients (every step) and final parameters."""
+def run_training(cfg: RunConfig, prepare: Any = None) -> dict:
+    """Run ``cfg`` on this rank; return its losses, gradients (every step) and final parameters.
+
+    ``prepare(training)`` (picklable, optional) runs once the model and executor exist, before the
+    first step -- e.g. to attach a feature runtime (activation offload, BPipe) to the executor and
+    wrap ``training.forward_backward``; what it returns, if callable, is called after the last
+    step and its dict lands in the result under ``"prepared"``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tr = setup_training(cfg)
+    report = prepare(tr) if prepare is not None else None
     losses: list = []
     grads_per_step: list = []
     optimizer_steps: list = []
@@ -471,6 +489,7 @@ def run_training(cfg: RunConfig) -> dict:
         "params": {n: p.detach().clone() for n, p in global_named_parameters(tr.model)},
         "meta": tr.meta,
         "timings": tr.executor.last_timings if tr.executor is not None and cfg.record_timings else None,
+        "prepared": report() if callable(report) else None,
     }
 
 

@@ -1,4 +1,5 @@
-"""A pool of forked gloo workers for multi-process tests and the CPU demo.
+"""A pool of forked gloo workers for multi-process tests and the CPU demo (and spawned NCCL
+workers for GPU checks).
 
 Start-up dominates a multi-process run on a CPU (a torchrun launch costs seconds, a pipeline
 step of a tiny model a tenth of one), so the workers are forked once and reused: each
@@ -22,6 +23,12 @@ Example::
 The function must be importable by reference (defined at module level). Inside it,
 ``torch.distributed`` is initialised (gloo) and, by default, the CPU compatibility layer
 (:mod:`megatron_pp_ext.runtime.cpu_compat`) is enabled when no CUDA device is present.
+
+``backend="nccl"`` (GPU checks, ``benchmarks/gpu_check``): the workers are *spawned* (CUDA cannot
+be forked), worker ``i`` uses CUDA device ``i % device_count`` and the configurations run under
+an NCCL process group; ``rank_env`` gives each worker environment variables of its own (several
+ranks on one GPU need a distinct ``NCCL_HOSTID`` each: :mod:`.shared_gpu`). Everything else --
+per-configuration worlds, errors with tracebacks, hangs killed after ``timeout`` -- is the same.
 """
 
 from __future__ import annotations
@@ -114,7 +121,8 @@ def reset_megatron_state() -> None:
 
 
 def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, parent: int | None,
-                 forked_by_main_thread: bool, env: dict | None = None) -> None:
+                 forked_by_main_thread: bool, env: dict | None = None, backend: str = "gloo",
+                 preload: tuple = ()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     os.environ.update(env or {})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the parent's handler: a worker just stops)
@@ -125,10 +133,17 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
     children_die_with_me()
     for c in parent_ends:
         c.close()
+    import importlib
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    for name in preload:   # (spawned workers: what a forked one inherits)
+        importlib.import_module(name)
+    nccl = backend == "nccl"
+    if nccl:
+        torch.cuda.set_device(index % max(1, torch.cuda.device_count()))
     while True:
         try:
             msg = conn.recv()
@@ -140,12 +155,15 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
         ok, payload = True, None
         compat = None
         try:
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=index, world_size=world,
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=index, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
             # every rank finishes gloo's connect before any runs the configuration: a rank that
             # fails at once would otherwise tear its group down under a peer still connecting,
             # and that peer would report a failure of its own
-            dist.barrier()
+            if nccl:
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
             if cpu_compat:
                 from .cpu_compat import enable_cpu_compat
                 compat = enable_cpu_compat()
@@ -157,6 +175,8 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
                 compat.close()
             reset_megatron_state()
             try:
+                if nccl:
+                    torch.cuda.synchronize()
                 if dist.is_initialized():
                     dist.destroy_process_group()
             except Exception:
@@ -165,6 +185,8 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
             # groups): gloo groups stop their threads only when the last reference goes.
             del fn, kwargs
             gc.collect()
+            if nccl:
+                torch.cuda.empty_cache()
         # plain pickle, not the connection's ForkingPickler: that one shares tensors through file
         # descriptors, and every tensor a test keeps (cached references) would keep one open (the
         # suite ran out of descriptors)
@@ -192,28 +214,49 @@ class WorkerPool:
     other ranks get to finish once one rank has failed (they usually wait on it forever).
     ``cpu_compat``: enable the CPU compatibility layer around each configuration (default:
     when CUDA is not available). ``preload``: modules to import before forking.
+    ``backend``: "gloo" (forked workers) or "nccl" (spawned workers, one CUDA device each,
+    modulo the devices there are); ``rank_env``: per worker, environment variables of its own
+    (on top of ``env``). ``start_method``: None (gloo: fork, or forkserver after a process group
+    left threads behind; nccl: spawn) or "spawn" (gloo too: how the GPU path starts, on a CPU).
     """
 
     def __init__(self, size: int = 4, *, timeout: float = 120.0, grace: float = 10.0, threads: int = 1,
                  cpu_compat: bool | None = None, preload: tuple[str, ...] = DEFAULT_PRELOAD,
-                 env: dict | None = None):
+                 env: dict | None = None, backend: str = "gloo", rank_env: list[dict] | None = None,
+                 start_method: str | None = None):
         if size < 1:
             raise ValueError("WorkerPool needs at least one worker")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"WorkerPool backend {backend!r}: use 'gloo' or 'nccl'")
+        if start_method not in (None, "spawn"):
+            raise ValueError(f"WorkerPool start_method {start_method!r}: None or 'spawn'")
+        if rank_env is not None and len(rank_env) != size:
+            raise ValueError(f"rank_env has {len(rank_env)} entries for {size} workers")
+        self.backend = backend
+        self.rank_env = [dict(e) for e in rank_env] if rank_env is not None else [{} for _ in range(size)]
+        self.preload = tuple(preload)
         import importlib
         import torch
-        for name in preload:  # imported once here, inherited by every (re)forked worker
-            importlib.import_module(name)
+        if backend == "gloo" and start_method is None:
+            for name in preload:  # imported once here, inherited by every (re)forked worker
+                importlib.import_module(name)
         self.size = size
         self.timeout = float(timeout)
         self.grace = float(grace)
         self.threads = threads
         #: environment variables of the workers (e.g. MPPX_EMULATE_NCCL), not of this process
         self.env = dict(env or {})
-        self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
+        if backend == "nccl":  # (no torch.cuda call here: the parent may stay without a CUDA context)
+            self.cpu_compat = False if cpu_compat is None else bool(cpu_compat)
+        else:
+            self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
         # fork (cheap: the preloaded modules are inherited) unless this process already ran a
         # process group whose threads survive: then fork from a clean forkserver (one
-        # start-up of a few seconds, the preload imported there once)
-        self.start_method = "forkserver" if _fork_unsafe_threads() else "fork"
+        # start-up of a few seconds, the preload imported there once); NCCL: spawn (CUDA)
+        if backend == "nccl" or start_method == "spawn":
+            self.start_method = "spawn"
+        else:
+            self.start_method = "forkserver" if _fork_unsafe_threads() else "fork"
         self._ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             self._ctx.set_forkserver_preload(list(preload))
@@ -240,9 +283,11 @@ class WorkerPool:
                 end, child = self._ctx.Pipe()
                 # The child closes its copies of the parent's ends, so that it sees EOF (and
                 # exits) when the parent goes away, however that happens.
+                env = {**self.env, **self.rank_env[i]}
+                spawned = self.start_method == "spawn"
                 p = self._ctx.Process(target=_worker_main,
                                       args=(i, child, self.threads, self.cpu_compat, self._conns + [end],
-                                            parent, main, self.env),
+                                            parent, main, env, self.backend, self.preload if spawned else ()),
                                       name=f"mppx-pool-{i}", daemon=True)
                 p.start()
                 child.close()

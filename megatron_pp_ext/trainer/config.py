@@ -359,9 +359,13 @@ def _resolve_device(requested: str, launch: Launch, world: int | None) -> str:
     if not have:
         return "cpu"
     if not launch.external and world is not None and world > count:
+        from ..runtime.shared_gpu import SHARE_GPU_ENV, share_gpu_requested
+        if share_gpu_requested():
+            return "cuda"  # (several ranks per GPU, asked for: runtime/shared_gpu.py)
         if requested == "cuda":
             _fail(f"--device cuda with {world} local processes needs {world} GPUs, but {count} are visible; "
-                  f"lower --nproc/--pp/--tp or use --device cpu")
+                  f"lower --nproc/--pp/--tp or use --device cpu (or set {SHARE_GPU_ENV}=1 to let ranks share "
+                  "a GPU: NCCL checks, timings meaningless)")
         return "cpu"  # auto: not enough GPUs for one per process
     return "cuda"
 
@@ -630,6 +634,11 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     if device == "cpu" and not launch.external:   # (every process on this machine)
         from .hostmem import check_fits
         check_fits(c, layers=sum(lps), kv_heads=kv, ffn=ffn, dp=dp, fail=_fail)
+    if device == "cuda" and not launch.external:
+        from ..runtime.shared_gpu import SHARE_GPU_ENV, share_gpu_requested
+        if share_gpu_requested():
+            notes.append(f"{SHARE_GPU_ENV}=1: local ranks beyond the visible GPUs share them (NCCL over loopback "
+                         "sockets, one NCCL_HOSTID per rank): a correctness check, its timings are meaningless")
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "

@@ -10,6 +10,8 @@ Three ways, chosen at run time:
 * **local, GPU** (``--device cuda``, or ``auto`` with a GPU per process): ``--nproc`` processes
   are *spawned* (CUDA cannot be forked), one GPU each, with the same environment torchrun would
   give them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), NCCL.
+  With ``MPPX_SHARE_GPU=1`` there may be more processes than GPUs: they share them, each with
+  an ``NCCL_HOSTID`` of its own (:mod:`megatron_pp_ext.runtime.shared_gpu`; checks only).
 * **external** (torchrun, srun): ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (torchrun) or
   ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (srun with more than one task) are set:
   nothing is spawned; this process is one rank (NCCL on GPUs, gloo on CPUs). After the run the
@@ -327,6 +329,15 @@ def _spawn_entry(cfg: TrainConfig, env: dict, queue, parent: int, forked_by_main
         queue.put((rank, False, traceback.format_exc()))
 
 
+def _sharing_gpus(world: int) -> bool:
+    """``MPPX_SHARE_GPU=1`` and more processes than visible GPUs (runtime/shared_gpu.py)."""
+    from ..runtime.shared_gpu import share_gpu_requested
+    if not share_gpu_requested():
+        return False
+    import torch
+    return world > torch.cuda.device_count()
+
+
 def run_spawned(plan: Plan) -> int:
     """GPU: spawn ``plan.world`` processes (one GPU each, NCCL) with torchrun's environment."""
     from .rundirs import prepare_run_dirs
@@ -345,6 +356,7 @@ def _run_spawned(plan: Plan) -> int:
     port = _free_port()
     procs = []
     main = threading.current_thread() is threading.main_thread()
+    share = _sharing_gpus(plan.world)
     results: dict[int, tuple] = {}
     deadline = time.monotonic() + plan.cfg.timeout
     try:
@@ -352,6 +364,9 @@ def _run_spawned(plan: Plan) -> int:
             for r in range(plan.world):
                 env = {"RANK": str(r), "WORLD_SIZE": str(plan.world), "LOCAL_RANK": str(r),
                        "LOCAL_WORLD_SIZE": str(plan.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                if share:  # (run_external puts rank r on GPU r % device_count)
+                    from ..runtime.shared_gpu import shared_gpu_env
+                    env.update(shared_gpu_env(r, tag=f"mppx-train-{port}"))
                 p = ctx.Process(target=_spawn_entry, args=(plan.cfg, env, queue, os.getpid(), main),
                                 name=f"mppx-train-{r}")
                 p.start()

@@ -150,3 +150,22 @@ print("ok")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def env_of(keys):
+    import os
+    return {k: os.environ.get(k) for k in keys}
+
+
+def test_spawned_workers_get_their_own_environment():
+    """start_method="spawn" (what the NCCL pool of the GPU check uses): every worker its own
+    environment (a distinct NCCL_HOSTID when ranks share a GPU), the preload imported there."""
+    from megatron_pp_ext.runtime.pool import WorkerPool
+    from megatron_pp_ext.runtime.shared_gpu import shared_gpu_env
+    with WorkerPool(2, timeout=120, start_method="spawn", env={"MPPX_X": "1"},
+                    rank_env=[shared_gpu_env(i, tag="t") for i in range(2)], preload=("torch.distributed",)) as pool:
+        got = pool.run(env_of, 2, keys=("MPPX_X", "NCCL_HOSTID", "NCCL_SHM_DISABLE"))
+        again = pool.run(world_info, 2)
+    assert [g["NCCL_HOSTID"] for g in got] == ["t-rank0", "t-rank1"]
+    assert all(g["MPPX_X"] == "1" and g["NCCL_SHM_DISABLE"] == "1" for g in got)
+    assert [a["sum"] for a in again] == [3.0, 3.0]
