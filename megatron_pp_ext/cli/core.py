@@ -35,14 +35,11 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..clibase import CLIError, format_table, int_at_least  # noqa: F401 - the CLI's own names
 from ..schedule import ScheduleError
 
 PROG = "mppx"
 ENTRY_POINT_GROUP = "mppx.commands"
-
-
-class CLIError(Exception):
-    """Bad user input; the message names the flag and the fix. Exit status 2."""
 
 
 class _Exit(Exception):
@@ -191,19 +188,6 @@ def _drop_stdout() -> None:
 
 # --- flag types and helpers shared by the commands -------------------------------------
 
-def int_at_least(lo: int, example: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give e.g. {example}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{value} is too small: need a whole number >= {lo}, e.g. {example}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
 def parse_costs(spec: str | None) -> tuple[float, float, float, float]:
     """``--costs F,B,W[,COMM]`` (:func:`megatron_pp_ext.schedule.costs.parse_costs`), as a CLIError."""
     from ..schedule.costs import parse_costs as parse
@@ -324,15 +308,3 @@ def write_text(path: str, text: str, flag: str = "-o") -> None:
         raise CLIError(f"{flag} {path}: cannot write ({e.strerror or e}); give a writable file path") from None
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
-    """Plain aligned text. ``align``: one 'l' or 'r' per column (default: first left, rest right)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    align = align or ("l" + "r" * (len(headers) - 1))
-    out = []
-    for k, r in enumerate(cells):
-        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)]
-        out.append("  ".join(parts).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)

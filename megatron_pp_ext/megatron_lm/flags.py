@@ -405,6 +405,10 @@ class MegatronPlan:
     def num_stages(self) -> int:
         return len(self.placement)
 
+    def schedule_options(self) -> dict:
+        """The ``options`` of ``build_schedule`` for this run (what the features ask for)."""
+        return _schedule_options(self.options)
+
     @property
     def loss_rank(self) -> int:
         """Pipeline rank holding the last stage (the loss): 0 under the V placement."""
@@ -537,10 +541,14 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if v and not getattr(args, "untie_embeddings_and_output_weights", True):
             notes.append(f"{opts.flag} with tied embeddings: the embedding (stage 0) and the output layer (stage "
                          f"{2 * pp - 1}) are both on pipeline rank 0; their gradients are summed there")
-        if opts.bpipe is not None:
-            from ..features.bpipe.flags import check_bpipe_combination
+        from ..trainer.features import train_features
+        registry = train_features()
+        for name, fcfg in opts.features:   # (each feature's own rules for the schedule and pp)
+            check = getattr(registry[name], "check_schedule", None)
+            if check is None:
+                continue
             try:
-                check_bpipe_combination(opts.bpipe, schedule=opts.schedule, pp=pp)
+                check(fcfg, schedule=opts.schedule, pp=pp)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
     if opts.profile_iters and opts.schedule is not None:

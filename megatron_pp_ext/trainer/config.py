@@ -659,7 +659,7 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
 # --- command line -------------------------------------------------------------------------
 
 def _int(lo: int, example: int):
-    from ..cli.core import int_at_least
+    from ..clibase import int_at_least
     return int_at_least(lo, example)
 
 

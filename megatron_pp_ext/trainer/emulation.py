@@ -120,9 +120,10 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
         from .features import train_features
         flags = {n: f.flag_of(cfg) for n, cfg in c.features for f in [train_features()[n]]}
         feats = list(flags.values())
-        if "vocab_parallel" in flags:
-            from ..features.vocab.schedule_pass import with_vocab_comm
-            overlay = with_vocab_comm(sched, cost)   # the collectives, as the simulator models them
+        for n, fcfg in c.features:   # (a feature's ops that depend on more than the schedule shows)
+            hook = getattr(train_features()[n], "emulation_overlay", None)
+            if hook is not None:
+                overlay = hook(fcfg, overlay if overlay is not None else sched, cost)
     # the model of the point-to-point path the run takes (--emulate-nccl: that NCCL strategy's)
     model = f"nccl-{c.emulate_nccl}" if getattr(c, "emulate_nccl", None) else "eager"
     sim = simulate(overlay if overlay is not None else sched, cost, comm_model=model).makespan * ms / 1e3

@@ -18,6 +18,12 @@ named ``megatron_pp_ext.features.<name>.train`` (imported on first use), through
   connect to the executor's ``op_hook``/``op_handlers`` and return a :class:`FeatureRuntime`
   that wraps the forward-backward function and reports per-rank figures each iteration.
 
+``check_schedule(config, schedule=, pp=)`` (optional): the feature's rules for the schedule and
+the pipeline size, which the Megatron-LM integration checks before the model is built.
+
+``emulation_overlay(config, schedule, cost)`` (optional): what ``--emulate-compute`` should
+simulate instead of the schedule itself (vocabulary parallelism: its collectives as messages).
+
 A feature whose run rounds differently from the plain pp=1 reference sets ``reference_rounding``
 (a string: why), so the pp=1 comparison allows a tolerance, names the reason, and otherwise
 requires the losses bit for bit (trainer/report.py).
@@ -34,8 +40,6 @@ the bytes still resident on the device count).
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -91,6 +95,9 @@ class TrainFeature(Protocol):
     def flag_of(self, config: Any) -> str: ...
     def plan(self, config: Any, ctx: PlanContext) -> FeaturePlan: ...
     def attach(self, config: Any, training: Any, plan: Any, device: Any) -> FeatureRuntime: ...
+    # optional: ``emulation_overlay(config, schedule, cost)``: the schedule the simulator should
+    # time for --emulate-compute, when the feature's ops depend on more than the schedule says
+    # (vocabulary parallelism's collectives: one message per cross-rank dependency)
 
 
 _FEATURES: dict[str, TrainFeature] = {}
@@ -120,14 +127,8 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from .. import features as pkg
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.ispkg:
-            try:
-                importlib.import_module(f"{pkg.__name__}.{mod.name}.train")
-            except ModuleNotFoundError as e:
-                if e.name != f"{pkg.__name__}.{mod.name}.train":
-                    raise
+    from ..extensions import import_feature_modules   # (every features/<name>/train.py, by name)
+    import_feature_modules("train")
 
 
 def train_features() -> dict[str, TrainFeature]:

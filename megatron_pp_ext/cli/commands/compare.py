@@ -19,8 +19,9 @@ def configure(parser):
     add_comm_model_argument(parser)
     parser.add_argument("-o", "--output", default=None, metavar="FIG.png|svg",
                         help="also write the Pareto figure (bubble rate vs peak memory) to this file")
-    from ...features.vocab.cli import add_compare_arguments  # --vocab-layouts (vocabulary parallelism)
-    add_compare_arguments(parser)
+    from ...extensions import compare_views   # the features' views (vocabulary parallelism's --vocab-layouts)
+    for view in compare_views():
+        view.add_arguments(parser)
 
 
 def _build(name, args, costs, budget_arg):
@@ -126,9 +127,10 @@ def _config_line(args) -> str:
 
 
 def run(args) -> int:
-    if getattr(args, "vocab_layouts", None) is not None:
-        from ...features.vocab.cli import run_compare
-        return run_compare(args)
+    from ...extensions import compare_views
+    for view in compare_views():
+        if view.active(args):
+            return view.run(args)
     if args.output:
         from ...schedule.plots import check_figure_path
 

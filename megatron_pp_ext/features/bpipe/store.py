@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..offload.store import _ALIGN, ActivationStore, DiscardedActivationError
+from ..offload.store import ALIGN, ActivationStore, DiscardedActivationError
 
 __all__ = ["PartnerStore", "MissingFetchError"]
 
@@ -67,7 +67,7 @@ class PartnerStore(ActivationStore):
         for rec in g.records.values():
             if rec.state != "device" or rec.hi <= rec.lo or _shared(rec.full):
                 continue
-            lo = rec.lo // _ALIGN * _ALIGN
+            lo = rec.lo // ALIGN * ALIGN
             out.append(rec.full[lo - rec.base: rec.hi - rec.base])
             rec.state = "evicting"
             self._sent.add(id(rec))
@@ -85,7 +85,7 @@ class PartnerStore(ActivationStore):
             if id(rec) not in self._sent:
                 continue
             self._sent.discard(id(rec))
-            lo = rec.lo // _ALIGN * _ALIGN
+            lo = rec.lo // ALIGN * ALIGN
             moved += rec.hi - lo
             if rec.state in ("evicting", "fetching"):
                 rec.full = None
@@ -103,7 +103,7 @@ class PartnerStore(ActivationStore):
         for rec in g.records.values():
             if rec.state not in ("remote", "evicting"):
                 continue
-            lo = rec.lo // _ALIGN * _ALIGN
+            lo = rec.lo // ALIGN * ALIGN
             n = rec.hi - lo
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._track(buf, n, key)
@@ -123,7 +123,7 @@ class PartnerStore(ActivationStore):
             if buf is None or rec.state != "fetching":
                 continue
             rec.full = buf
-            rec.base = rec.lo // _ALIGN * _ALIGN
+            rec.base = rec.lo // ALIGN * ALIGN
             rec.state = "device"
             rec.synced = True
             moved += int(buf.numel())

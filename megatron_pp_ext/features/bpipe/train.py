@@ -33,6 +33,10 @@ class BPipeTrainFeature:
     def flag_of(self, cfg: BPipeConfig) -> str:
         return "--bpipe"
 
+    def check_schedule(self, cfg: BPipeConfig, *, schedule: str | None, pp: int) -> None:
+        """BPipe's rules for the schedule and the pipeline size (the Megatron-LM integration asks)."""
+        check_bpipe_combination(cfg, schedule=schedule, pp=pp)
+
     def plan(self, cfg: BPipeConfig, ctx: PlanContext) -> FeaturePlan:
         check_bpipe_combination(cfg, schedule="mcore" if ctx.mcore else ctx.schedule, pp=ctx.pp)
         require_sole_schedule_rewrite(ctx, "--bpipe", BPipeFlagError)

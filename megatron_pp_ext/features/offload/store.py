@@ -47,7 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["ActivationStore", "PinnedHostPool", "StoreStats", "DiscardedActivationError", "default_cheap_op"]
 
-_ALIGN = 64
+ALIGN = 64
 
 
 class DiscardedActivationError(RuntimeError):
@@ -490,7 +490,7 @@ class ActivationStore:
             for rec in g.records.values():
                 if rec.state != "device" or rec.hi <= rec.lo:
                     continue
-                lo = rec.lo // _ALIGN * _ALIGN
+                lo = rec.lo // ALIGN * ALIGN
                 hi = rec.hi
                 n = hi - lo
                 buf = self.pool.acquire(n)

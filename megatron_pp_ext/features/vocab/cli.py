@@ -27,7 +27,7 @@ def add_compare_arguments(parser) -> None:
 
 
 def parse_vocab_layouts(text: str) -> tuple[int, int, int, int]:
-    from ...cli.core import CLIError
+    from ...clibase import CLIError
     parts = [p.strip() for p in str(text).split(",")]
     if not 1 <= len(parts) <= 4:
         raise CLIError(f"{FLAG} {text!r}: give V[,H[,L[,S]]], e.g. 256000 or 131072,4096,32,4096")
@@ -43,7 +43,7 @@ def parse_vocab_layouts(text: str) -> tuple[int, int, int, int]:
 
 
 def run_compare(args) -> int:
-    from ...cli.core import CLIError
+    from ...clibase import CLIError
     from ...schedule.registry import schedule_info
     from .costs import GPTShape, compare_vocab_layouts, format_rows
 
@@ -70,3 +70,12 @@ def run_compare(args) -> int:
           "those ranks; vocab-1/2: output layer, loss and embedding split over all ranks (Algorithm 1: two "
           "barriers, 2: one). Peak GB: weights + gradients + Adam states + activations.")
     return 0
+
+
+def _register() -> None:
+    from ...extensions import CompareView, register_compare_view
+    register_compare_view(CompareView("vocab-layouts", add_compare_arguments,
+                                      lambda args: getattr(args, "vocab_layouts", None) is not None, run_compare))
+
+
+_register()

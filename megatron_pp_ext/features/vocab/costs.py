@@ -287,7 +287,7 @@ def compare_vocab_layouts(schedule: str, shape: GPTShape, pp: int, microbatches:
 
 def format_rows(rows: Sequence[dict]) -> str:
     """A plain-text table of :func:`compare_vocab_layouts` rows."""
-    from ...cli.core import format_table
+    from ...clibase import format_table
     table = []
     for r in rows:
         if "error" in r:

@@ -9,7 +9,7 @@ hook does not reach it; :mod:`megatron_pp_ext.megatron_lm.integration` calls the
   untied (the shards hold the tied tensor on every rank);
 * ``on_model_chunk``: collect this rank's chunks; after the last one, before DDP wraps them, swap
   the output layer (and the input embedding) for shards loaded from the per-name initial weights
-  of the full matrices (:func:`~megatron_pp_ext.megatron_lm.integration.megatron_full_param`), so
+  of the full matrices (:func:`~megatron_pp_ext.runtime.full_init.megatron_full_param`), so
   the run starts from the plain model's values;
 * ``executor``: the :class:`~.executor.VocabExecutor` for the run's schedule;
 * ``before_call``: read the iteration's input ids from chunk 0's data iterator (handing the
@@ -41,7 +41,6 @@ class VocabMegatronLM:
         self.engine: Any = None
 
     def prepare(self, args, plan) -> list[str]:
-        from ...megatron_lm.flags import _schedule_options
         from .schedule_pass import build_vocab_schedule
 
         o = plan.options
@@ -51,7 +50,7 @@ class VocabMegatronLM:
         try:
             build_vocab_schedule(o.schedule, plan.pp, plan.microbatches, chunks=plan.chunks, costs=o.costs,
                                  memory_budget=o.memory_budget, config=self.cfg, with_comm=True,
-                                 options=_schedule_options(o))
+                                 options=plan.schedule_options())
         except ValueError as e:
             raise ValueError(f"--enable-vocab-parallel with {o.flag}: {e}") from None
         self.tied = not getattr(args, "untie_embeddings_and_output_weights", True)
@@ -66,7 +65,7 @@ class VocabMegatronLM:
         self.cores.append(core)
         if len(self.cores) < plan.chunks:
             return
-        from ...megatron_lm.integration import megatron_full_param
+        from ...runtime.full_init import megatron_full_param
         from .model import apply_vocab_parallel
         V, h = int(args.padded_vocab_size), int(args.hidden_size)
         engine = apply_vocab_parallel(self.cores, self.cfg, vocab_size=V, tied=self.tied)
@@ -77,11 +76,10 @@ class VocabMegatronLM:
         self.engine, self.cores = engine, []
 
     def executor(self, plan, costs) -> Any:
-        from ...megatron_lm.flags import _schedule_options
         from .executor import VocabExecutor
         o = plan.options
         return VocabExecutor(o.schedule, self.engine, chunks=plan.chunks, costs=costs,
-                             memory_budget=o.memory_budget, options=_schedule_options(o))
+                             memory_budget=o.memory_budget, options=plan.schedule_options())
 
     def before_call(self, kwargs: dict) -> None:
         if self.cfg.input_embedding:

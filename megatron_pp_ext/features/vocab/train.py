@@ -68,6 +68,12 @@ class VocabTrainFeature:
     def flag_of(self, cfg: VocabParallelConfig) -> str:
         return "--enable-vocab-parallel"
 
+    def emulation_overlay(self, cfg: VocabParallelConfig, sched, cost):
+        """--emulate-compute times the collectives as the simulator models them: one message per
+        cross-rank dependency (``with_vocab_comm``)."""
+        from .schedule_pass import with_vocab_comm
+        return with_vocab_comm(sched, cost)
+
     def plan(self, cfg: VocabParallelConfig, ctx: PlanContext) -> FeaturePlan:
         require_sole_schedule_rewrite(ctx, "--enable-vocab-parallel", VocabFlagError)
         if cfg.label_smoothing and (ctx.cfg.reference_iters is None or ctx.cfg.reference_iters > 0):

@@ -1,0 +1,43 @@
+"""What every layer that talks to a user needs from the command line, below all of them: the
+one-line error type (exit status 2), argparse number types and plain text tables. The CLI
+(:mod:`megatron_pp_ext.cli.core`) re-exports them; features and the trainer import them from
+here, so that no lower layer imports the command line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+__all__ = ["CLIError", "int_at_least", "format_table"]
+
+
+class CLIError(Exception):
+    """Bad user input; the message names the flag and the fix. Exit status 2."""
+
+
+def int_at_least(lo: int, example: int):
+    """An argparse type: a whole number >= ``lo`` (``example`` goes into the message)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give e.g. {example}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} is too small: need a whole number >= {lo}, e.g. {example}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
+    """Plain aligned text. ``align``: one 'l' or 'r' per column (default: first left, rest right)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    align = align or ("l" + "r" * (len(headers) - 1))
+    out = []
+    for k, r in enumerate(cells):
+        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)]
+        out.append("  ".join(parts).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
