@@ -39,23 +39,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule.ir import Schedule, comm_channel
+from ..schedule.ir import PIPELINE_MESSAGES, Schedule, comm_channel, pipeline_message
 
 __all__ = ["P2P", "Transfer", "message_key", "TaggedP2P", "BatchedP2P", "PairwiseP2P", "ChannelP2P",
            "STRATEGIES", "make_p2p", "channels_of"]
 
 
 def message_key(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
-    """The tensor a comm op carries: ("act"|"grad", producer stage, microbatch)."""
-    if kind == "SEND_F":
-        return ("act", stage, microbatch)
-    if kind == "RECV_F":
-        return ("act", stage - 1, microbatch)
-    if kind == "SEND_B":
-        return ("grad", stage, microbatch)
-    if kind == "RECV_B":
-        return ("grad", stage + 1, microbatch)
-    raise ValueError(f"not a point-to-point op kind: {kind!r}")
+    """The tensor a comm op carries: ("act"|"grad", producer stage, microbatch) (the schedule
+    core's message table, :func:`megatron_pp_ext.schedule.ir.pipeline_message`)."""
+    return pipeline_message(kind, stage, microbatch)
 
 
 @dataclass
@@ -249,8 +242,8 @@ def channels_of(schedule: Schedule) -> list[tuple[int, int, str]]:
     out = set()
     for r, ops in enumerate(schedule.ops):
         for op in ops:
-            if op.kind in ("SEND_F", "SEND_B") and comm_channel(op.kind) == "pp":
-                out.add((r, op.peer, "act" if op.kind == "SEND_F" else "grad"))
+            if op.kind in PIPELINE_MESSAGES and comm_channel(op.kind) == "pp":
+                out.add((r, op.peer, PIPELINE_MESSAGES[op.kind][0]))
     return sorted(out)
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .ir import COMM_PAIRS, Op, ScheduleError, comm_channel, matching_recv
+from .ir import COMM_PAIRS, PIPELINE_MESSAGES, PIPELINE_RECEIVES, Op, ScheduleError, comm_channel, matching_recv
 
 __all__ = ["CommModel", "COMM_MODELS", "comm_model", "comm_model_names", "DEFAULT_NCCL", "StreamComm", "annotate_ops",
            "check_matching_order"]
@@ -95,11 +95,11 @@ def comm_model(name: str) -> CommModel | None:
 
 
 def message_class(kind: str) -> str:
-    """The channel class of a built-in p2p kind: activations or gradients (else the kind)."""
-    if kind in ("SEND_F", "RECV_F"):
-        return "act"
-    if kind in ("SEND_B", "RECV_B"):
-        return "grad"
+    """The channel class of a pipeline p2p kind: the tag of what it carries ("act" or "grad",
+    ir.PIPELINE_MESSAGES); for other kinds their name without the SEND_/RECV_ prefix."""
+    send = PIPELINE_RECEIVES.get(kind, kind)
+    if send in PIPELINE_MESSAGES:
+        return PIPELINE_MESSAGES[send][0]
     return kind.split("_", 1)[-1]
 
 

@@ -199,29 +199,45 @@ BW = register_op_kind(OpKind(
     memory=lambda c, op: -c.act[op.stage],
 ))
 
-# Communication kinds. SEND_F(s, m) sends the output of F(s, m) to the rank of stage s+1;
-# RECV_F(s, m) receives the input of F(s, m) from the rank of stage s-1. SEND_B(s, m) sends
-# the input gradient made by B(s, m) to stage s-1; RECV_B(s, m) receives the gradient that
-# B(s, m) needs from stage s+1.
-SEND_F = register_op_kind(OpKind(
-    "SEND_F", "comm", "send a forward activation to the next stage",
-    requires=lambda op, s: (("act", op.stage, op.microbatch),),
-))
-RECV_F = register_op_kind(OpKind(
-    "RECV_F", "comm", "receive a forward activation from the previous stage",
-    produces=lambda op, s: (("act", op.stage - 1, op.microbatch),),
-))
-SEND_B = register_op_kind(OpKind(
-    "SEND_B", "comm", "send an input gradient to the previous stage",
-    requires=lambda op, s: (("grad", op.stage, op.microbatch),),
-))
-RECV_B = register_op_kind(OpKind(
-    "RECV_B", "comm", "receive an output gradient from the next stage",
-    produces=lambda op, s: (("grad", op.stage + 1, op.microbatch),),
-))
+# Communication kinds: the one table of what the pipeline's messages carry. SEND_F(s, m) sends the
+# output of F(s, m) ("act") to the rank of stage s+1, where RECV_F(s+1, m) receives it as the input
+# of F(s+1, m); SEND_B(s, m) sends the input gradient made by B(s, m) ("grad") to stage s-1, where
+# RECV_B(s-1, m) receives it for B(s-1, m). The simulator, the comm pass and the runtime's message
+# keys all read PIPELINE_MESSAGES.
 
-#: send kind -> (matching receive kind, stage offset of the receiver)
-COMM_PAIRS: dict[str, tuple[str, int]] = {"SEND_F": ("RECV_F", +1), "SEND_B": ("RECV_B", -1)}
+#: send kind -> (data tag it carries, stage offset of the receiver, matching receive kind)
+PIPELINE_MESSAGES: dict[str, tuple[str, int, str]] = {"SEND_F": ("act", +1, "RECV_F"),
+                                                      "SEND_B": ("grad", -1, "RECV_B")}
+#: receive kind -> its send kind
+PIPELINE_RECEIVES: dict[str, str] = {recv: send for send, (_, _, recv) in PIPELINE_MESSAGES.items()}
+
+
+def pipeline_message(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
+    """The data key a pipeline send or receive op carries: (tag, producer stage, microbatch)."""
+    if kind in PIPELINE_MESSAGES:
+        return (PIPELINE_MESSAGES[kind][0], stage, microbatch)
+    send = PIPELINE_RECEIVES.get(kind)
+    if send is None:
+        raise ValueError(f"not a point-to-point op kind: {kind!r}")
+    tag, off, _ = PIPELINE_MESSAGES[send]
+    return (tag, stage - off, microbatch)
+
+
+def _send_kind(name: str, what: str) -> OpKind:
+    return OpKind(name, "comm", what, requires=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),))
+
+
+def _recv_kind(name: str, what: str) -> OpKind:
+    return OpKind(name, "comm", what, produces=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),))
+
+
+SEND_F = register_op_kind(_send_kind("SEND_F", "send a forward activation to the next stage"))
+RECV_F = register_op_kind(_recv_kind("RECV_F", "receive a forward activation from the previous stage"))
+SEND_B = register_op_kind(_send_kind("SEND_B", "send an input gradient to the previous stage"))
+RECV_B = register_op_kind(_recv_kind("RECV_B", "receive an output gradient from the next stage"))
+
+#: send kind -> (matching receive kind, stage offset of the receiver); features add their own
+COMM_PAIRS: dict[str, tuple[str, int]] = {send: (recv, off) for send, (_, off, recv) in PIPELINE_MESSAGES.items()}
 
 
 #: comm kind -> the channel (process group) it travels on; unlisted kinds use ``"pp"``, the

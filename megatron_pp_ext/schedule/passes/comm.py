@@ -30,13 +30,14 @@ from collections import defaultdict
 
 from ..costs import CostModel
 from .. import fastsim
-from ..ir import Op, Schedule, op_kind
+from ..ir import PIPELINE_MESSAGES, Op, Schedule, op_kind
 from ..simulate import DeadlockError, simulate
 from .gaps import insert_at_gaps
 
-# key tag -> (send kind, stage offset from the producer stage to the consumer stage)
-_SENDS = {"act": ("SEND_F", +1), "grad": ("SEND_B", -1)}
-_RECV_OF = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
+# key tag -> (send kind, stage offset from the producer stage to the consumer stage), and the
+# receive of each send: the pipeline's message table (ir.PIPELINE_MESSAGES)
+_SENDS = {tag: (send, off) for send, (tag, off, _) in PIPELINE_MESSAGES.items()}
+_RECV_OF = {send: recv for send, (_, _, recv) in PIPELINE_MESSAGES.items()}
 
 
 PROVEN_EARLY = "early, proven deadlock-free"
