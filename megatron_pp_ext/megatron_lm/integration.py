@@ -473,10 +473,7 @@ def _check_model_placed(model) -> None:
     _STATE.model_checked = True
 
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
-        model = model.module
-    return model
+from ..runtime.model import unwrap_model as _core
 
 
 def _make_get_fb(orig: Callable) -> Callable:

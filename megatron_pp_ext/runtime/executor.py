@@ -124,10 +124,7 @@ def _note_once(text: str) -> None:
             print(text, flush=True)
 
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
-        model = model.module
-    return model
+from .model import unwrap_model as _core
 
 
 class ScheduleExecutor:

@@ -137,10 +137,7 @@ def make_batch(seed: int, step: int, microbatch: int, mbs: int, seq: int, vocab:
     }
 
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
+from .model import unwrap_model as _core
 
 
 def _loss_per_token(loss_mask, output_tensor):

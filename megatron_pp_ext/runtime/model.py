@@ -401,10 +401,16 @@ _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
+def unwrap_model(model):
+    """The Megatron-Core model inside DDP / Float16Module wrappers: follows ``.module`` until a
+    module that is a model chunk itself (it has ``decoder`` or ``pre_process``). The one helper
+    for it in the package."""
+    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
         model = model.module
     return model
+
+
+_unwrap = unwrap_model
 
 
 def global_param_name(chunk, local_name: str) -> str:

@@ -19,10 +19,7 @@ import torch
 __all__ = ["tied_pairs", "sum_tied_grads", "v_embedding_ranks", "with_tied_sum"]
 
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "pre_process"):
-        model = model.module
-    return model
+from .model import unwrap_model as _core
 
 
 @torch.no_grad()

@@ -475,10 +475,7 @@ def _active_parts(plan) -> list[CheckpointPart]:
 
 # --- worker side --------------------------------------------------------------------------------
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
+from ..runtime.model import unwrap_model as _core
 
 
 def model_sharded_state_dict(model: list) -> dict:

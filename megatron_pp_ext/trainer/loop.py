@@ -37,10 +37,7 @@ def device_for(plan) -> torch.device:
     return torch.device("cpu")
 
 
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
+from ..runtime.model import unwrap_model as _core
 
 
 def _loss_sums(out: list) -> tuple[float, float]:

@@ -41,9 +41,9 @@ __all__ = ["apply_vocab_parallel", "vocab_engine_of", "core_of", "check_model_co
 
 
 def core_of(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
+    """The model chunk inside its wrappers (:func:`megatron_pp_ext.runtime.model.unwrap_model`)."""
+    from ...runtime.model import unwrap_model
+    return unwrap_model(model)
 
 
 def vocab_engine_of(model) -> VocabParallel | None:
