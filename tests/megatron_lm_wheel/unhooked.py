@@ -28,7 +28,8 @@ if which == "schedule":
         if obj is training and name == "get_forward_backward_func":
             training.get_forward_backward_func = old
 elif which == "model":
-    integration._place_chunk = lambda build, bound: build(*bound.args, **bound.kwargs)
+    from megatron_pp_ext.megatron_lm import placement
+    placement._place_chunk = lambda build, bound: build(*bound.args, **bound.kwargs)
 else:
     raise SystemExit(f"unhooked.py: unknown hook {which!r}")
 sys.argv = [script] + prepare_argv(rest, cuda=torch.cuda.is_available())

@@ -1,0 +1,239 @@
+"""The training step under our flags: the forward-backward function Megatron-LM's
+``get_forward_backward_func()`` hands out (a schedule executor with the features' runtimes),
+the checks that the step really reaches it, the loss handed to the rank that prints, and the
+re-generation of the schedule from profiled op times."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from .flags import MegatronPlan
+from ..runtime.tied import with_tied_sum
+from .state import _flag_error, _pp_info, _print0, current_plan
+from .placement import _check_model_placed
+from . import state as _st
+
+
+class ForwardBackward:
+    """What ``get_forward_backward_func()`` returns under our flags: a
+    :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` for the run's schedule, plus
+    what Megatron-LM's loop needs around it (tied copies on one rank, profiling)."""
+
+    def __init__(self, plan: MegatronPlan, costs=None, features: list | None = None):
+        from ..runtime.executor import ScheduleExecutor
+        from .flags import _schedule_options
+
+        self.plan = plan
+        o = plan.options
+        self.features = list(features or [])   # [(name, feature, config, FeaturePlan)] of train-feature plug-ins
+        factory = next((fp.factory for _, _, _, fp in self.features if fp.factory is not None), None)
+        self.model_features = list(_st.current.model_features) if _st.current is not None else []
+        costs = costs if costs is not None else o.costs
+        # a feature that changes the model brings its own executor (validate_args refused one
+        # that rewrites the schedule next to it)
+        own = [f.executor(plan, costs) for f in self.model_features if hasattr(f, "executor")]
+        if own:
+            self.executor = own[0]
+        elif factory is not None:  # a feature rewrote the schedule (e.g. offload/reload ops)
+            self.executor = ScheduleExecutor(factory)
+        else:
+            self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks, costs=costs,
+                                             memory_budget=o.memory_budget, options=_schedule_options(o))
+        if not own:
+            self.executor.allow_tied_v = True
+        self._call: Callable | None = None
+        self._runtimes: list = []
+        self.calls = 0          # calls so far (the training step checks that its call reached us)
+        self.__name__ = f"megatron_pp_ext[{o.schedule}]"
+
+    def _attach(self, models: list, config: Any) -> Callable:
+        """The executor, wrapped by each feature's runtime (attached at the first call, when the
+        model and its device are known)."""
+        call: Callable = self.executor
+        if self.features:
+            dev = next((p.device for m in models for p in m.parameters()), torch.device("cpu"))
+            training = types.SimpleNamespace(executor=self.executor, model=models, config=config, extra=None,
+                                             forward_backward=self.executor)
+            for _name, feature, cfg, fplan in self.features:
+                rt = feature.attach(cfg, training, fplan, dev)
+                self._runtimes.append(rt)
+                call = rt.wrap(call)
+        return call
+
+    def feature_metrics(self) -> dict:
+        """Per-rank figures the features report (e.g. offload: peak resident / offloaded bytes)."""
+        out: dict = {}
+        for rt in self._runtimes:
+            out.update(rt.metrics())
+        return out
+
+    def __call__(self, **kwargs: Any):
+        from megatron.core.utils import get_model_config
+
+        self.calls += 1
+        model = kwargs["model"]
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = get_model_config(models[0])
+        if self._call is None:
+            self._call = self._attach(models, config)
+        if not kwargs.get("forward_only", False):
+            for rt in self._runtimes:
+                rt.start_iteration([])
+        for f in self.model_features:
+            f.before_call(kwargs)
+        pairs = _st.current.tied_pairs if _st.current is not None else []
+        orig = config.finalize_model_grads_func
+        if pairs and orig is not None and not kwargs.get("forward_only", False):
+            config.finalize_model_grads_func = with_tied_sum(orig, pairs)
+            try:
+                return self._call(**kwargs)
+            finally:
+                config.finalize_model_grads_func = orig
+        return self._call(**kwargs)
+
+
+def _make_get_fb(orig: Callable) -> Callable:
+    def get_forward_backward_func(*args: Any, **kwargs: Any):
+        plan = current_plan()
+        if plan is None or not plan.options.active:
+            return orig(*args, **kwargs)
+        # (whatever Megatron-LM passes -- pp_size, vp_size, schedule_pg_collection -- our schedule
+        # runs; it takes its process groups from the call, as Megatron-Core's schedules do)
+        if _st.current.fb is None:
+            _st.current.fb = ForwardBackward(plan, features=_st.current.features)
+        return _st.current.fb
+    return get_forward_backward_func
+
+
+def _is_ours(fn: Any) -> bool:
+    seen = 0
+    while fn is not None and seen < 8:
+        if isinstance(fn, ForwardBackward):
+            return True
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "forward_backward_func", None)
+        seen += 1
+    return False
+
+
+def _forward_loss_dict(loss: dict, plan: MegatronPlan) -> dict:
+    """Hand the reduced losses from the pipeline rank holding the loss to the last pipeline rank
+    (where Megatron-LM prints, and writes TensorBoard / W&B)."""
+    from megatron.core import parallel_state as ps
+    rank, p = _pp_info()
+    if p == 1 or plan.loss_rank == p - 1:
+        return loss
+    group = ps.get_pipeline_model_parallel_group()
+    src = torch.distributed.get_global_rank(group, plan.loss_rank)
+    payload = [{k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in loss.items()}
+               if rank == plan.loss_rank else None]
+    torch.distributed.broadcast_object_list(payload, src=src, group=group)
+    if rank != p - 1:
+        return loss
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in (payload[0] or {}).items()}
+
+
+def _make_train_step(orig: Callable) -> Callable:
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, *args: Any, **kwargs: Any):
+        plan = current_plan()
+        active = plan is not None and plan.options.active
+        if plan is not None and plan.options.needs_install:
+            _check_model_placed(model)
+        if active and not _is_ours(forward_backward_func):
+            _flag_error(RuntimeError(
+                f"{plan.options.flag} was requested, but Megatron-LM's training step was about to run "
+                f"{getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
+                "schedule (this Megatron-LM obtains its forward-backward function in a way the integration does not "
+                "hook); see docs/compatibility.md for the supported versions"))
+        calls = _st.current.fb.calls if active and _st.current.fb is not None else 0
+        prof = _st.current.profiler if _st.current is not None else None
+        it = kwargs.get("iteration", args[0] if args else None)
+        profiling = (prof is not None and it is not None and isinstance(forward_backward_func, ForwardBackward)
+                     and prof.active(int(it)))
+        if profiling:
+            ex = forward_backward_func.executor
+            ex.record_timings = True
+            ex.sync_timings = torch.cuda.is_available()
+        out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, *args, **kwargs)
+        if active and (_st.current.fb is None or _st.current.fb.calls == calls):
+            _flag_error(RuntimeError(f"{plan.options.flag} was requested, but Megatron-LM's training step ran without "
+                                     "calling megatron_pp_ext's schedule; see docs/compatibility.md"))
+        if profiling:
+            ex.record_timings = False
+            ex.sync_timings = False
+            prof.record(ex.last_timings)
+            if prof.last(int(it)):
+                _reschedule(prof, forward_backward_func, plan)
+        if plan is not None and plan.v:
+            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
+        return out
+    return train_step
+
+
+def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
+    """End of the profiling window: the measured per-stage F/B/W (medians over ranks and
+    iterations) and p2p latency become the cost model the schedule is re-generated for."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    from ..schedule import ScheduleError, simulate
+    from ..trainer.profile import measure_p2p_latency
+
+    args = get_args()
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, dict(prof.samples))
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shape = (args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size, args.hidden_size)
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    comm = measure_p2p_latency(ps.get_pipeline_model_parallel_group(), shape, dtype, dev)
+    lat = torch.tensor([comm], dtype=torch.float64, device=dev)
+    torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
+    try:
+        cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
+    except ValueError as e:
+        _print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
+        return
+    old = fb.executor.last_schedule
+    new = ForwardBackward(plan, costs=cost)
+    try:
+        sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+    except ScheduleError as e:
+        _print0(f"megatron_pp_ext: profiling: the generator refused the measured costs ({e}); keeping the schedule")
+        return
+    fb.executor = new.executor
+    fb._call = None   # re-wrapped at the next call
+    try:
+        before = simulate(old, cost).makespan if old is not None else float("nan")
+    except ScheduleError:
+        before = float("nan")
+    after = simulate(sched, cost).makespan
+    _print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
+            f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
+            f"{before:.4g} -> {after:.4g} ms")
+
+
+def _make_evaluate(orig: Callable) -> Callable:
+    def evaluate(*args: Any, **kwargs: Any):
+        out = orig(*args, **kwargs)
+        plan = current_plan()
+        if plan is not None and plan.v and isinstance(out, tuple) and out[0] is not None:
+            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
+        return out
+    return evaluate
+
+
+def _make_profiled(train_step: Callable) -> Callable:
+    """Creates the profiler lazily (the window is known once the arguments are validated)."""
+    def wrapped(*args: Any, **kwargs: Any):
+        plan = current_plan()
+        if (_st.current is not None and _st.current.profiler is None and plan is not None and plan.options.active
+                and plan.options.profile_iters > 0):
+            from ..trainer.profile import Profiler
+            _st.current.profiler = Profiler(plan.options.profile_iters, start=plan.options.profile_start)
+        return train_step(*args, **kwargs)
+    return wrapped
