@@ -169,6 +169,14 @@ _TRITON_KERNEL_MODULES = frozenset({
     "megatron.core.transformer.moe.paged_stash",        # core 0.18
     "megatron.core.transformer.moe.ops.paged_stash",    # core 0.19
     "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+    # Megatron-LM main after core_v0.19.0 (megatron.training.models.hybrid imports the SSM layers)
+    "megatron.core.ssm.ops.common.causal_conv1d_varlen",
+    "megatron.core.ssm.ops.mamba2.batch_invariant_decode",
+    "megatron.core.ssm.ops.mamba2.ssd_bmm",
+    "megatron.core.ssm.ops.mamba2.ssd_chunk_scan",
+    "megatron.core.ssm.ops.mamba2.ssd_chunk_state",
+    "megatron.core.ssm.ops.mamba2.ssd_combined",
+    "megatron.core.ssm.ops.mamba2.ssd_state_passing",
 })
 
 
@@ -338,11 +346,59 @@ def install_import_shims() -> None:
 
 # --- Megatron-Core runtime -----------------------------------------------------------------------
 
-def _params(fn: Callable) -> dict:
+def _opaque(sig: inspect.Signature) -> bool:
+    """Only ``*args, **kwargs``: the signature of a wrapper that does not say what it wraps."""
+    kinds = {p.kind for p in sig.parameters.values()}
+    return bool(kinds) and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+
+
+def _wrapped_inside(fn: Any, name: str) -> Any:
+    """The function a wrapper without ``functools.wraps`` calls: the one function it holds (in its
+    closure, or as an attribute of a wrapper object) that the decorator did not define itself (a
+    helper next to the wrapper), or the one of them named ``name``."""
+    held = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _is_cell_set(c)]
+    held += list(getattr(fn, "__dict__", {}).values())
+    scope = getattr(fn, "__qualname__", "").rpartition(".")[0]
+    funcs = [f for f in held if (inspect.isfunction(f) or inspect.ismethod(f))
+             and not (scope.endswith("<locals>") and getattr(f, "__qualname__", "").rpartition(".")[0] == scope)]
+    named = [f for f in funcs if getattr(f, "__name__", None) == name]
+    if len(named) == 1:
+        return named[0]
+    return funcs[0] if len(funcs) == 1 else None
+
+
+def _is_cell_set(cell) -> bool:
     try:
-        return dict(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return {}
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def signature(fn: Callable, name: str | None = None) -> inspect.Signature | None:
+    """``fn``'s signature seen through wrappers: ``functools.wraps`` (``__wrapped__``, as
+    ``inspect.signature`` follows it) and wrappers without it whose own signature is only
+    ``*args, **kwargs`` (Megatron-LM main wraps ``schedules.forward_step`` / ``backward_step``
+    in a tracing decorator, a no-op without its package; another build of it may not use
+    ``functools.wraps``). None when it cannot be read."""
+    name = name or getattr(fn, "__name__", "")
+    for _ in range(8):
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None
+        if not _opaque(sig):
+            return sig
+        inner = _wrapped_inside(fn, name)
+        if inner is None:
+            return None
+        fn = inner
+    return None
+
+
+def _params(fn: Callable, name: str | None = None) -> dict:
+    sig = signature(fn, name)
+    return {} if sig is None else dict(sig.parameters)
 
 
 _BACKWARD_TAKES_MODEL_TYPE: dict = {}
@@ -350,13 +406,20 @@ _BACKWARD_TAKES_MODEL_TYPE: dict = {}
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
     """Megatron-Core's ``schedules.backward_step`` (``model_type`` dropped where the function
-    no longer takes it: core 0.17+)."""
+    no longer takes it: core 0.17+), read through a tracing wrapper (:func:`signature`)."""
     from megatron.core.pipeline_parallel import schedules as msched
 
     fn = msched.backward_step
-    takes = _BACKWARD_TAKES_MODEL_TYPE.get(id(fn))
+    cached = _BACKWARD_TAKES_MODEL_TYPE.get(id(fn))
+    takes = cached[1] if cached is not None and cached[0] is fn else None   # (an id can be reused)
     if takes is None:
-        takes = _BACKWARD_TAKES_MODEL_TYPE[id(fn)] = "model_type" in _params(fn)
+        params = _params(fn, "backward_step")
+        if not params:
+            raise RuntimeError(f"megatron_pp_ext cannot read the parameters of Megatron-Core's schedules.backward_step "
+                               f"through its wrapper {fn!r} (a decorator without functools.wraps that hides the "
+                               "function it wraps): uninstall the package that wraps it, or have it use functools.wraps")
+        takes = "model_type" in params
+        _BACKWARD_TAKES_MODEL_TYPE[id(fn)] = (fn, takes)
     if takes:
         return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
@@ -529,9 +592,13 @@ def names_of(what: str, module: Any) -> list[str]:
 
 
 def bind_call(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    """``fn``'s arguments by name (None when the call does not bind: it is then passed through)."""
+    """``fn``'s arguments by name, with the signature of the function a wrapper wraps
+    (:func:`signature`; None when the call does not bind: it is then passed through)."""
+    sig = signature(fn)
+    if sig is None:
+        return None
     try:
-        return inspect.signature(fn).bind(*args, **kwargs)
+        return sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
 

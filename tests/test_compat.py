@@ -7,7 +7,9 @@ importing it).
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,126 @@ def test_backward_step_follows_the_signature(monkeypatch):
     monkeypatch.setattr(schedules, "backward_step", lambda i, o, g, model_type, config: seen.append((model_type, config)))
     compat.backward_step(1, 2, 3, "mt", "cfg")
     assert seen[-1] == ("mt", "cfg")
+
+
+def _traced_with_wraps(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _traced_without_wraps(fn, span="megatron.microbatch.backward"):
+    """A tracing decorator that does not use functools.wraps: its closure also holds a helper."""
+    def record(what):
+        return (span, what)
+
+    def wrapper(*args, **kwargs):
+        record("start")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _TracedObject:
+    """A tracing wrapper object: only ``(*args, **kwargs)`` to see, the function in an attribute."""
+
+    def __init__(self, fn):
+        self.target, self.span = fn, "megatron.microbatch.backward"
+
+    def __call__(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
+
+
+WRAPPERS = {"functools.wraps": _traced_with_wraps, "no functools.wraps": _traced_without_wraps,
+            "wrapper object": _TracedObject,
+            "two layers": lambda fn: _traced_without_wraps(_traced_with_wraps(fn))}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS), ids=list(WRAPPERS))
+def test_signature_probes_see_through_a_tracing_wrapper(monkeypatch, wrap):
+    """Megatron-LM main decorates schedules.forward_step / backward_step with a tracing decorator
+    (a no-op without its package): compat.backward_step still passes model_type exactly where the
+    wrapped function takes it, and bind_call binds a wrapped function's arguments by name."""
+    from megatron.core.pipeline_parallel import schedules
+
+    seen = []
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+        seen.append(("new", config))
+        return "dx"
+
+    def old_backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        seen.append((model_type, config))
+        return "dx"
+    old_backward_step.__name__ = "backward_step"
+
+    monkeypatch.setattr(schedules, "backward_step", WRAPPERS[wrap](backward_step))
+    assert compat.backward_step(1, 2, 3, "mt", "cfg") == "dx" and seen == [("new", "cfg")]
+    monkeypatch.setattr(schedules, "backward_step", WRAPPERS[wrap](old_backward_step))
+    assert compat.backward_step(1, 2, 3, "mt", "cfg") == "dx" and seen[-1] == ("mt", "cfg")
+
+    def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                 process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):  # noqa: B006
+        return extra_args_provider
+    bound = compat.bind_call(WRAPPERS[wrap](pretrain), ("data", "model", "type", "step"), {"extra_args_provider": 1})
+    assert bound is not None and bound.arguments["extra_args_provider"] == 1
+    assert "extra_args_provider" in bound.signature.parameters and bound.arguments["model_type"] == "type"
+
+
+def test_unreadable_wrapper_is_one_line_naming_the_fix(monkeypatch):
+    """A wrapper that hides which function it calls (two candidates, neither named backward_step):
+    one line naming the fix, not a guess at the arguments."""
+    from megatron.core.pipeline_parallel import schedules
+
+    def first(*args):
+        return args
+
+    def second(*args):
+        return args
+
+    def wrapper(*args, **kwargs):
+        return second(first(*args))
+    monkeypatch.setattr(schedules, "backward_step", wrapper)
+    with pytest.raises(RuntimeError, match="cannot read the parameters of Megatron-Core's schedules.backward_step "
+                                           "through its wrapper .* or have it use functools.wraps$"):
+        compat.backward_step(1, 2, 3, "mt", "cfg")
+
+
+def test_default_pg_collection_has_every_group_megatrons_schedules_fill():
+    """The executor's ProcessGroupCollection when the caller passes none: every field Megatron-Core's
+    own schedules fill (their _build_default_pg_collection where this release has one: Megatron-LM
+    main adds the gtp_remat groups), and tp_dp_cp and dp on every release (finalize_model_grads
+    asserts tp_dp_cp with moe_router_enable_expert_bias on 0.18.2+); the caller's pipeline group wins."""
+    import socket
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_pp_ext.runtime.cpu_compat import enable_cpu_compat
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with enable_cpu_compat():
+        store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel()
+            pgc = compat.default_pg_collection()
+            fields = set(vars(pgc))
+            build = getattr(schedules, "_build_default_pg_collection", None)
+            theirs = vars(build()) if build is not None else {}
+            assert set(theirs) <= fields, set(theirs) - fields
+            assert all(getattr(pgc, k) is v for k, v in theirs.items())
+            assert {"tp", "cp", "embd", "pos_embd", "pp", "dp_cp", "tp_dp_cp", "dp"} <= fields
+            assert pgc.tp_dp_cp is ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+            assert pgc.pp is ps.get_pipeline_model_parallel_group()
+            mine = torch.distributed.new_group([0])
+            assert compat.default_pg_collection(mine).pp is mine
+        finally:
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
