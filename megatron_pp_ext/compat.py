@@ -2,7 +2,9 @@
 
 Supported: **megatron-core 0.16.1 through 0.19.x** (:data:`SUPPORTED`, also declared in
 ``setup.py``) and **Megatron-LM core_v0.16.1, core_v0.17.1, core_v0.18.2 and core_v0.19.0**
-(:data:`MEGATRON_LM_TAGS`; ``patches/`` has one patch per tag). Nothing else in the package
+(:data:`MEGATRON_LM_TAGS`; ``patches/`` has one patch per tag); and, as a development build
+verified by hand, **Megatron-LM main** (megatron-core 0.20.0) from a git checkout at or after the
+commit of :data:`MEGATRON_LM_MAIN` (its own patch; :func:`main_checkout`). Nothing else in the package
 branches on the Megatron version: it calls the functions here, which find out what the loaded
 Megatron can do by probing it (a signature, an attribute, a module) rather than by comparing
 version strings. The version number itself is read only to refuse an unsupported release
@@ -52,6 +54,13 @@ became ``moe_logging.MoEMetricsTracker``                  :func:`reset_moe_metri
                                                           returns a fresh copy there)
 NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
 (was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
+``schedules.forward_step`` / ``backward_step``  main      :func:`signature` reads the wrapped
+wrapped by a tracing decorator                            function's parameters (``functools.wraps``
+                                                          or not); one line when it cannot
+``_build_default_pg_collection`` fills the    main        :func:`default_pg_collection` calls it
+``gtp_remat`` groups                                      where the release has it
+SSM kernel modules ``import triton``          main        :func:`install_import_shims` (the list)
+(``megatron.training.models.hybrid``)
 ============================================  ==========  ============================================
 """
 
@@ -74,7 +83,7 @@ __all__ = [
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
-    "default_pg_collection",
+    "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -88,6 +97,12 @@ MEGATRON_LM_TAGS = {
     "core_v0.18.2": "571370c829ca768fe37244f4e2e7f28d8accc4ab",
     "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
 }
+#: Megatron-LM's main branch, verified by hand at this commit (docs/compatibility.md; patch
+#: patches/megatron-lm-main-<commit[:10]>.patch): the version its package_info reports is accepted as a
+#: development build when megatron.core is imported from a git checkout whose HEAD has this commit in
+#: its history (a wheel of that version, or an older or unrelated checkout, has no way to tell)
+MEGATRON_LM_MAIN = {"commit": "d98e8a64ddf34856e74b24714e3bedb2f5a39553", "date": "2026-08-22",
+                    "version": (0, 20, 0)}
 _ALLOW_ENV = "MPPX_ALLOW_UNSUPPORTED_MEGATRON"
 
 
@@ -136,13 +151,53 @@ def megatron_core_version() -> tuple[int, int, int] | None:
     return tuple(parts)  # type: ignore[return-value]
 
 
+def main_checkout(where: str | None = None) -> tuple[bool, str]:
+    """Whether the Megatron-Core at ``where`` (default: the one that would be imported) is a git
+    checkout of Megatron-LM at or after :data:`MEGATRON_LM_MAIN`'s commit: ``(True, HEAD)``, or
+    ``(False, why not)``. Read with ``git`` (``merge-base --is-ancestor``), without importing it."""
+    import shutil
+    import subprocess
+
+    where = where or megatron_core_location()
+    pinned = MEGATRON_LM_MAIN["commit"]
+    git = shutil.which("git")
+    if where is None:
+        return False, "megatron-core is not installed"
+    if git is None:
+        return False, "git is not installed, so its commit cannot be read"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        return subprocess.run([git, "-C", where, *args], capture_output=True, text=True, timeout=60, env=env)
+
+    try:
+        if run("ls-files", "--error-unmatch", "package_info.py").returncode != 0:
+            return False, "it is not a git checkout of Megatron-LM (a wheel or a copy: its commit is unknown)"
+        head = run("rev-parse", "HEAD").stdout.strip()
+        anc = run("merge-base", "--is-ancestor", pinned, "HEAD").returncode
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"git could not read its checkout ({e})"
+    if anc == 0:
+        return True, head
+    if anc == 1:
+        return False, f"its checkout is at {head[:10]}, which does not descend from main {pinned[:10]}"
+    return False, (f"its checkout at {head[:10]} does not have main {pinned[:10]} in its history "
+                   "(a shallow clone? git fetch --unshallow)")
+
+
 _CHECKED: list = []
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_supported() -> None:
     """Refuse an unsupported Megatron-Core with one line naming the fix
     (:class:`UnsupportedMegatronError`); ``MPPX_ALLOW_UNSUPPORTED_MEGATRON=1`` turns that into
-    a one-line warning (once per process)."""
+    a one-line warning (once per process). Megatron-LM main at or after
+    :data:`MEGATRON_LM_MAIN`'s commit (a git checkout, :func:`main_checkout`) runs with one
+    line saying it is a development build (rank 0)."""
     if _CHECKED:
         return
     ver = megatron_core_version()
@@ -152,8 +207,22 @@ def check_supported() -> None:
     if SUPPORTED[0] <= ver < SUPPORTED[1]:
         _CHECKED.append(ver)
         return
-    what = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {'.'.join(map(str, ver))} is installed "
+    text = ".".join(map(str, ver))
+    what = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {text} is installed "
             f"({megatron_core_location()})")
+    if ver == MEGATRON_LM_MAIN["version"]:
+        pinned, date = MEGATRON_LM_MAIN["commit"][:10], MEGATRON_LM_MAIN["date"]
+        ok, detail = main_checkout()
+        if ok:
+            _CHECKED.append(ver)
+            if _rank0():
+                print(f"megatron_pp_ext: note: megatron-core {text} is a development build (Megatron-LM main at "
+                      f"{detail[:10]}, at or after {pinned} of {date}, verified by hand: docs/compatibility.md)",
+                      file=sys.stderr, flush=True)
+            return
+        what += (f" and {detail}; {text} runs only as Megatron-LM main at or after {pinned} ({date}) "
+                 "from a git checkout")
+        fix += f", or scripts/install_megatron.sh --ref {pinned} DIR and PYTHONPATH=DIR"
     if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
         print(f"megatron_pp_ext: warning: {what}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
         _CHECKED.append(ver)

@@ -43,7 +43,11 @@ def test_this_environment_is_supported():
     r = _run(CHECK, None)
     assert r.returncode == 0 and "supported" in r.stdout, r.stderr
     ver = compat.megatron_core_version()
-    assert ver is not None and compat.SUPPORTED[0] <= ver < compat.SUPPORTED[1]
+    assert ver is not None
+    if ver == compat.MEGATRON_LM_MAIN["version"]:   # (by hand: a Megatron-LM main checkout)
+        assert compat.main_checkout()[0], compat.main_checkout()[1]
+    else:
+        assert compat.SUPPORTED[0] <= ver < compat.SUPPORTED[1]
 
 
 @pytest.mark.parametrize("version", [(0, 20, 0), (0, 15, 3), (1, 0, 0)])
@@ -63,6 +67,90 @@ def test_unsupported_version_can_be_tried_with_a_warning(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("megatron_pp_ext: warning: megatron_pp_ext supports megatron-core "
                                                    "0.16.1 through 0.19.x, but megatron-core 0.20.0 is installed")
     assert lines[0].endswith("trying anyway (MPPX_ALLOW_UNSUPPORTED_MEGATRON=1)")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    r = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(repo), *args],
+                       capture_output=True, text=True, env=env, check=True)
+    return r.stdout.strip()
+
+
+@pytest.fixture
+def main_repo(tmp_path):
+    """A stand-in Megatron-LM git history: commits a <- b <- c on main (package_info reports the
+    version of :data:`compat.MEGATRON_LM_MAIN`) and a side branch from a; HEAD at c."""
+    if shutil.which("git") is None:
+        pytest.fail("git is needed (the version check reads a checkout's commit with it)")
+    repo = _fake_megatron(tmp_path, compat.MEGATRON_LM_MAIN["version"])
+    _git(repo, "init", "-q", "-b", "main")
+    ids = {}
+    for name in ("a", "b", "c"):
+        (repo / "megatron" / "core" / "log.txt").write_text(name)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", name)
+        ids[name] = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "-b", "side", ids["a"])
+    (repo / "megatron" / "core" / "log.txt").write_text("side")
+    _git(repo, "commit", "-q", "-am", "side")
+    ids["side"] = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "main")
+    return repo, ids
+
+
+def _check_pinned(pinned: str) -> list[str]:
+    """The version check with ``pinned`` as the main commit megatron_pp_ext is verified at."""
+    return ["-c", "from megatron_pp_ext import compat; compat.MEGATRON_LM_MAIN['commit'] = %r; "
+                  "compat.check_supported(); print('supported', compat.megatron_core_version())" % pinned]
+
+
+def test_main_checkout_at_or_after_the_pinned_commit_runs_as_a_development_build(main_repo):
+    """Megatron-LM main (megatron-core 0.20.0) from a git checkout whose history has the pinned
+    commit: accepted, with one line saying it is a development build (rank 0 only)."""
+    repo, ids = main_repo
+    for pinned in (ids["b"], ids["c"]):        # after it, at it
+        r = _run(_check_pinned(pinned), repo)
+        assert r.returncode == 0 and "supported (0, 20, 0)" in r.stdout, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert lines == [f"megatron_pp_ext: note: megatron-core 0.20.0 is a development build (Megatron-LM main at "
+                         f"{ids['c'][:10]}, at or after {pinned[:10]} of {compat.MEGATRON_LM_MAIN['date']}, verified "
+                         "by hand: docs/compatibility.md)"]
+    r = _run(_check_pinned(ids["b"]), repo, RANK="1")
+    assert r.returncode == 0 and r.stderr.strip() == ""
+
+
+def test_development_build_it_cannot_place_is_refused_in_one_line(main_repo, tmp_path):
+    """0.20.0 before the pinned commit, on another branch, from a history without the pinned commit
+    (a shallow clone), not from a git checkout at all (a wheel), or without git: refused, naming
+    why and the fix (install_megatron.sh --ref, or a supported release)."""
+    repo, ids = main_repo
+    cases = [(ids["c"], {}, "before", f"which does not descend from main {ids['c'][:10]}"),
+             (ids["b"], {"side": True}, "side branch", f"which does not descend from main {ids['b'][:10]}"),
+             ("f" * 40, {}, "shallow", "does not have main ffffffffff in its history (a shallow clone?"),
+             (ids["b"], {"wheel": True}, "wheel", "it is not a git checkout of Megatron-LM"),
+             (ids["b"], {"PATH": str(tmp_path / "nothing")}, "no git", "git is not installed")]
+    for pinned, how, what, why in cases:
+        where = repo
+        env = {}
+        if what == "before":
+            _git(repo, "checkout", "-q", ids["b"])
+        elif what == "side branch":
+            _git(repo, "checkout", "-q", "side")
+        elif what == "wheel":
+            where = _fake_megatron(tmp_path / "wheel", compat.MEGATRON_LM_MAIN["version"])
+        elif what == "no git":
+            env["PATH"] = how["PATH"]
+        r = _run(_check_pinned(pinned), where, **env)
+        _git(repo, "checkout", "-q", "main")
+        assert r.returncode != 0, what
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("megatron_pp_ext.compat.UnsupportedMegatronError: megatron_pp_ext supports "
+                               "megatron-core 0.16.1 through 0.19.x, but megatron-core 0.20.0 is installed"), what
+        assert why in last, (what, last)
+        assert (f"0.20.0 runs only as Megatron-LM main at or after {pinned[:10]} ({compat.MEGATRON_LM_MAIN['date']}) "
+                "from a git checkout") in last
+        assert f"scripts/install_megatron.sh --ref {pinned[:10]} DIR and PYTHONPATH=DIR" in last, what
+        assert "pip install 'megatron-core>=0.16.1,<0.20'" in last and "MPPX_ALLOW_UNSUPPORTED_MEGATRON=1" in last
 
 
 def test_mppx_train_refuses_an_unsupported_version_before_starting(tmp_path):
