@@ -26,6 +26,10 @@ training code (a Python 3.12 name)                        < 3.12, present while 
 (lost ``async_grad_allreduce``)                           B/W split cannot honour raises
                                                           :class:`LinearCallError` (never a silent
                                                           fallback to W inside B)
+... gained ``output_dtype`` (fp32 logits:     main        :func:`linear_output_gemm` (the split's
+a widening GEMM; the backward casts dY to                 forward calls Megatron's own GEMM);
+the input's dtype)                                        ``grad_to_input_dtype`` of
+                                                          :func:`bind_linear_call` (its B casts)
 ``start_grad_sync`` calls                     core 0.19   the CPU compatibility layer
 ``torch.cuda.current_stream()``                           (``runtime/cpu_compat.py``, CPU only)
 SwiGLU ``linear_fc1`` tagged                  core 0.18   ``runtime/model.py`` handles every
@@ -84,6 +88,7 @@ __all__ = [
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
     "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
+    "linear_output_gemm",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -592,23 +597,42 @@ class LinearCallError(RuntimeError):
 #: arguments of ``linear_with_grad_accumulation_and_async_allreduce`` the B/W split implements
 #: (after input and weight), and the values it can run for the others
 _LINEAR_KNOWN = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                 "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group")
+                 "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group",
+                 "output_dtype")
 _LINEAR_NEUTRAL = {"gtp_remat_size": (1, None)}   # core 0.19: generalized-TP weight rematerialisation
 _LINEAR_SIG: dict = {}
+
+
+def linear_output_gemm() -> Callable | None:
+    """Megatron-Core's own forward GEMM of its linear layers with an output dtype,
+    ``_linear_forward(input, weight, bias, output_dtype)`` (main after core_v0.19,
+    ``--output-logit-dtype fp32``: a widening GEMM through Transformer Engine's ``general_gemm``,
+    the plain matmul when the dtypes agree), or None where this release has none. The B/W split
+    calls it, so its forward is Megatron's whatever the GEMM."""
+    from megatron.core.tensor_parallel import layers
+
+    fn = getattr(layers, "_linear_forward", None)
+    if fn is None or list(_params(fn))[:4] != ["input", "weight", "bias", "output_dtype"]:
+        return None
+    return fn
 
 
 def bind_linear_call(args: tuple, kwargs: dict) -> dict:
     """The arguments (after input and weight) of a call of Megatron-Core's
     ``linear_with_grad_accumulation_and_async_allreduce``, bound with the function's own
     signature: ``{bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-    grad_output_buffer, tp_group}``. Raises :class:`LinearCallError` for an argument the split
-    does not implement (a new one, or ``gtp_remat_size`` > 1)."""
+    grad_output_buffer, tp_group, output_dtype, grad_to_input_dtype}``. ``grad_to_input_dtype``:
+    this release's backward casts the output gradient to the input's dtype before using it (it
+    came with ``output_dtype``, main after core_v0.19). Raises :class:`LinearCallError` for an
+    argument the split does not implement (a new one, or ``gtp_remat_size`` > 1)."""
     from megatron.core.tensor_parallel import layers
 
     fn = layers.linear_with_grad_accumulation_and_async_allreduce
-    sig = _LINEAR_SIG.get(id(fn))
+    cached = _LINEAR_SIG.get(id(fn))
+    sig = cached[1] if cached is not None and cached[0] is fn else None   # (an id can be reused)
     if sig is None:
-        sig = _LINEAR_SIG[id(fn)] = inspect.signature(fn)
+        sig = inspect.signature(fn)
+        _LINEAR_SIG[id(fn)] = (fn, sig)
     try:
         bound = sig.bind(None, None, *args, **kwargs)
     except TypeError as e:
@@ -631,8 +655,12 @@ def bind_linear_call(args: tuple, kwargs: dict) -> dict:
         elif not _is_default(value, sig.parameters[name].default):
             raise LinearCallError(f"argument {name}={value!r}, which the B/W split does not implement")
     for name in ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                 "grad_output_buffer", "tp_group"):
-        out.setdefault(name, None if name in ("bias", "grad_output_buffer", "tp_group") else False)
+                 "grad_output_buffer", "tp_group", "output_dtype"):
+        out.setdefault(name, None if name in ("bias", "grad_output_buffer", "tp_group", "output_dtype") else False)
+    if out["output_dtype"] is not None and linear_output_gemm() is None:
+        raise LinearCallError(f"output_dtype={out['output_dtype']} (this megatron-core has no "
+                              "_linear_forward(input, weight, bias, output_dtype) for the B/W split to run it with)")
+    out["grad_to_input_dtype"] = "output_dtype" in names
     return out
 
 
