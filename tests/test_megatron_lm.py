@@ -208,6 +208,8 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
     (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
      "--bpipe does not support --pipeline-schedule zbv"),
+    (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "2"], {"freeze_all_layers": True},
+     "--freeze-all-layers runs them forward only; drop one of them"),
 ])
 def test_megatron_combination_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
