@@ -2,7 +2,9 @@
 
 Supported: **megatron-core 0.16.1 through 0.19.x** (:data:`SUPPORTED`, also declared in
 ``setup.py``) and **Megatron-LM core_v0.16.1, core_v0.17.1, core_v0.18.2 and core_v0.19.0**
-(:data:`MEGATRON_LM_TAGS`; ``patches/`` has one patch per tag). Nothing else in the package
+(:data:`MEGATRON_LM_TAGS`; ``patches/`` has one patch per tag); and, as a development build
+verified by hand, **Megatron-LM main** (megatron-core 0.20.0) from a git checkout at or after the
+commit of :data:`MEGATRON_LM_MAIN` (its own patch; :func:`main_checkout`). Nothing else in the package
 branches on the Megatron version: it calls the functions here, which find out what the loaded
 Megatron can do by probing it (a signature, an attribute, a module) rather than by comparing
 version strings. The version number itself is read only to refuse an unsupported release
@@ -24,6 +26,10 @@ training code (a Python 3.12 name)                        < 3.12, present while 
 (lost ``async_grad_allreduce``)                           B/W split cannot honour raises
                                                           :class:`LinearCallError` (never a silent
                                                           fallback to W inside B)
+... gained ``output_dtype`` (fp32 logits:     main        :func:`linear_output_gemm` (the split's
+a widening GEMM; the backward casts dY to                 forward calls Megatron's own GEMM);
+the input's dtype)                                        ``grad_to_input_dtype`` of
+                                                          :func:`bind_linear_call` (its B casts)
 ``start_grad_sync`` calls                     core 0.19   the CPU compatibility layer
 ``torch.cuda.current_stream()``                           (``runtime/cpu_compat.py``, CPU only)
 SwiGLU ``linear_fc1`` tagged                  core 0.18   ``runtime/model.py`` handles every
@@ -52,6 +58,13 @@ became ``moe_logging.MoEMetricsTracker``                  :func:`reset_moe_metri
                                                           returns a fresh copy there)
 NullTokenizer vocabulary ``--vocab-size``     LM 0.19     nothing to do (tests pick a size whose
 (was ``--vocab-size`` + 1)                                padding is the same at tp 1 and 2)
+``schedules.forward_step`` / ``backward_step``  main      :func:`signature` reads the wrapped
+wrapped by a tracing decorator                            function's parameters (``functools.wraps``
+                                                          or not); one line when it cannot
+``_build_default_pg_collection`` fills the    main        :func:`default_pg_collection` calls it
+``gtp_remat`` groups                                      where the release has it
+SSM kernel modules ``import triton``          main        :func:`install_import_shims` (the list)
+(``megatron.training.models.hybrid``)
 ============================================  ==========  ============================================
 """
 
@@ -74,7 +87,8 @@ __all__ = [
     "megatron_core_version", "megatron_core_location", "check_supported", "install_import_shims",
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
-    "default_pg_collection",
+    "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
+    "linear_output_gemm",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -88,6 +102,12 @@ MEGATRON_LM_TAGS = {
     "core_v0.18.2": "571370c829ca768fe37244f4e2e7f28d8accc4ab",
     "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
 }
+#: Megatron-LM's main branch, verified by hand at this commit (docs/compatibility.md; patch
+#: patches/megatron-lm-main-<commit[:10]>.patch): the version its package_info reports is accepted as a
+#: development build when megatron.core is imported from a git checkout whose HEAD has this commit in
+#: its history (a wheel of that version, or an older or unrelated checkout, has no way to tell)
+MEGATRON_LM_MAIN = {"commit": "d98e8a64ddf34856e74b24714e3bedb2f5a39553", "date": "2026-08-22",
+                    "version": (0, 20, 0)}
 _ALLOW_ENV = "MPPX_ALLOW_UNSUPPORTED_MEGATRON"
 
 
@@ -136,13 +156,53 @@ def megatron_core_version() -> tuple[int, int, int] | None:
     return tuple(parts)  # type: ignore[return-value]
 
 
+def main_checkout(where: str | None = None) -> tuple[bool, str]:
+    """Whether the Megatron-Core at ``where`` (default: the one that would be imported) is a git
+    checkout of Megatron-LM at or after :data:`MEGATRON_LM_MAIN`'s commit: ``(True, HEAD)``, or
+    ``(False, why not)``. Read with ``git`` (``merge-base --is-ancestor``), without importing it."""
+    import shutil
+    import subprocess
+
+    where = where or megatron_core_location()
+    pinned = MEGATRON_LM_MAIN["commit"]
+    git = shutil.which("git")
+    if where is None:
+        return False, "megatron-core is not installed"
+    if git is None:
+        return False, "git is not installed, so its commit cannot be read"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        return subprocess.run([git, "-C", where, *args], capture_output=True, text=True, timeout=60, env=env)
+
+    try:
+        if run("ls-files", "--error-unmatch", "package_info.py").returncode != 0:
+            return False, "it is not a git checkout of Megatron-LM (a wheel or a copy: its commit is unknown)"
+        head = run("rev-parse", "HEAD").stdout.strip()
+        anc = run("merge-base", "--is-ancestor", pinned, "HEAD").returncode
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"git could not read its checkout ({e})"
+    if anc == 0:
+        return True, head
+    if anc == 1:
+        return False, f"its checkout is at {head[:10]}, which does not descend from main {pinned[:10]}"
+    return False, (f"its checkout at {head[:10]} does not have main {pinned[:10]} in its history "
+                   "(a shallow clone? git fetch --unshallow)")
+
+
 _CHECKED: list = []
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_supported() -> None:
     """Refuse an unsupported Megatron-Core with one line naming the fix
     (:class:`UnsupportedMegatronError`); ``MPPX_ALLOW_UNSUPPORTED_MEGATRON=1`` turns that into
-    a one-line warning (once per process)."""
+    a one-line warning (once per process). Megatron-LM main at or after
+    :data:`MEGATRON_LM_MAIN`'s commit (a git checkout, :func:`main_checkout`) runs with one
+    line saying it is a development build (rank 0)."""
     if _CHECKED:
         return
     ver = megatron_core_version()
@@ -152,8 +212,22 @@ def check_supported() -> None:
     if SUPPORTED[0] <= ver < SUPPORTED[1]:
         _CHECKED.append(ver)
         return
-    what = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {'.'.join(map(str, ver))} is installed "
+    text = ".".join(map(str, ver))
+    what = (f"megatron_pp_ext supports {SUPPORTED_TEXT}, but megatron-core {text} is installed "
             f"({megatron_core_location()})")
+    if ver == MEGATRON_LM_MAIN["version"]:
+        pinned, date = MEGATRON_LM_MAIN["commit"][:10], MEGATRON_LM_MAIN["date"]
+        ok, detail = main_checkout()
+        if ok:
+            _CHECKED.append(ver)
+            if _rank0():
+                print(f"megatron_pp_ext: note: megatron-core {text} is a development build (Megatron-LM main at "
+                      f"{detail[:10]}, at or after {pinned} of {date}, verified by hand: docs/compatibility.md)",
+                      file=sys.stderr, flush=True)
+            return
+        what += (f" and {detail}; {text} runs only as Megatron-LM main at or after {pinned} ({date}) "
+                 "from a git checkout")
+        fix += f", or scripts/install_megatron.sh --ref {pinned} DIR and PYTHONPATH=DIR"
     if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
         print(f"megatron_pp_ext: warning: {what}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
         _CHECKED.append(ver)
@@ -169,6 +243,14 @@ _TRITON_KERNEL_MODULES = frozenset({
     "megatron.core.transformer.moe.paged_stash",        # core 0.18
     "megatron.core.transformer.moe.ops.paged_stash",    # core 0.19
     "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+    # Megatron-LM main after core_v0.19.0 (megatron.training.models.hybrid imports the SSM layers)
+    "megatron.core.ssm.ops.common.causal_conv1d_varlen",
+    "megatron.core.ssm.ops.mamba2.batch_invariant_decode",
+    "megatron.core.ssm.ops.mamba2.ssd_bmm",
+    "megatron.core.ssm.ops.mamba2.ssd_chunk_scan",
+    "megatron.core.ssm.ops.mamba2.ssd_chunk_state",
+    "megatron.core.ssm.ops.mamba2.ssd_combined",
+    "megatron.core.ssm.ops.mamba2.ssd_state_passing",
 })
 
 
@@ -338,11 +420,59 @@ def install_import_shims() -> None:
 
 # --- Megatron-Core runtime -----------------------------------------------------------------------
 
-def _params(fn: Callable) -> dict:
+def _opaque(sig: inspect.Signature) -> bool:
+    """Only ``*args, **kwargs``: the signature of a wrapper that does not say what it wraps."""
+    kinds = {p.kind for p in sig.parameters.values()}
+    return bool(kinds) and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+
+
+def _wrapped_inside(fn: Any, name: str) -> Any:
+    """The function a wrapper without ``functools.wraps`` calls: the one function it holds (in its
+    closure, or as an attribute of a wrapper object) that the decorator did not define itself (a
+    helper next to the wrapper), or the one of them named ``name``."""
+    held = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _is_cell_set(c)]
+    held += list(getattr(fn, "__dict__", {}).values())
+    scope = getattr(fn, "__qualname__", "").rpartition(".")[0]
+    funcs = [f for f in held if (inspect.isfunction(f) or inspect.ismethod(f))
+             and not (scope.endswith("<locals>") and getattr(f, "__qualname__", "").rpartition(".")[0] == scope)]
+    named = [f for f in funcs if getattr(f, "__name__", None) == name]
+    if len(named) == 1:
+        return named[0]
+    return funcs[0] if len(funcs) == 1 else None
+
+
+def _is_cell_set(cell) -> bool:
     try:
-        return dict(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return {}
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def signature(fn: Callable, name: str | None = None) -> inspect.Signature | None:
+    """``fn``'s signature seen through wrappers: ``functools.wraps`` (``__wrapped__``, as
+    ``inspect.signature`` follows it) and wrappers without it whose own signature is only
+    ``*args, **kwargs`` (Megatron-LM main wraps ``schedules.forward_step`` / ``backward_step``
+    in a tracing decorator, a no-op without its package; another build of it may not use
+    ``functools.wraps``). None when it cannot be read."""
+    name = name or getattr(fn, "__name__", "")
+    for _ in range(8):
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None
+        if not _opaque(sig):
+            return sig
+        inner = _wrapped_inside(fn, name)
+        if inner is None:
+            return None
+        fn = inner
+    return None
+
+
+def _params(fn: Callable, name: str | None = None) -> dict:
+    sig = signature(fn, name)
+    return {} if sig is None else dict(sig.parameters)
 
 
 _BACKWARD_TAKES_MODEL_TYPE: dict = {}
@@ -350,13 +480,20 @@ _BACKWARD_TAKES_MODEL_TYPE: dict = {}
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
     """Megatron-Core's ``schedules.backward_step`` (``model_type`` dropped where the function
-    no longer takes it: core 0.17+)."""
+    no longer takes it: core 0.17+), read through a tracing wrapper (:func:`signature`)."""
     from megatron.core.pipeline_parallel import schedules as msched
 
     fn = msched.backward_step
-    takes = _BACKWARD_TAKES_MODEL_TYPE.get(id(fn))
+    cached = _BACKWARD_TAKES_MODEL_TYPE.get(id(fn))
+    takes = cached[1] if cached is not None and cached[0] is fn else None   # (an id can be reused)
     if takes is None:
-        takes = _BACKWARD_TAKES_MODEL_TYPE[id(fn)] = "model_type" in _params(fn)
+        params = _params(fn, "backward_step")
+        if not params:
+            raise RuntimeError(f"megatron_pp_ext cannot read the parameters of Megatron-Core's schedules.backward_step "
+                               f"through its wrapper {fn!r} (a decorator without functools.wraps that hides the "
+                               "function it wraps): uninstall the package that wraps it, or have it use functools.wraps")
+        takes = "model_type" in params
+        _BACKWARD_TAKES_MODEL_TYPE[id(fn)] = (fn, takes)
     if takes:
         return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
@@ -460,23 +597,42 @@ class LinearCallError(RuntimeError):
 #: arguments of ``linear_with_grad_accumulation_and_async_allreduce`` the B/W split implements
 #: (after input and weight), and the values it can run for the others
 _LINEAR_KNOWN = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                 "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group")
+                 "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group",
+                 "output_dtype")
 _LINEAR_NEUTRAL = {"gtp_remat_size": (1, None)}   # core 0.19: generalized-TP weight rematerialisation
 _LINEAR_SIG: dict = {}
+
+
+def linear_output_gemm() -> Callable | None:
+    """Megatron-Core's own forward GEMM of its linear layers with an output dtype,
+    ``_linear_forward(input, weight, bias, output_dtype)`` (main after core_v0.19,
+    ``--output-logit-dtype fp32``: a widening GEMM through Transformer Engine's ``general_gemm``,
+    the plain matmul when the dtypes agree), or None where this release has none. The B/W split
+    calls it, so its forward is Megatron's whatever the GEMM."""
+    from megatron.core.tensor_parallel import layers
+
+    fn = getattr(layers, "_linear_forward", None)
+    if fn is None or list(_params(fn))[:4] != ["input", "weight", "bias", "output_dtype"]:
+        return None
+    return fn
 
 
 def bind_linear_call(args: tuple, kwargs: dict) -> dict:
     """The arguments (after input and weight) of a call of Megatron-Core's
     ``linear_with_grad_accumulation_and_async_allreduce``, bound with the function's own
     signature: ``{bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-    grad_output_buffer, tp_group}``. Raises :class:`LinearCallError` for an argument the split
-    does not implement (a new one, or ``gtp_remat_size`` > 1)."""
+    grad_output_buffer, tp_group, output_dtype, grad_to_input_dtype}``. ``grad_to_input_dtype``:
+    this release's backward casts the output gradient to the input's dtype before using it (it
+    came with ``output_dtype``, main after core_v0.19). Raises :class:`LinearCallError` for an
+    argument the split does not implement (a new one, or ``gtp_remat_size`` > 1)."""
     from megatron.core.tensor_parallel import layers
 
     fn = layers.linear_with_grad_accumulation_and_async_allreduce
-    sig = _LINEAR_SIG.get(id(fn))
+    cached = _LINEAR_SIG.get(id(fn))
+    sig = cached[1] if cached is not None and cached[0] is fn else None   # (an id can be reused)
     if sig is None:
-        sig = _LINEAR_SIG[id(fn)] = inspect.signature(fn)
+        sig = inspect.signature(fn)
+        _LINEAR_SIG[id(fn)] = (fn, sig)
     try:
         bound = sig.bind(None, None, *args, **kwargs)
     except TypeError as e:
@@ -499,8 +655,12 @@ def bind_linear_call(args: tuple, kwargs: dict) -> dict:
         elif not _is_default(value, sig.parameters[name].default):
             raise LinearCallError(f"argument {name}={value!r}, which the B/W split does not implement")
     for name in ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                 "grad_output_buffer", "tp_group"):
-        out.setdefault(name, None if name in ("bias", "grad_output_buffer", "tp_group") else False)
+                 "grad_output_buffer", "tp_group", "output_dtype"):
+        out.setdefault(name, None if name in ("bias", "grad_output_buffer", "tp_group", "output_dtype") else False)
+    if out["output_dtype"] is not None and linear_output_gemm() is None:
+        raise LinearCallError(f"output_dtype={out['output_dtype']} (this megatron-core has no "
+                              "_linear_forward(input, weight, bias, output_dtype) for the B/W split to run it with)")
+    out["grad_to_input_dtype"] = "output_dtype" in names
     return out
 
 
@@ -529,9 +689,13 @@ def names_of(what: str, module: Any) -> list[str]:
 
 
 def bind_call(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    """``fn``'s arguments by name (None when the call does not bind: it is then passed through)."""
+    """``fn``'s arguments by name, with the signature of the function a wrapper wraps
+    (:func:`signature`; None when the call does not bind: it is then passed through)."""
+    sig = signature(fn)
+    if sig is None:
+        return None
     try:
-        return inspect.signature(fn).bind(*args, **kwargs)
+        return sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
 

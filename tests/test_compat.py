@@ -7,7 +7,9 @@ importing it).
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +43,11 @@ def test_this_environment_is_supported():
     r = _run(CHECK, None)
     assert r.returncode == 0 and "supported" in r.stdout, r.stderr
     ver = compat.megatron_core_version()
-    assert ver is not None and compat.SUPPORTED[0] <= ver < compat.SUPPORTED[1]
+    assert ver is not None
+    if ver == compat.MEGATRON_LM_MAIN["version"]:   # (by hand: a Megatron-LM main checkout)
+        assert compat.main_checkout()[0], compat.main_checkout()[1]
+    else:
+        assert compat.SUPPORTED[0] <= ver < compat.SUPPORTED[1]
 
 
 @pytest.mark.parametrize("version", [(0, 20, 0), (0, 15, 3), (1, 0, 0)])
@@ -61,6 +67,90 @@ def test_unsupported_version_can_be_tried_with_a_warning(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("megatron_pp_ext: warning: megatron_pp_ext supports megatron-core "
                                                    "0.16.1 through 0.19.x, but megatron-core 0.20.0 is installed")
     assert lines[0].endswith("trying anyway (MPPX_ALLOW_UNSUPPORTED_MEGATRON=1)")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    r = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(repo), *args],
+                       capture_output=True, text=True, env=env, check=True)
+    return r.stdout.strip()
+
+
+@pytest.fixture
+def main_repo(tmp_path):
+    """A stand-in Megatron-LM git history: commits a <- b <- c on main (package_info reports the
+    version of :data:`compat.MEGATRON_LM_MAIN`) and a side branch from a; HEAD at c."""
+    if shutil.which("git") is None:
+        pytest.fail("git is needed (the version check reads a checkout's commit with it)")
+    repo = _fake_megatron(tmp_path, compat.MEGATRON_LM_MAIN["version"])
+    _git(repo, "init", "-q", "-b", "main")
+    ids = {}
+    for name in ("a", "b", "c"):
+        (repo / "megatron" / "core" / "log.txt").write_text(name)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", name)
+        ids[name] = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "-b", "side", ids["a"])
+    (repo / "megatron" / "core" / "log.txt").write_text("side")
+    _git(repo, "commit", "-q", "-am", "side")
+    ids["side"] = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "main")
+    return repo, ids
+
+
+def _check_pinned(pinned: str) -> list[str]:
+    """The version check with ``pinned`` as the main commit megatron_pp_ext is verified at."""
+    return ["-c", "from megatron_pp_ext import compat; compat.MEGATRON_LM_MAIN['commit'] = %r; "
+                  "compat.check_supported(); print('supported', compat.megatron_core_version())" % pinned]
+
+
+def test_main_checkout_at_or_after_the_pinned_commit_runs_as_a_development_build(main_repo):
+    """Megatron-LM main (megatron-core 0.20.0) from a git checkout whose history has the pinned
+    commit: accepted, with one line saying it is a development build (rank 0 only)."""
+    repo, ids = main_repo
+    for pinned in (ids["b"], ids["c"]):        # after it, at it
+        r = _run(_check_pinned(pinned), repo)
+        assert r.returncode == 0 and "supported (0, 20, 0)" in r.stdout, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert lines == [f"megatron_pp_ext: note: megatron-core 0.20.0 is a development build (Megatron-LM main at "
+                         f"{ids['c'][:10]}, at or after {pinned[:10]} of {compat.MEGATRON_LM_MAIN['date']}, verified "
+                         "by hand: docs/compatibility.md)"]
+    r = _run(_check_pinned(ids["b"]), repo, RANK="1")
+    assert r.returncode == 0 and r.stderr.strip() == ""
+
+
+def test_development_build_it_cannot_place_is_refused_in_one_line(main_repo, tmp_path):
+    """0.20.0 before the pinned commit, on another branch, from a history without the pinned commit
+    (a shallow clone), not from a git checkout at all (a wheel), or without git: refused, naming
+    why and the fix (install_megatron.sh --ref, or a supported release)."""
+    repo, ids = main_repo
+    cases = [(ids["c"], {}, "before", f"which does not descend from main {ids['c'][:10]}"),
+             (ids["b"], {"side": True}, "side branch", f"which does not descend from main {ids['b'][:10]}"),
+             ("f" * 40, {}, "shallow", "does not have main ffffffffff in its history (a shallow clone?"),
+             (ids["b"], {"wheel": True}, "wheel", "it is not a git checkout of Megatron-LM"),
+             (ids["b"], {"PATH": str(tmp_path / "nothing")}, "no git", "git is not installed")]
+    for pinned, how, what, why in cases:
+        where = repo
+        env = {}
+        if what == "before":
+            _git(repo, "checkout", "-q", ids["b"])
+        elif what == "side branch":
+            _git(repo, "checkout", "-q", "side")
+        elif what == "wheel":
+            where = _fake_megatron(tmp_path / "wheel", compat.MEGATRON_LM_MAIN["version"])
+        elif what == "no git":
+            env["PATH"] = how["PATH"]
+        r = _run(_check_pinned(pinned), where, **env)
+        _git(repo, "checkout", "-q", "main")
+        assert r.returncode != 0, what
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("megatron_pp_ext.compat.UnsupportedMegatronError: megatron_pp_ext supports "
+                               "megatron-core 0.16.1 through 0.19.x, but megatron-core 0.20.0 is installed"), what
+        assert why in last, (what, last)
+        assert (f"0.20.0 runs only as Megatron-LM main at or after {pinned[:10]} ({compat.MEGATRON_LM_MAIN['date']}) "
+                "from a git checkout") in last
+        assert f"scripts/install_megatron.sh --ref {pinned[:10]} DIR and PYTHONPATH=DIR" in last, what
+        assert "pip install 'megatron-core>=0.16.1,<0.20'" in last and "MPPX_ALLOW_UNSUPPORTED_MEGATRON=1" in last
 
 
 def test_mppx_train_refuses_an_unsupported_version_before_starting(tmp_path):
@@ -107,6 +197,126 @@ def test_backward_step_follows_the_signature(monkeypatch):
     monkeypatch.setattr(schedules, "backward_step", lambda i, o, g, model_type, config: seen.append((model_type, config)))
     compat.backward_step(1, 2, 3, "mt", "cfg")
     assert seen[-1] == ("mt", "cfg")
+
+
+def _traced_with_wraps(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _traced_without_wraps(fn, span="megatron.microbatch.backward"):
+    """A tracing decorator that does not use functools.wraps: its closure also holds a helper."""
+    def record(what):
+        return (span, what)
+
+    def wrapper(*args, **kwargs):
+        record("start")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _TracedObject:
+    """A tracing wrapper object: only ``(*args, **kwargs)`` to see, the function in an attribute."""
+
+    def __init__(self, fn):
+        self.target, self.span = fn, "megatron.microbatch.backward"
+
+    def __call__(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
+
+
+WRAPPERS = {"functools.wraps": _traced_with_wraps, "no functools.wraps": _traced_without_wraps,
+            "wrapper object": _TracedObject,
+            "two layers": lambda fn: _traced_without_wraps(_traced_with_wraps(fn))}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS), ids=list(WRAPPERS))
+def test_signature_probes_see_through_a_tracing_wrapper(monkeypatch, wrap):
+    """Megatron-LM main decorates schedules.forward_step / backward_step with a tracing decorator
+    (a no-op without its package): compat.backward_step still passes model_type exactly where the
+    wrapped function takes it, and bind_call binds a wrapped function's arguments by name."""
+    from megatron.core.pipeline_parallel import schedules
+
+    seen = []
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+        seen.append(("new", config))
+        return "dx"
+
+    def old_backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        seen.append((model_type, config))
+        return "dx"
+    old_backward_step.__name__ = "backward_step"
+
+    monkeypatch.setattr(schedules, "backward_step", WRAPPERS[wrap](backward_step))
+    assert compat.backward_step(1, 2, 3, "mt", "cfg") == "dx" and seen == [("new", "cfg")]
+    monkeypatch.setattr(schedules, "backward_step", WRAPPERS[wrap](old_backward_step))
+    assert compat.backward_step(1, 2, 3, "mt", "cfg") == "dx" and seen[-1] == ("mt", "cfg")
+
+    def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                 process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):  # noqa: B006
+        return extra_args_provider
+    bound = compat.bind_call(WRAPPERS[wrap](pretrain), ("data", "model", "type", "step"), {"extra_args_provider": 1})
+    assert bound is not None and bound.arguments["extra_args_provider"] == 1
+    assert "extra_args_provider" in bound.signature.parameters and bound.arguments["model_type"] == "type"
+
+
+def test_unreadable_wrapper_is_one_line_naming_the_fix(monkeypatch):
+    """A wrapper that hides which function it calls (two candidates, neither named backward_step):
+    one line naming the fix, not a guess at the arguments."""
+    from megatron.core.pipeline_parallel import schedules
+
+    def first(*args):
+        return args
+
+    def second(*args):
+        return args
+
+    def wrapper(*args, **kwargs):
+        return second(first(*args))
+    monkeypatch.setattr(schedules, "backward_step", wrapper)
+    with pytest.raises(RuntimeError, match="cannot read the parameters of Megatron-Core's schedules.backward_step "
+                                           "through its wrapper .* or have it use functools.wraps$"):
+        compat.backward_step(1, 2, 3, "mt", "cfg")
+
+
+def test_default_pg_collection_has_every_group_megatrons_schedules_fill():
+    """The executor's ProcessGroupCollection when the caller passes none: every field Megatron-Core's
+    own schedules fill (their _build_default_pg_collection where this release has one: Megatron-LM
+    main adds the gtp_remat groups), and tp_dp_cp and dp on every release (finalize_model_grads
+    asserts tp_dp_cp with moe_router_enable_expert_bias on 0.18.2+); the caller's pipeline group wins."""
+    import socket
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_pp_ext.runtime.cpu_compat import enable_cpu_compat
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with enable_cpu_compat():
+        store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel()
+            pgc = compat.default_pg_collection()
+            fields = set(vars(pgc))
+            build = getattr(schedules, "_build_default_pg_collection", None)
+            theirs = vars(build()) if build is not None else {}
+            assert set(theirs) <= fields, set(theirs) - fields
+            assert all(getattr(pgc, k) is v for k, v in theirs.items())
+            assert {"tp", "cp", "embd", "pos_embd", "pp", "dp_cp", "tp_dp_cp", "dp"} <= fields
+            assert pgc.tp_dp_cp is ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+            assert pgc.pp is ps.get_pipeline_model_parallel_group()
+            mine = torch.distributed.new_group([0])
+            assert compat.default_pg_collection(mine).pp is mine
+        finally:
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -208,6 +208,8 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
     (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
      "--bpipe does not support --pipeline-schedule zbv"),
+    (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "2"], {"freeze_all_layers": True},
+     "--freeze-all-layers runs them forward only; drop one of them"),
 ])
 def test_megatron_combination_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
@@ -373,7 +375,7 @@ def test_megatron_full_param_is_a_function_of_seed_and_name():
 
 # --- patch ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"])
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main-d98e8a64dd"])
 def test_patch_is_small_and_only_calls_the_package(tag):
     patch = (ROOT / "patches" / f"megatron-lm-{tag}.patch").read_text()
     files = re.findall(r"^diff --git a/(\S+) b/", patch, flags=re.M)
@@ -386,12 +388,16 @@ def test_patch_is_small_and_only_calls_the_package(tag):
 
 
 def test_one_patch_per_supported_tag_and_the_install_script_knows_them():
-    from megatron_pp_ext.compat import MEGATRON_LM_TAGS
+    """One patch per tag and one for the pinned Megatron-LM main commit (compat.MEGATRON_LM_MAIN),
+    and install_megatron.sh knows each commit."""
+    from megatron_pp_ext.compat import MEGATRON_LM_MAIN, MEGATRON_LM_TAGS
+    main = MEGATRON_LM_MAIN["commit"]
     assert sorted(p.name for p in (ROOT / "patches").glob("*.patch")) == sorted(
-        f"megatron-lm-{t}.patch" for t in MEGATRON_LM_TAGS)
+        [f"megatron-lm-{t}.patch" for t in MEGATRON_LM_TAGS] + [f"megatron-lm-main-{main[:10]}.patch"])
     script = (SCRIPTS / "install_megatron.sh").read_text()
     for tag, commit in MEGATRON_LM_TAGS.items():
         assert f"{tag}) TAG_COMMIT={commit} ;;" in script
+    assert f"\nMAIN_COMMIT={main}\n" in script
 
 
 def test_install_script_refuses_an_unknown_tag_in_one_line():
@@ -400,6 +406,19 @@ def test_install_script_refuses_an_unknown_tag_in_one_line():
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == ("install_megatron: error: --tag core_v0.20.0 is not supported; use one of "
                                 "core_v0.16.1 core_v0.17.1 core_v0.18.2 core_v0.19.0 (docs/compatibility.md)")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--ref", "0123456789"], "--ref 0123456789 is not the Megatron-LM main commit megatron_pp_ext is verified at; "
+                              "use --ref d98e8a64dd (main of 2026-08-22) or a --tag, or set MPPX_ALLOW_OTHER_COMMIT=1 "
+                              "to try a later main commit (docs/compatibility.md)"),
+    (["--ref", "d98e8a64dd", "--tag", "core_v0.19.0"], "--tag core_v0.19.0 and --ref d98e8a64dd: give one of them"),
+])
+def test_install_script_refuses_an_unknown_ref_in_one_line(args, line):
+    r = subprocess.run(["bash", str(SCRIPTS / "install_megatron.sh"), *args, "/nonexistent"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == f"install_megatron: error: {line}"
 
 
 def test_setup_declares_the_supported_range():

@@ -3,7 +3,8 @@
 by tests/megatron_lm_wheel/pretrain_gpt.py.
 
 With ``MEGATRON_LM_DIR`` pointing at a checkout of a supported tag (core_v0.16.1, core_v0.17.1,
-core_v0.18.2, core_v0.19.0; scripts/install_megatron.sh --tag TAG) its ``pretrain_gpt.py`` runs;
+core_v0.18.2, core_v0.19.0; scripts/install_megatron.sh --tag TAG) or of the pinned Megatron-LM main
+commit (install_megatron.sh --ref COMMIT; with the checkout on ``PYTHONPATH``) its ``pretrain_gpt.py`` runs;
 without it, the wheel's ``megatron.training`` runs under our small entry point (CI). Skipped with
 the reason when neither is there or Megatron-LM's Python requirements are missing. They run on
 CPU processes over gloo (the CPU compatibility layer), a tiny GPT with mock data, no dropout and
@@ -23,7 +24,9 @@ layout-independent initial weights, several configurations per launch
 * flag errors end the run with status 2 and one line naming the flag;
 * (checkout only) the tag's patch applies, and the patched ``pretrain_gpt.py`` runs
   ``--pipeline-schedule zbv`` without the launcher;
-* the launch scripts' arguments parse with Megatron-LM's own parser plus our flags.
+* the launch scripts' arguments parse with Megatron-LM's own parser plus our flags;
+* (Megatron-LM main) training steps that run forward only under ``--freeze-all-layers``, and
+  ``--output-logit-dtype fp32`` through the B/W split.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.compat import MEGATRON_LM_TAGS, megatron_core_location
+from megatron_pp_ext.compat import MEGATRON_LM_MAIN, MEGATRON_LM_TAGS, megatron_core_location
 
 ROOT = Path(__file__).resolve().parents[1]
 MLM = os.environ.get("MEGATRON_LM_DIR")
@@ -51,11 +54,21 @@ SCRIPT = Path(MLM) / "pretrain_gpt.py" if MLM else WHEEL_SCRIPT
 NEEDED = ("six", "regex", "yaml", "pydantic")
 
 
-def _checkout_tag() -> str | None:
+def _checkout_ref() -> tuple[str, list[str], str] | None:
+    """(patch file, install_megatron.sh arguments, commit) for the checkout's commit: a supported
+    tag, or the pinned Megatron-LM main commit (compat.MEGATRON_LM_MAIN); None for another one."""
     if not MLM:
         return None
     head = subprocess.run(["git", "-C", MLM, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return next((t for t, c in MEGATRON_LM_TAGS.items() if c == head), None)
+    tag = next((t for t, c in MEGATRON_LM_TAGS.items() if c == head), None)
+    if tag is not None:
+        return f"megatron-lm-{tag}.patch", ["--tag", tag], head
+    if head == MEGATRON_LM_MAIN["commit"]:
+        return f"megatron-lm-main-{head[:10]}.patch", ["--ref", head], head
+    return None
+
+
+SUPPORTED_CHECKOUTS = ", ".join([*MEGATRON_LM_TAGS, f"main {MEGATRON_LM_MAIN['commit'][:10]}"])
 
 
 def _wheel_training_loop() -> bool:
@@ -295,6 +308,56 @@ def scripts_ref(work, scripts4) -> dict:
     return {**two, **one}
 
 
+def _lm_source(rel: str) -> str:
+    """A file of the Megatron-LM that runs (the checkout's, or the wheel's training loop)."""
+    base = Path(MLM) / "megatron" if MLM else Path(megatron_core_location() or ".").parent
+    path = base / rel
+    return path.read_text() if path.is_file() else ""
+
+
+#: what Megatron-LM main added after core_v0.19: training steps that run forward only under
+#: --freeze-all-layers (PR #5926), fp32 logits from the output layer (PR #6252)
+FROZEN_FORWARD_ONLY = "def _forward_backward_grad_context" in _lm_source("training/training.py")
+LOGIT_DTYPE = "'--output-logit-dtype'" in _lm_source("training/arguments.py")
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def main2(work) -> dict:
+    """pp=2 runs of what Megatron-LM main added (only those this Megatron-LM has)."""
+    runs = [("zbv-pp2", UNTIE + PP2 + ["--pipeline-schedule", "zbv"])]
+    if FROZEN_FORWARD_ONLY:
+        runs += [("zbv-frozen", UNTIE + PP2 + ["--pipeline-schedule", "zbv", "--freeze-all-layers"]),
+                 ("mcore-frozen", UNTIE + PP2 + ["--freeze-all-layers"])]
+    if LOGIT_DTYPE:
+        runs += [("zbv-fp32-logits", UNTIE + PP2 + ["--pipeline-schedule", "zbv", "--output-logit-dtype", "fp32"])]
+    return multirun(work, "main2", 2, runs)
+
+
+@pytest.mark.skipif(not FROZEN_FORWARD_ONLY, reason="this Megatron-LM's training step does not run forward only "
+                                                    "under --freeze-all-layers (Megatron-LM main after core_v0.19)")
+def test_frozen_training_steps_match_megatron(main2):
+    """--freeze-all-layers on Megatron-LM main: every training step calls the schedule with
+    forward_only=True under torch.no_grad(). zbv gives the losses of Megatron-Core's own 1F1B at
+    the same pp=2 bit for bit, training and validation; the first iteration's loss is the
+    unfrozen run's (same weights, same data) and the model does not change (the validation
+    losses differ from the unfrozen run's)."""
+    frozen, own, trained = losses(main2["zbv-frozen"]), losses(main2["mcore-frozen"]), losses(main2["zbv-pp2"])
+    assert len(frozen[0]) == 4 and len(frozen[1]) == 2
+    assert frozen == own, (frozen, own)
+    assert frozen[0][0] == trained[0][0] and frozen[1] != trained[1]
+
+
+@pytest.mark.skipif(not LOGIT_DTYPE, reason="this Megatron-LM has no --output-logit-dtype (Megatron-LM main "
+                                            "after core_v0.19)")
+def test_fp32_logits_flag_runs_through_the_split(main2):
+    """--output-logit-dtype fp32 hands the output layer output_dtype=float32; the B/W split accepts it
+    (it refused it before) and, in an fp32 model (the GEMM's own dtype: no Transformer Engine on a
+    CPU), gives the losses without the flag bit for bit. The widening bf16 GEMM is checked against
+    Megatron-Core's own path in tests/test_wgrad.py."""
+    assert losses(main2["zbv-fp32-logits"]) == losses(main2["zbv-pp2"])
+
+
 def losses(run: dict) -> tuple[list, list]:
     return [d["lm loss"] for d in run["train"]], [d["lm loss"] for d in run["eval"]]
 
@@ -401,32 +464,33 @@ def test_flag_error_ends_the_run_with_one_line(work):
 
 def test_patch_applies_to_the_checkout():
     _needs_checkout()
-    tag = _checkout_tag()
-    if tag is None:
-        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag ({', '.join(MEGATRON_LM_TAGS)})")
-    patch = ROOT / "patches" / f"megatron-lm-{tag}.patch"
+    ref = _checkout_ref()
+    if ref is None:
+        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag or main commit ({SUPPORTED_CHECKOUTS})")
+    patch = ROOT / "patches" / ref[0]
     fwd = subprocess.run(["git", "-C", MLM, "apply", "--check", str(patch)], capture_output=True, text=True)
     rev = subprocess.run(["git", "-C", MLM, "apply", "--reverse", "--check", str(patch)], capture_output=True, text=True)
     assert fwd.returncode == 0 or rev.returncode == 0, fwd.stderr  # applies (or is applied already)
 
 
 def test_patched_pretrain_gpt_runs_zbv_without_launcher(work, world1):
-    """install_megatron.sh --tag TAG on a clone of the checkout, then plain ``torchrun pretrain_gpt.py``."""
+    """install_megatron.sh --tag TAG (or --ref COMMIT for Megatron-LM main) on a clone of the
+    checkout, then plain ``torchrun pretrain_gpt.py``."""
     _needs_checkout()
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    tag = _checkout_tag()
-    if tag is None:
-        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag ({', '.join(MEGATRON_LM_TAGS)})")
-    head = MEGATRON_LM_TAGS[tag]
+    ref = _checkout_ref()
+    if ref is None:
+        pytest.skip(f"MEGATRON_LM_DIR={MLM} is not at a supported tag or main commit ({SUPPORTED_CHECKOUTS})")
+    patch, how, head = ref
     clone = work / "megatron-lm-patched"
     subprocess.run(["git", "clone", "-q", "--shared", MLM, str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", head], check=True)
     env = dict(_env(), MEGATRON_LM_DIR=str(clone), NO_PIP="1", PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh"), "--tag", tag], capture_output=True,
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_megatron.sh"), *how], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"applied megatron-lm-{tag}.patch" in r.stdout
+    assert f"applied {patch}" in r.stdout
     env = dict(_env(), PYTHONPATH=os.pathsep.join([str(clone)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
            str(clone / "pretrain_gpt.py"), *COMMON, *UNTIE, "--pipeline-model-parallel-size", "2",

@@ -417,6 +417,136 @@ def test_split_linear_bits_match_megatron_function():
 
 
 # ------------------------------------------------------------------------------------------
+# fp32 logits: output_dtype (Megatron-LM main after core_v0.19, --output-logit-dtype fp32)
+# ------------------------------------------------------------------------------------------
+
+
+def _cpu_general_gemm(A, B, out_dtype=None, layout="TN", out=None, bias=None, grad=False):
+    """A CPU stand-in for Transformer Engine's ``general_gemm`` as Megatron-Core calls it for a
+    wider output (``te_general_gemm(weight, input_2d, out_dtype=, layout="TN", bias=)``): the
+    low-precision operands multiplied and accumulated in ``out_dtype``. TE is CUDA-only; the stand-in
+    has its contract (the output dtype), not its kernel."""
+    assert layout == "TN" and out is None and not grad
+    y = B.to(out_dtype) @ A.to(out_dtype).t()
+    return (y if bias is None else y + bias.to(out_dtype)), None, None, None
+
+
+def _linear_forward_standin(input, weight, bias, output_dtype):  # noqa: A002 - Megatron's parameter names
+    """What Megatron-Core's ``_linear_forward`` does with an output dtype (one GEMM into that dtype),
+    with the CPU stand-in for TE: for the unit test below, on releases that have neither."""
+    shape = input.shape
+    out = _cpu_general_gemm(weight, input.reshape(-1, shape[-1]), out_dtype=output_dtype, bias=bias)[0]
+    return out.reshape(*shape[:-1], weight.size(0))
+
+
+def test_split_with_output_dtype_casts_dy_like_megatron():
+    """Our handling of a widening output GEMM, on every megatron-core (the GEMM is a stand-in): a
+    bf16 linear layer with fp32 output runs the given GEMM in F (fp32 out); B casts the fp32 dy to
+    bf16 first, as Megatron-Core's backward now does, and returns dx and the bias gradient in bf16,
+    bit for bit the bf16 products of the cast dy; W, deferred, adds dW = dyᵀ·x of the cast dy."""
+    from megatron.core.tensor_parallel.layers import prepare_input_tensors_for_wgrad_compute
+
+    from megatron_pp_ext.runtime import wgrad
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 2, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.nn.Parameter((0.05 * torch.randn(48, 32, generator=g)).to(torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(48, generator=g).to(torch.bfloat16))
+    dy = torch.randn(16, 2, 48, generator=g)          # fp32: the gradient of fp32 logits
+    meta = wgrad._LinearMeta(param=w, name="output_layer", use_bias=True, fused=False, main_grad=None,
+                             allreduce_dgrad=False, sequence_parallel=False, tp_group=None, sp_gather="w",
+                             output_dtype=torch.float32, gemm=_linear_forward_standin, grad_to_input_dtype=True)
+    store = WeightGradStore()
+    with split_weight_grads(store, []):
+        y = wgrad._SplitLinearFunction.apply(x, w.detach(), bias, meta)
+        assert y.dtype == torch.float32
+        assert torch.equal(y.detach(), _linear_forward_standin(x.detach(), w.detach(), bias.detach(), torch.float32))
+        with store.collect((0, 0)):
+            y.backward(dy)
+        assert w.grad is None and x.grad.dtype == torch.bfloat16 and bias.grad.dtype == torch.bfloat16
+        dy16 = dy.to(torch.bfloat16)
+        assert torch.equal(x.grad, dy16.matmul(w.detach()))
+        assert torch.equal(bias.grad, dy16.reshape(-1, 48).sum(dim=0))
+        assert store.run((0, 0)) == 1
+    g2, x2 = prepare_input_tensors_for_wgrad_compute(dy16, x.detach())
+    assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, g2.t().matmul(x2))
+
+
+def test_linear_call_with_output_dtype_needs_megatrons_gemm(monkeypatch):
+    """bind_linear_call with a linear function that takes output_dtype (Megatron-LM main's
+    signature, a stand-in on older releases): the dtype reaches the split with the cast of dy; a
+    release without Megatron's GEMM function for it (_linear_forward) is an error, not a fallback."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_pp_ext.compat import LinearCallError, bind_linear_call, linear_output_gemm
+
+    def main_signature(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,  # noqa: A002
+                       sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None,
+                       gtp_remat_size=1, output_dtype=None):
+        raise AssertionError("only its signature is read")
+
+    monkeypatch.setattr(layers, "linear_with_grad_accumulation_and_async_allreduce", main_signature)
+    monkeypatch.delattr(layers, "_linear_forward", raising=False)
+    assert linear_output_gemm() is None
+    a = bind_linear_call((None, False, False, False), {"tp_group": None})
+    assert a["output_dtype"] is None and a["grad_to_input_dtype"] is True
+    with pytest.raises(LinearCallError, match=r"output_dtype=torch.float32 \(this megatron-core has no _linear_forward"):
+        bind_linear_call((None, False, False, False), {"output_dtype": torch.float32})
+    monkeypatch.setattr(layers, "_linear_forward", _linear_forward_standin, raising=False)
+    a = bind_linear_call((None, False, False, False), {"output_dtype": torch.float32})
+    assert a["output_dtype"] is torch.float32 and a["grad_to_input_dtype"] is True
+    assert linear_output_gemm() is _linear_forward_standin
+
+
+def _has_output_dtype() -> bool:
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+    return "output_dtype" in inspect.signature(layers.linear_with_grad_accumulation_and_async_allreduce).parameters
+
+
+@pytest.mark.skipif(not _has_output_dtype(), reason="this megatron-core's linear layers have no output_dtype "
+                                                    "(Megatron-LM main after core_v0.19: MEGATRON_LM_DIR / PYTHONPATH)")
+def test_output_dtype_matches_megatrons_own_path(megatron_env, monkeypatch):
+    """A ColumnParallelLinear built with output_dtype (what GPTModel's output layer gets from
+    --output-logit-dtype): with bf16 weights and fp32 logits, and with fp32 weights (the plain
+    GEMM), the split layer gives Megatron-Core's own forward output, dx, bias and (after W) weight
+    gradient bit for bit, with W deferred. TE's general_gemm is a CPU stand-in (both paths call it)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    monkeypatch.setattr(te_ext, "te_general_gemm", _cpu_general_gemm)
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, params_dtype=dtype,
+                                bf16=dtype == torch.bfloat16, use_cpu_initialization=True,
+                                gradient_accumulation_fusion=False)
+        layer = ColumnParallelLinear(32, 48, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
+                                     gather_output=False, output_dtype=torch.float32)
+        with torch.no_grad():
+            layer.weight.copy_(0.05 * torch.randn(48, 32, generator=g))
+            layer.bias.copy_(torch.randn(48, generator=g))
+        x = torch.randn(16, 2, 32, generator=g).to(dtype).requires_grad_()
+        dy = torch.randn(16, 2, 48, generator=g)
+        ref, _ = layer(x)
+        ref.backward(dy)
+        ref_grads = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        store = WeightGradStore()
+        with split_weight_grads(store, [layer]):
+            got, _ = layer(x)
+            assert got.dtype == torch.float32 and torch.equal(got, ref.detach())
+            with store.collect((0, 0)):
+                got.backward(dy)
+            assert layer.weight.grad is None
+            assert torch.equal(x.grad, ref_grads[0]) and torch.equal(layer.bias.grad, ref_grads[2])
+            assert store.run((0, 0)) == 1
+            check_split_active()
+        assert store.stats["split"] == 1 and torch.equal(layer.weight.grad, ref_grads[1]), dtype
+
+
+# ------------------------------------------------------------------------------------------
 # Never a silent fallback (every supported megatron-core)
 # ------------------------------------------------------------------------------------------
 

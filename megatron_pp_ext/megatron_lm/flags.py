@@ -551,6 +551,10 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                 check(fcfg, schedule=opts.schedule, pp=pp)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
+    if opts.profile_iters and getattr(args, "freeze_all_layers", False):
+        # (Megatron-LM main: --freeze-all-layers runs every training iteration forward only)
+        raise MegatronLMFlagError("--pipeline-profile-iters measures the F, B and W ops of training iterations, but "
+                                  "--freeze-all-layers runs them forward only; drop one of them")
     if opts.profile_iters and opts.schedule is not None:
         train_iters = getattr(args, "train_iters", None)
         end = opts.profile_start + opts.profile_iters

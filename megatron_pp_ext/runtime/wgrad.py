@@ -116,6 +116,9 @@ W has run* (with ``overlap_grad_reduce``, mind the ``no_sync`` protocol below).
 Exactness: for each linear layer, B returns bit-for-bit the input and bias gradients of
 Megatron-Core's unsplit backward, and W adds bit-for-bit the same ``dW``; the only thing that
 changes is *when* it is added, i.e. the order in which per-microbatch contributions are summed.
+A call with ``output_dtype`` (Megatron-LM main's ``--output-logit-dtype fp32``: fp32 logits from a
+bf16 output layer) runs Megatron-Core's own GEMM function in F (:func:`megatron_pp_ext.compat.linear_output_gemm`),
+and B casts the output gradient to the input's dtype first, as that Megatron-Core's backward does.
 
 Sequence parallelism
 --------------------
@@ -550,6 +553,9 @@ class _LinearMeta:
     sequence_parallel: bool
     tp_group: Any
     sp_gather: str
+    output_dtype: Optional[torch.dtype] = None   # Megatron's widening GEMM (fp32 logits), or None
+    gemm: Optional[Callable] = None              # ... and Megatron's function that runs it
+    grad_to_input_dtype: bool = False            # B casts dY to the input's dtype (as Megatron does)
 
 
 class _SplitLinearFunction(torch.autograd.Function):
@@ -557,8 +563,10 @@ class _SplitLinearFunction(torch.autograd.Function):
 
     Inputs: ``input``, ``weight`` (a detached alias of the Parameter, so that autograd does not
     route anything to the Parameter in B; saved for autograd's in-place-modification check),
-    ``bias`` and the non-tensor ``meta``. The forward is Megatron-Core's op for op; the backward
-    returns dx and the bias gradient and queues dW.
+    ``bias`` and the non-tensor ``meta``. The forward is Megatron-Core's op for op (with an
+    ``output_dtype``, e.g. fp32 logits from a bf16 model, Megatron's own GEMM function runs); the
+    backward casts dy to the input's dtype where this Megatron-Core's does (``output_dtype``
+    releases), returns dx and the bias gradient and queues dW.
 
     The GEMMs use the Parameter itself (``meta.param``), not the detached alias: ATen's matmul
     of a 3-D by a 2-D tensor picks its folding strategy from ``requires_grad`` of the operands,
@@ -574,6 +582,8 @@ class _SplitLinearFunction(torch.autograd.Function):
             total_input = _all_gather_seq(input, meta.tp_group)
         else:
             total_input = input
+        if meta.output_dtype is not None:
+            return meta.gemm(total_input, meta.param, bias, meta.output_dtype)
         output = torch.matmul(total_input, meta.param.t())
         if bias is not None:
             output = output + bias
@@ -584,6 +594,8 @@ class _SplitLinearFunction(torch.autograd.Function):
         meta: _LinearMeta = ctx.meta
         input, _ = ctx.saved_tensors  # noqa: A001  (unpacking checks in-place modification)
         weight = meta.param
+        if meta.grad_to_input_dtype:
+            grad_output = grad_output.to(input.dtype)   # (a no-op unless the output dtype differs)
         kept_input = input.detach()
         gather_group = None
         if meta.sequence_parallel:
@@ -698,7 +710,11 @@ def _make_split_forward_impl(orig: Callable) -> Callable:
         meta = _LinearMeta(
             param=weight, name=state.names.get(id(self), type(self).__name__),
             use_bias=bias is not None, fused=main_grad is not None, main_grad=main_grad,
-            allreduce_dgrad=ar, sequence_parallel=sp, tp_group=tp_group, sp_gather=state.sp_gather)
+            allreduce_dgrad=ar, sequence_parallel=sp, tp_group=tp_group, sp_gather=state.sp_gather,
+            grad_to_input_dtype=bool(a.get("grad_to_input_dtype")))
+        if a.get("output_dtype") is not None:
+            from ..compat import linear_output_gemm
+            meta.output_dtype, meta.gemm = a["output_dtype"], linear_output_gemm()
         state.store.stats["split"] += 1
         state.split[id(self)] = state.split.get(id(self), 0) + 1
         return _SplitLinearFunction.apply(input, weight.detach(), bias, meta)

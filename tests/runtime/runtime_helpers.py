@@ -297,3 +297,52 @@ def param_gather_watch_run(cfg, *, drop_pre_hooks: bool = False) -> dict:
         optimizer_step(tr.optimizer)
     return seen
 
+
+
+# --- Megatron-LM's --freeze-all-layers (main after core_v0.19) ----------------------------------
+
+def freeze_all(chunks, config, cfg):
+    """``model_hook``: Megatron-LM's ``--freeze-all-layers`` before DDP wraps the chunks (its
+    pre-wrap hook: no parameter requires a gradient, so DDP allocates no gradient buffers)."""
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+    return None
+
+
+def run_frozen_training(cfg) -> dict:
+    """Megatron-LM's ``train_step`` under ``--freeze-all-layers`` (main after core_v0.19, PR #5926):
+    every training iteration calls the forward-backward function with ``forward_only=True`` inside
+    ``torch.no_grad()``. Returns the losses and what the call must not have done: gradients,
+    ``finalize_model_grads``, W work of the B/W split, a received buffer that requires grad."""
+    import torch
+
+    from megatron_pp_ext.runtime import wgrad
+    from megatron_pp_ext.runtime.harness import setup_training
+
+    tr = setup_training(cfg.replace(model_hook=freeze_all))
+    before = {(i, n): p.detach().clone() for i, c in enumerate(tr.model) for n, p in c.named_parameters()}
+    finalized = []
+    orig_finalize = tr.config.finalize_model_grads_func
+    tr.config.finalize_model_grads_func = lambda *a, **k: finalized.append(1) or orig_finalize(*a, **k)
+    splits, leaves = [], []
+    orig_split = wgrad.split_weight_grads
+    wgrad.split_weight_grads = lambda *a, **k: splits.append(1) or orig_split(*a, **k)
+    if tr.executor is not None:
+        tr.executor.op_hook = lambda op, phase: leaves.extend(
+            bool(t.requires_grad) for t in tr.executor.state.inputs.values()) if phase == "before" else None
+    losses = []
+    try:
+        for step in range(cfg.steps):
+            with torch.no_grad():
+                out = tr.step(step, forward_only=True)
+            losses.append([{k: v.detach().clone() for k, v in d.items()} for d in out])
+    finally:
+        wgrad.split_weight_grads = orig_split
+    sched = tr.executor.last_schedule if tr.executor is not None else None
+    return {"losses": losses, "finalized": len(finalized), "splits": len(splits),
+            "inputs_requiring_grad": sum(leaves), "inputs_seen": len(leaves),
+            "grads": sum(p.grad is not None for c in tr.model for p in c.parameters()),
+            "params_unchanged": all(torch.equal(before[(i, n)], p) for i, c in enumerate(tr.model)
+                                    for n, p in c.named_parameters()),
+            "forward_only_schedule": None if sched is None else bool(sched.meta.get("forward_only")),
+            "kinds": None if sched is None else sorted({op.kind for ops in sched.ops for op in ops})}

@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_pp_ext.runtime.executor import ScheduleExecutor
 from megatron_pp_ext.runtime.harness import compare_records
 from megatron_pp_ext.schedule import ScheduleError
 
 from runtime_helpers import (SCHEDULES, SPECS, broken_f_order, broken_missing_w, buildable, config,
-                             microbatches_for, op_trace, rank_dependent, refused_before_any_step)
+                             microbatches_for, op_trace, rank_dependent, refused_before_any_step,
+                             run_frozen_training)
 
 
 # -- our 1F1B / interleaved == Megatron-Core's own ------------------------------------------------
@@ -40,6 +42,30 @@ def test_forward_only_from_the_start(runs, schedule, pp):
     # a forward-only run has no gradients on either side: the losses, the (unchanged) parameters
     # and the absence of optimizer steps are compared
     compare_records(got, ref, without=("grads",), what=f"forward-only {schedule} pp={pp}")
+
+
+@pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("zb-h1", 2), ("interleaved-1f1b", 2)])
+def test_frozen_training_step_is_forward_only_under_no_grad(pool, schedule, pp):
+    """Megatron-LM main's --freeze-all-layers: the training step calls the schedule with
+    forward_only=True inside torch.no_grad(), on chunks frozen before DDP wrapped them. The executor
+    runs the forward ops of the same schedule and gives the losses of Megatron-Core's own schedule
+    at pp=1 in the same mode bit for bit, and touches nothing a backward would: no gradient, no
+    finalize_model_grads, no B/W split (a zero-bubble schedule included), no received activation
+    that requires grad, parameters unchanged."""
+    cfg = config("gpt", schedule=schedule, pp=pp, m=4, steps=2, eval_iters=0)
+    got = pool.run(run_frozen_training, cfg.world_size, cfg=cfg)
+    ref = pool.run(run_frozen_training, 1, cfg=cfg.replace(pp=1, schedule=None, chunks=1, memory_budget=None))[0]
+    holder = [r for r in got if r["losses"] and r["losses"][0]]
+    assert len(holder) == 1 and len(holder[0]["losses"]) == 2
+    for a, b in zip(holder[0]["losses"], ref["losses"]):
+        assert len(a) == len(b) == 4
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (schedule, x, y)
+    for r in got:
+        assert r["forward_only_schedule"] is True and r["kinds"] == sorted({"F", "SEND_F", "RECV_F"} & set(r["kinds"]))
+        assert (r["finalized"], r["splits"], r["grads"], r["inputs_requiring_grad"]) == (0, 0, 0, 0), r
+        assert r["params_unchanged"]
+    assert any(r["inputs_seen"] for r in got)   # (received activations were looked at)
 
 
 def test_compare_records_fails_on_what_it_did_not_compare():
