@@ -15,7 +15,9 @@ free). A rank also holds, for a while, memory no op kind owns (:class:`~.costs.C
     RECV_B -> the end of the B/BW it feeds: what W keeps of it is in W's share);
   - an F's output (a B's input gradient) to be sent, from the end of its producer until the
     transfer has ended *and* the sender posts its next comm batch, where ``P2P.reap`` drops
-    finished sends (none after it: the end of the rank's list, ``P2P.drain``);
+    finished sends (none after it: the end of the rank's list, ``P2P.drain``). Under the eager
+    model -- the tagged gloo strategy's -- until the end of the rank's list: gloo reports a send
+    complete only once it is waited for, which ``P2P.drain`` does at the end of the call;
   - a local hand-over (the next stage on the same rank: the V turn-around), from the end of its
     producer to the start of the F that reads it (to the end of the B that reads a gradient).
 
@@ -41,9 +43,11 @@ _COMPUTE = ("F", "B", "W", "BW")
 
 
 def extra_events(schedule: Schedule, cost: CostModel, starts: Sequence[Sequence[float]],
-                 ends: Sequence[Sequence[float]]) -> list[list[tuple[float, int, float]]]:
+                 ends: Sequence[Sequence[float]], *, sends_until_end: bool = False
+                 ) -> list[list[tuple[float, int, float]]]:
     """Per rank: the memory events of transients and message buffers (see the module doc).
-    ``starts[r][i]`` / ``ends[r][i]``: the simulated times of ``schedule.ops[r][i]``."""
+    ``starts[r][i]`` / ``ends[r][i]``: the simulated times of ``schedule.ops[r][i]``;
+    ``sends_until_end``: sent tensors stay until the end of the rank's list (gloo)."""
     p = schedule.num_ranks
     out: list[list[tuple[float, int, float]]] = [[] for _ in range(p)]
     has_tr = any(any(v) for v in (cost.transient_f, cost.transient_b, cost.transient_w))
@@ -57,11 +61,11 @@ def extra_events(schedule: Schedule, cost: CostModel, starts: Sequence[Sequence[
                         ev.append((st[i], 1, tr))
                         ev.append((en[i], 0, -tr))
     if cost.msg and any(cost.msg) and schedule.has_comm():
-        _message_events(schedule, cost, starts, ends, out)
+        _message_events(schedule, cost, starts, ends, out, sends_until_end)
     return out
 
 
-def _message_events(schedule: Schedule, cost: CostModel, starts, ends, out) -> None:
+def _message_events(schedule: Schedule, cost: CostModel, starts, ends, out, sends_until_end: bool) -> None:
     placement, S = schedule.placement, schedule.num_stages
     msg = cost.msg
     where: dict[tuple[str, int, int], tuple[int, int]] = {}
@@ -85,6 +89,8 @@ def _message_events(schedule: Schedule, cost: CostModel, starts, ends, out) -> N
 
     def reaped(r: int, arrival: float) -> float:
         """When rank r's P2P drops a send that ended at ``arrival``: its next comm batch."""
+        if sends_until_end:
+            return rank_end[r]
         cs = comm_starts[r]
         j = bisect_left(cs, arrival)
         return cs[j] if j < len(cs) else rank_end[r]

@@ -308,7 +308,7 @@ def _simulate(prep: Prepared, eager: bool):
                 makespan = x
     if cost.holds_extra:  # transients and message buffers, as the general simulator (buffers.py)
         from .buffers import extra_events
-        for r, extra in enumerate(extra_events(schedule, cost, starts, ends)):
+        for r, extra in enumerate(extra_events(schedule, cost, starts, ends, sends_until_end=eager)):
             mem_events[r].extend(extra)
     peaks, timelines = [], []
     for r in range(p):

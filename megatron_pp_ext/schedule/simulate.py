@@ -373,7 +373,7 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
     if cost.holds_extra:  # transients and message buffers (buffers.py)
         st = [[times[op][0] for op in ops] for ops in schedule.ops]
         en = [[times[op][1] for op in ops] for ops in schedule.ops]
-        for r, extra in enumerate(extra_events(schedule, cost, st, en)):
+        for r, extra in enumerate(extra_events(schedule, cost, st, en, sends_until_end=comm_model == "eager")):
             mem_events[r].extend(extra)
     peaks, timelines = [], []
     for r in range(p):

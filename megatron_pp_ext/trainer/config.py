@@ -178,6 +178,7 @@ class Plan:
     schedule_factory: Any = None     # a feature's (pp, m) -> (Schedule, CostModel) run instead of the name
     feature_summary: dict = field(default_factory=dict)
     emulation: Any = None            # EmulationPlan with --emulate-compute
+    memory_prediction: Any = None    # trainer/memmodel.py: predicted_peak_bytes per pipeline rank, ...
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -611,7 +612,7 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                      "to try it)")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
-    return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
+    plan = Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
                 placement=tuple(placement), layers_per_stage=lps, runtime_schedule=runtime_schedule,
                 figure_schedule=figure_schedule, costs=costs, memory_budget=budget, profile_iters=profile,
                 reference_iters=ref, data=data, out_dir=out, json_log=json_log,
@@ -619,6 +620,13 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                 summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built, resume=resume,
                 schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl,
                 emulation=emulation)
+    # what the memory model predicts for this run (trainer/memmodel.py): the JSON log's predicted_peak_bytes
+    from .memmodel import predict
+    try:
+        prediction = predict(plan)
+    except Exception as e:  # noqa: BLE001 - a prediction must not stop a run; the log says why
+        prediction = {"error": f"{type(e).__name__}: {e}"}
+    return dataclasses.replace(plan, memory_prediction=prediction)
 
 
 # --- command line -------------------------------------------------------------------------

@@ -127,6 +127,9 @@ class DeviceMemoryProbe:
         self.allocator_configured = False
         self.op_rises: dict[tuple[str, int], list[int]] = {}
         self.op_deltas: dict[tuple[str, int], list[int]] = {}
+        #: MPPX_MEMORY_TRACE=1: (op, level before, peak during, level after) of every op of the last
+        #: iteration, bytes above its start (summary.json's measured_op_trace; a diagnosis aid)
+        self.trace: list | None = [] if os.environ.get("MPPX_MEMORY_TRACE", "") not in ("", "0") else None
         self._op_level = 0
         if not self.cuda:
             self.allocator_configured = configure_allocator()
@@ -174,6 +177,8 @@ class DeviceMemoryProbe:
         self.base = self._reset_hwm()
         self._peak = self.base
         self._op_level = self.base
+        if self.trace is not None:
+            self.trace.clear()
 
     def peak(self) -> int:
         """Peak bytes above the start of the iteration (0 where nothing can be measured)."""
@@ -211,6 +216,8 @@ class DeviceMemoryProbe:
         else:
             self.op_rises.setdefault((op.kind, op.stage), []).append(int(hi - self._op_level))
             self.op_deltas.setdefault((op.kind, op.stage), []).append(int(now - self._op_level))
+            if self.trace is not None:
+                self.trace.append((str(op), self._op_level - self.base, hi - self.base, now - self.base))
 
     def op_rise_medians(self, deltas: bool = False) -> dict[str, dict[int, int]]:
         """Per op kind and stage: the median peak of one op above the level before it (``deltas``:

@@ -204,6 +204,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
+                rec["predicted_peak_bytes"] = _predicted(plan)
+                rec["device_measure"] = probe.measure
                 rec["profiling"] = profiling
                 if emu is not None:
                     from .emulation import emulated_record
@@ -235,7 +237,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         # what one forward saves per stage (bytes of one microbatch's activation), per rank
         info = {"pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "stage_bytes": meter.stage_bytes(),
                 "w_share": meter.w_share(), "live_after": int(meter.live), "op_rise": probe.op_rise_medians(),
-                "op_delta": probe.op_rise_medians(deltas=True)}
+                "op_delta": probe.op_rise_medians(deltas=True), "trace": probe.trace}
         probe.close()
         infos: list = [None] * dist.get_world_size()
         dist.all_gather_object(infos, info)
@@ -272,6 +274,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                                for k, v in sorted(op_rise.items())},
                        measured_op_delta_bytes={k: [v.get(s) for s in range(plan.num_stages)]
                                                 for k, v in sorted(op_delta.items())})
+        if any(inf.get("trace") for inf in infos):
+            summary["measured_op_trace"] = {f"{inf['pp_rank']}/{inf['tp_rank']}/{inf['dp_rank']}": inf["trace"]
+                                            for inf in infos}
         summary["resumed_from"] = None if resumed is None else {
             "directory": plan.resume.directory, "iteration": plan.resume.iteration,
             "same_layout": plan.resume.same_layout, "saved_layout": plan.resume.saved_layout,
@@ -281,6 +286,14 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
+
+
+def _predicted(plan) -> list | None:
+    """``predicted_peak_bytes`` of the JSON log: the memory model's peak per pipeline rank (None
+    when it could not be computed: ``summary.json``'s ``memory_model`` says why)."""
+    pred = plan.memory_prediction or {}
+    got = pred.get("predicted_peak_bytes")
+    return list(got) if got is not None else None
 
 
 def _chain_hooks(*hooks):

@@ -1,0 +1,120 @@
+"""What the memory model predicts for a run of ``mppx train``: ``predicted_peak_bytes``.
+
+The run's model and layout become the bytes of every stage (:mod:`megatron_pp_ext.planner.stagemem`:
+saved activations, what W keeps, messages, the transients of F, B and W), those become the
+schedule core's units (one unit: one microbatch's saved activation of a rank's transformer
+layers, :func:`~megatron_pp_ext.planner.stagemem.unit_bytes`) on the cost model the schedule was
+built with, and the simulator walks the schedule *as it runs* (with its send/recv ops, under the
+communication model of the run) to each rank's peak. That peak times the unit is
+``predicted_peak_bytes``: what the rank holds at its peak above the start of the iteration,
+the quantity ``peak_device_bytes`` measures (trainer/devicemem.py).
+
+:func:`memory_cost` is also what a budgeted schedule (``--memory-budget`` with v-budget) is built
+with, so that the budget counts every byte (schedule/registry.py keeps room for the transients
+and the messages); the executor of every worker rebuilds it from the same cost model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["memory_inputs", "stage_memories", "memory_cost", "predict", "MemoryPrediction"]
+
+
+def memory_inputs(plan, *, split: bool | None = None):
+    """(planner ModelSpec, MemorySetting, StagePart per stage) of the run ``plan`` describes."""
+    from ..planner.memory import StagePart
+    from ..planner.presets import ModelSpec
+    from ..planner.stagemem import MemorySetting
+    c = plan.cfg
+    llama = c.model == "llama"
+    moe: dict[str, Any] = {}
+    if c.num_experts is not None:
+        moe = dict(num_experts=c.num_experts, moe_topk=c.moe_router_topk, moe_ffn=c.moe_ffn_hidden_size,
+                   moe_shared_ffn=c.moe_shared_expert_intermediate_size or 0, moe_layer_freq=c.moe_layer_freq)
+    model = ModelSpec(c.model, plan.layers, c.hidden, c.heads, plan.kv_heads, plan.ffn, c.vocab, c.seq,
+                      gated_mlp=llama, norm="rmsnorm" if llama else "layernorm", bias=not llama,
+                      position="rope" if llama else "learned", tied_embeddings=c.tie_embeddings,
+                      dropout=c.dropout > 0, flash_attention=plan.transformer_impl == "transformer_engine",
+                      vocab_divisible_by=1, **moe)
+    if split is None:
+        split = _splits(plan)
+    setting = MemorySetting(mbs=c.micro_batch_size, tp=c.tp, sequence_parallel=bool(c.sequence_parallel and c.tp > 1),
+                            precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
+                            attention="flash" if plan.transformer_impl == "transformer_engine" else "unfused",
+                            recompute=c.recompute_granularity or "none", split=split, wgrad="autograd",
+                            ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size)
+    lps = plan.layers_per_stage
+    S = len(lps)
+    parts = [StagePart(lps[s], pre=s == 0, post=s == S - 1, first=sum(lps[:s])) for s in range(S)]
+    return model, setting, parts
+
+
+def _splits(plan) -> bool:
+    """Whether the run splits B and W (one of our schedules that does)."""
+    if plan.runtime_schedule is None:
+        return False
+    from ..schedule import schedule_info
+    try:
+        return schedule_info(plan.runtime_schedule).split_backward
+    except Exception:  # noqa: BLE001 - a feature's own schedule name
+        return True
+
+
+def stage_memories(plan, *, split: bool | None = None, vocab_shards: int = 1, embedding: bool = True) -> list:
+    from ..planner.stagemem import stage_memory
+    model, setting, parts = memory_inputs(plan, split=split)
+    return [stage_memory(model, setting, part, vocab_shards=vocab_shards, embedding=embedding) for part in parts]
+
+
+def memory_cost(plan, cost, *, stages: list | None = None):
+    """``cost`` (the schedule's timing model, one entry per stage) with the memory fields of the
+    run: act, W's share, transients and messages in units, and the bytes of a unit."""
+    from ..planner.stagemem import cost_fields, unit_bytes
+    stages = stage_memories(plan) if stages is None else stages
+    if len(stages) != cost.num_stages:
+        raise ValueError(f"memory model: {len(stages)} stages, the cost model {cost.num_stages}")
+    unit = unit_bytes(stages, plan.placement)
+    return cost.with_(**cost_fields(stages, unit))
+
+
+class MemoryPrediction(dict):
+    """``predicted_peak_bytes`` (per pipeline rank), ``peak_units``, ``unit_bytes``, ``stages``
+    (the bytes of every stage) and ``comm_model``."""
+
+
+def predict(plan) -> MemoryPrediction | None:
+    """The peak bytes per pipeline rank the memory model predicts for ``plan`` (see the module
+    doc); None when the run has no schedule to walk (e.g. --emulate-compute)."""
+    from ..schedule import build_schedule, simulate
+    from .report import _comm_model_of_run
+    if plan.emulation is not None:
+        return None
+    c = plan.cfg
+    if plan.built is not None:
+        sched, cost = plan.built
+    else:  # pp=1: Megatron-Core's forward_backward_no_pipelining runs the microbatches one by one
+        sched, cost = build_schedule("1f1b", 1, plan.microbatches, costs=plan.costs, with_comm=True)
+    stages = stage_memories(plan)
+    mcost = memory_cost(plan, cost, stages=stages)
+    mcost = _feature_memory(plan, mcost, stages)
+    model = _comm_model_of_run(plan) if sched.has_comm() else "eager"
+    if plan.runtime_schedule is None and c.pp > 1:
+        model = "eager"  # (Megatron-Core's own p2p: its batches are waited for at once; eager is close)
+    try:
+        res = simulate(sched, mcost, comm_model=model)
+    except Exception:  # noqa: BLE001 - a comm model the schedule's ops do not fit: the eager one
+        res = simulate(sched, mcost)
+        model = "eager"
+    unit = mcost.bytes_per_unit
+    return MemoryPrediction(
+        predicted_peak_bytes=[int(round(u * unit)) for u in res.peak_memory][:max(1, c.pp)],
+        peak_units=[round(u, 4) for u in res.peak_memory], unit_bytes=unit, comm_model=model,
+        stages=[{k: (round(v) if isinstance(v, float) else v) for k, v in st.to_dict().items() if k != "layers"}
+                for st in stages])
+
+
+def _feature_memory(plan, cost, stages):
+    """Feature buffers the features' own cost fields hold in their units (none yet beyond what the
+    feature op kinds derive from ``act``)."""
+    return cost
