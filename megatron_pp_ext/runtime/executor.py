@@ -190,6 +190,11 @@ class ScheduleExecutor:
         self.record_timings = record_timings
         self.sync_timings = sync_timings
         self.op_hook = op_hook
+        #: called with every tensor a call holds besides what autograd saves -- receive buffers
+        #: (``"recv"``), tensors waiting for their send or hand-over (``"send"``, ``"handover"``)
+        #: and the W items the B/W split queues (``"w"``: objects with ``grad_output``/``input``):
+        #: the trainer's memory meter (trainer/memory.py) counts them; None: nobody looks
+        self.tensor_observer: Callable[[Any, str], None] | None = None
         self.op_handlers = dict(op_handlers or {})
         self.check_ranks_agree = check_ranks_agree
         self.emulate = emulate

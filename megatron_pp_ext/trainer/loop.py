@@ -133,6 +133,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         probe = DeviceMemoryProbe(device)
         if tr.executor is not None and tr.executor.op_hook is None:
             tr.executor.op_hook = _chain_hooks(meter.op_hook, probe.op_boundary)
+        if tr.executor is not None and getattr(tr.executor, "tensor_observer", False) is None:
+            tr.executor.tensor_observer = meter.observe   # W's kept tensors and the messages in flight
         # --emulate-compute (trainer/emulation.py): the executor's emulation, or Megatron-Core's function
         # wrapped in one; features are emulated as the simulator models them, their runtimes not attached
         emu = None

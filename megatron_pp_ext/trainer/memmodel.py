@@ -100,7 +100,8 @@ def predict(plan) -> MemoryPrediction | None:
     mcost = _feature_memory(plan, mcost, stages)
     model = _comm_model_of_run(plan) if sched.has_comm() else "eager"
     if plan.runtime_schedule is None and c.pp > 1:
-        model = "eager"  # (Megatron-Core's own p2p: its batches are waited for at once; eager is close)
+        # Megatron-Core's own p2p waits for each of its batches: a sent tensor goes when its batch ends
+        model = "blocking"
     try:
         res = simulate(sched, mcost, comm_model=model)
     except Exception:  # noqa: BLE001 - a comm model the schedule's ops do not fit: the eager one

@@ -120,7 +120,7 @@ class RankZeroLog:
     def iteration(self, rec: dict) -> None:
         c = self.plan.cfg
         rec = dict(rec, schedule=self.label, lr=c.lr,
-                   activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "saved_tensors")
+                   activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "held_tensors")
         self.json.write(json.dumps(rec) + "\n")
         self.json.flush()
         i = rec["iteration"]
@@ -212,7 +212,7 @@ class RankZeroLog:
             "final_loss": records[-1]["loss"] if records else None,
             "peak_activation_bytes": peaks,
             "peak_saved_activation_bytes": saved,
-            "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "saved_tensors",
+            "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "held_tensors",
             "peak_device_bytes": device,
             "device_measure": records[0].get("device_measure") if records else None,
             "predicted_peak_bytes": pred,
