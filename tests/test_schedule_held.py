@@ -30,27 +30,38 @@ def test_a_transient_adds_to_the_level_while_its_op_runs():
     assert simulate(sched, base.with_(transient_w=(0.8,))).peak_memory == [1.3]        # 0.5 left by B, + 0.8
 
 
-def test_message_buffers_only_with_send_recv_ops_and_gloo_keeps_sends_to_the_end():
+def test_message_buffers_only_with_send_recv_ops():
     """A compute-only schedule has no messages; with its send/recv ops every rank holds at least
-    one more message at its peak; under the eager model (gloo: a send completes only when waited
-    for) sent tensors stay until the end of the rank's list, so rank 0 of 1F1B, which sends one
-    activation per microbatch, ends its list holding all of them."""
+    one more message at its peak."""
     plain, cost = build_schedule("1f1b", 2, 4)
     held = cost.with_(msg=(0.1, 0.1))
     assert simulate(plain, held).peak_memory == simulate(plain, cost).peak_memory
     comm, _ = build_schedule("1f1b", 2, 4, with_comm=True)
     base = simulate(comm, cost).peak_memory
-    eager = simulate(comm, held)
-    assert all(a >= b + 0.1 - EPS for a, b in zip(eager.peak_memory, base))
-    def before_end(res):
-        tl = res.memory_timeline[0]
-        t_end = tl[-1][0]
-        return [lvl for t, lvl in tl if t < t_end][-1]       # the level before the last op's end
+    assert all(a >= b + 0.1 - EPS for a, b in zip(simulate(comm, held).peak_memory, base))
 
-    assert eager.memory_timeline[0][-1][1] == pytest.approx(0.0)   # all freed at the end of the list ...
-    assert before_end(eager) >= 4 * 0.1 - EPS                      # ... the four sends held until then
-    nccl = simulate(comm, held, comm_model="nccl-channels")        # NCCL reaps finished sends
-    assert before_end(nccl) < before_end(eager)
+
+def test_gloo_sends_go_when_the_peer_has_answered():
+    """gloo reports a send complete only once waited for: the executor waits for it (done by then)
+    when a later message from the peer proves it arrived. 1F1B, pp=2: rank 0's activation of
+    microbatch m is proved delivered by rank 1's gradient of m; rank 1's last gradient has no
+    answer and stays until the end of its list (P2P.drain)."""
+    from megatron_pp_ext.schedule.buffers import release_triggers
+    comm, cost = build_schedule("1f1b", 2, 4, with_comm=True)
+    trig = release_triggers(comm)
+    assert trig[0] == {("grad", 1, m): [("act", 0, m)] for m in range(4)}
+    proved = [k for sent in trig[1].values() for k in sent]
+    assert ("grad", 1, 3) not in proved and set(trig[1]) <= {("act", 0, m) for m in range(4)}
+    held = cost.with_(msg=(0.1, 0.1))
+
+    def before_end(res, r):
+        tl = res.memory_timeline[r]
+        return [lvl for t, lvl in tl if t < tl[-1][0]][-1]   # the level before the last op's end
+
+    eager = simulate(comm, held)
+    assert eager.memory_timeline[1][-1][1] == pytest.approx(0.0)
+    assert before_end(eager, 1) >= 0.1 - EPS                   # the unanswered gradient, until the end
+    assert before_end(eager, 0) <= 1.1 + EPS   # the last activation and its gradient: every sent one went before
 
 
 @pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zb-h1", 1), ("zbv", 1), ("interleaved-1f1b", 2)])

@@ -111,6 +111,9 @@ class Iteration:
         if self.store is not None and self.observe is not None:
             self.store.observer = lambda work: self.observe(work, "w")
         self.in_flight: dict = {}        # receives posted, not waited for: message key -> (work, op, buffer)
+        # message received -> our sends it proves delivered (P2P.release: gloo keeps sends until waited for)
+        triggers = getattr(executor, "release_triggers", None)
+        self.releases = triggers(sched)[rank] if triggers is not None else {}
         self.sync_log: list[tuple[str, int, int]] = []
         self.params_ready = False
         self.idx = 0
@@ -273,6 +276,9 @@ class Iteration:
             self.st.inputs[(op.stage, op.microbatch)] = buf
         else:
             self.st.out_grads[(op.stage, op.microbatch)] = buf
+        sent = self.releases.get(message_key(op.kind, op.stage, op.microbatch))
+        if sent:
+            self.p2p.release(sent)
 
     def take_recv(self, key) -> None:
         work, rop, buf = self.in_flight.pop(key)

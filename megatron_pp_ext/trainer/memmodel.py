@@ -18,33 +18,51 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["memory_inputs", "stage_memories", "memory_cost", "predict", "MemoryPrediction"]
+__all__ = ["memory_inputs", "held_cost", "stage_memories", "memory_cost", "predict", "MemoryPrediction"]
 
 
 def memory_inputs(plan, *, split: bool | None = None):
     """(planner ModelSpec, MemorySetting, StagePart per stage) of the run ``plan`` describes."""
+    if split is None:
+        split = _splits(plan)
+    return _inputs(plan.cfg, layers=plan.layers, layers_per_stage=plan.layers_per_stage, kv_heads=plan.kv_heads,
+                   ffn=plan.ffn, transformer_impl=plan.transformer_impl, split=split)
+
+
+def held_cost(cfg, *, placement, layers_per_stage, kv_heads: int, ffn: int, costs, chunks: int, split: bool):
+    """The cost model a budgeted schedule is built with, before the plan exists (make_plan):
+    ``--costs`` per stage with the memory fields of the run, so that ``--memory-budget`` counts
+    every byte (schedule/registry.py keeps room for transients and messages)."""
+    from ..planner.stagemem import cost_fields, stage_memory, unit_bytes
+    from ..schedule import CostModel
+    impl = "transformer_engine" if cfg.transformer_impl == "transformer_engine" else "local"
+    model, setting, parts = _inputs(cfg, layers=sum(layers_per_stage), layers_per_stage=layers_per_stage,
+                                    kv_heads=kv_heads, ffn=ffn, transformer_impl=impl, split=split)
+    stages = [stage_memory(model, setting, part) for part in parts]
+    cost = CostModel.from_spec(list(costs), len(parts), chunks)
+    return cost.with_(**cost_fields(stages, unit_bytes(stages, placement)))
+
+
+def _inputs(c, *, layers: int, layers_per_stage, kv_heads: int, ffn: int, transformer_impl: str, split: bool):
     from ..planner.memory import StagePart
     from ..planner.presets import ModelSpec
     from ..planner.stagemem import MemorySetting
-    c = plan.cfg
     llama = c.model == "llama"
     moe: dict[str, Any] = {}
     if c.num_experts is not None:
         moe = dict(num_experts=c.num_experts, moe_topk=c.moe_router_topk, moe_ffn=c.moe_ffn_hidden_size,
                    moe_shared_ffn=c.moe_shared_expert_intermediate_size or 0, moe_layer_freq=c.moe_layer_freq)
-    model = ModelSpec(c.model, plan.layers, c.hidden, c.heads, plan.kv_heads, plan.ffn, c.vocab, c.seq,
+    model = ModelSpec(c.model, layers, c.hidden, c.heads, kv_heads, ffn, c.vocab, c.seq,
                       gated_mlp=llama, norm="rmsnorm" if llama else "layernorm", bias=not llama,
                       position="rope" if llama else "learned", tied_embeddings=c.tie_embeddings,
-                      dropout=c.dropout > 0, flash_attention=plan.transformer_impl == "transformer_engine",
+                      dropout=c.dropout > 0, flash_attention=transformer_impl == "transformer_engine",
                       vocab_divisible_by=1, **moe)
-    if split is None:
-        split = _splits(plan)
     setting = MemorySetting(mbs=c.micro_batch_size, tp=c.tp, sequence_parallel=bool(c.sequence_parallel and c.tp > 1),
                             precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
-                            attention="flash" if plan.transformer_impl == "transformer_engine" else "unfused",
+                            attention="flash" if transformer_impl == "transformer_engine" else "unfused",
                             recompute=c.recompute_granularity or "none", split=split, wgrad="autograd",
                             ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size)
-    lps = plan.layers_per_stage
+    lps = layers_per_stage
     S = len(lps)
     parts = [StagePart(lps[s], pre=s == 0, post=s == S - 1, first=sum(lps[:s])) for s in range(S)]
     return model, setting, parts
