@@ -120,7 +120,7 @@ def test_a_gpt_layer_saves_16h_plus_a_s_and_w_keeps_16h_per_token():
     from megatron_pp_ext.planner.memory import StagePart
     from megatron_pp_ext.planner.stagemem import MemorySetting, stage_memory
     s, h, a = 512, 512, 8
-    mid = stage_memory(_gpt(), MemorySetting(precision="fp32"), StagePart(1, first=1))
+    mid = stage_memory(_gpt(), MemorySetting(precision="fp32", attention="torch"), StagePart(1, first=1))
     stats = 2 * 2 * s * 4                                    # two LayerNorms' mean and rstd
     assert mid.act == (16 * h + a * s) * s * 4 + s * s + stats
     assert mid.w_held == 16 * h * s * 4
@@ -131,7 +131,7 @@ def test_a_gpt_layer_saves_16h_plus_a_s_and_w_keeps_16h_per_token():
     # W: fc2's weight gradient first (4h x h), delivered through autograd (one clone)
     assert mid.rise_w == max(4 * h * h * 4, 2 * 4 * h * h * 4 - 5 * h * s * 4)
     llama = _gpt(gated_mlp=True, norm="rmsnorm", bias=False, position="rope", kv_heads=4, ffn=1024)
-    lm = stage_memory(llama, MemorySetting(precision="fp32"), StagePart(1, first=1))
+    lm = stage_memory(llama, MemorySetting(precision="fp32", attention="torch"), StagePart(1, first=1))
     assert lm.w_held == (7 * h + 3 * 1024) * s * 4           # inputs 3h + F, output gradients 2h + h + 2F + h
 
 

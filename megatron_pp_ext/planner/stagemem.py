@@ -23,11 +23,12 @@ behind them for a Megatron-Core GPT model, per stage (one model chunk on one ran
 
 Terms are written per layer for Megatron-Core's local layer spec (``get_gpt_layer_local_spec``:
 ``DotProductAttention`` unfused, torch norms where apex is missing -- RMSNorm then saves its input
-and the normalised tensor) and were read off megatron-core 0.16 on torch 2.x, fp32 and bf16
-(softmax in fp32), GPT (LayerNorm, GeLU, biases, learned positions) and LLaMA (RMSNorm, SwiGLU,
-RoPE, GQA): ``docs/benchmarks/memory.md`` compares them with the resident memory measured per
-rank. ``attention="flash"`` (fused kernels, Transformer Engine) keeps no s^2 term (Korthikanti et
-al.'s count, model-based). Mixture-of-experts layers use :func:`.memory.layer_activation`'s terms
+and the normalised tensor) and were read off megatron-core 0.16 on torch 2.x (``attention="torch"``:
+torch's softmax, fp32 and bf16, softmax in fp32), GPT (LayerNorm, GeLU, biases, learned positions)
+and LLaMA (RMSNorm, SwiGLU, RoPE, GQA): ``docs/benchmarks/memory.md`` compares them with the
+resident memory measured per rank. ``attention="unfused"`` (Megatron's fused softmax kernel on a
+GPU) and ``"flash"`` (fused attention, Transformer Engine; no s^2 term, Korthikanti et al.'s
+count) are model-based. Mixture-of-experts layers use :func:`.memory.layer_activation`'s terms
 for what F saves and count W's share from the experts' linear layers (model-based).
 
 Pure Python: the trainer (its ``predicted_peak_bytes``), the planner and the benchmark share it.
@@ -46,7 +47,11 @@ __all__ = ["MemorySetting", "StageMemory", "stage_memory", "unit_bytes", "cost_f
 
 RECOMPUTE = ("none", "selective", "full")
 WGRAD = ("autograd", "main_grad", "fused_kernel")
-ATTENTION = ("unfused", "flash")
+#: flash: fused attention kernels (no s^2 term); unfused: DotProductAttention with Megatron's fused
+#: softmax kernel (GPUs, fp16/bf16: the probabilities saved in the activation dtype, gradients in
+#: place); torch: DotProductAttention with torch's softmax (CPUs, fp32: the probabilities in fp32
+#: and, below fp32, their cast copy -- measured)
+ATTENTION = ("flash", "unfused", "torch")
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class MemorySetting:
     tp: int = 1
     sequence_parallel: bool = False
     precision: str = "bf16"            # fp32 | bf16 | fp16
-    attention: str = "unfused"         # unfused (local spec) | flash (fused kernels)
+    attention: str = "unfused"         # flash | unfused (GPU fused softmax) | torch (CPU softmax): ATTENTION
     recompute: str = "none"            # none | selective | full
     split: bool = True                 # the B/W split keeps inputs and output gradients for W
     wgrad: str = "autograd"            # autograd | main_grad | fused_kernel (w_item_peak)
@@ -92,7 +97,7 @@ class StageMemory:
     rise_f: float
     rise_b: float
     rise_w: float
-    layer_act: float          # the transformer layers' part of ``act`` (what a unit is made of)
+    layer_act: float          # the transformer layers' part of ``act`` (what a unit is made of; at least what W keeps)
     detail: dict = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
@@ -162,9 +167,11 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         else:      # q, k, v views of the qkv output; k and v copied per head under GQA
             qkv = T * qkv_out + (2 * T * a_t * d if gqa else 0)
         terms["q, k, v"] = qkv * e
-        # softmax probabilities: fp32 (attention_softmax_in_fp32) and, below fp32, their cast copy
         scores = a_t * s * T
-        terms["attention probabilities"] = scores * (4 + (e if e != 4 else 0))
+        if st.attention == "torch":  # fp32 probabilities (attention_softmax_in_fp32) and, below fp32, their cast
+            terms["attention probabilities"] = scores * (4 + (e if e != 4 else 0))
+        else:                        # the fused softmax kernel's output, in the activation dtype
+            terms["attention probabilities"] = scores * e
         terms["causal mask"] = s * s
         if drop:
             terms["attention dropout"] = scores * (1 + e)
@@ -217,6 +224,11 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     if st.attention == "flash":
         bwd_attn = 2 * T * qkv_out * e + T * h * e
         fwd_attn = 0.0
+    elif st.attention == "unfused":
+        # the probabilities' gradient, then the kernel's in-place softmax backward (model-based)
+        bwd_attn = T * h * e + 2 * scores * e
+        before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
+        fwd_attn = before + 2 * scores * e + s * s
     else:
         # the proj's input gradient, then three score-sized tensors (probabilities' gradient, scores'
         # gradient, autograd's copy for the in-place mask) on top of the level at that point
@@ -256,10 +268,12 @@ def _layer(model: ModelSpec, st: MemorySetting, moe: bool) -> _Layer:
 
 
 def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, vocab_shards: int = 1,
-                 embedding: bool = True) -> StageMemory:
+                 embedding: bool = True, output_layer: bool = True) -> StageMemory:
     """The bytes of one stage holding ``part`` (see the module doc). ``vocab_shards`` > 1: the
-    output layer's logits are split that many ways (vocabulary parallelism; the feature's own
-    buffers are its own); ``embedding=False``: the word embedding lives elsewhere (same)."""
+    output layer's logits are split that many ways; ``output_layer=False`` / ``embedding=False``:
+    the output layer and loss / the word embedding live elsewhere (vocabulary parallelism: the
+    last stage keeps its final norm and the hidden state the loss is differentiated in; the
+    feature's own buffers are counted by the feature)."""
     st = setting
     s, b, h, e, tp = model.seq, st.mbs, model.hidden, st.e, st.tp
     T = s * b
@@ -278,7 +292,10 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
         act += pre_saved
     post_saved = post_w = 0.0
     post_linear = None
-    if part.post:
+    if part.post and not output_layer:
+        post_saved = _norm_bytes(model, tq, e) + T * h * e
+        act += post_saved
+    elif part.post:
         norm = _norm_bytes(model, tq, e)
         logits = 4.0 * T * v_t          # the cross entropy's fp32 logits (its gradient is made in place)
         post_saved = norm + tq * h * e + logits
@@ -301,9 +318,11 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
     cands = [0.0]
     level = 0.0
     kept = (lambda x: x) if st.split else (lambda x: 0.0)
-    if part.post:
+    if part.post and output_layer:
         cands.append((T * v_t * e if e != 4 else 0.0) + tq * h * e)
         level += kept(post_w) - post_saved + tq * h * e
+    elif part.post:
+        level += tq * h * e - post_saved
     for lay in reversed(layers):
         cands.append(level + lay.bwd_mlp)
         level += kept(lay.w_mlp) - lay.saved_mlp
@@ -326,7 +345,9 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
     # what its W will keep (costs.py: w_fraction <= 1)
     detail.update(saved=act, layers=[lay.terms for lay in layers[:1]])
     act_eff = max(act, w_held)
-    return StageMemory(act_eff, w_held, msg, max(rise_f, act_eff), rise_b, rise_w, layer_act, detail)
+    # (the unit is made of what F counts: with full recomputation W keeps more than F saved)
+    layer_eff = max(layer_act, sum(lay.w_held for lay in layers) if st.split else 0.0)
+    return StageMemory(act_eff, w_held, msg, max(rise_f, act_eff), rise_b, rise_w, layer_eff, detail)
 
 
 def w_item_peak(mode: str, numel: float, held: float, e: int, casts: float = 0.0) -> float:

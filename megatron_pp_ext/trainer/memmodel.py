@@ -26,7 +26,7 @@ def memory_inputs(plan, *, split: bool | None = None):
     if split is None:
         split = _splits(plan)
     return _inputs(plan.cfg, layers=plan.layers, layers_per_stage=plan.layers_per_stage, kv_heads=plan.kv_heads,
-                   ffn=plan.ffn, transformer_impl=plan.transformer_impl, split=split)
+                   ffn=plan.ffn, transformer_impl=plan.transformer_impl, split=split, device=plan.device)
 
 
 def held_cost(cfg, *, placement, layers_per_stage, kv_heads: int, ffn: int, costs, chunks: int, split: bool):
@@ -37,13 +37,15 @@ def held_cost(cfg, *, placement, layers_per_stage, kv_heads: int, ffn: int, cost
     from ..schedule import CostModel
     impl = "transformer_engine" if cfg.transformer_impl == "transformer_engine" else "local"
     model, setting, parts = _inputs(cfg, layers=sum(layers_per_stage), layers_per_stage=layers_per_stage,
-                                    kv_heads=kv_heads, ffn=ffn, transformer_impl=impl, split=split)
+                                    kv_heads=kv_heads, ffn=ffn, transformer_impl=impl, split=split,
+                                    device="cuda" if cfg.device == "cuda" else "cpu")
     stages = [stage_memory(model, setting, part) for part in parts]
     cost = CostModel.from_spec(list(costs), len(parts), chunks)
     return cost.with_(**cost_fields(stages, unit_bytes(stages, placement)))
 
 
-def _inputs(c, *, layers: int, layers_per_stage, kv_heads: int, ffn: int, transformer_impl: str, split: bool):
+def _inputs(c, *, layers: int, layers_per_stage, kv_heads: int, ffn: int, transformer_impl: str, split: bool,
+            device: str = "cpu"):
     from ..planner.memory import StagePart
     from ..planner.presets import ModelSpec
     from ..planner.stagemem import MemorySetting
@@ -59,13 +61,21 @@ def _inputs(c, *, layers: int, layers_per_stage, kv_heads: int, ffn: int, transf
                       vocab_divisible_by=1, **moe)
     setting = MemorySetting(mbs=c.micro_batch_size, tp=c.tp, sequence_parallel=bool(c.sequence_parallel and c.tp > 1),
                             precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
-                            attention="flash" if transformer_impl == "transformer_engine" else "unfused",
+                            attention=_attention(c, transformer_impl, device),
                             recompute=c.recompute_granularity or "none", split=split, wgrad="autograd",
                             ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size)
     lps = layers_per_stage
     S = len(lps)
     parts = [StagePart(lps[s], pre=s == 0, post=s == S - 1, first=sum(lps[:s])) for s in range(S)]
     return model, setting, parts
+
+
+def _attention(c, transformer_impl: str, device: str) -> str:
+    """flash with Transformer Engine; the local spec: Megatron's fused softmax kernel on a GPU in
+    bf16/fp16, torch's softmax otherwise (CPU, fp32) -- planner/stagemem.py ATTENTION."""
+    if transformer_impl == "transformer_engine":
+        return "flash"
+    return "unfused" if device == "cuda" and (c.bf16 or c.fp16) else "torch"
 
 
 def _splits(plan) -> bool:
@@ -79,10 +89,18 @@ def _splits(plan) -> bool:
         return True
 
 
-def stage_memories(plan, *, split: bool | None = None, vocab_shards: int = 1, embedding: bool = True) -> list:
+def stage_memories(plan, *, split: bool | None = None) -> list:
+    """The bytes of every stage of the run (vocabulary parallelism: without the output layer, and
+    without the word embedding when the feature holds it)."""
     from ..planner.stagemem import stage_memory
     model, setting, parts = memory_inputs(plan, split=split)
-    return [stage_memory(model, setting, part, vocab_shards=vocab_shards, embedding=embedding) for part in parts]
+    vocab = _vocab_config(plan)
+    kw = {} if vocab is None else {"output_layer": False, "embedding": not vocab.input_embedding}
+    return [stage_memory(model, setting, part, **kw) for part in parts]
+
+
+def _vocab_config(plan):
+    return dict(plan.cfg.features).get("vocab_parallel") if plan.cfg.features else None
 
 
 def memory_cost(plan, cost, *, stages: list | None = None):
@@ -134,6 +152,16 @@ def predict(plan) -> MemoryPrediction | None:
 
 
 def _feature_memory(plan, cost, stages):
-    """Feature buffers the features' own cost fields hold in their units (none yet beyond what the
-    feature op kinds derive from ``act``)."""
-    return cost
+    """The features' own buffers, in the units of ``cost``. Offload and BPipe move fractions of
+    ``act`` (their op kinds), nothing to add. Vocabulary parallelism: every rank's S pass keeps,
+    until its T pass, its shard of the exponentiated logits (fp32), the received hidden state and,
+    with Algorithm 2, two fp32 [tokens, h] terms (features/vocab/kernels.py) -- ``vocab_s_mem``."""
+    vocab = _vocab_config(plan)
+    if vocab is None:
+        return cost
+    c = plan.cfg
+    T = c.seq * c.micro_batch_size
+    e = 4 if not (c.bf16 or c.fp16) else 2
+    rows = -(-c.vocab // (max(1, c.pp) * c.tp))
+    held = T * rows * 4 + T * c.hidden * e + (8 * T * c.hidden if getattr(vocab, "algorithm", 2) == 2 else 0)
+    return cost.with_(extra={**cost.extra, "vocab_s_mem": held / cost.bytes_per_unit})
