@@ -140,6 +140,11 @@ def _build_within(info: ScheduleInfo, request: ScheduleRequest, name: str, cost:
     placement = v_placement(p) if info.placement == "v" else loop_placement(p, v)
     stages = [[s for s, r in enumerate(placement) if r == rank] for rank in range(p)]
     room = max(cost.headroom(stages))
+    need = max(sum(cost.act[s] for s in st) for st in stages)   # one microbatch on a rank, all its chunks
+    if budget - room < need - 1e-9:
+        raise ScheduleError(f"--memory-budget {budget:g} units: one microbatch's activation on a rank ({need:g} units, "
+                            f"all of its chunks) and what a rank holds besides (transients and message buffers, "
+                            f"{room:g} units) need more; raise --memory-budget to at least {need + room:.3g}")
     peak = None
     for _ in range(WITHIN_TRIES):
         inner = budget - room
