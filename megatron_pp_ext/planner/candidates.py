@@ -35,6 +35,10 @@ class PlanRequest:
     budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
     distributed_optimizer: bool = True
     precision: str = "bf16"
+    #: whose memory behaviour to predict (planner/stagemem.py): "gpu" -- Megatron-LM on GPUs (the fused
+    #: softmax kernel, apex's fused weight-gradient accumulation); "cpu" -- ``mppx train`` on CPU
+    #: processes (torch's softmax, weight gradients delivered through autograd), to check a plan there
+    runtime: str = "gpu"
     top: int = 10
     time_limit: float = 120.0                         # CPU seconds of search before it stops
 
@@ -170,8 +174,11 @@ class StageCosts:
     comm: float
     act: list[float]                    # activation units per stage and microbatch
     unit_bytes: float                   # bytes of one unit
-    transient: list[float]              # per rank: bytes alive only during a backward
+    transient: list[float]              # per rank: bytes held only while an op runs, and messages
     detail: dict = field(default_factory=dict)   # per-rank extras for the report (MoE: "alltoall")
+    #: per stage: the share of an F's activation only its W frees (planner/stagemem.py: what the B/W
+    #: split keeps, inputs and output gradients); None: all of it (the schedule core's default)
+    w_share: list[float] | None = None
 
     def __post_init__(self) -> None:
         by_rank: dict[int, list[int]] = {}
@@ -181,7 +188,8 @@ class StageCosts:
 
     def copy(self) -> "StageCosts":
         return StageCosts(self.placement, self.parts, list(self.t_f), list(self.t_b), list(self.t_w),
-                          self.comm, list(self.act), self.unit_bytes, list(self.transient), dict(self.detail))
+                          self.comm, list(self.act), self.unit_bytes, list(self.transient), dict(self.detail),
+                          None if self.w_share is None else list(self.w_share))
 
     def stages_of(self, rank: int) -> list[int]:
         return self._by_rank.get(rank, [])
@@ -223,7 +231,7 @@ class RankMemory:
     def to_dict(self) -> dict:
         d = self.static.to_dict()
         d.update(activations=self.activations, transient=self.transient, feature_buffers=self.extra,
-                 total=self.total)
+                 iteration_peak=self.activations + self.transient + self.extra, total=self.total)
         return d
 
 

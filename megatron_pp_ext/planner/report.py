@@ -91,6 +91,10 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
                + (f", feature buffers {fmt_bytes(worst.extra)}" if worst.extra else "")
                + f" = {fmt_bytes(worst.total)} of {fmt_bytes(best.usable_bytes)}")
     out.append("  per rank (GiB): " + " ".join(f"{mm.total / 2 ** 30:.1f}" for mm in best.memory))
+    # what a run's peak_device_bytes measures: above parameters, gradients and optimizer state
+    out.append("  per rank, the iteration's peak above parameters, gradients and optimizer state (saved activations, "
+               "what W keeps, messages, transients, feature buffers): "
+               + " ".join(fmt_bytes(mm.activations + mm.transient + mm.extra) for mm in best.memory))
     for n in best.notes:
         out.append(f"  note: {n}")
     if result.baseline is not None:
@@ -134,6 +138,9 @@ def estimate_to_dict(e: Estimate, req) -> dict:
         "tokens_per_s_per_gpu": req.global_batch * req.model.seq / e.iteration_time / req.cluster.num_gpus,
         "peak_memory_bytes": e.peak_bytes, "peak_rank": e.peak_rank, "usable_bytes": e.usable_bytes,
         "time_breakdown_s": dict(e.time), "memory_per_rank": [m.to_dict() for m in e.memory],
+        # per rank (all its stages), seconds: what `mppx train --costs F,B,W,COMM` builds the same order from
+        "rank_costs_s": [[sum(getattr(e.costs, k)[s] for s in e.costs.stages_of(r)) for k in ("t_f", "t_b", "t_w")]
+                         + [e.costs.comm] for r in range(e.candidate.pp)],
         "simulated_microbatches": list(e.pipe.simulated), "extrapolated": e.pipe.extrapolated,
         "notes": list(e.notes), "megatron_flags": megatron_flags(e, req),
     })

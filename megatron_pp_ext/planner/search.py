@@ -31,7 +31,8 @@ from ..schedule import ScheduleError, parse_memory_budget, schedule_info, schedu
 from .candidates import Candidate, Estimate, PlanRequest, RankMemory, StageCosts, divisors, powers_of_two_upto
 from .features import feature_names, get_feature
 from .layout import placement_for, rank_static, stage_parts, takes_chunks
-from .memory import embedding_activation, fmt_bytes, layer_activation, model_num_params, output_layer_activation
+from .memory import fmt_bytes, layer_activation, model_num_params
+from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
 from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
@@ -248,7 +249,8 @@ class Planner:
     # -- costs ----------------------------------------------------------------------------
     def stage_costs(self, cand: Candidate) -> StageCosts:
         placement = placement_for(cand.schedule, cand.pp, cand.vp)
-        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute, cand.ep, cand.etp)
+        split = schedule_info(cand.schedule).split_backward
+        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute, cand.ep, cand.etp, split)
         got = self._costs.get(key)
         if got is not None:
             return got
@@ -262,40 +264,42 @@ class Planner:
                                     etp=cand.etp) for moe in kinds}
         emb = embedding_times(model, cl, eff, cand.mbs, cand.tp)
         out = output_times(model, cl, eff, cand.mbs, cand.tp)
-        t_f, t_b, t_w, act_bytes = [], [], [], []
+        t_f, t_b, t_w = [], [], []
         for part in parts:
             n_moe = part.moe_layers(model)
             counts = {False: part.layers - n_moe, True: n_moe}
             f = sum(counts[k] * lt[k].f for k in kinds)
             b = sum(counts[k] * lt[k].b for k in kinds)
             w = sum(counts[k] * lt[k].w for k in kinds)
-            a = sum(counts[k] * la[k].stored for k in kinds)
             if part.pre:
                 f, b = f + emb.f, b + emb.b
-                a += embedding_activation(model, cand.mbs, cand.tp)
             if part.post:
                 f, b, w = f + out.f, b + out.b, w + out.w
-                a += output_layer_activation(model, cand.mbs, cand.tp)
             t_f.append(f)
             t_b.append(b)
             t_w.append(w)
-            act_bytes.append(a)
-        # one unit: a rank's average share of one microbatch's layer activations (an even split
-        # of a uniform model: L/pp layers, as before)
-        if len(kinds) == 1 and model.num_layers % cand.pp == 0:
-            unit = model.num_layers // cand.pp * la[kinds[0]].stored
-        else:
-            unit = sum(n * la[k].stored for k, n in Counter(model.moe_pattern).items()) / cand.pp
-        act = [a / unit for a in act_bytes]
-        logit_grad = 2.0 * model.seq * cand.mbs * model.padded_vocab(cand.tp) / cand.tp
+        # every byte a stage holds (planner/stagemem.py): saved activations, what W keeps (inputs and
+        # output gradients), messages, the transients of F, B and W
+        cpu = self.req.runtime == "cpu"
+        setting = MemorySetting(mbs=cand.mbs, tp=cand.tp, sequence_parallel=cand.tp > 1, precision=self.req.precision,
+                                attention="flash" if model.flash_attention else ("torch" if cpu else "unfused"),
+                                recompute=cand.recompute, split=split, wgrad="autograd" if cpu else "fused_kernel",
+                                ep=cand.ep, etp=cand.etp)
+        mem = [stage_memory(model, setting, part) for part in parts]
+        # one unit: a rank's average share of one microbatch's layer activations
+        unit = unit_bytes(mem, placement)
+        act = [x.act / unit for x in mem]
+        w_share = [min(1.0, x.w_held / x.act) if x.act > 0 else 1.0 for x in mem] if split else None
         transient = []
         for r in range(cand.pp):
-            mine = [parts[s] for s in range(S) if placement[s] == r]
-            has = {k for k in kinds for p in mine if (p.moe_layers(model) if k else p.layers - p.moe_layers(model))}
-            t = max((la[k].transient for k in has), default=0.0)
-            transient.append(t + (logit_grad if placement[S - 1] == r else 0.0))
+            mine = [s for s in range(S) if placement[s] == r]
+            rise = max(max(mem[s].rise_b, mem[s].rise_w, mem[s].rise_f - mem[s].act) for s in mine)
+            msg = max(mem[s].msg for s in mine) + max((mem[s - 1].msg for s in mine if s > 0), default=0.0)
+            # the MoE dispatcher's send/receive buffers of the layer running its backward (model-based)
+            a2a = la[True].transient if (True in la and any(parts[s].moe_layers(model) for s in mine)) else 0.0
+            transient.append(rise + (msg if cand.pp > 1 else 0.0) + a2a)
         comm = p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp) if cand.pp > 1 else 0.0
-        sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient)
+        sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient, w_share=w_share)
         if model.is_moe:  # seconds of all-to-all in one microbatch's F+B on each rank
             a2a = 2 * lt[True].detail["alltoall_f"]
             sc.detail["alltoall"] = [sum(parts[s].moe_layers(model) for s in range(S) if placement[s] == r) * a2a
@@ -513,7 +517,8 @@ class Planner:
             try:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
                                            costs.comm, costs.act,
-                                           budget=cand.budget if isinstance(cand.budget, float) else None)
+                                           budget=cand.budget if isinstance(cand.budget, float) else None,
+                                           w_share=costs.w_share)
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue

@@ -222,10 +222,12 @@ class SimCache:
 
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
-                 budget: float | None = None) -> PipeResult:
+                 budget: float | None = None, w_share: Sequence[float] | None = None) -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
-        per-stage costs (seconds) and activation shares. Raises ScheduleError when the
-        schedule cannot be built for them (the generator's message)."""
+        per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
+        frees; the orders are built with all of it, the generators' conservative default, and
+        evaluated with it on a 1/64 grid). Raises ScheduleError when the schedule cannot be built
+        for them (the generator's message)."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -242,6 +244,10 @@ class SimCache:
 
         coarse, ckey = model(_COARSE, 8)
         fine, fkey = model(_FINE, 64)
+        if w_share is not None and any(w < 1 for w in w_share):
+            qw_share = tuple(min(64, max(0, int(round(w * 64)))) for w in w_share)
+            fine = fine.with_(w_fraction_per_stage=tuple(q / 64 for q in qw_share))
+            fkey = fkey + (_compact(qw_share),)
         qbudget = None if budget is None else round(budget, 2)
         head = (name, pp, chunks, qbudget)
 

@@ -187,6 +187,12 @@ class ScheduleExecutor:
         self.record_timings = record_timings
         self.sync_timings = sync_timings
         self.op_hook = op_hook
+        self._releases: dict[int, list] = {}
+        #: called with every tensor a call holds besides what autograd saves -- receive buffers
+        #: (``"recv"``), tensors waiting for their send or hand-over (``"send"``, ``"handover"``)
+        #: and the W items the B/W split queues (``"w"``: objects with ``grad_output``/``input``):
+        #: the trainer's memory meter (trainer/memory.py) counts them; None: nobody looks
+        self.tensor_observer: Callable[[Any, str], None] | None = None
         self.op_handlers = dict(op_handlers or {})
         self.check_ranks_agree = check_ranks_agree
         self.emulate = emulate
@@ -255,6 +261,17 @@ class ScheduleExecutor:
         except TypeError:
             return None
         return key
+
+    def release_triggers(self, sched: Schedule) -> list:
+        """Per rank: message received -> our sent messages it proves delivered (schedule/buffers.py),
+        computed once per schedule."""
+        cache = getattr(self, "_releases", None) or {}
+        got = cache.get(id(sched))
+        if got is None or got[0] is not sched:
+            from ..schedule.buffers import release_triggers
+            got = (sched, release_triggers(sched))
+            self._releases = {id(sched): got}
+        return got[1]
 
     def schedule_for(self, pp: int, num_microbatches: int, forward_only: bool = False) -> Schedule:
         """The validated schedule (with communication) used for a call; cached (schedules built

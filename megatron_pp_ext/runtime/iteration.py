@@ -107,7 +107,13 @@ class Iteration:
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
         self.store = wgrad.WeightGradStore(require_key=False) if split else None
+        self.observe = getattr(executor, "tensor_observer", None)   # (the trainer's memory meter)
+        if self.store is not None and self.observe is not None:
+            self.store.observer = lambda work: self.observe(work, "w")
         self.in_flight: dict = {}        # receives posted, not waited for: message key -> (work, op, buffer)
+        # message received -> our sends it proves delivered (P2P.release: gloo keeps sends until waited for)
+        triggers = getattr(executor, "release_triggers", None)
+        self.releases = triggers(sched)[rank] if triggers is not None else {}
         self.sync_log: list[tuple[str, int, int]] = []
         self.params_ready = False
         self.idx = 0
@@ -174,6 +180,8 @@ class Iteration:
                 st.inputs[(s + 1, mb)] = alias.requires_grad_(self.train)
             else:
                 st.sendable[("act", s, mb)] = alias if alias.is_contiguous() else alias.contiguous()
+            if self.observe is not None:
+                self.observe(alias, "handover" if self.placement[s + 1] == self.rank else "send")
         if self.train:
             if out is inp:  # a stage without layers returns its input: B passes the gradient on
                 st.identity.add((s, mb))
@@ -211,6 +219,8 @@ class Iteration:
                 st.out_grads[(s - 1, mb)] = in_grad
             else:
                 st.sendable[("grad", s, mb)] = in_grad
+            if self.observe is not None and isinstance(in_grad, torch.Tensor):
+                self.observe(in_grad, "handover" if self.placement[s - 1] == self.rank else "send")
 
     def weight(self, op: Op) -> None:
         """W: the weight gradients B queued (a no-op without the split: B was the full backward)."""
@@ -246,6 +256,8 @@ class Iteration:
                                   requires_grad=self.train and fwd)
                 transfers.append(Transfer(False, op.peer, key, buf, sh.recv_bytes if fwd else sh.send_bytes))
                 recvs.append((op, buf))
+                if self.observe is not None:
+                    self.observe(buf, "recv")
         emu = self.emu
         if emu is not None and not self.emu_in_p2p:
             emu.stamp_sends(transfers)
@@ -264,6 +276,9 @@ class Iteration:
             self.st.inputs[(op.stage, op.microbatch)] = buf
         else:
             self.st.out_grads[(op.stage, op.microbatch)] = buf
+        sent = self.releases.get(message_key(op.kind, op.stage, op.microbatch))
+        if sent:
+            self.p2p.release(sent)
 
     def take_recv(self, key) -> None:
         work, rop, buf = self.in_flight.pop(key)

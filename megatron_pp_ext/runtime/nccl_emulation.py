@@ -229,7 +229,7 @@ class EmulatedNCCL(P2P):
                        f"{'send' if t.is_send else 'receive'} {t.key} {'to' if t.is_send else 'from'} rank {peer}")
             self._submit(st, job)
             if t.is_send:
-                self._keep(_Handle(self, job, st), t.tensor)
+                self._keep(_Handle(self, job, st), t.tensor, t.key)
             else:
                 handles[t.key] = _Handle(self, job, st)
         return handles

@@ -76,7 +76,7 @@ class P2P:
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self._global = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
-        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self._pending_sends: list[tuple[Any, torch.Tensor, tuple | None]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -119,17 +119,33 @@ class P2P:
             else:
                 self.bytes_received += n
 
-    def _keep(self, work, tensor: torch.Tensor) -> None:
-        self._pending_sends.append((work, tensor))
+    def _keep(self, work, tensor: torch.Tensor, key: tuple | None = None) -> None:
+        self._pending_sends.append((work, tensor, key))
 
     def reap(self) -> None:
         """Forget sends that have completed (their tensors can be freed)."""
         if self._pending_sends:
-            self._pending_sends = [(w, t) for w, t in self._pending_sends if not _done(w)]
+            self._pending_sends = [x for x in self._pending_sends if not _done(x[0])]
+
+    def release(self, keys) -> None:
+        """The sends of messages ``keys`` are known to be delivered (the peer answered after
+        reading them, schedule/buffers.py ``release_triggers``): wait for them -- done already --
+        and let their tensors go. gloo reports a send complete only once waited for, so without
+        this its sent tensors would stay until :meth:`drain`."""
+        if not keys or not self._pending_sends:
+            return
+        keys = set(keys)
+        keep = []
+        for w, t, k in self._pending_sends:
+            if k in keys:
+                w.wait()
+            else:
+                keep.append((w, t, k))
+        self._pending_sends = keep
 
     def drain(self) -> None:
         """Wait for every outstanding send."""
-        for w, _ in self._pending_sends:
+        for w, _, _ in self._pending_sends:
             w.wait()
         self._pending_sends.clear()
 
@@ -163,7 +179,7 @@ class TaggedP2P(P2P):
             peer = self._global[t.peer]
             if t.is_send:
                 w = dist.isend(t.tensor, dst=peer, group=self.group, tag=self.tag(t.key))
-                self._keep(w, t.tensor)
+                self._keep(w, t.tensor, t.key)
             else:
                 w = dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key))
             works.append(w)
@@ -230,7 +246,7 @@ class PairwiseP2P(P2P):
             peer = self._global[t.peer]
             if t.is_send:
                 w = dist.isend(t.tensor, dst=peer, group=self.group)
-                self._keep(w, t.tensor)
+                self._keep(w, t.tensor, t.key)
             else:
                 w = dist.irecv(t.tensor, src=peer, group=self.group)
             works.append(w)
@@ -336,7 +352,7 @@ class ChannelP2P(P2P):
             cls = t.key[0]
             if t.is_send:
                 w = dist.isend(t.tensor, dst=peer, group=self._channel(me, peer, cls))
-                self._keep(w, t.tensor)
+                self._keep(w, t.tensor, t.key)
             else:
                 w = dist.irecv(t.tensor, src=peer, group=self._channel(peer, me, cls))
             works.append(w)

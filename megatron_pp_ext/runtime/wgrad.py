@@ -253,6 +253,9 @@ class WeightGradStore:
         #: W items queued, queued W items run, W items run at once (backward outside
         #: collect()), TE backward_dw calls.
         self.stats: Dict[str, int] = dict(split=0, fallback=0, queued=0, run=0, immediate=0, te=0)
+        #: called with every W item queued (a memory meter looks at what it keeps: for the local
+        #: layers a ``_LinearWGrad`` with ``grad_output`` and ``input``); None: nobody looks
+        self.observer: Optional[Callable[[Any], None]] = None
 
     # -- collecting (B) --------------------------------------------------------------------
     def begin(self, key: Hashable) -> None:
@@ -311,6 +314,8 @@ class WeightGradStore:
             key = self._key
         self._queues.setdefault(key, []).append(work)
         self.stats["queued"] += 1
+        if self.observer is not None:
+            self.observer(work)
 
     # -- running (W) -----------------------------------------------------------------------
     def run(self, key: Hashable) -> int:

@@ -8,6 +8,21 @@ so with v chunks per rank each F adds 1/v unit by default.
 Memory convention (``w_fraction``): the share of an F's activation that is freed only by
 its W. The default 1.0 counts a microbatch's activation as held from F until W, as the
 reference code and the figures of REFERENCE §2 do; it is the unit of ``--memory-budget``.
+What the B/W split really keeps for W -- the inputs *and* the output gradients of every linear
+layer -- is less than what F saved for most models (about 16h against 16h + a*s values per token
+for a GPT layer without fused attention); a model that knows its shapes gives that share per
+stage (``w_fraction_per_stage``, :mod:`megatron_pp_ext.planner.stagemem`), capped at 1 by
+counting an F as at least what its W will keep.
+
+Held memory beyond the op kinds' own effects (all in units, per stage, empty = none; the
+generators' own trackers ignore them, the simulators count them, :mod:`.buffers`):
+
+* ``transient_f`` / ``transient_b`` / ``transient_w``: what an op holds only while it runs, on
+  top of the level before it (plus, for F, its own activation): the attention backward's
+  score-sized gradients in B, the weight-gradient GEMM's output in W, ...;
+* ``msg``: the bytes of stage s's output activation (and of the gradient sent back for it):
+  receive buffers from their post until their consumer runs, send buffers from their producer
+  until the transfer has ended, local hand-overs (V turn-around) from producer to consumer.
 """
 
 from __future__ import annotations
@@ -70,6 +85,12 @@ class CostModel:
     #: per-stage ``w_fraction`` where stages differ (measured: the embedding, layer and loss
     #: stages keep different shares for their weight gradients); None: the scalar applies.
     w_fraction_per_stage: tuple[float, ...] | None = None
+    #: per stage, units: held only while an F / B / W op runs (see the module doc); () = none
+    transient_f: tuple[float, ...] = ()
+    transient_b: tuple[float, ...] = ()
+    transient_w: tuple[float, ...] = ()
+    #: per stage, units: stage s's output message (the activation sent on, the gradient sent back)
+    msg: tuple[float, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +114,12 @@ class CostModel:
             if len(per) != n or not all(0.0 <= w <= 1.0 for w in per):
                 raise ScheduleError(f"w_fraction_per_stage: expected {n} values in [0, 1], got {per}")
             object.__setattr__(self, "w_fraction_per_stage", per)
+        for name in ("transient_f", "transient_b", "transient_w", "msg"):
+            vals = getattr(self, name)
+            if vals:
+                object.__setattr__(self, name, _checked(vals, name, n))
+            else:
+                object.__setattr__(self, name, ())
         for name in ("bytes_per_unit", "bytes_per_message"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -126,6 +153,36 @@ class CostModel:
     @property
     def num_stages(self) -> int:
         return len(self.t_f)
+
+    @property
+    def holds_extra(self) -> bool:
+        """Transients or message buffers to charge (:mod:`.buffers`)."""
+        return any(any(v) for v in (self.transient_f, self.transient_b, self.transient_w, self.msg))
+
+    def transient(self, kind: str, stage: int) -> float:
+        """Units an op of ``kind`` on ``stage`` holds only while it runs (BW: the larger of B's and W's)."""
+        if kind == "F":
+            return self.transient_f[stage] if self.transient_f else 0.0
+        if kind == "B":
+            return self.transient_b[stage] if self.transient_b else 0.0
+        if kind == "W":
+            return self.transient_w[stage] if self.transient_w else 0.0
+        if kind == "BW":
+            return max(self.transient_b[stage] if self.transient_b else 0.0,
+                       self.transient_w[stage] if self.transient_w else 0.0)
+        return 0.0
+
+    def headroom(self, ranks_stages: Sequence[Sequence[int]]) -> list[float]:
+        """Per rank (its stages given): the most a transient adds on top of the held level, plus
+        one receive and one send buffer of its largest message -- what a budgeted generator,
+        whose trackers count only held memory, leaves free (:func:`..registry.build_schedule`)."""
+        out = []
+        for stages in ranks_stages:
+            tr = max((self.transient(k, s) for s in stages for k in ("F", "B", "W")), default=0.0)
+            mg = max((self.msg[s] for s in stages) if self.msg else [0.0], default=0.0)
+            mg_in = max((self.msg[s - 1] for s in stages if s > 0) if self.msg else [0.0], default=0.0)
+            out.append(tr + mg + mg_in)
+        return out
 
     @classmethod
     def uniform(cls, num_stages: int, chunks_per_rank: int = 1, f: float = 1.0, b: float = 1.0,

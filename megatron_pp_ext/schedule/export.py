@@ -116,7 +116,12 @@ def cost_to_dict(cost: CostModel) -> dict:
         "act": list(cost.act), "w_fraction": cost.w_fraction, "bytes_per_unit": cost.bytes_per_unit,
         "bytes_per_message": cost.bytes_per_message, "extra": _encode(dict(cost.extra), "cost.extra"),
         **({"w_fraction_per_stage": list(cost.w_fraction_per_stage)} if cost.w_fraction_per_stage else {}),
+        **{k: list(getattr(cost, k)) for k in _HELD if getattr(cost, k)},
     }
+
+
+#: the held-memory fields of a CostModel (written only when set)
+_HELD = ("transient_f", "transient_b", "transient_w", "msg")
 
 
 def cost_from_dict(d: dict) -> CostModel:
@@ -128,7 +133,8 @@ def cost_from_dict(d: dict) -> CostModel:
             t_f=tuple(d["t_f"]), t_b=tuple(d["t_b"]), t_w=tuple(d["t_w"]), comm=d.get("comm", 0.0),
             act=tuple(d["act"]), w_fraction=d.get("w_fraction", 1.0), bytes_per_unit=d.get("bytes_per_unit"),
             bytes_per_message=d.get("bytes_per_message"), extra=_decode(d.get("extra") or {}),
-            w_fraction_per_stage=tuple(d["w_fraction_per_stage"]) if d.get("w_fraction_per_stage") else None)
+            w_fraction_per_stage=tuple(d["w_fraction_per_stage"]) if d.get("w_fraction_per_stage") else None,
+            **{k: tuple(d[k]) for k in _HELD if d.get(k)})
     except KeyError as e:
         raise ScheduleError(f"cost model: missing field {e.args[0]!r} (need t_f, t_b, t_w, act)") from None
     except TypeError as e:

@@ -306,6 +306,10 @@ def _simulate(prep: Prepared, eager: bool):
             x = max(en)
             if x > makespan:
                 makespan = x
+    if cost.holds_extra:  # transients and message buffers, as the general simulator (buffers.py)
+        from .buffers import extra_events
+        for r, extra in enumerate(extra_events(schedule, cost, starts, ends, sends_until_end=eager)):
+            mem_events[r].extend(extra)
     peaks, timelines = [], []
     for r in range(p):
         cur, peak, tl = 0.0, 0.0, [(0.0, 0.0)]

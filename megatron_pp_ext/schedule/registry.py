@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Sequence
 
 from .catalog import ScheduleInfo, ScheduleRequest, register_schedule, registered
@@ -117,7 +118,54 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
     cost = request.cost_model(pp * v, v)
     cost.check_scale(microbatches, "--costs")
     with _cyclic_gc_paused():
+        if budget is not None and cost.holds_extra:
+            return _build_within(info, request, name, cost, budget, with_comm)
         return _build(info, request, name, cost, budget, with_comm)
+
+
+#: rebuilds of a budgeted schedule whose transients or message buffers went over the budget
+WITHIN_TRIES = 8
+
+
+def _build_within(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float,
+                  with_comm: bool) -> tuple[Schedule, CostModel]:
+    """A budget over everything a rank holds (``cost`` has transients or message buffers,
+    costs.py): the generator, whose trackers count the held activations only, gets the budget
+    less the most a transient and one message each way add on a rank (:meth:`CostModel.headroom`);
+    the result is simulated (with its send/recv when ``with_comm``) and, when the full peak is
+    still over the budget, built again with that much less (at most :data:`WITHIN_TRIES` times)."""
+    from .ir import loop_placement, v_placement
+    from .simulate import simulate
+    p, v = request.pp, request.chunks
+    placement = v_placement(p) if info.placement == "v" else loop_placement(p, v)
+    stages = [[s for s, r in enumerate(placement) if r == rank] for rank in range(p)]
+    room = max(cost.headroom(stages))
+    need = max(sum(cost.act[s] for s in st) for st in stages)   # one microbatch on a rank, all its chunks
+    if budget - room < need - 1e-9:
+        raise ScheduleError(f"--memory-budget {budget:g} units: one microbatch's activation on a rank ({need:g} units, "
+                            f"all of its chunks) and what a rank holds besides (transients and message buffers, "
+                            f"{room:g} units) need more; raise --memory-budget to at least {need + room:.3g}")
+    peak = None
+    for _ in range(WITHIN_TRIES):
+        inner = budget - room
+        if inner <= 1e-9:
+            break
+        try:
+            sched, built_cost = _build(info, replace(request, memory_budget=inner), name, cost, None, with_comm)
+        except ScheduleError:
+            if peak is None:
+                break
+            raise
+        peak = max(simulate(sched, built_cost).peak_memory)
+        if peak <= budget + 1e-9:
+            sched.meta["memory_budget"] = budget
+            sched.meta["held_budget"] = inner
+            return sched, built_cost
+        # (the generators fill budgets in steps of a chunk's activation: shrink by at least a tenth of one)
+        room += max(peak - budget, 0.1 * min(cost.act)) + 1e-6
+    need = f"; the last build peaked at {peak:g}" if peak is not None else ""
+    raise ScheduleError(f"--memory-budget {budget:g} units: transients and message buffers take {room:g} units "
+                        f"of it on some rank, too little is left for the activations{need}; raise the budget")
 
 
 @contextmanager

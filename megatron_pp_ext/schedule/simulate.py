@@ -28,6 +28,7 @@ sides are posted, a send frees its data when the transfer ends.
 from __future__ import annotations
 
 from collections import defaultdict
+from .buffers import extra_events
 from .checks import check_complete, check_structure
 from .commmodel import StreamComm, comm_model as comm_model_of
 from .costs import CostModel
@@ -369,6 +370,11 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
                 if cat == "comm" and prod:
                     times[op] = (times[op][0], ready[(prod[0], r)])
     makespan = max((e for _, e in times.values()), default=0.0)
+    if cost.holds_extra:  # transients and message buffers (buffers.py)
+        st = [[times[op][0] for op in ops] for ops in schedule.ops]
+        en = [[times[op][1] for op in ops] for ops in schedule.ops]
+        for r, extra in enumerate(extra_events(schedule, cost, st, en, sends_until_end=comm_model == "eager")):
+            mem_events[r].extend(extra)
     peaks, timelines = [], []
     for r in range(p):
         cur, peak, tl = 0.0, 0.0, [(0.0, 0.0)]

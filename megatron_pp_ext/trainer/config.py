@@ -186,6 +186,8 @@ class Plan:
     schedule_factory: Any = None     # a feature's (pp, m) -> (Schedule, CostModel) run instead of the name
     feature_summary: dict = field(default_factory=dict)
     emulation: Any = None            # EmulationPlan with --emulate-compute
+    memory_prediction: Any = None    # trainer/memmodel.py: predicted_peak_bytes per pipeline rank, ...
+    build_cost: Any = None           # the CostModel a budgeted schedule is built with (memmodel.held_cost)
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -250,7 +252,8 @@ class Plan:
         run = RunConfig(spec=self.model_spec(), tp=c.tp, pp=c.pp, dp=self.dp,
                          schedule=(self.schedule_factory or self.runtime_schedule) if pipelined else None,
                          chunks=self.chunks if pipelined else 1,
-                         memory_budget=self.memory_budget, costs=self.costs,
+                         memory_budget=self.memory_budget,
+                         costs=self.build_cost if self.build_cost is not None else self.costs,
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
                          ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
@@ -516,8 +519,14 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             good = c.pp * max(1, -(-m // c.pp)) * c.micro_batch_size * dp
             _fail(f"--schedule mcore with --vp {chunks}: Megatron-Core's interleaved schedule needs the microbatches "
                   f"per data-parallel rank ({m}) to be a multiple of --pp {c.pp}; use e.g. --global-batch-size {good}")
+        build_costs = costs
+        if budget is not None and info is not None and info.uses_budget and not c.features:
+            # the budget counts every byte a rank holds (trainer/memmodel.py): built with the memory model
+            from .memmodel import held_cost
+            build_costs = held_cost(c, placement=placement, layers_per_stage=lps, kv_heads=kv, ffn=ffn, costs=costs,
+                                    chunks=chunks, split=info.split_backward)
         try:
-            built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=costs, memory_budget=budget,
+            built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=build_costs, memory_budget=budget,
                                    with_comm=True)
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "--global-batch-size (microbatches per iteration)")
@@ -646,14 +655,21 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                      "to try it)")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
-    return Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
+    plan = Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
                 placement=tuple(placement), layers_per_stage=lps, runtime_schedule=runtime_schedule,
                 figure_schedule=figure_schedule, costs=costs, memory_budget=budget, profile_iters=profile,
                 reference_iters=ref, data=data, out_dir=out, json_log=json_log,
                 text_log=os.path.join(out, "train.log"), figure=os.path.join(out, "schedule.png"),
                 summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built, resume=resume,
                 schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl,
-                emulation=emulation)
+                emulation=emulation, build_cost=build_costs if pipelined and not isinstance(build_costs, tuple) else None)
+    # what the memory model predicts for this run (trainer/memmodel.py): the JSON log's predicted_peak_bytes
+    from .memmodel import predict
+    try:
+        prediction = predict(plan)
+    except Exception as e:  # noqa: BLE001 - a prediction must not stop a run; the log says why
+        prediction = {"error": f"{type(e).__name__}: {e}"}
+    return dataclasses.replace(plan, memory_prediction=prediction)
 
 
 # --- command line -------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
     from ..runtime.harness import setup_training
     from .checkpoint import save_checkpoint, should_save
     from .data import build_data
+    from .devicemem import DeviceMemoryProbe
     from .memory import ActivationMeter
     from .profile import Profiler
     from .report import RankZeroLog
@@ -128,8 +129,11 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         holds_loss = any(_core(m).post_process for m in tr.model) and tp_rank == 0
         m = plan.microbatches
         meter = ActivationMeter(tr.model, device)
+        probe = DeviceMemoryProbe(device)
         if tr.executor is not None and tr.executor.op_hook is None:
-            tr.executor.op_hook = meter.op_hook
+            tr.executor.op_hook = _chain_hooks(meter.op_hook, probe.op_boundary)
+        if tr.executor is not None and getattr(tr.executor, "tensor_observer", False) is None:
+            tr.executor.tensor_observer = meter.observe   # W's kept tensors and the messages in flight
         # --emulate-compute (trainer/emulation.py): the executor's emulation, or Megatron-Core's function
         # wrapped in one; features are emulated as the simulator models them, their runtimes not attached
         emu = None
@@ -168,6 +172,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 for f in features:
                     f.start_iteration(batches)
                 _sync(device)
+                probe.start_iteration()
                 t0 = time.perf_counter()
                 with meter.around(tr.forward_backward) as fb:
                     orig = tr.forward_backward
@@ -178,6 +183,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                         tr.forward_backward = orig
                 _sync(device)
                 t_fb = time.perf_counter() - t0
+                device_peak = probe.peak()
                 peak = meter.activation_peak()
                 saved_peak = meter.saved_peak()
                 if emu is None:
@@ -197,11 +203,13 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                     stepped["loss_scale"], float(stepped["skipped"]),
                                     emu.last.makespan_s if emu is not None else float("nan"),
                                     float(emu.last.realtime) if emu is not None else 0.0, aux,
-                                    float(stepped["grad_norm_known"])],
+                                    float(stepped["grad_norm_known"]), float(device_peak)],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
+                rec["predicted_peak_bytes"] = _predicted(plan)
+                rec["device_measure"] = probe.measure
                 rec["profiling"] = profiling
                 if emu is not None:
                     from .emulation import emulated_record
@@ -245,7 +253,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
 
         # what one forward saves per stage (bytes of one microbatch's activation), per rank
         info = {"pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "stage_bytes": meter.stage_bytes(),
-                "w_share": meter.w_share(), "live_after": int(meter.live)}
+                "w_share": meter.w_share(), "live_after": int(meter.live), "op_rise": probe.op_rise_medians(),
+                "op_delta": probe.op_rise_medians(deltas=True), "trace": probe.trace}
+        probe.close()
         infos: list = [None] * dist.get_world_size()
         dist.all_gather_object(infos, info)
         if rank != 0:
@@ -258,10 +268,16 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 prof["figure"] = log.profiled_figure_path
         stage_bytes: dict[int, int] = {}
         w_share: dict[int, float] = {}
+        op_rise: dict[str, dict[int, int]] = {}
+        op_delta: dict[str, dict[int, int]] = {}
         for inf in infos:
             if inf["tp_rank"] == 0 and inf["dp_rank"] == 0:
                 for s, b in inf["stage_bytes"].items():
                     stage_bytes[int(s)] = int(b)
+                for kind, per in inf["op_rise"].items():
+                    op_rise.setdefault(kind, {}).update(per)
+                for kind, per in inf["op_delta"].items():
+                    op_delta.setdefault(kind, {}).update(per)
                 for s, w in inf["w_share"].items():
                     w_share[int(s)] = float(w)
         unit_bytes = [sum(stage_bytes.get(s, 0) for s, r in enumerate(plan.placement) if r == pr)
@@ -270,7 +286,14 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         summary.update(setup_s=setup_s, stage_activation_bytes=[stage_bytes.get(s, 0) for s in range(plan.num_stages)],
                        stage_w_share=[w_share.get(s) for s in range(plan.num_stages)],
                        unit_bytes_per_rank=unit_bytes, profile=prof, data=data.description,
-                       live_saved_bytes_after=[inf["live_after"] for inf in infos])
+                       live_saved_bytes_after=[inf["live_after"] for inf in infos],
+                       measured_op_rise_bytes={k: [v.get(s) for s in range(plan.num_stages)]
+                                               for k, v in sorted(op_rise.items())},
+                       measured_op_delta_bytes={k: [v.get(s) for s in range(plan.num_stages)]
+                                                for k, v in sorted(op_delta.items())})
+        if any(inf.get("trace") for inf in infos):
+            summary["measured_op_trace"] = {f"{inf['pp_rank']}/{inf['tp_rank']}/{inf['dp_rank']}": inf["trace"]
+                                            for inf in infos}
         summary["resumed_from"] = None if resumed is None else {
             "directory": plan.resume.directory, "iteration": plan.resume.iteration,
             "same_layout": plan.resume.same_layout, "saved_layout": plan.resume.saved_layout,
@@ -283,6 +306,22 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
         return {"records": records, "summary": summary}
+
+
+def _predicted(plan) -> list | None:
+    """``predicted_peak_bytes`` of the JSON log: the memory model's peak per pipeline rank (None
+    when it could not be computed: ``summary.json``'s ``memory_model`` says why)."""
+    pred = plan.memory_prediction or {}
+    got = pred.get("predicted_peak_bytes")
+    return list(got) if got is not None else None
+
+
+def _chain_hooks(*hooks):
+    """One ``op_hook`` that calls each of ``hooks`` in order."""
+    def hook(op, phase: str) -> None:
+        for h in hooks:
+            h(op, phase)
+    return hook
 
 
 def _feature_metrics(features: list, pp_rank: int, plan) -> dict:
@@ -324,12 +363,14 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
     pp = plan.cfg.pp
     peaks = [0] * pp
     saved = [0] * pp
+    device = [0] * pp
     loss = tokens = 0.0
     # loss sums in data-parallel order (the pp=1 reference sums the same values in the same order)
     for r in sorted(rows, key=lambda r: (r[2], r[1], r[0])):
         pr = int(r[0])
         peaks[pr] = max(peaks[pr], int(r[8]))
         saved[pr] = max(saved[pr], int(r[9]))
+        device[pr] = max(device[pr], int(r[18]))
         if r[3]:
             loss += r[4]
             tokens += r[5]
@@ -344,6 +385,7 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         "fb_time_s": max(r[7] for r in rows),
         "peak_activation_bytes": peaks,
         "peak_saved_activation_bytes": saved,
+        "peak_device_bytes": device,
         "tokens": int(tokens),
         # --emulate-compute: the forward-backward's wall time on the slowest rank (barrier to last op)
         **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}

@@ -1,6 +1,18 @@
-"""Per-rank activation-memory accounting over an iteration.
+"""Per-rank activation-memory accounting over an iteration, by our own counters.
 
-CPU (and always, as ``saved``): the bytes of the tensors autograd saves for backward, counted
+Two counts, both as *unique storages* of non-parameter tensors alive at a time:
+
+* ``saved``: what autograd saves for backward (below);
+* ``held`` (what the log's ``peak_activation_bytes`` is on a CPU): ``saved`` plus what the
+  schedule executor holds besides -- the output gradient of every linear layer the B/W split
+  keeps for W (runtime/wgrad.py: ``WeightGradStore.observer``), receive buffers from their post,
+  tensors waiting for their send or their local hand-over (runtime/iteration.py:
+  ``ScheduleExecutor.tensor_observer``).
+
+The independent measurement is trainer/devicemem.py (``peak_device_bytes``), which also sees
+the transients of the op running at the peak; this meter says *what* is held.
+
+``saved``: the bytes of the tensors autograd saves for backward, counted
 through ``torch.autograd.graph.saved_tensors_hooks`` as *unique storages* of non-parameter
 tensors, from the forward that saves them until the storage is freed. A storage is freed when
 the last tensor using it goes: after B for most of them, after W for the inputs of the linear
@@ -56,9 +68,12 @@ class ActivationMeter:
                 if isinstance(mg, torch.Tensor):
                     self._exclude.add(mg.untyped_storage().data_ptr())
         self._lock = threading.RLock()  # (a finalizer may run while _pack holds it)
-        self._tracked: dict[int, int] = {}   # id(storage object) -> bytes
+        self._tracked: dict[int, int] = {}   # id(storage object) -> bytes: saved for backward
+        self._held: dict[int, int] = {}      # id(storage object) -> bytes: saved, kept for W or in flight
         self.live = 0
         self.peak = 0
+        self.held_live = 0
+        self.held_peak = 0
         self.cuda_base = 0
         self.f_bytes: dict[int, list[int]] = defaultdict(list)   # stage -> bytes added by each forward
         self.f_times: dict[int, list[float]] = defaultdict(list)
@@ -70,25 +85,49 @@ class ActivationMeter:
         with self._lock:
             if self._tracked.pop(key, None) is not None:
                 self.live -= nbytes
+            if self._held.pop(key, None) is not None:
+                self.held_live -= nbytes
 
-    def _pack(self, t: torch.Tensor):
+    def _track(self, t: torch.Tensor, saved: bool) -> None:
         try:
             s = t.untyped_storage()
             ptr = s.data_ptr()
             nbytes = s.nbytes()
         except Exception:  # e.g. a tensor subclass without storage
-            return t
+            return
         if nbytes == 0 or ptr in self._exclude:
-            return t
+            return
         key = id(s)
         with self._lock:
-            if key not in self._tracked:
+            new = key not in self._held
+            if new:
+                self._held[key] = nbytes
+                self.held_live += nbytes
+                if self.held_live > self.held_peak:
+                    self.held_peak = self.held_live
+            if saved and key not in self._tracked:
                 self._tracked[key] = nbytes
                 self.live += nbytes
                 if self.live > self.peak:
                     self.peak = self.live
+            if new:
                 weakref.finalize(s, self._free, key, nbytes)
+
+    def _pack(self, t: torch.Tensor):
+        self._track(t, True)
         return t
+
+    def observe(self, obj, what: str = "") -> None:
+        """Count a tensor the executor holds (a receive buffer, a tensor to send or hand over) or
+        the tensors a W item keeps (an object with ``grad_output`` / ``input``), from now until
+        its storage is freed (``ScheduleExecutor.tensor_observer``, ``WeightGradStore.observer``)."""
+        if isinstance(obj, torch.Tensor):
+            self._track(obj, False)
+            return
+        for name in ("grad_output", "input"):
+            t = getattr(obj, name, None)
+            if isinstance(t, torch.Tensor):
+                self._track(t, False)
 
     @staticmethod
     def _unpack(t):
@@ -102,6 +141,7 @@ class ActivationMeter:
     def start_iteration(self) -> None:
         with self._lock:
             self.peak = self.live
+            self.held_peak = self.held_live
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -118,14 +158,18 @@ class ActivationMeter:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device) - self.cuda_base)
 
+    def held_peak_bytes(self) -> int:
+        """Peak bytes of saved, W-kept and in-flight tensors since :meth:`start_iteration`."""
+        return int(self.held_peak)
+
     def activation_peak(self) -> int:
-        """What the log reports: the CUDA allocator on GPU, saved tensors on CPU."""
+        """What the log reports: the CUDA allocator on GPU, held tensors on CPU."""
         d = self.device_peak()
-        return self.saved_peak() if d is None else d
+        return self.held_peak_bytes() if d is None else d
 
     @property
     def measure(self) -> str:
-        return "cuda_memory_allocated" if self.device.type == "cuda" else "saved_tensors"
+        return "cuda_memory_allocated" if self.device.type == "cuda" else "held_tensors"
 
     # -- per-stage forward bytes -------------------------------------------------------------
     def wrap_forward_step(self, fn: Callable) -> Callable:

@@ -140,9 +140,15 @@ class Profiler:
             result["bubble_before"] = sim_old.bubble_rate
         except ScheduleError:
             pass
+        held = getattr(plan, "build_cost", None)
+        if held is not None:  # a budget over every byte: the measured times, the run's memory fields
+            cost = cost.with_(act=held.act, w_fraction_per_stage=held.w_fraction_per_stage,
+                              transient_f=held.transient_f, transient_b=held.transient_b,
+                              transient_w=held.transient_w, msg=held.msg, bytes_per_unit=held.bytes_per_unit)
         new_exec = ScheduleExecutor(plan.runtime_schedule, chunks=plan.chunks, costs=cost,
                                     memory_budget=plan.memory_budget,
                                     sync_timings=old_exec.sync_timings, op_hook=old_exec.op_hook)
+        new_exec.tensor_observer = getattr(old_exec, "tensor_observer", None)
         try:
             sched = new_exec.schedule_for(plan.cfg.pp, plan.microbatches)
         except ScheduleError as e:

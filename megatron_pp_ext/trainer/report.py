@@ -140,7 +140,7 @@ class RankZeroLog:
     def iteration(self, rec: dict) -> None:
         c = self.plan.cfg
         rec = dict(rec, schedule=self.label, lr=c.lr,
-                   activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "saved_tensors")
+                   activation_measure="cuda_memory_allocated" if self.plan.device == "cuda" else "held_tensors")
         _append(self.json, json.dumps(rec) + "\n", "--json-log")
         i = rec["iteration"]
         if self.plan.emulation is not None:
@@ -217,6 +217,11 @@ class RankZeroLog:
         pp = len(records[0]["peak_activation_bytes"]) if records else 0
         peaks = [max(r["peak_activation_bytes"][i] for r in records) for i in range(pp)]
         saved = [max(r["peak_saved_activation_bytes"][i] for r in records) for i in range(pp)]
+        # the device peak of the steady iterations (the first also allocates what later ones reuse)
+        steady_recs = records[1:] or records
+        device = [max(r["peak_device_bytes"][i] for r in steady_recs) for i in range(pp)]
+        pred = records[0].get("predicted_peak_bytes") if records else None
+        ratio = ([round(d / p_, 4) if p_ else None for d, p_ in zip(device, pred)] if pred else None)
         summary = {
             "iterations": len(records),
             "total_time_s": sum(times),
@@ -226,7 +231,12 @@ class RankZeroLog:
             "final_loss": records[-1]["loss"] if records else None,
             "peak_activation_bytes": peaks,
             "peak_saved_activation_bytes": saved,
-            "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "saved_tensors",
+            "activation_measure": "cuda_memory_allocated" if plan.device == "cuda" else "held_tensors",
+            "peak_device_bytes": device,
+            "device_measure": records[0].get("device_measure") if records else None,
+            "predicted_peak_bytes": pred,
+            "measured_over_predicted": ratio,
+            "memory_model": plan.memory_prediction,
             "simulated": self.sim_info,
         }
         if plan.emulation is not None:
@@ -252,6 +262,10 @@ class RankZeroLog:
         self.line(f"trained {what} in {sum(times):.1f} s (median {summary['median_time_s']:.3f} "
                   f"s per iteration after the first), loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}; "
                   f"peak activation per rank: {' '.join(fmt_bytes(b) for b in peaks)}")
+        if pred:
+            self.line(f"memory per rank, measured ({summary['device_measure']}, iterations after the first) / "
+                      f"predicted: " + "  ".join(f"{fmt_bytes(d)} / {fmt_bytes(p_)} ({d / p_:.2f})" if p_ else
+                                                 f"{fmt_bytes(d)} / n/a" for d, p_ in zip(device, pred)))
         self.text.close()
         return summary
 
@@ -285,6 +299,14 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
                      f"activation {'/'.join(f'{u:g}' for u in sim_info['peak_units'])} units per rank (costs "
                      f"{','.join(f'{x:g}' for x in sim_info['costs'])})"
                      + (f"; figure {fig}" if fig else f"; figure not written ({sim_info.get('figure_error')})"))
+    pred = plan.memory_prediction or {}
+    if pred.get("predicted_peak_bytes"):
+        lines.append("memory model: predicted peak per rank above the iteration's start "
+                     + " ".join(fmt_bytes(b) for b in pred["predicted_peak_bytes"])
+                     + f" ({'/'.join(f'{u:g}' for u in pred['peak_units'][:len(pred['predicted_peak_bytes'])])} units "
+                       f"of {fmt_bytes(pred['unit_bytes'])}: saved activations, what W keeps, messages, transients)")
+    elif pred.get("error"):
+        lines.append(f"memory model: no prediction ({pred['error']})")
     for n in plan.notes:
         lines.append(f"note: {n}")
     if plan.emulation is not None:

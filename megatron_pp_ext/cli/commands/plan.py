@@ -45,6 +45,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag}", type=int_at_least(1, 8), metavar="N", help=what)
     g.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="fused (flash) attention, no s^2 activations (default: on)")
+    g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention/hidden dropout > 0, whose masks are stored (default: the preset's; a custom gpt: "
+                        "on, llama: off)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output layer shares the input embedding (default: the preset's; a custom gpt: on)")
     g.add_argument("--kv-channels", type=int_at_least(1, 128), metavar="N",
                    help="head size, when heads x head size != hidden (Megatron-LM --kv-channels)")
     g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None,
@@ -100,6 +105,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--budgets", type=_names, default=("fit",), metavar="fit,0.5x",
                    help="v-budget memory budgets: 'fit' (largest that fits) and/or units or fractions of 1F1B")
     s.add_argument("--no-distributed-optimizer", action="store_true", help="plan without the distributed optimizer")
+    s.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 (Megatron-LM's --bf16: bf16 parameters and activations, fp32 gradients and master "
+                        "weights) or fp32 (default: bf16)")
+    s.add_argument("--memory-model", choices=("gpu", "cpu"), default="gpu",
+                   help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
+                        "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
+                        "softmax, weight gradients delivered through autograd; to check a plan there)")
     s.add_argument("--top", type=int_at_least(1, 10), default=10, metavar="K", help="plans to list (default: 10)")
     s.add_argument("--time-limit", type=float, default=120.0, metavar="S",
                    help="CPU seconds of search before it stops and reports what it has (default: 120)")
@@ -166,6 +178,10 @@ def build_request(args):
                               explicit["seq"] or 2048, **arch, **moe)
         if args.flash_attention is not None:
             model = model.with_(flash_attention=args.flash_attention)
+        if args.dropout is not None:
+            model = model.with_(dropout=args.dropout)
+        if args.tie_embeddings is not None:
+            model = model.with_(tied_embeddings=args.tie_embeddings)
         if args.gpus is None and args.nodes is None:
             raise CLIError("give --gpus N (or --nodes N)")
         cluster = make_cluster(args.gpu, args.gpus, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
@@ -183,7 +199,7 @@ def build_request(args):
                            mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven, max_vp=args.max_vp,
                            recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
-                           time_limit=args.time_limit)
+                           time_limit=args.time_limit, precision=args.precision, runtime=args.memory_model)
     except PlannerError as e:
         raise CLIError(str(e)) from None
 

@@ -1,0 +1,395 @@
+"""What one pipeline stage holds per microbatch, and what its F, B and W hold while they run.
+
+The schedule core counts memory in units (schedule/costs.py); this module gives the bytes
+behind them for a Megatron-Core GPT model, per stage (one model chunk on one rank):
+
+* ``act``: what an F leaves behind -- the tensors autograd saves for the backward, the stage's
+  input included (a received activation becomes the first norm's saved input);
+* ``w_held``: what the B/W split keeps from B until W (runtime/wgrad.py): the input *and* the
+  output gradient of every split linear layer (qkv, proj, fc1, fc2, the output layer), the
+  inputs as the local shard under sequence parallelism (``sp_gather="w"``), the output gradients
+  of the row-parallel layers gathered over the full sequence;
+* ``msg``: the stage's output activation (the point-to-point message, and the gradient sent back
+  for it);
+* ``rise_f`` / ``rise_b`` / ``rise_w``: the peak of one F / B / W above the level before it.
+  F: its activation plus its output, or the attention's score tensors while they coexist;
+  B: walks the layers backwards -- the level moves by what each part frees and what W keeps --
+  and peaks at the unfused attention backward, which holds three score-sized tensors at once
+  (the probabilities' gradient, the scores' gradient and the copy autograd makes for the
+  in-place mask), or at the MLP backward, the output layer (bf16: the logits' gradient cast
+  back), the embedding's dense gradient; W: the weight-gradient GEMM's output (one weight) of
+  each linear in queue order less what the W items before it freed (nothing with the fused
+  accumulation kernel).
+
+Terms are written per layer for Megatron-Core's local layer spec (``get_gpt_layer_local_spec``:
+``DotProductAttention`` unfused, torch norms where apex is missing -- RMSNorm then saves its input
+and the normalised tensor) and were read off megatron-core 0.16 on torch 2.x (``attention="torch"``:
+torch's softmax, fp32 and bf16, softmax in fp32), GPT (LayerNorm, GeLU, biases, learned positions)
+and LLaMA (RMSNorm, SwiGLU, RoPE, GQA): ``docs/benchmarks/memory.md`` compares them with the
+resident memory measured per rank. ``attention="unfused"`` (Megatron's fused softmax kernel on a
+GPU) and ``"flash"`` (fused attention, Transformer Engine; no s^2 term, Korthikanti et al.'s
+count) are model-based. Mixture-of-experts layers use :func:`.memory.layer_activation`'s terms
+for what F saves and count W's share from the experts' linear layers (model-based).
+
+Pure Python: the trainer (its ``predicted_peak_bytes``), the planner and the benchmark share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .memory import StagePart, layer_activation
+from .presets import ModelSpec, PlannerError
+
+__all__ = ["MemorySetting", "StageMemory", "stage_memory", "unit_bytes", "cost_fields", "w_item_peak", "RECOMPUTE",
+           "ATTENTION", "WGRAD"]
+
+RECOMPUTE = ("none", "selective", "full")
+WGRAD = ("autograd", "main_grad", "fused_kernel")
+#: flash: fused attention kernels (no s^2 term); unfused: DotProductAttention with Megatron's fused
+#: softmax kernel (GPUs, fp16/bf16: the probabilities saved in the activation dtype, gradients in
+#: place); torch: DotProductAttention with torch's softmax (CPUs, fp32: the probabilities in fp32
+#: and, below fp32, their cast copy -- measured)
+ATTENTION = ("flash", "unfused", "torch")
+
+
+@dataclass(frozen=True)
+class MemorySetting:
+    """How a run holds its tensors: microbatch size, tensor/sequence parallelism, precision,
+    attention kernel, recomputation, whether B and W are split, and how W delivers a weight
+    gradient (``wgrad``, see :func:`w_item_peak`)."""
+
+    mbs: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    precision: str = "bf16"            # fp32 | bf16 | fp16
+    attention: str = "unfused"         # flash | unfused (GPU fused softmax) | torch (CPU softmax): ATTENTION
+    recompute: str = "none"            # none | selective | full
+    split: bool = True                 # the B/W split keeps inputs and output gradients for W
+    wgrad: str = "autograd"            # autograd | main_grad | fused_kernel (w_item_peak)
+    ep: int = 1
+    etp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise PlannerError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.attention not in ATTENTION:
+            raise PlannerError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.recompute not in RECOMPUTE:
+            raise PlannerError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.wgrad not in WGRAD:
+            raise PlannerError(f"wgrad must be one of {WGRAD}, got {self.wgrad!r}")
+
+    @property
+    def e(self) -> int:
+        """Bytes of an activation element."""
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of one stage for one microbatch (see the module doc)."""
+
+    act: float
+    w_held: float
+    msg: float
+    rise_f: float
+    rise_b: float
+    rise_w: float
+    layer_act: float          # the transformer layers' part of ``act`` (what a unit is made of; at least what W keeps)
+    detail: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        return {"act": self.act, "w_held": self.w_held, "msg": self.msg, "rise_f": self.rise_f,
+                "rise_b": self.rise_b, "rise_w": self.rise_w, "layer_act": self.layer_act, **self.detail}
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One transformer layer: what F saves (attention and MLP halves, norms included), what W
+    keeps of each half, the B peaks of each half above the level at its start, the forward's
+    attention peak above the level before the layer, and its linear layers in W's queue order
+    (backward order) as (weight bytes of the GEMM output, bytes W keeps, extra temporaries)."""
+
+    saved_attn: float
+    saved_mlp: float
+    w_attn: float
+    w_mlp: float
+    bwd_attn: float
+    bwd_mlp: float
+    fwd_attn: float
+    linears: tuple[tuple[float, float, float, float], ...]
+    terms: dict
+
+    @property
+    def saved(self) -> float:
+        return self.saved_attn + self.saved_mlp
+
+    @property
+    def w_held(self) -> float:
+        return self.w_attn + self.w_mlp
+
+
+def _norm_bytes(model: ModelSpec, tq: float, e: int) -> float:
+    """One norm's saved tensors: LayerNorm its input (and 2 statistics per token); the torch
+    RMSNorm of the local spec its input and the normalised tensor (and 1 per token)."""
+    h = model.hidden
+    return tq * e * ((h + 2) if model.norm == "layernorm" else (2 * h + 1))
+
+
+def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _Layer:
+    s, b, h, a, kv, d = model.seq, st.mbs, model.hidden, model.heads, model.kv_heads, model.head_dim
+    tp, e = st.tp, st.e
+    if a % tp or kv % tp:
+        raise PlannerError(f"tp={tp} must divide heads ({a}) and kv-heads ({kv})")
+    T = s * b
+    tq = T / tp if (st.sequence_parallel and tp > 1) else T
+    a_t, kv_t = a / tp, kv / tp
+    qkv_out = (a + 2 * kv) * d / tp
+    glu = 2 if model.gated_mlp else 1
+    drop = 1 if model.dropout else 0
+    gqa = kv < a
+    rope = model.position == "rope"
+    norm = _norm_bytes(model, tq, e)
+    terms: dict[str, float] = {}
+    # -- attention half (input norm, qkv, core attention, proj) ------------------------------------
+    terms["input norm"] = norm
+    terms["qkv input"] = tq * h * e
+    if st.attention == "flash":
+        terms["q, k, v"] = T * qkv_out * e
+        terms["softmax statistics"] = 4 * a_t * T
+        scores = 0.0
+    else:
+        if rope:   # rotated q and k are new tensors; v a view of the qkv output, or a copy per head (GQA)
+            qkv = T * a_t * d + T * (a_t if gqa else kv_t) * d + T * (a_t * d if gqa else qkv_out)
+            terms["rotary cos/sin (fp32)"] = 4 * s * d * 4
+        else:      # q, k, v views of the qkv output; k and v copied per head under GQA
+            qkv = T * qkv_out + (2 * T * a_t * d if gqa else 0)
+        terms["q, k, v"] = qkv * e
+        scores = a_t * s * T
+        if st.attention == "torch":  # fp32 probabilities (attention_softmax_in_fp32) and, below fp32, their cast
+            terms["attention probabilities"] = scores * (4 + (e if e != 4 else 0))
+        else:                        # the fused softmax kernel's output, in the activation dtype
+            terms["attention probabilities"] = scores * e
+        terms["causal mask"] = s * s
+        if drop:
+            terms["attention dropout"] = scores * (1 + e)
+    if model.qk_norm:
+        terms["q, k norms"] = T * (a_t + kv_t) * d * e
+    terms["proj input"] = T * a_t * d * e
+    if drop:
+        terms["dropout masks"] = 2 * tq * h
+    saved_attn = sum(terms.values()) - (terms.get("dropout masks", 0.0) / 2)
+    # -- MLP half (pre-MLP norm, fc1, activation, fc2) ---------------------------------------------
+    mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * e}
+    if moe:
+        # the MoE layer's own terms (router, dispatched tokens, experts) as the planner counts them
+        full = layer_activation(model, b, tp, sequence_parallel=st.sequence_parallel, moe=True, ep=st.ep,
+                                etp=st.etp)
+        moe_terms = {k: v * e / 2 for k, v in full.breakdown.items()
+                     if k.startswith(("router", "dispatched", "expert", "shared"))}
+        mlp_terms.update(moe_terms)
+        fe = model.expert_ffn
+        k = model.moe_topk
+        etp = tp if st.etp is None else st.etp
+        ffn_tokens, f_t = T * k, fe / etp
+    else:
+        f_t = model.ffn / tp
+        ffn_tokens = T
+        if model.gated_mlp:  # SwiGLU: fc1's output (both halves), the second half's copy, silu's output, their product
+            mlp_terms["fc1 output (SwiGLU)"] = T * 2 * f_t * e
+            mlp_terms["SwiGLU copies"] = 2 * T * f_t * e
+            mlp_terms["fc2 input"] = T * f_t * e
+        else:    # the bias-added fc1 output GeLU saves, and GeLU's output (fc2's input)
+            mlp_terms["activation input"] = T * f_t * e
+            mlp_terms["fc2 input"] = T * f_t * e
+    if drop:
+        mlp_terms["dropout mask"] = tq * h
+    terms.update(mlp_terms)
+    saved_mlp = sum(mlp_terms.values()) + (terms.get("dropout masks", 0.0) / 2)
+    # -- what W keeps: every split linear's input and output gradient -------------------------------
+    lin = {
+        "qkv": (tq * h, T * qkv_out, qkv_out * h),
+        "proj": (T * a_t * d, T * h, h * a_t * d),
+        "fc1": (tq * h, ffn_tokens * glu * f_t, glu * f_t * h),
+        "fc2": (ffn_tokens * f_t, ffn_tokens * h, h * f_t),
+    }
+    if moe:  # each routed expert's linears see its share of the k*T dispatched tokens: the same totals
+        lin["fc1"] = (ffn_tokens * h, ffn_tokens * glu * f_t, (model.num_experts / st.ep) * glu * f_t * h)
+        lin["fc2"] = (ffn_tokens * f_t, ffn_tokens * h, (model.num_experts / st.ep) * h * f_t)
+    w_attn = (sum(lin["qkv"][:2]) + sum(lin["proj"][:2])) * e
+    w_mlp = (sum(lin["fc1"][:2]) + sum(lin["fc2"][:2])) * e
+    # -- peaks -------------------------------------------------------------------------------------
+    if st.attention == "flash":
+        bwd_attn = 2 * T * qkv_out * e + T * h * e
+        fwd_attn = 0.0
+    elif st.attention == "unfused":
+        # the probabilities' gradient, then the kernel's in-place softmax backward (model-based)
+        bwd_attn = T * h * e + 2 * scores * e
+        before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
+        fwd_attn = before + 2 * scores * e + s * s
+    else:
+        # the proj's input gradient, then three score-sized tensors (probabilities' gradient, scores'
+        # gradient, autograd's copy for the in-place mask) on top of the level at that point
+        bwd_attn = T * h * e + 3 * scores * e
+        # while softmax runs: the scores, their fp32 copy (below fp32) and the fp32 probabilities
+        before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
+        fwd_attn = before + scores * (e + (4 if e != 4 else 0) + 4 + (e if e != 4 else 0)) + s * s
+    bwd_mlp = (glu + 1) * ffn_tokens * f_t * e
+    order = []
+    for name in ("fc2", "fc1", "proj", "qkv"):
+        inp, gout, wnumel = lin[name]
+        gather = T * h * e if (st.sequence_parallel and tp > 1 and name in ("qkv", "fc1")) else 0.0
+        order.append((wnumel, (inp + gout) * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0))
+    return _Layer(saved_attn, saved_mlp, w_attn, w_mlp, bwd_attn, bwd_mlp, fwd_attn, tuple(order), terms)
+
+
+def _recomputed(layer: _Layer, model: ModelSpec, st: MemorySetting) -> _Layer:
+    """Recomputation: ``full`` keeps the layer's input only and recomputes the rest inside B
+    (its whole activation on top of B's own peak); ``selective`` drops the score-sized terms,
+    recomputed inside B."""
+    T = model.seq * st.mbs
+    tq = T / st.tp if (st.sequence_parallel and st.tp > 1) else T
+    if st.recompute == "full":
+        inp = tq * model.hidden * st.e
+        return replace(layer, saved_attn=inp, saved_mlp=0.0, bwd_attn=layer.bwd_attn + layer.saved,
+                       bwd_mlp=layer.bwd_mlp + layer.saved, fwd_attn=0.0,
+                       terms={"layer input (full recomputation)": inp})
+    s2 = sum(v for k, v in layer.terms.items() if k in ("attention probabilities", "causal mask", "attention dropout"))
+    terms = {k: v for k, v in layer.terms.items() if k not in ("attention probabilities", "causal mask",
+                                                               "attention dropout")}
+    return replace(layer, saved_attn=layer.saved_attn - s2, bwd_attn=layer.bwd_attn + s2, terms=terms)
+
+
+def _layer(model: ModelSpec, st: MemorySetting, moe: bool) -> _Layer:
+    lay = _dense_layer(model, st, moe=moe)
+    return lay if st.recompute == "none" else _recomputed(lay, model, st)
+
+
+def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, vocab_shards: int = 1,
+                 embedding: bool = True, output_layer: bool = True) -> StageMemory:
+    """The bytes of one stage holding ``part`` (see the module doc). ``vocab_shards`` > 1: the
+    output layer's logits are split that many ways; ``output_layer=False`` / ``embedding=False``:
+    the output layer and loss / the word embedding live elsewhere (vocabulary parallelism: the
+    last stage keeps its final norm and the hidden state the loss is differentiated in; the
+    feature's own buffers are counted by the feature)."""
+    st = setting
+    s, b, h, e, tp = model.seq, st.mbs, model.hidden, st.e, st.tp
+    T = s * b
+    tq = T / tp if (st.sequence_parallel and tp > 1) else T
+    pattern = model.moe_pattern
+    layers = [_layer(model, st, bool(pattern[part.first + j]) if part.first + j < len(pattern) else False)
+              for j in range(part.layers)]
+    layer_act = sum(lay.saved for lay in layers)
+    act = layer_act
+    w_held = sum(lay.w_held for lay in layers) if st.split else 0.0
+    detail: dict = {}
+    v_t = model.padded_vocab(tp) / tp / max(1, vocab_shards)
+    pre_saved = 0.0
+    if part.pre:
+        pre_saved = 8.0 * T * (2 if model.position == "learned" else 1)   # the embeddings' int64 indices
+        act += pre_saved
+    post_saved = post_w = 0.0
+    post_linear = None
+    if part.post and not output_layer:
+        post_saved = _norm_bytes(model, tq, e) + T * h * e
+        act += post_saved
+    elif part.post:
+        norm = _norm_bytes(model, tq, e)
+        logits = 4.0 * T * v_t          # the cross entropy's fp32 logits (its gradient is made in place)
+        post_saved = norm + tq * h * e + logits
+        # W keeps the output layer's input and its output gradient: in fp32 the cross entropy's own
+        # buffer, below fp32 a cast copy in the activation dtype
+        post_w = tq * h * e + T * v_t * e
+        act += post_saved
+        if st.split:
+            w_held += post_w
+        post_linear = (v_t * h, post_w, 0.0, (tq * h + T * v_t) * 4.0 if e != 4 else 0.0)
+        detail["logits (fp32)"] = logits
+    msg = 0.0 if part.post else tq * h * e
+    # -- F: the activation and the output, or a layer's attention scores while softmax runs --------
+    rise_f = act + msg + (2 * tq * h * e if not part.post else 0.0)
+    level = pre_saved
+    for lay in layers:
+        rise_f = max(rise_f, level + lay.fwd_attn)
+        level += lay.saved
+    # -- B: walk the stage backwards (module doc) ---------------------------------------------------
+    cands = [0.0]
+    level = 0.0
+    kept = (lambda x: x) if st.split else (lambda x: 0.0)
+    if part.post and output_layer:
+        cands.append((T * v_t * e if e != 4 else 0.0) + tq * h * e)
+        level += kept(post_w) - post_saved + tq * h * e
+    elif part.post:
+        level += tq * h * e - post_saved
+    for lay in reversed(layers):
+        cands.append(level + lay.bwd_mlp)
+        level += kept(lay.w_mlp) - lay.saved_mlp
+        cands.append(level + lay.bwd_attn)
+        level += kept(lay.w_attn) - lay.saved_attn
+    if part.pre and embedding:   # the word embedding's dense gradient
+        cands.append(level + model.padded_vocab(tp) / tp * h * e)
+    rise_b = max(cands)
+    # -- W: the GEMM output of each linear, in queue order, less what the W items before it freed ----
+    rise_w = 0.0
+    if st.split:
+        freed = 0.0
+        queue = ([post_linear] if post_linear is not None else []) + [x for lay in reversed(layers) for x in lay.linears]
+        for numel, held, gather, casts in queue:
+            rise_w = max(rise_w, gather + w_item_peak(st.wgrad, numel, held, e, casts) - freed)
+            freed += held
+    else:  # without the split the weight gradients come inside the backward, one GEMM output each
+        rise_w = max((numel * e for lay in layers for numel, *_ in lay.linears), default=0.0)
+    # the B/W split never keeps more than F saved in the units' accounting: an F counts as at least
+    # what its W will keep (costs.py: w_fraction <= 1)
+    detail.update(saved=act, layers=[lay.terms for lay in layers[:1]])
+    act_eff = max(act, w_held)
+    # (the unit is made of what F counts: with full recomputation W keeps more than F saved)
+    layer_eff = max(layer_act, sum(lay.w_held for lay in layers) if st.split else 0.0)
+    return StageMemory(act_eff, w_held, msg, max(rise_f, act_eff), rise_b, rise_w, layer_eff, detail)
+
+
+def w_item_peak(mode: str, numel: float, held: float, e: int, casts: float = 0.0) -> float:
+    """Peak of one W item (one linear's weight gradient, runtime/wgrad.py) above the level before
+    it; the item frees the ``held`` bytes it kept (input and output gradient) before delivering.
+
+    * ``autograd`` (``gradient_accumulation_fusion`` off, the runtime's setting): the GEMM output
+      (param dtype) is delivered through autograd, whose AccumulateGrad clones it while the
+      GEMM output is still referenced; below fp32, DDP's hook adds the bf16 gradient to the fp32
+      ``main_grad`` through an fp32 copy: max(e*n, 2*e*n [+ 4*n] - held);
+    * ``main_grad`` (fusion on, no apex: the emulated accumulation): the operands cast to fp32
+      (``casts``) and the fp32 GEMM output, then the dummy gradient: max(casts + 4*n, e*n - held);
+    * ``fused_kernel`` (apex's ``fused_weight_gradient_mlp_cuda``): only the dummy gradient."""
+    n = numel
+    if mode == "autograd":
+        return max(e * n, 2 * e * n + (4 * n if e != 4 else 0) - held)
+    if mode == "main_grad":
+        return max(casts + 4 * n, e * n - held)
+    return max(0.0, e * n - held)
+
+
+def unit_bytes(stages: Sequence[StageMemory], placement: Sequence[int]) -> float:
+    """Bytes of one activation unit: one microbatch's saved activation of one rank's transformer
+    layers (the mean over ranks; the embedding and the loss are extra units on their ranks)."""
+    p = max(placement) + 1
+    per_rank = [sum(stages[s].layer_act for s, r in enumerate(placement) if r == rank) for rank in range(p)]
+    u = sum(per_rank) / p
+    if u <= 0:
+        u = max((st.act for st in stages), default=1.0) or 1.0
+    return u
+
+
+def cost_fields(stages: Sequence[StageMemory], unit: float) -> dict:
+    """The CostModel fields (units) of these stages: ``act``, ``w_fraction_per_stage``,
+    ``transient_f/b/w``, ``msg``, ``bytes_per_unit`` -- for ``CostModel.with_(**...)``."""
+    act = tuple(st.act / unit for st in stages)
+    return {
+        "act": act,
+        "w_fraction_per_stage": tuple(min(1.0, st.w_held / st.act) if st.act > 0 else 1.0 for st in stages),
+        "transient_f": tuple(max(0.0, st.rise_f - st.act) / unit for st in stages),
+        "transient_b": tuple(st.rise_b / unit for st in stages),
+        "transient_w": tuple(st.rise_w / unit for st in stages),
+        "msg": tuple(st.msg / unit for st in stages),
+        "bytes_per_unit": float(unit),
+    }

@@ -1,0 +1,73 @@
+"""The memory a rank really holds (issue 25), end to end on CPU processes.
+
+``mppx train`` logs per rank ``peak_device_bytes`` -- measured by the operating system, not by our
+counters (trainer/devicemem.py: resident memory above the iteration's start, malloc returning
+freed tensors) -- beside ``predicted_peak_bytes`` (trainer/memmodel.py). Shapes where tensors
+dominate (hidden 256, seq 256: a tensor of one microbatch is 256 KiB, over the 64 KiB from which
+malloc gives memory back), two iterations, the second measured. Tolerance: the issue's goal of
+10% (docs/benchmarks/memory.md: every rank of every row there is within it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_trainer import _mppx
+
+SHAPE = ["--pp", "2", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "256", "--vocab", "512",
+         "--iters", "2", "--reference-iters", "0", "--profile-iters", "0", "--no-progress"]
+GOAL = 0.10
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def _train(tmp_path, name, *argv) -> tuple[dict, dict]:
+    r = _mppx(*SHAPE, "--out", name, *argv, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = [json.loads(ln) for ln in (tmp_path / name / "train.jsonl").read_text().splitlines()]
+    return recs[-1], json.loads((tmp_path / name / "summary.json").read_text())
+
+
+def test_measured_peak_is_the_predicted_one_and_the_meter_counts_what_w_keeps(tmp_path):
+    """zb-h1 (B/W split): per rank, the resident peak is within 10% of the model's prediction;
+    our own counter (``peak_activation_bytes``: held tensors) counts more than what autograd saves
+    -- W's output gradients and the messages -- and never more than the operating system sees."""
+    rec, summary = _train(tmp_path, "zb", "--schedule", "zb-h1")
+    meas, pred = rec["peak_device_bytes"], rec["predicted_peak_bytes"]
+    assert rec["device_measure"] == "rss_high_water_mark" and len(meas) == len(pred) == 2
+    for r, (m, p) in enumerate(zip(meas, pred)):
+        assert abs(m / p - 1) <= GOAL, (r, m, p)
+    held, saved = rec["peak_activation_bytes"], rec["peak_saved_activation_bytes"]
+    assert rec["activation_measure"] == "held_tensors"
+    for r in range(2):
+        assert held[r] > saved[r]              # + the output gradients W keeps, the receive buffers
+        assert held[r] <= meas[r] * 1.02       # a subset of what is resident (page rounding: 2%)
+    assert summary["measured_over_predicted"] == [pytest.approx(m / p, abs=1e-4) for m, p in zip(meas, pred)]
+
+
+def test_the_planned_peak_holds_through_mppx_train(tmp_path):
+    """A scaled-down plan (``mppx plan --memory-model cpu``: torch's softmax, weight gradients through
+    autograd, as mppx train on CPU processes) run by ``mppx train`` with its layout: per rank the
+    measured peak is within 10% of the iteration peak the plan prints (activations of its simulated
+    schedule, the largest transient and a message each way)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("mppx")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "megatron_pp_ext.cli"]
+    plan = subprocess.run(cmd + ["plan", "--arch", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq",
+                                 "256", "--vocab", "512", "--no-flash-attention", "--no-dropout", "--no-tie-embeddings",
+                                 "--gpus", "2", "--memory", "4", "--global-batch-size", "4", "--tp", "1", "--pp", "2",
+                                 "--mbs", "1", "--recompute", "none", "--schedules", "1f1b", "--features", "none",
+                                 "--memory-model", "cpu", "--no-cache", "--no-baseline", "--json"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    best = json.loads(plan.stdout)["plans"][0]
+    assert (best["tp"], best["pp"], best["dp"], best["schedule"], best["micro_batch_size"]) == (1, 2, 1, "1f1b", 1)
+    planned = [m["iteration_peak"] for m in best["memory_per_rank"]]
+    rec, _ = _train(tmp_path, "planned", "--schedule", "1f1b", "--bf16", "--global-batch-size", "4")
+    for r, (m, p) in enumerate(zip(rec["peak_device_bytes"], planned)):
+        assert abs(m / p - 1) <= GOAL, (r, m, p)
