@@ -67,7 +67,7 @@ def simulated(ps=(4, 8), m_factors=(2, 4)) -> list[dict]:
 
 
 def measured(pps=(2, 4, 6)) -> list[dict]:
-    from megatron_pp_ext.features.bpipe.harness import bpipe_parity_run
+    from megatron_pp_ext.testing.bpipe import bpipe_parity_run
     from megatron_pp_ext.runtime.pool import WorkerPool
 
     out = []

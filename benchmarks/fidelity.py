@@ -165,7 +165,7 @@ def all_cases(args) -> list[Case]:
 
 def _call(tr, fb, m: int, seq: int, single: bool):
     from functools import partial
-    from megatron_pp_ext.runtime.harness import forward_step
+    from megatron_pp_ext.runtime.setup import forward_step
     for chunk in tr.model:
         chunk.zero_grad_buffer()
     its = [iter(()) for _ in tr.model]
@@ -179,7 +179,7 @@ def fidelity_worker(setup_plan, cases: list, iters: int, rt: bool) -> list:
     the last call's op timeline (perf_counter seconds)."""
     import torch
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.trainer.emulation import FixedSchedule
 
     torch.set_num_threads(1)
@@ -208,7 +208,7 @@ def overhead_worker(plan, iters: int, rt: bool) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron_pp_ext.runtime.emulate import emulate_megatron
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.trainer.emulation import FixedSchedule
 
     torch.set_num_threads(1)
@@ -241,7 +241,7 @@ def real_overhead_worker(plan, iters: int) -> dict:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel import schedules as msched
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.trainer.data import build_data
 
     torch.set_num_threads(1)

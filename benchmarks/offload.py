@@ -115,7 +115,7 @@ def throughput_grid(hs, ss, *, pp=8, m=32, chunks=2, layers=64, name="interleave
 def measured(cases, pool_size: int = 4) -> list[dict]:
     import warnings
     warnings.filterwarnings("ignore")
-    from megatron_pp_ext.features.offload.harness import offload_policies_run
+    from megatron_pp_ext.testing.offload import offload_policies_run
     from megatron_pp_ext.features.offload.runtime import measure_transfer_bandwidth
     from megatron_pp_ext.runtime.pool import WorkerPool
 

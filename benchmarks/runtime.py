@@ -85,7 +85,7 @@ def paired_timing_worker(plan, iters: int) -> dict:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.trainer.data import build_data
 
     torch.set_num_threads(1)

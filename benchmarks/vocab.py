@@ -114,8 +114,8 @@ def simulated_md(results: list, trend: bool = True) -> list[str]:
 
 def measured(quick: bool) -> dict:
     from megatron_pp_ext.features.vocab.config import VocabParallelConfig
-    from megatron_pp_ext.features.vocab.harness import measure_training
-    from megatron_pp_ext.runtime.harness import RunConfig
+    from megatron_pp_ext.testing.vocab import measure_training
+    from megatron_pp_ext.runtime.setup import RunConfig
     from megatron_pp_ext.runtime.model import ModelSpec
     from megatron_pp_ext.runtime.pool import WorkerPool
 

@@ -264,7 +264,7 @@ def _loaded_state(plan) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.runtime.model import global_named_parameters
     from megatron_pp_ext.trainer.loop import device_for
 

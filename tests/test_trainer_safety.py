@@ -343,16 +343,16 @@ def test_a_diverging_run_stops_fails_and_keeps_its_last_good_checkpoint(capsys, 
 
 def _inf_grad_norm(flag: bool) -> None:
     """In a worker: the optimizer reports an inf gradient norm for a step it applied (or stops)."""
-    from megatron_pp_ext.runtime import harness
+    from megatron_pp_ext.runtime import setup
     if flag:
-        orig = harness.optimizer_step
+        orig = setup.optimizer_step
 
         def step(optimizer):
             return dict(orig(optimizer), grad_norm=float("inf"))
         step._orig = orig
-        harness.optimizer_step = step
-    elif hasattr(harness.optimizer_step, "_orig"):
-        harness.optimizer_step = harness.optimizer_step._orig
+        setup.optimizer_step = step
+    elif hasattr(setup.optimizer_step, "_orig"):
+        setup.optimizer_step = setup.optimizer_step._orig
 
 
 def test_a_step_applied_with_a_nonfinite_gradient_norm_stops_the_run(pool, tmp_path):

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from megatron_pp_ext.features.vocab.checks import checkpoint_case, gather_rows
+from megatron_pp_ext.testing.vocab_layers import checkpoint_case, gather_rows
 from megatron_pp_ext.runtime.pool import WorkerError
 
 V, H = 50, 8

@@ -25,7 +25,7 @@ import pytest
 
 from megatron_pp_ext.features.vocab import (VocabConfigError, VocabFlagError, VocabParallelConfig, VocabPartition,
                                             add_vocab_arguments, vocab_config_from_args)
-from megatron_pp_ext.features.vocab.checks import LayerCase, compare_case, run_layer_cases
+from megatron_pp_ext.testing.vocab_layers import LayerCase, compare_case, run_layer_cases
 
 TOL = {"fp32": 1e-6, "bf16": 1e-2}
 
@@ -143,7 +143,7 @@ def test_tied_needs_input_embedding():
 
 
 def test_misuse_refused_clearly():
-    from megatron_pp_ext.features.vocab.checks import misuse_messages
+    from megatron_pp_ext.testing.vocab_layers import misuse_messages
     from megatron_pp_ext.runtime.pool import WorkerPool
     with WorkerPool(1, timeout=120) as pool:
         msg = pool.run(misuse_messages, 1)[0]

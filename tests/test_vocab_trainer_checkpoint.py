@@ -119,7 +119,7 @@ def _loaded_state(plan) -> dict:
     from megatron.core import parallel_state
 
     from megatron_pp_ext.features.vocab.checkpoint import EMBEDDING_KEY, OUTPUT_KEY
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.runtime.model import global_named_parameters
     from megatron_pp_ext.trainer.loop import device_for
 

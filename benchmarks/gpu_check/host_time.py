@@ -18,7 +18,7 @@ import functools
 import statistics
 import time
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 
 from .sizes import Mode
 
@@ -38,7 +38,7 @@ def host_time_worker(cfg: RunConfig, iters: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel import schedules as msched
 
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg)
     inside = [0.0]

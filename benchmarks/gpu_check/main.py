@@ -122,7 +122,7 @@ class Runner:
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
         tag = f"gpu-check-{os.getpid()}"
-        preload = DEFAULT_PRELOAD + ("megatron_pp_ext.runtime.harness", "megatron_pp_ext.runtime.executor")
+        preload = DEFAULT_PRELOAD + ("megatron_pp_ext.runtime.setup", "megatron_pp_ext.runtime.executor")
         self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=2, backend="nccl", env=env,
                                rank_env=[shared_gpu_env(i, tag=tag) for i in range(4)], preload=preload)
 

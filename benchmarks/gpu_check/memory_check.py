@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 
 __all__ = ["memory_worker", "predict", "GOAL"]
@@ -76,7 +76,7 @@ def memory_worker(spec: ModelSpec, seq: int) -> dict:
     """World size 1: measured bytes of the second iteration (see the module docstring)."""
     import torch
 
-    from megatron_pp_ext.runtime.harness import optimizer_step, setup_training
+    from megatron_pp_ext.runtime.setup import optimizer_step, setup_training
 
     cuda = torch.cuda.is_available()
     cfg = RunConfig(spec=spec, pp=1, precision="bf16", num_microbatches=2, micro_batch_size=1, seq_length=seq, steps=2)
@@ -96,6 +96,6 @@ def memory_worker(spec: ModelSpec, seq: int) -> dict:
         out.update(allocated_before=before, peak_total=peak, peak_growth=peak - before,
                    reserved=torch.cuda.max_memory_reserved())
     else:
-        from megatron_pp_ext.features.vocab.harness import _peak_live_bytes
-        out["peak_growth"] = _peak_live_bytes(lambda: tr.step(1))
+        from megatron_pp_ext.testing.vocab import peak_live_bytes
+        out["peak_growth"] = peak_live_bytes(lambda: tr.step(1))
     return out

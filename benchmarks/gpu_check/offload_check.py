@@ -25,14 +25,14 @@ from __future__ import annotations
 import statistics
 import time
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 
 __all__ = ["offload_worker"]
 
 
 def _losses_grads(tr, out):
-    from megatron_pp_ext.runtime.harness import reduced_main_grads
+    from megatron_pp_ext.testing.parity import reduced_main_grads
     return [{k: v.detach().clone() for k, v in d.items()} for d in out], reduced_main_grads(tr.model)
 
 
@@ -63,10 +63,10 @@ def offload_worker(spec: ModelSpec, seq: int, *, sanitize: bool, timing: bool, m
     """World size 1: see the module docstring; returns exactness, sanitizer outcome, times."""
     import torch
 
-    from megatron_pp_ext.features.offload.harness import GPipeFactory
+    from megatron_pp_ext.testing.offload import GPipeFactory
     from megatron_pp_ext.features.offload.runtime import OffloadRuntime, measure_transfer_bandwidth
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     cuda = torch.cuda.is_available()
     cfg = RunConfig(spec=spec, pp=1, schedule=GPipeFactory("none"), num_microbatches=microbatches, micro_batch_size=1,

@@ -4,7 +4,7 @@ Each case trains the same model for 2 iterations (plus one evaluation iteration)
 our schedules on 2 or 4 NCCL ranks sharing the GPU, and the pp=1 run of the same model on the
 same GPU (Megatron-Core's own no-pipelining function, as many ranks as dp x ep need) is the
 reference: every microbatch loss, every gradient of every step and the final parameters are
-compared (``harness.compare_records``). The CPU suite proves these bit-exact on gloo; on CUDA
+compared (``testing.parity.compare_records``). The CPU suite proves these bit-exact on gloo; on CUDA
 the same argument holds (every reduction happens in the same order on the same shapes) as long
 as the kernels are deterministic, so the workers run with ``torch.use_deterministic_algorithms
 (True, warn_only=True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` and report every op that warned
@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 
 from .sizes import Mode
 
@@ -212,10 +212,10 @@ def parity_worker(kind: str, cfg: RunConfig) -> dict:
     seen = deterministic_cuda()
     if kind == "vocab":
         from megatron_pp_ext.features.vocab.config import VocabParallelConfig
-        from megatron_pp_ext.features.vocab.harness import run_vocab_training
+        from megatron_pp_ext.testing.vocab import run_vocab_training
         rec = run_vocab_training(cfg, VocabParallelConfig(algorithm=2))
     elif kind in ("plain", "offload", "bpipe"):
-        from megatron_pp_ext.runtime.harness import run_training
+        from megatron_pp_ext.testing.parity import run_training
         try:
             rec = run_training(cfg, prepare=Probe(None if kind == "plain" or cfg.schedule is None else kind)
                                if cfg.schedule is not None else None)
@@ -232,16 +232,16 @@ def parity_worker(kind: str, cfg: RunConfig) -> dict:
 # --- parent side --------------------------------------------------------------------------------
 
 def merge(kind: str, results: list, cfg: RunConfig) -> dict:
-    from megatron_pp_ext.runtime.harness import merge_results
+    from megatron_pp_ext.testing.parity import merge_results
     if kind == "vocab":
-        from megatron_pp_ext.features.vocab.harness import merge_vocab_results
+        from megatron_pp_ext.testing.vocab import merge_vocab_results
         return merge_vocab_results(results, cfg)
     return merge_results(results, cfg)
 
 
 def judge(case: ParityCase, got: dict, ref: dict, per_rank: list, ref_ranks: list) -> tuple[str, str, dict]:
     """(status, one-line detail, data) of ``case``: bit-exact, or within :data:`TOLERANCE`."""
-    from megatron_pp_ext.runtime.harness import ParityMismatch, compare_records
+    from megatron_pp_ext.testing.parity import ParityMismatch, compare_records
     nondet = sorted({op for r in per_rank + ref_ranks for op in r.get("nondeterministic", [])})
     probes = [r["prepared"] for r in per_rank if r.get("prepared")]
     feature: dict = {}

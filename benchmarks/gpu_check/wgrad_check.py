@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 
 __all__ = ["WGRAD_CASES", "bw_split_worker", "judge", "BF16_FUSION_RTOL"]
@@ -80,7 +80,7 @@ def bw_split_worker(spec: ModelSpec, precision: str, fusion: bool, seq: int, mbs
     import torch
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron_pp_ext.runtime.harness import forward_step, setup_training
+    from megatron_pp_ext.runtime.setup import forward_step, setup_training
     from megatron_pp_ext.runtime.model import global_named_parameters
     from megatron_pp_ext.runtime.wgrad import WeightGradStore, check_no_pending_wgrad, split_weight_grads
 

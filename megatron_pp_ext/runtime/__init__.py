@@ -5,7 +5,7 @@
 * :mod:`.p2p` — device-agnostic point-to-point batches (NCCL batched, gloo tagged);
 * :mod:`.wgrad` — the B/W split of Megatron-Core's linear layers;
 * :mod:`.model` — GPTModel chunks for loop / V placements with layout-independent weights;
-* :mod:`.harness` — a few-step training run that collects losses, gradients and parameters;
+* :mod:`.setup` — a training run's set-up (parallel state, model chunks, DDP, optimizer, executor);
 * :mod:`.stepwrap` — :func:`wrap_in_step`, the forward-backward wrapper of feature runtimes;
 * :mod:`.pool` — a pool of forked gloo workers (tests, CPU demo);
 * :mod:`.cpu_compat` — CPU/gloo support for tests and the demo (inactive with CUDA).
@@ -32,9 +32,8 @@ _EXPORTS = {
     "ModelSpec": "model",
     "build_model_chunks": "model",
     "make_config": "model",
-    "RunConfig": "harness",
-    "run_training": "harness",
-    "setup_training": "harness",
+    "RunConfig": "setup",
+    "setup_training": "setup",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

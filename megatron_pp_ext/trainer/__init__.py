@@ -3,7 +3,7 @@
 The trainer drives the runtime (:mod:`megatron_pp_ext.runtime`): the model chunks, DDP, the
 Megatron optimizer and the forward-backward function (our
 :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor`, or Megatron-Core's own with
-``--schedule mcore``) come from :func:`~megatron_pp_ext.runtime.harness.setup_training`; the
+``--schedule mcore``) come from :func:`~megatron_pp_ext.runtime.setup.setup_training`; the
 trainer adds the data (Megatron-Core's mock GPT dataset or an indexed corpus), the launch
 (local processes or torchrun/srun), activation-memory accounting, profiling and re-scheduling,
 the log and the comparison against a pp=1 run of the same initial weights.

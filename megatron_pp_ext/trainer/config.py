@@ -244,7 +244,7 @@ class Plan:
 
     def run_config(self):
         """The runtime's RunConfig of the main run."""
-        from ..runtime.harness import RunConfig
+        from ..runtime.setup import RunConfig
         c = self.cfg
         pipelined = c.pp > 1
         if self.emulation is not None:
@@ -271,7 +271,7 @@ class Plan:
 
     def reference_config(self):
         """The pp=1 run on one process: same model, weights, data (every microbatch), optimizer."""
-        from ..runtime.harness import RunConfig
+        from ..runtime.setup import RunConfig
         c = self.cfg
         return RunConfig(spec=dataclasses.replace(self.model_spec(), layers_per_stage=None), tp=1, pp=1, dp=1,
                          schedule=None, chunks=1, num_microbatches=self.global_microbatches,

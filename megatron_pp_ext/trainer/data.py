@@ -9,7 +9,7 @@
 * ``--data-path PREFIX``: a tokenized corpus, Megatron's indexed dataset ``PREFIX.bin`` /
   ``PREFIX.idx`` (e.g. from Megatron-LM's ``tools/preprocess_data.py``), through ``GPTDataset``;
 * fallback (reported in the log): when the installed Megatron-Core cannot build the mock
-  dataset, the deterministic synthetic batches of :func:`megatron_pp_ext.runtime.harness.make_batch`.
+  dataset, the deterministic synthetic batches of :func:`megatron_pp_ext.runtime.setup.make_batch`.
 
 The dataset configuration needs a tokenizer only for its special tokens and vocabulary size:
 :class:`TinyTokenizer` provides those (``eod = vocab - 1``, no pad token), so no tokenizer
@@ -95,13 +95,13 @@ class DataSource:
     def description(self) -> str:
         return {"mock": "Megatron-Core MockGPTDataset (BlendedMegatronDatasetBuilder, GPTDatasetConfig)",
                 "indexed": "Megatron indexed dataset (GPTDataset)",
-                "synthetic": "deterministic synthetic tokens (runtime.harness.make_batch)"}[self.kind] + (
+                "synthetic": "deterministic synthetic tokens (runtime.setup.make_batch)"}[self.kind] + (
             f"; {self.note}" if self.note else "")
 
     def microbatch(self, iteration: int, g: int) -> dict:
         """Global microbatch ``g`` of iteration ``iteration`` (0-based), on the device."""
         if self.kind == "synthetic":
-            from ..runtime.harness import make_batch
+            from ..runtime.setup import make_batch
             batch = make_batch(self.seed, iteration, g, self.mbs, self.seq, self.vocab)
         else:
             base = (iteration * self.G + g) * self.mbs

@@ -64,7 +64,7 @@ class EmulationPlan:
 
     def run_config(self, plan):
         """The RunConfig of the workers: the plain model, the fixed schedule, the emulation."""
-        from ..runtime.harness import RunConfig
+        from ..runtime.setup import RunConfig
         from .options import run_options
         c = plan.cfg
         kw = {}

@@ -12,7 +12,7 @@ named ``megatron_pp_ext.features.<name>.train`` (imported on first use), through
   the workers run instead of the plain schedule (e.g. with offload/reload ops), the schedule as
   built for the figure, and notes for the log;
 * ``run_config(config, run_config)`` (optional; every worker, before the model is built): adjust
-  the runtime's :class:`~megatron_pp_ext.runtime.harness.RunConfig`, e.g. set its ``model_hook``
+  the runtime's :class:`~megatron_pp_ext.runtime.setup.RunConfig`, e.g. set its ``model_hook``
   and ``executor_factory`` (vocabulary parallelism replaces layers and the executor);
 * ``attach(config, training, plan, device)`` (every worker, after the model and executor exist):
   connect to the executor's ``op_hook``/``op_handlers`` and return a :class:`FeatureRuntime`

@@ -44,7 +44,7 @@ __all__ = ["detect_launch", "plan_from_env", "train", "run_local", "run_external
 POOL_PRELOAD = (
     "megatron.core.datasets.blended_megatron_dataset_builder",
     "megatron.core.datasets.gpt_dataset",
-    "megatron_pp_ext.runtime.harness",
+    "megatron_pp_ext.runtime.setup",
     "megatron_pp_ext.runtime.executor",
     "megatron_pp_ext.runtime.wgrad",
     "megatron_pp_ext.trainer.loop",

@@ -2,7 +2,7 @@
 
 :func:`train_worker` runs on every rank of an initialised ``torch.distributed`` world (gloo on
 CPU, NCCL on GPUs) of ``tp x pp x dp`` processes. It sets everything up through the runtime's
-:func:`~megatron_pp_ext.runtime.harness.setup_training` (parallel state, model chunks for the
+:func:`~megatron_pp_ext.runtime.setup.setup_training` (parallel state, model chunks for the
 schedule's placement with layout-independent initial weights, Megatron-Core DDP, the Megatron
 optimizer, and our :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` or Megatron-Core's
 own forward-backward function), then for every iteration:
@@ -61,7 +61,7 @@ def _step_optimizer(optimizer) -> dict:
     """``optimizer.step()`` and what the log reports of it: the gradient norm before clipping (as
     Megatron-LM logs it; NaN where the optimizer skipped the step), after clipping, the loss scale
     (fp16; NaN otherwise) and whether the step was skipped (fp16 overflow)."""
-    from ..runtime.harness import optimizer_step
+    from ..runtime.setup import optimizer_step
     res = optimizer_step(optimizer)
     gn = res["grad_norm"]
     if gn is None and res["update_successful"]:  # an optimizer that only reports the norm when clipping
@@ -102,7 +102,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
     """The main run on this rank; rank 0 returns the records and the summary, others None."""
     from megatron.core import parallel_state
 
-    from ..runtime.harness import setup_training
+    from ..runtime.setup import setup_training
     from .checkpoint import save_checkpoint, should_save
     from .data import build_data
     from .devicemem import DeviceMemoryProbe
@@ -398,7 +398,7 @@ def reference_worker(plan) -> dict:
     """pp=1 on one process: the losses (and gradient norms) of the first ``reference_iters``
     iterations of the same model, initial weights, data and optimizer (after ``--load``: of the
     iterations after the checkpoint, loaded into the pp=1 model)."""
-    from ..runtime.harness import setup_training
+    from ..runtime.setup import setup_training
     from .data import build_data
 
     c = plan.cfg

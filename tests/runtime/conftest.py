@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from megatron_pp_ext.runtime.harness import merge_results, run_training
+from megatron_pp_ext.testing.parity import merge_results, run_training
 from megatron_pp_ext.runtime.pool import WorkerPool
 
 from runtime_helpers import GPU_PATH_ENV

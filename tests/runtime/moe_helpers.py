@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 
 from runtime_helpers import microbatches_for, schedule_args
 
 # llama: 4 experts (top-2) in layers 0, 2, 3 (layer 1 dense), a shared expert, all-to-all dispatcher,
 # no biases. gpt: every other layer MoE (moe_layer_freq=2), expert biases, all-gather dispatcher
-# (Megatron-Core runs expert biases only at ep >= 2 with etp = 1: harness.check_expert_layout).
+# (Megatron-Core runs expert biases only at ep >= 2 with etp = 1: runtime.setup.check_expert_layout).
 MOE_SPECS = {
     "llama": ModelSpec("llama", num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                        vocab_size=64, max_sequence_length=16, num_experts=4, moe_router_topk=2,
@@ -50,7 +50,7 @@ def expert_w_trace(cfg) -> dict:
     """One training iteration; every W closure of the B/W split that ran, with the kind of the op
     it ran in, and the names of this rank's expert / router / shared-expert layers."""
     from megatron_pp_ext.runtime import wgrad
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg)
     current = [None]
@@ -89,7 +89,7 @@ def run_with_expert_w_mutation(cfg, mutation: str) -> dict:
     """``run_training`` with the W of every routed-expert linear layer dropped (``skip``) or
     added twice (``twice``)."""
     from megatron_pp_ext.runtime import wgrad
-    from megatron_pp_ext.runtime.harness import run_training
+    from megatron_pp_ext.testing.parity import run_training
 
     orig = wgrad._LinearWGrad.__call__
 
@@ -118,7 +118,7 @@ def run_without_aux_loss_scale(cfg) -> dict:
     (``MoEAuxLossAutoScaler.set_loss_scale``, which Megatron-Core's ``forward_step`` calls): the
     router's aux-loss gradient is then scaled by 1 instead of 1 / microbatches."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron_pp_ext.runtime.harness import run_training
+    from megatron_pp_ext.testing.parity import run_training
 
     orig = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
     MoEAuxLossAutoScaler.main_loss_backward_scale = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_pp_ext.runtime.harness import RunConfig
+from megatron_pp_ext.runtime.setup import RunConfig
 from megatron_pp_ext.runtime.model import ModelSpec
 from megatron_pp_ext.schedule import ScheduleError, build_schedule, schedule_names
 from megatron_pp_ext.schedule.registry import schedule_info
@@ -98,7 +98,7 @@ def rank_dependent(pp: int, m: int):
 def refused_before_any_step(cfg) -> dict:
     """Call the executor once; report the error and whether anything had run before it."""
     import torch
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     try:
         tr = setup_training(cfg)
@@ -125,7 +125,7 @@ def refused_before_any_step(cfg) -> dict:
 
 def op_trace(cfg) -> dict:
     """Run one iteration with timings and an op hook; return what they saw."""
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg)
     seen = []
@@ -169,7 +169,7 @@ def run_training_fused(cfg) -> dict:
     from megatron.core.tensor_parallel import layers
 
     import megatron_pp_ext.runtime.wgrad as wgrad
-    from megatron_pp_ext.runtime.harness import run_training
+    from megatron_pp_ext.testing.parity import run_training
     from megatron_pp_ext.schedule.registry import schedule_info
     old = (layers._grad_accum_fusion_available, layers.__dict__.get("fused_weight_gradient_mlp_cuda"),
            wgrad._accumulate_main_grad)
@@ -240,11 +240,11 @@ def _patch_sync(mutation: str, synchronous_reduce: bool) -> list:
 
 def run_with_sync_mutation(cfg, *, mutation: str = "", synchronous_reduce: bool = False, vocab=None) -> dict:
     """``run_training`` (or the vocabulary-parallel run with ``vocab``) with :func:`_patch_sync`."""
-    from megatron_pp_ext.runtime.harness import run_training
+    from megatron_pp_ext.testing.parity import run_training
     undo = _patch_sync(mutation, synchronous_reduce)
     try:
         if vocab is not None:
-            from megatron_pp_ext.features.vocab.harness import run_vocab_training
+            from megatron_pp_ext.testing.vocab import run_vocab_training
             return run_vocab_training(cfg, vocab)
         return run_training(cfg)
     finally:
@@ -255,7 +255,7 @@ def run_with_sync_mutation(cfg, *, mutation: str = "", synchronous_reduce: bool 
 def sync_log_run(cfg) -> dict:
     """Two iterations; the executor's log of the hooks it started, and this rank's ops."""
     from megatron.core import parallel_state
-    from megatron_pp_ext.runtime.harness import optimizer_step, setup_training
+    from megatron_pp_ext.runtime.setup import optimizer_step, setup_training
 
     tr = setup_training(cfg)
     logs = []
@@ -273,7 +273,7 @@ def param_gather_watch_run(cfg, *, drop_pre_hooks: bool = False) -> dict:
     """Two iterations with overlap_param_gather, watching every module's forward: how many ran
     while the all-gather of one of their parameters was still outstanding. ``drop_pre_hooks``
     removes DDP's waiting pre-hooks (the mistake the watch must see)."""
-    from megatron_pp_ext.runtime.harness import optimizer_step, setup_training
+    from megatron_pp_ext.runtime.setup import optimizer_step, setup_training
 
     tr = setup_training(cfg)
     seen = {"forwards": 0, "outstanding": 0}
@@ -317,7 +317,7 @@ def run_frozen_training(cfg) -> dict:
     import torch
 
     from megatron_pp_ext.runtime import wgrad
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg.replace(model_hook=freeze_all))
     before = {(i, n): p.detach().clone() for i, c in enumerate(tr.model) for n, p in c.named_parameters()}

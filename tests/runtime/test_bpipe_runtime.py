@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.features.bpipe.harness import bpipe_parity_run
+from megatron_pp_ext.testing.bpipe import bpipe_parity_run
 from megatron_pp_ext.runtime.pool import WorkerPool
 
 from runtime_helpers import GPU_PATH_ENV

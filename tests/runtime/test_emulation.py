@@ -117,7 +117,7 @@ def receive_waits_worker(defer: bool, iters: int) -> dict:
     and received in the last call, and its compute ops."""
     from megatron_pp_ext.runtime.emulate import ComputeEmulation
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
-    from megatron_pp_ext.runtime.harness import RunConfig, setup_training
+    from megatron_pp_ext.runtime.setup import RunConfig, setup_training
     from megatron_pp_ext.runtime.model import ModelSpec
     from megatron_pp_ext.schedule import build_schedule
 

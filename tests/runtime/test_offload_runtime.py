@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.features.offload import build_offload_schedule
-from megatron_pp_ext.features.offload.harness import (offload_auto_measured_run, offload_failure_run,
+from megatron_pp_ext.testing.offload import (offload_auto_measured_run, offload_failure_run,
                                                       offload_policies_run, store_round_trip_run)
 
 # (schedule, chunks, options): loop, interleaved, zero bubble (B/W split), V, grouped interleaved

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_pp_ext.runtime.cpu_compat import cpu_compat_active, enable_cpu_compat
-from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.testing.parity import compare_records
 
 from runtime_helpers import config
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_pp_ext.runtime.executor import ScheduleExecutor
-from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.testing.parity import compare_records
 from megatron_pp_ext.schedule import ScheduleError
 
 from runtime_helpers import (SCHEDULES, SPECS, broken_f_order, broken_missing_w, buildable, config,
@@ -73,7 +73,7 @@ def test_compare_records_fails_on_what_it_did_not_compare():
     that part out by name; the rest is still compared."""
     import torch
 
-    from megatron_pp_ext.runtime.harness import ParityMismatch
+    from megatron_pp_ext.testing.parity import ParityMismatch
     t = torch.ones(2)
     full = {"losses": [[{"lm loss": t}]], "eval_losses": [], "grads": [{"w": t}], "params": {"w": t},
             "optimizer_steps": [{"update_successful": True, "grad_norm": 1.0, "loss_scale": None}]}
@@ -150,7 +150,7 @@ def test_model_layout_mismatch_refused(pool):
 
 def _bad_iterators_on_rank1(cfg):
     import torch.distributed as dist
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     tr = setup_training(cfg)
     iters = [iter(tr.batches(0)) for _ in tr.model]
     try:
@@ -169,7 +169,7 @@ def test_refusal_on_one_rank_is_collective(pool):
 
 def _run_with_other_schedule(cfg, other):
     from megatron_pp_ext.runtime.executor import ScheduleExecutor
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     tr = setup_training(cfg)
     tr.forward_backward = ScheduleExecutor(other)
     tr.executor = tr.forward_backward
@@ -254,7 +254,7 @@ def _run_without_the_split_patch(cfg):
     linear layers no longer went through it): the zero-bubble schedule must refuse, not run W
     inside B."""
     from megatron_pp_ext.runtime import wgrad
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     tr = setup_training(cfg)
     saved = wgrad._install_local_patch
     wgrad._install_local_patch = lambda: None

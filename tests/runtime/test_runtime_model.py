@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.testing.parity import compare_records
 from megatron_pp_ext.runtime.model import StageLayerLayout, full_param, shard_of, split_layers, unshard
 from megatron_pp_ext.schedule import loop_placement, v_placement
 
@@ -103,7 +103,7 @@ def test_every_layout_starts_from_the_same_model(runs, variant, layout):
 
 
 def chunk_report(cfg):
-    from megatron_pp_ext.runtime.harness import setup_training
+    from megatron_pp_ext.runtime.setup import setup_training
     from megatron_pp_ext.runtime.model import global_named_parameters
     tr = setup_training(cfg)
     out = []

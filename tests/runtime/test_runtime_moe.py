@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.harness import (ParityMismatch, RunConfig, check_expert_layout, compare_records,
-                                             merge_results, same_bits)
+from megatron_pp_ext.runtime.setup import RunConfig, check_expert_layout
+from megatron_pp_ext.testing.parity import ParityMismatch, compare_records, merge_results, same_bits
 from megatron_pp_ext.runtime.model import ModelSpec
 
 from moe_helpers import (BF16_DISTOPT, MOE_SPECS, expert_w_trace, moe_config, run_with_expert_w_mutation,
@@ -187,7 +187,7 @@ def test_moe_vocab_parallel_matches_pp1(pool, runs):
     Tolerance as in test_vocab_runtime.py (the softmax is reduced over vocabulary shards: float32
     rounding differs): 1e-5 for losses and all gradients of a step, 1e-4 per tensor; SGD."""
     from megatron_pp_ext.features.vocab.config import VocabParallelConfig
-    from megatron_pp_ext.features.vocab.harness import merge_vocab_results, run_vocab_training
+    from megatron_pp_ext.testing.vocab import merge_vocab_results, run_vocab_training
     cfg = moe_config("llama", schedule="zbv", ep=2, optimizer="sgd", lr=0.05, steps=1)
     got = merge_vocab_results(pool.run(run_vocab_training, cfg.world_size, cfg=cfg,
                                        vcfg=VocabParallelConfig(algorithm=2)), cfg)
@@ -201,7 +201,7 @@ def test_moe_vocab_parallel_matches_pp1(pool, runs):
 def test_moe_offload_exact(pool):
     """Activation offload (full) on the llama MoE, zbv, bf16 + distributed optimizer + both overlaps:
     bit-identical losses and gradients to the same run without offload, with activations moved."""
-    from megatron_pp_ext.features.offload.harness import offload_policies_run
+    from megatron_pp_ext.testing.offload import offload_policies_run
     reports = pool.run(offload_policies_run, 2, schedule="zbv", pp=2, microbatches=4, policies=("none", "full"),
                        steps=1, spec=MOE_SPECS["llama"], run_options=tuple(BF16_DISTOPT.items()))
     for rep in reports:
@@ -212,7 +212,7 @@ def test_moe_offload_exact(pool):
 def test_moe_bpipe_exact(pool):
     """BPipe on the 8-layer llama MoE, 1f1b at pp=4: bit-identical losses and gradients to the same
     run without BPipe, with activations evicted to partner ranks and fetched back."""
-    from megatron_pp_ext.features.bpipe.harness import bpipe_parity_run
+    from megatron_pp_ext.testing.bpipe import bpipe_parity_run
     from megatron_pp_ext.features.bpipe.runtime import BPipeGroups  # noqa: F401  (imported before forking)
     reports = pool.run(bpipe_parity_run, 4, pp=4, configs=[dict(schedule="1f1b", microbatches=8, num_layers=8,
                                                                 spec=MOE_SPECS["llama8"])])

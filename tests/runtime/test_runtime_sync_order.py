@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.features.vocab.config import VocabParallelConfig
-from megatron_pp_ext.features.vocab.harness import merge_vocab_results
-from megatron_pp_ext.runtime.harness import ParityMismatch, compare_records, merge_results
+from megatron_pp_ext.testing.vocab import merge_vocab_results
+from megatron_pp_ext.testing.parity import ParityMismatch, compare_records, merge_results
 from megatron_pp_ext.runtime.pool import WorkerError
 
 from runtime_helpers import config, microbatches_for, param_gather_watch_run, run_with_sync_mutation, sync_log_run

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.testing.parity import compare_records
 
 from runtime_helpers import SCHEDULES, config, microbatches_for
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.features.vocab.config import VocabParallelConfig
-from megatron_pp_ext.features.vocab.harness import merge_vocab_results, run_vocab_training
-from megatron_pp_ext.runtime.harness import compare_records
+from megatron_pp_ext.testing.vocab import merge_vocab_results, run_vocab_training
+from megatron_pp_ext.testing.parity import compare_records
 
 from runtime_helpers import SCHEDULES, config, microbatches_for
 
@@ -142,7 +142,7 @@ def test_vocab_bf16_distributed_optimizer(pool, runs):
     elements by one bf16 ulp (2^-8 relative); sums of many of them (norm weights) show up to
     ~1.3e-2 (measured): gradients within 2e-2 as a whole and 6e-2 per tensor. The evaluation
     after Adam's first step (lr * sign(g) where |g| >> eps) within 2e-3."""
-    from megatron_pp_ext.runtime.harness import rel_error
+    from megatron_pp_ext.testing.parity import rel_error
     cfg = config("gpt", schedule="zbv", pp=2, dp=2, m=4, steps=1, precision="bf16", **OVERLAPS)
     got = _run(pool, cfg, VocabParallelConfig(algorithm=2))
     ref = runs.reference(cfg)

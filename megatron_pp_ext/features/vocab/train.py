@@ -3,7 +3,7 @@
 Parent process: the flags are resolved and the vocabulary schedule (S/T and input-embedding
 passes inserted into the chosen schedule, with communication) is built and validated, so a
 combination that cannot run fails before any worker starts. Workers build the model through
-the runtime's hooks (:func:`~.harness.vocab_run_config`: the output layer, the loss and the input
+the runtime's hooks (:func:`~.setup.vocab_run_config`: the output layer, the loss and the input
 embedding become shards on every pipeline rank, loaded from the plain model's initial weights)
 and run :class:`~.executor.VocabExecutor`; each iteration the input ids of every microbatch are
 handed to it (the sharded input embedding needs them on every rank).
@@ -102,7 +102,7 @@ class VocabTrainFeature:
         return VocabMegatronLM(cfg)
 
     def run_config(self, cfg: VocabParallelConfig, run_config: Any) -> Any:
-        from .harness import vocab_run_config
+        from .setup import vocab_run_config
         return vocab_run_config(run_config, cfg)
 
     def attach(self, cfg: VocabParallelConfig, training: Any, plan: Any, device: Any) -> _Attached:

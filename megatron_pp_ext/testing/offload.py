@@ -18,16 +18,16 @@ from typing import Sequence
 
 import torch
 
-from ...schedule import CostModel, Op, Schedule
-from .flags import OffloadScheduleFactory
-from .schedule_pass import OFFLOAD, TransferModel, simulate_offload, with_transfer
+from ..schedule import CostModel, Op, Schedule
+from ..features.offload.flags import OffloadScheduleFactory
+from ..features.offload.schedule_pass import OFFLOAD, TransferModel, simulate_offload, with_transfer
 
 __all__ = ["offload_policies_run", "offload_failure_run", "store_round_trip_run", "offload_auto_measured_run",
            "tiny_spec", "GPipeFactory"]
 
 
 def tiny_spec(variant: str = "gpt", num_layers: int = 7):
-    from ...runtime.model import ModelSpec
+    from ..runtime.model import ModelSpec
     if variant == "llama":
         return ModelSpec("llama", num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          vocab_size=64, max_sequence_length=16)
@@ -36,7 +36,7 @@ def tiny_spec(variant: str = "gpt", num_layers: int = 7):
 
 
 def _grads(tr) -> dict:
-    from ...runtime.harness import reduced_main_grads
+    from .parity import reduced_main_grads
     return reduced_main_grads(tr.model)
 
 
@@ -82,10 +82,10 @@ def offload_policies_run(*, schedule: str, pp: int, microbatches: int, chunks: i
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ...runtime.executor import ScheduleExecutor
-    from ...runtime.harness import RunConfig, setup_training
-    from .runtime import OffloadRuntime
-    from .store import PinnedHostPool
+    from ..runtime.executor import ScheduleExecutor
+    from ..runtime.setup import RunConfig, setup_training
+    from ..features.offload.runtime import OffloadRuntime
+    from ..features.offload.store import PinnedHostPool
 
     options = tuple(tuple(kv) for kv in options)
     base_factory = OffloadScheduleFactory(schedule, policy="none", chunks=chunks, options=options)
@@ -146,8 +146,8 @@ class GPipeFactory:
         self.policy = policy
 
     def __call__(self, pp: int, m: int):
-        from ...schedule import validate
-        from .policies import plan_offload
+        from ..schedule import validate
+        from ..features.offload.policies import plan_offload
         if pp != 1:
             raise ValueError("GPipeFactory is a single-rank schedule (pp=1)")
         sched = Schedule("gpipe", m, (0,),
@@ -162,9 +162,9 @@ def offload_failure_run(*, microbatches: int = 4, fail_forward_at: int = 3, fail
                         variant: str = "gpt") -> dict:
     """Worker function (world size 1): a step that fails in a forward, one that fails in a
     reload, then a clean step; reports leaks and exactness against the plain executor."""
-    from ...runtime.executor import ScheduleExecutor
-    from ...runtime.harness import RunConfig, forward_step, setup_training
-    from .runtime import OffloadRuntime
+    from ..runtime.executor import ScheduleExecutor
+    from ..runtime.setup import RunConfig, forward_step, setup_training
+    from ..features.offload.runtime import OffloadRuntime
 
     cfg = RunConfig(spec=tiny_spec(variant, 3), pp=1, schedule=GPipeFactory("none"), num_microbatches=microbatches,
                     steps=1)
@@ -239,8 +239,8 @@ def store_round_trip_run(*, microbatches: int = 3, variant: str = "gpt", recompu
     the store (each forward's activations offloaded right after it, reloaded on demand)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ...runtime.harness import RunConfig, forward_step, setup_training
-    from .store import ActivationStore
+    from ..runtime.setup import RunConfig, forward_step, setup_training
+    from ..features.offload.store import ActivationStore
 
     cfg = RunConfig(spec=tiny_spec(variant, 3), pp=1, schedule=None, num_microbatches=microbatches, steps=1)
     tr = setup_training(cfg)
@@ -290,10 +290,10 @@ def offload_auto_measured_run(*, schedule: str, pp: int, microbatches: int, chun
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ...runtime.executor import ScheduleExecutor
-    from ...runtime.harness import RunConfig, setup_training
-    from .flags import build_offload_schedule
-    from .runtime import OffloadRuntime, measure_transfer_bandwidth, measured_offload_model
+    from ..runtime.executor import ScheduleExecutor
+    from ..runtime.setup import RunConfig, setup_training
+    from ..features.offload.flags import build_offload_schedule
+    from ..features.offload.runtime import OffloadRuntime, measure_transfer_bandwidth, measured_offload_model
 
     options = tuple(tuple(kv) for kv in options)
     base = OffloadScheduleFactory(schedule, policy="none", chunks=chunks, options=options)

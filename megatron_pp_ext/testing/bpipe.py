@@ -17,10 +17,10 @@ from typing import Sequence
 
 import torch
 
-from ...schedule import CostModel, Schedule, simulate
-from ..offload.harness import _grads, _max_diff, _same_losses, tiny_spec
-from .flags import BPipeScheduleFactory
-from .schedule_pass import BPipeTransfer, SEND_EVICT, strip_bpipe, with_bpipe_transfer
+from ..schedule import CostModel, Schedule, simulate
+from .offload import _grads, _max_diff, _same_losses, tiny_spec
+from ..features.bpipe.flags import BPipeScheduleFactory
+from ..features.bpipe.schedule_pass import BPipeTransfer, SEND_EVICT, strip_bpipe, with_bpipe_transfer
 
 __all__ = ["bpipe_parity_run", "predict_peaks"]
 
@@ -49,8 +49,8 @@ def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshol
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ...runtime.executor import ScheduleExecutor
-    from ...runtime.harness import RunConfig, setup_training
+    from ..runtime.executor import ScheduleExecutor
+    from ..runtime.setup import RunConfig, setup_training
     from .runtime import BPipeRuntime
 
     plain = BPipeScheduleFactory(schedule, chunks=chunks, threshold=float("inf"), transfer_time=transfer_time)
@@ -113,7 +113,7 @@ def bpipe_parity_run(*, pp: int, configs: Sequence[dict]) -> list[dict]:
     ``microbatches``, ``chunks``, ``threshold``, ``transfer_time``, ``num_layers``, ``steps``,
     ``synchronous`` (False: the CUDA code path's non-blocking posts and lazy waits, on gloo), ``spec``
     (a ModelSpec instead of the tiny GPT, e.g. a mixture of experts)."""
-    from ...runtime.pool import reset_megatron_state
+    from ..runtime.pool import reset_megatron_state
     from .runtime import BPipeGroups
 
     out = []

@@ -1,4 +1,4 @@
-"""Train the tiny Megatron-Core GPT of :mod:`megatron_pp_ext.runtime.harness` with vocabulary
+"""Train the tiny Megatron-Core GPT of :mod:`megatron_pp_ext.runtime.setup` with vocabulary
 parallelism; collect what the runtime parity tests and the CPU benchmark compare.
 
 :func:`run_vocab_training` (on every rank, e.g. inside a worker-pool configuration) builds the
@@ -7,95 +7,24 @@ vocabulary shards are cut from the full ``embedding.word_embeddings.weight`` /
 ``output_layer.weight``), makes it vocabulary parallel, and runs ``cfg.steps`` iterations with
 :class:`~.executor.VocabExecutor`. :func:`merge_vocab_results` joins the shards back into
 the full tensors under the unsharded model's names, so the record compares with
-``harness.compare_records`` against ``run_training`` of the plain model.
+:func:`~megatron_pp_ext.testing.parity.compare_records` against ``run_training`` of the plain model.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from ...runtime.harness import RunConfig, Training, merge_results, reduced_main_grads
-from ...runtime.model import full_param, global_named_parameters
-from .config import VocabParallelConfig
-from .model import core_of
+from ..features.vocab.config import VocabParallelConfig
+from ..features.vocab.model import core_of
+from ..features.vocab.setup import EMBEDDING_NAME, OUTPUT_NAME, setup_vocab_training
+from ..runtime.model import global_named_parameters
+from ..runtime.setup import RunConfig
+from .parity import merge_results, reduced_main_grads
 
-__all__ = ["VocabTraining", "setup_vocab_training", "run_vocab_training", "merge_vocab_results",
-           "OUTPUT_NAME", "EMBEDDING_NAME"]
-
-OUTPUT_NAME = "output_layer.weight"
-EMBEDDING_NAME = "embedding.word_embeddings.weight"
-
-
-@dataclass
-class VocabTraining(Training):
-    """The runtime's :class:`~megatron_pp_ext.runtime.harness.Training` with vocabulary
-    parallelism: ``extra`` is the engine; every step hands the executor the input ids of all
-    microbatches (the sharded input embedding needs them on every rank)."""
-
-    vcfg: VocabParallelConfig | None = None
-
-    @property
-    def engine(self):
-        return self.extra
-
-    def step(self, step: int, *, forward_only: bool | None = None) -> list:
-        batches = self.batches(step)
-        fb = self.forward_backward
-        self.forward_backward = partial(fb, tokens=[b["tokens"] for b in batches])
-        try:
-            return super().step(step, forward_only=forward_only, iters=[iter(batches) for _ in self.model])
-        finally:
-            self.forward_backward = fb
-
-
-@dataclass(frozen=True)
-class VocabModelHook:
-    """``RunConfig.model_hook``: make the bare chunks vocabulary parallel (before DDP) and load the
-    shards from the full per-name initial weights, so the run starts from the plain model's."""
-
-    vcfg: VocabParallelConfig
-    tied: bool = False
-
-    def __call__(self, chunks: list, config: Any, cfg: RunConfig):
-        from .model import apply_vocab_parallel
-        engine = apply_vocab_parallel(chunks, self.vcfg, vocab_size=cfg.spec.vocab_size, tied=self.tied)
-        V, h = cfg.spec.vocab_size, cfg.spec.hidden_size
-        emb = full_param(cfg.seed, EMBEDDING_NAME, [V, h])
-        out = emb if self.tied else full_param(cfg.seed, OUTPUT_NAME, [V, h])
-        engine.shards.load_full(out.to(engine.dtype), None if self.tied else emb.to(engine.dtype))
-        return engine
-
-
-@dataclass(frozen=True)
-class VocabExecutorFactory:
-    """``RunConfig.executor_factory``: a :class:`~.executor.VocabExecutor` on the hook's engine."""
-
-    def __call__(self, cfg: RunConfig, engine: Any, schedule: str, **executor_kwargs):
-        from .executor import VocabExecutor
-        return VocabExecutor(schedule, engine, **executor_kwargs)
-
-
-def vocab_run_config(cfg: RunConfig, vcfg: VocabParallelConfig) -> RunConfig:
-    """``cfg`` with vocabulary parallelism: the model is built untied (the shards hold the tied
-    tensor), the hook applies the surgery, the executor runs the vocabulary passes."""
-    if not isinstance(cfg.schedule, str):
-        raise ValueError("vocabulary-parallel runs need a registered schedule name")
-    spec = cfg.spec.__class__(**{**cfg.spec.__dict__, "tie_embeddings": False})
-    return cfg.replace(spec=spec, model_hook=VocabModelHook(vcfg, bool(cfg.spec.tie_embeddings)),
-                       executor_factory=VocabExecutorFactory())
-
-
-def setup_vocab_training(cfg: RunConfig, vcfg: VocabParallelConfig) -> VocabTraining:
-    """``harness.setup_training`` with vocabulary parallelism (:func:`vocab_run_config`)."""
-    from ...runtime.harness import setup_training
-    tr = setup_training(vocab_run_config(cfg, vcfg))
-    return VocabTraining(cfg, tr.config, tr.model, tr.optimizer, tr.forward_backward, tr.executor, tr.placement,
-                         tr.meta, tr.extra, vcfg=vcfg)
+__all__ = ["run_vocab_training", "merge_vocab_results", "measure_training", "peak_live_bytes"]
 
 
 def _is_vocab(name: str) -> bool:
@@ -182,7 +111,7 @@ def _join_vocab(results: Sequence[dict], key: str, step: int | None) -> dict:
 
 
 def merge_vocab_results(results: Sequence[dict], cfg: RunConfig) -> dict:
-    """One record (as ``harness.merge_results``) with the vocabulary shards joined into
+    """One record (as :func:`~.parity.merge_results`) with the vocabulary shards joined into
     ``embedding.word_embeddings.weight`` / ``output_layer.weight``."""
     rec = merge_results(results, cfg)
     if rec["grads"] is not None:
@@ -197,7 +126,7 @@ def merge_vocab_results(results: Sequence[dict], cfg: RunConfig) -> dict:
 
 # --- measurement (CPU benchmark) -------------------------------------------------------------
 
-def _peak_live_bytes(fn) -> int:
+def peak_live_bytes(fn) -> int:
     """Peak growth of the live tensor bytes this thread allocates while ``fn()`` runs (torch
     profiler memory events; tensors that already exist do not count)."""
     from torch.profiler import ProfilerActivity, profile
@@ -227,7 +156,7 @@ def measure_training(cfg: RunConfig, vcfg: VocabParallelConfig | None = None, *,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ...runtime.harness import setup_training
+    from ..runtime.setup import setup_training
 
     cfg = cfg.replace(record_timings=True)
     tr = setup_vocab_training(cfg, vcfg) if vcfg is not None else setup_training(cfg)
@@ -238,7 +167,7 @@ def measure_training(cfg: RunConfig, vcfg: VocabParallelConfig | None = None, *,
             gc.collect()
             dist.barrier()
             if step == warmup:
-                peak = _peak_live_bytes(lambda: tr.step(step))
+                peak = peak_live_bytes(lambda: tr.step(step))
             else:
                 w0 = tr.engine.wait_time if vcfg is not None else 0.0
                 t0, c0 = time.perf_counter(), time.process_time()

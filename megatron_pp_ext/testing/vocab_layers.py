@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import VocabParallelConfig, VocabPartition
+from ..features.vocab.config import VocabParallelConfig, VocabPartition
 
 __all__ = ["LayerCase", "run_layer_cases", "reference_case", "compare_case", "case_data"]
 
@@ -89,7 +89,7 @@ def run_layer_cases(cases: list[LayerCase]) -> list[dict]:
     """On every rank of a world of pp*tp ranks (the same for all cases): run each case."""
     import torch.distributed as dist
 
-    from .parallel import VocabGroups, VocabParallel
+    from ..features.vocab.parallel import VocabGroups, VocabParallel
 
     groups: dict = {}
     out = []
@@ -168,7 +168,7 @@ def run_layer_cases(cases: list[LayerCase]) -> list[dict]:
 
 def reference_case(case: LayerCase) -> dict:
     """The unsharded computation in float64: losses, input gradients, weight gradients."""
-    from .kernels import reference_loss
+    from ..features.vocab.kernels import reference_loss
 
     data = case_data(case)
     V = case.vocab
@@ -250,8 +250,8 @@ def checkpoint_case(directory: str, mode: str, pp: int, tp: int, vocab: int = 50
     """On every rank of a pp*tp world: ``mode="save"``: shards from seeded full weights, one Adam
     step (so the optimizer has row-wise moments and a step count), save; ``mode="load"``: load
     (at this world's sharding). Returns this rank's rows and optimizer state."""
-    from .checkpoint import load_optimizer_row_state, load_vocab_checkpoint, optimizer_row_state, save_vocab_checkpoint
-    from .parallel import VocabGroups, VocabParallel
+    from ..features.vocab.checkpoint import load_optimizer_row_state, load_vocab_checkpoint, optimizer_row_state, save_vocab_checkpoint
+    from ..features.vocab.parallel import VocabGroups, VocabParallel
 
     groups = VocabGroups.from_grid(pp, tp)
     eng = VocabParallel(VocabParallelConfig(), vocab, hidden, groups, tied=tied)
@@ -302,7 +302,7 @@ def gather_rows(per_rank: list[dict], which: str, vocab: int, key=None) -> torch
 def misuse_messages() -> dict[str, str]:
     """On a world of one rank: the error message of each misuse of the passes (no collective is
     involved, so nothing can hang)."""
-    from .parallel import VocabGroups, VocabParallel
+    from ..features.vocab.parallel import VocabGroups, VocabParallel
 
     groups = VocabGroups.from_grid(1, 1)
     case = LayerCase(pp=1, tp=1)
