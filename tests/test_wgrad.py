@@ -453,12 +453,12 @@ def test_split_with_output_dtype_casts_dy_like_megatron():
     w = torch.nn.Parameter((0.05 * torch.randn(48, 32, generator=g)).to(torch.bfloat16))
     bias = torch.nn.Parameter(torch.randn(48, generator=g).to(torch.bfloat16))
     dy = torch.randn(16, 2, 48, generator=g)          # fp32: the gradient of fp32 logits
-    meta = wgrad._LinearMeta(param=w, name="output_layer", use_bias=True, fused=False, main_grad=None,
+    meta = wgrad.linear._LinearMeta(param=w, name="output_layer", use_bias=True, fused=False, main_grad=None,
                              allreduce_dgrad=False, sequence_parallel=False, tp_group=None, sp_gather="w",
                              output_dtype=torch.float32, gemm=_linear_forward_standin, grad_to_input_dtype=True)
     store = WeightGradStore()
     with split_weight_grads(store, []):
-        y = wgrad._SplitLinearFunction.apply(x, w.detach(), bias, meta)
+        y = wgrad.linear._SplitLinearFunction.apply(x, w.detach(), bias, meta)
         assert y.dtype == torch.float32
         assert torch.equal(y.detach(), _linear_forward_standin(x.detach(), w.detach(), bias.detach(), torch.float32))
         with store.collect((0, 0)):

@@ -6,7 +6,7 @@ DDP's ``main_grad`` buffers after
 
 * **unsplit**: Megatron-Core's own backward per microbatch (``loss.backward()``);
 * **split**: the zero-bubble order F0 F1 F2 B0 B1 W0 B2 W1 W2 (B inside ``store.collect``, W
-  by ``store.run``; ``runtime/wgrad.py``), which adds every parameter's per-microbatch
+  by ``store.run``; ``runtime/wgrad/``), which adds every parameter's per-microbatch
   contributions in the same order as the unsplit backward;
 * **immediate** (fusion on): our split layers with the W work run inside the backward (a ``BW``
   op: the unsplit backward of our fused path)

@@ -5,7 +5,7 @@ behind them for a Megatron-Core GPT model, per stage (one model chunk on one ran
 
 * ``act``: what an F leaves behind -- the tensors autograd saves for the backward, the stage's
   input included (a received activation becomes the first norm's saved input);
-* ``w_held``: what the B/W split keeps from B until W (runtime/wgrad.py): the input *and* the
+* ``w_held``: what the B/W split keeps from B until W (runtime/wgrad/): the input *and* the
   output gradient of every split linear layer (qkv, proj, fc1, fc2, the output layer), the
   inputs as the local shard under sequence parallelism (``sp_gather="w"``), the output gradients
   of the row-parallel layers gathered over the full sequence;
@@ -351,7 +351,7 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
 
 
 def w_item_peak(mode: str, numel: float, held: float, e: int, casts: float = 0.0) -> float:
-    """Peak of one W item (one linear's weight gradient, runtime/wgrad.py) above the level before
+    """Peak of one W item (one linear's weight gradient, runtime/wgrad/) above the level before
     it; the item frees the ``held`` bytes it kept (input and output gradient) before delivering.
 
     * ``autograd`` (``gradient_accumulation_fusion`` off, the runtime's setting): the GEMM output

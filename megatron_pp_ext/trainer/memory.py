@@ -5,7 +5,7 @@ Two counts, both as *unique storages* of non-parameter tensors alive at a time:
 * ``saved``: what autograd saves for backward (below);
 * ``held`` (what the log's ``peak_activation_bytes`` is on a CPU): ``saved`` plus what the
   schedule executor holds besides -- the output gradient of every linear layer the B/W split
-  keeps for W (runtime/wgrad.py: ``WeightGradStore.observer``), receive buffers from their post,
+  keeps for W (runtime/wgrad/: ``WeightGradStore.observer``), receive buffers from their post,
   tensors waiting for their send or their local hand-over (runtime/iteration.py:
   ``ScheduleExecutor.tensor_observer``).
 

@@ -60,17 +60,17 @@ def expert_w_trace(cfg) -> dict:
 
     tr.executor.op_hook = hook
     ran: list = []
-    orig = wgrad._LinearWGrad.__call__
+    orig = wgrad.linear._LinearWGrad.__call__
 
     def traced(self):
         ran.append((current[0], self.name))
         return orig(self)
 
-    wgrad._LinearWGrad.__call__ = traced
+    wgrad.linear._LinearWGrad.__call__ = traced
     try:
         tr.step(0)
     finally:
-        wgrad._LinearWGrad.__call__ = orig
+        wgrad.linear._LinearWGrad.__call__ = orig
     layers = {"expert": [], "shared": [], "router": []}
     for c, chunk in enumerate(tr.model):
         for name, mod in chunk.named_modules():
@@ -91,7 +91,7 @@ def run_with_expert_w_mutation(cfg, mutation: str) -> dict:
     from megatron_pp_ext.runtime import wgrad
     from megatron_pp_ext.testing.parity import run_training
 
-    orig = wgrad._LinearWGrad.__call__
+    orig = wgrad.linear._LinearWGrad.__call__
 
     def mutated(self):
         if ".local_experts." not in self.name:
@@ -106,11 +106,11 @@ def run_with_expert_w_mutation(cfg, mutation: str) -> dict:
             return orig(self)
         raise ValueError(mutation)
 
-    wgrad._LinearWGrad.__call__ = mutated
+    wgrad.linear._LinearWGrad.__call__ = mutated
     try:
         return run_training(cfg)
     finally:
-        wgrad._LinearWGrad.__call__ = orig
+        wgrad.linear._LinearWGrad.__call__ = orig
 
 
 def run_without_aux_loss_scale(cfg) -> dict:

@@ -146,7 +146,7 @@ class FusedWGradStandIn:
     """CPU stand-in for apex's ``fused_weight_gradient_mlp_cuda``, which Megatron-Core's linear
     layers call with ``gradient_accumulation_fusion``: ``main_grad += grad_outputᵀ · input`` as one
     GEMM then an add, in ``main_grad``'s precision: the arithmetic of the B/W split's own CPU path
-    (runtime/wgrad.py ``_accumulate_main_grad``), so runs with and without the split can be
+    (runtime/wgrad/ ``_accumulate_main_grad``), so runs with and without the split can be
     compared bit for bit. The apex kernel's own rounding (a GEMM accumulating into main_grad) is
     not what this checks: it checks the ``main_grad`` path of W (accumulation straight into
     ``main_grad``, ``grad_added_to_main_grad``, the dummy gradient that fires DDP's hook once)."""
@@ -172,7 +172,7 @@ def run_training_fused(cfg) -> dict:
     from megatron_pp_ext.testing.parity import run_training
     from megatron_pp_ext.schedule.registry import schedule_info
     old = (layers._grad_accum_fusion_available, layers.__dict__.get("fused_weight_gradient_mlp_cuda"),
-           wgrad._accumulate_main_grad)
+           wgrad.linear._accumulate_main_grad)
     ours = [0]
 
     def counted(*a):
@@ -181,14 +181,14 @@ def run_training_fused(cfg) -> dict:
 
     layers._grad_accum_fusion_available = True
     layers.fused_weight_gradient_mlp_cuda = FusedWGradStandIn
-    wgrad._accumulate_main_grad = counted
+    wgrad.linear._accumulate_main_grad = counted
     FusedWGradStandIn.calls = 0
     try:
         res = run_training(cfg.replace(config_overrides={**cfg.config_overrides,
                                                          "gradient_accumulation_fusion": True}))
     finally:
         layers._grad_accum_fusion_available = old[0]
-        wgrad._accumulate_main_grad = old[2]
+        wgrad.linear._accumulate_main_grad = old[2]
         if old[1] is None:
             del layers.fused_weight_gradient_mlp_cuda
         else:

@@ -256,14 +256,14 @@ def _run_without_the_split_patch(cfg):
     from megatron_pp_ext.runtime import wgrad
     from megatron_pp_ext.runtime.setup import setup_training
     tr = setup_training(cfg)
-    saved = wgrad._install_local_patch
-    wgrad._install_local_patch = lambda: None
+    saved = wgrad.linear._install_local_patch
+    wgrad.linear._install_local_patch = lambda: None
     try:
         tr.step(0)
     except Exception as e:
         return type(e).__name__, str(e)
     finally:
-        wgrad._install_local_patch = saved
+        wgrad.linear._install_local_patch = saved
     return None
 
 

@@ -1,0 +1,94 @@
+"""The scoped, reversible switch of the B/W split: :func:`split_weight_grads` patches Megatron-Core's
+linear layers (:mod:`.linear`) and hooks Transformer Engine modules (:mod:`.te`) for one context,
+and restores both on exit, normal or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Sequence, Union
+
+import torch
+
+from . import linear
+from .store import WeightGradStore
+from .te import _TEState, find_te_wgrad_modules, te_available
+
+# ------------------------------------------------------------------------------------------
+# The context manager
+# ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def split_weight_grads(store: WeightGradStore,
+                       models: Union[None, torch.nn.Module, Sequence[torch.nn.Module]] = None,
+                       *, sp_gather: str = "w", te: Union[str, bool] = "auto"
+                       ) -> Iterator[WeightGradStore]:
+    """Split the backward of linear layers into B (now) and W (queued in ``store``).
+
+    Args:
+        store: where W work is queued (see :class:`WeightGradStore` for the protocol).
+        models: the model chunks this split applies to (a module or a list). None: every
+            Megatron-Core ColumnParallelLinear / RowParallelLinear in the process (TE modules
+            are then not handled). Given: only the local linear layers inside them, and the
+            TE modules inside them are switched to TE's ``backward_dw`` path.
+        sp_gather: ``"w"`` (re-gather the sequence-parallel input at W; keeps 1/tp of it) or
+            ``"b"`` (gather in B, keep the gathered input until W; no collective in W).
+        te: ``"auto"`` (handle TE modules when Transformer Engine is importable and ``models``
+            is given), True (always scan ``models`` for TE modules), False (never: TE modules
+            then compute their weight gradients in B as configured).
+
+    The patch is process-wide but scoped: on exit (normal or exception) the layer classes
+    and TE modules are restored; W work still queued stays in ``store`` (run it, or it will be
+    reported by :func:`check_no_pending_wgrad`). Not re-entrant.
+    """
+    if sp_gather not in ("w", "b"):
+        raise ValueError(f"sp_gather must be 'w' or 'b', not {sp_gather!r}")
+    if te not in ("auto", True, False):
+        raise ValueError(f"te must be 'auto', True or False, not {te!r}")
+    if linear._STATE is not None:
+        raise RuntimeError("split_weight_grads is already active (it is not re-entrant)")
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    module_ids = None
+    names: Dict[int, str] = {}
+    local_mods: list = []
+    if models is not None:
+        models = list(models)
+        local = tuple(linear._local_linear_classes())
+        module_ids = set()
+        for i, model in enumerate(models):
+            for name, mod in model.named_modules():
+                if isinstance(mod, local):
+                    module_ids.add(id(mod))
+                    local_mods.append(mod)
+                    names[id(mod)] = f"chunk{i}.{name}" if name else f"chunk{i}"
+    if te is True and models is None:
+        raise ValueError("te=True needs the model chunks (models=...) to find the TE modules")
+    use_te = (te is True) or (te == "auto" and models is not None and te_available())
+    te_state = None
+    if use_te and models is not None:
+        te_state = _TEState(store, find_te_wgrad_modules(models))
+    state = linear._SplitState(store, module_ids, sp_gather)
+    state.names = names
+    try:
+        linear._install_local_patch()
+        hook = linear._count_forward(state)
+        state.hooks = [m.register_forward_pre_hook(hook) for m in local_mods]
+    except BaseException:
+        linear._remove_local_patch()
+        for h in state.hooks:
+            h.remove()
+        if te_state is not None:
+            te_state.close()
+        raise
+    linear._STATE = state
+    try:
+        yield store
+    finally:
+        linear._STATE = None
+        linear._remove_local_patch()
+        for h in state.hooks:
+            h.remove()
+        if te_state is not None:
+            te_state.close()
