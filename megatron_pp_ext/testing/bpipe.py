@@ -51,7 +51,7 @@ def _one(pp: int, *, schedule: str, microbatches: int, chunks: int = 1, threshol
 
     from ..runtime.executor import ScheduleExecutor
     from ..runtime.setup import RunConfig, setup_training
-    from .runtime import BPipeRuntime
+    from ..features.bpipe.runtime import BPipeRuntime
 
     plain = BPipeScheduleFactory(schedule, chunks=chunks, threshold=float("inf"), transfer_time=transfer_time)
     cfg = RunConfig(spec=spec if spec is not None else tiny_spec(variant, num_layers), pp=pp, schedule=plain,
@@ -114,7 +114,7 @@ def bpipe_parity_run(*, pp: int, configs: Sequence[dict]) -> list[dict]:
     ``synchronous`` (False: the CUDA code path's non-blocking posts and lazy waits, on gloo), ``spec``
     (a ModelSpec instead of the tiny GPT, e.g. a mixture of experts)."""
     from ..runtime.pool import reset_megatron_state
-    from .runtime import BPipeGroups
+    from ..features.bpipe.runtime import BPipeGroups
 
     out = []
     try:
