@@ -66,6 +66,23 @@ DEFAULT_PRELOAD = (
 )
 
 
+#: a worker that holds more event-loop threads than this after a configuration is replaced by a
+#: fresh one: gloo leaves a process group's TCP loop behind (see below), and each such thread
+#: wakes every 10 ms in ``epoll_wait``; after a few dozen configurations hundreds of them kept
+#: the machine's cores in the kernel (40-64% system time on 2 cores) and slowed every rank
+MAX_LEFTOVER_LOOPS = 24
+
+
+def _leftover_loops() -> int:
+    """gloo TCP event-loop threads of this process (they outlive their process groups)."""
+    task = f"/proc/{os.getpid()}/task"
+    try:
+        names = [open(os.path.join(task, t, "comm")).read().strip() for t in os.listdir(task)]
+    except OSError:
+        return 0
+    return sum(n.startswith("gloo_tcp") for n in names)
+
+
 def _fork_unsafe_threads() -> list[str]:
     """Names of this process's native threads that a forked child cannot inherit safely: the
     gloo / TCPStore event loops a process group leaves behind (PyTorch does not join them on
@@ -190,12 +207,15 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
         # plain pickle, not the connection's ForkingPickler: that one shares tensors through file
         # descriptors, and every tensor a test keeps (cached references) would keep one open (the
         # suite ran out of descriptors)
+        recycle = _leftover_loops() > MAX_LEFTOVER_LOOPS
         try:
-            data = pickle.dumps((task_id, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps((task_id, ok, payload, recycle), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # unpicklable result
             data = pickle.dumps((task_id, False, "the result could not be sent back to the parent:\n"
-                                 + traceback.format_exc()))
+                                 + traceback.format_exc(), recycle))
         conn.send_bytes(data)
+        if recycle:   # the parent forks a fresh worker in this one's place
+            break
     os._exit(0)
 
 
@@ -266,38 +286,59 @@ class WorkerPool:
         self._procs: list = []
         self._conns: list = []
         self.restarts = 0
+        #: workers replaced after a configuration because of leftover gloo threads
+        self.recycled = 0
         self._closed = False
         self._start()
 
     # -- life cycle --------------------------------------------------------------------
     def _start(self) -> None:
+        self._procs, self._conns = [None] * self.size, [None] * self.size
+        for i in range(self.size):
+            self._fork(i)
+
+    def _fork(self, i: int) -> None:
+        """Start worker ``i`` (at start-up, or in the place of one that asked to be recycled)."""
         # Objects that exist now live as long as the workers: keep them out of the workers'
         # collections (the per-configuration gc.collect() then only scans new objects).
         gc.freeze()
-        self._procs, self._conns = [], []
         # (a forkserver child's parent is the server, which exits with this process)
         parent = os.getpid() if self.start_method == "fork" else None
         main = threading.current_thread() is threading.main_thread() or self.start_method != "fork"
         try:
-            for i in range(self.size):
-                end, child = self._ctx.Pipe()
-                # The child closes its copies of the parent's ends, so that it sees EOF (and
-                # exits) when the parent goes away, however that happens.
-                env = {**self.env, **self.rank_env[i]}
-                spawned = self.start_method == "spawn"
-                p = self._ctx.Process(target=_worker_main,
-                                      args=(i, child, self.threads, self.cpu_compat, self._conns + [end],
-                                            parent, main, env, self.backend, self.preload if spawned else ()),
-                                      name=f"mppx-pool-{i}", daemon=True)
-                p.start()
-                child.close()
-                self._procs.append(p)
-                self._conns.append(end)
+            end, child = self._ctx.Pipe()
+            # The child closes its copies of the parent's ends, so that it sees EOF (and
+            # exits) when the parent goes away, however that happens.
+            env = {**self.env, **self.rank_env[i]}
+            spawned = self.start_method == "spawn"
+            others = [c for j, c in enumerate(self._conns) if c is not None and j != i]
+            p = self._ctx.Process(target=_worker_main,
+                                  args=(i, child, self.threads, self.cpu_compat, others + [end],
+                                        parent, main, env, self.backend, self.preload if spawned else ()),
+                                  name=f"mppx-pool-{i}", daemon=True)
+            p.start()
+            child.close()
+            self._procs[i] = p
+            self._conns[i] = end
         finally:
             gc.unfreeze()
 
+    def _recycle(self, workers: list[int]) -> None:
+        """Replace workers that exited after their answer (too many leftover gloo threads)."""
+        for i in workers:
+            self._procs[i].join(timeout=10)
+            if self._procs[i].is_alive():
+                self._procs[i].kill()
+                self._procs[i].join(timeout=10)
+            self._conns[i].close()
+            self._conns[i] = None
+            self._fork(i)
+        self.recycled += len(workers)
+
     def _kill(self, *, gentle: float = 0.0) -> None:
         """Stop every worker: SIGTERM and up to ``gentle`` seconds to exit first, then SIGKILL."""
+        self._procs = [p for p in self._procs if p is not None]
+        self._conns = [c for c in self._conns if c is not None]
         if gentle > 0:
             for p in self._procs:
                 if p.is_alive():
@@ -361,6 +402,7 @@ class WorkerPool:
             self._conns[i].send(msg)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        recycle: list[int] = []
         pending = {self._conns[i]: i for i in range(world_size)}
         sentinels = {self._procs[i].sentinel: i for i in range(world_size)}
         deadline = time.monotonic() + limit
@@ -387,7 +429,10 @@ class WorkerPool:
                             pending.pop(conn, None)
                         continue
                     i = pending.pop(r)
-                    got_id, ok, payload = pickle.loads(r.recv_bytes())
+                    got_id, ok, payload, again = pickle.loads(r.recv_bytes())
+                    if again:
+                        recycle.append(i)
+                        sentinels = {k: v for k, v in sentinels.items() if v != i}
                     if got_id != task_id:  # a stale answer cannot happen after a restart
                         raise RuntimeError(f"worker {i}: answer for task {got_id}, expected {task_id}")
                     if ok:
@@ -408,11 +453,14 @@ class WorkerPool:
         if pending:
             stuck = sorted(pending.values())
             self.restart()
+            recycle = []
             if errors:
                 raise WorkerError(self._error_text(what, errors, stuck), errors)
             raise PoolTimeout(f"{what} did not finish within {limit:.0f} s on rank(s) {stuck} of "
                               f"{world_size} (finished: {sorted(results)}); likely a hang or deadlock "
                               "in the schedule or its communication. The worker pool was restarted.")
+        if recycle:
+            self._recycle(sorted(recycle))
         if errors:
             raise WorkerError(self._error_text(what, errors, []), errors)
         return [results[i] for i in range(world_size)]

@@ -45,6 +45,18 @@ def megatron_groups(tp: int, pp: int):
             "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
 
+#: process groups a configuration keeps alive past its end (what models, DDP buckets or caches
+#: holding groups do): their gloo event-loop threads stay with the worker
+_KEPT: list = []
+
+
+def leak_groups(n: int):
+    import torch.distributed as dist
+    from megatron_pp_ext.runtime.pool import _leftover_loops
+    _KEPT.extend(dist.new_group(ranks=[0, 1], backend="gloo") for _ in range(n))
+    return {"pid": os.getpid(), "loops": _leftover_loops()}
+
+
 def compat_state():
     import torch
     from megatron_pp_ext.runtime.cpu_compat import cpu_compat_active
@@ -97,6 +109,24 @@ def test_cpu_compat_enabled_inside_configurations(pool):
     assert active and dev == "cpu"
     from megatron_pp_ext.runtime.cpu_compat import cpu_compat_active
     assert not cpu_compat_active()  # the parent process is untouched
+
+
+def test_a_worker_with_leftover_gloo_threads_is_replaced():
+    """gloo's TCP loop threads outlive their process group and each wakes every 10 ms; a worker
+    that holds more than MAX_LEFTOVER_LOOPS after a configuration is replaced by a fresh one
+    (with hundreds of them, 2 cores spent half their time in the kernel), and the pool goes on."""
+    from megatron_pp_ext.runtime.pool import MAX_LEFTOVER_LOOPS, WorkerPool
+    with WorkerPool(2, timeout=120) as p:
+        few = p.run(leak_groups, 2, n=2)
+        assert p.recycled == 0
+        assert [r["pid"] for r in p.run(world_info, 2)] == [r["pid"] for r in few]
+        many = p.run(leak_groups, 2, n=MAX_LEFTOVER_LOOPS + 4)
+        assert all(r["loops"] > MAX_LEFTOVER_LOOPS for r in many)
+        assert p.recycled == 2
+        after = p.run(world_info, 2)
+        assert [r["sum"] for r in after] == [3.0, 3.0]
+        assert not {r["pid"] for r in after} & {r["pid"] for r in many}
+        assert all(r["loops"] <= MAX_LEFTOVER_LOOPS for r in p.run(leak_groups, 2, n=0))   # a fresh worker
 
 
 def test_world_size_checked(pool):
