@@ -1,6 +1,7 @@
 #!/bin/bash
 # The tests that touch Megatron, on the newest supported megatron-core (0.19.2), in a venv of
-# their own: the runtime parity suite, the B/W split, the trainer, the version layer, the
+# their own: the runtime parity suite and features, the B/W split, the trainer's training,
+# checkpoints and MoE, the version layer, the
 # planner's emitted MoE flags through Megatron-LM's own validation, and the
 # Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
 # driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
@@ -28,7 +29,16 @@ fi
 # and feature row at least once; tests/conftest.py): the full matrix runs on the first venv.
 export MPPX_TEST_COVERING="${MPPX_TEST_COVERING:-1}"
 if [ $# -eq 0 ]; then
-    set -- -q tests/runtime tests/test_wgrad.py tests/test_trainer*.py tests/test_compat.py \
+    # (not here: what runs the same whatever Megatron-Core is installed -- the worker pool, the
+    # point-to-point strategies and their NCCL emulation, emulated compute, op timing, the step
+    # wrapper, mppx train's flag checks and process lifetimes: the first venv runs them)
+    set -- -q tests/runtime/test_runtime_parity.py tests/runtime/test_runtime_executor.py \
+        tests/runtime/test_runtime_model.py tests/runtime/test_runtime_moe.py \
+        tests/runtime/test_runtime_training_config.py tests/runtime/test_runtime_sync_order.py \
+        tests/runtime/test_runtime_cpu_compat.py tests/runtime/test_vocab_runtime.py \
+        tests/runtime/test_offload_runtime.py tests/runtime/test_bpipe_runtime.py \
+        tests/test_wgrad.py tests/test_compat.py tests/test_trainer.py tests/test_trainer_checkpoint.py \
+        tests/test_trainer_safety.py tests/test_trainer_moe.py tests/test_trainer_features.py \
         tests/test_megatron_lm_integration.py \
         tests/test_planner.py::test_emitted_moe_flags_pass_megatron_lm_validation
 fi

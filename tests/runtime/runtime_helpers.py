@@ -57,7 +57,7 @@ def config(variant: str, *, schedule=None, pp: int = 1, tp: int = 1, dp: int = 1
     args = schedule_args(schedule, pp) if isinstance(schedule, str) else {}
     args.update({k: kw.pop(k) for k in ("chunks", "memory_budget") if k in kw})
     return RunConfig(spec=SPECS[variant], schedule=schedule, pp=pp, tp=tp, dp=dp, num_microbatches=m,
-                     seq_length=16, micro_batch_size=1, steps=kw.pop("steps", 3), **args, **kw)
+                     seq_length=16, micro_batch_size=1, steps=kw.pop("steps", 2), **args, **kw)
 
 
 # --- schedule factories (picklable: module level) and worker functions ------------------------

@@ -107,7 +107,7 @@ def test_megatron_rng_tracker_forks_on_cpu():
 
 
 # Megatron-Core's OWN schedules on gloo through the layer: pp=2/4 losses, gradients and
-# parameters after 3 steps match pp=1 bit for bit (the pipeline moves tensors, it does not
+# parameters after 2 steps match pp=1 bit for bit (the pipeline moves tensors, it does not
 # change any reduction order).
 @pytest.mark.parametrize("pp,chunks", [(2, 1), (4, 1), (2, 2), (4, 2)],
                          ids=["1f1b-pp2", "1f1b-pp4", "interleaved-pp2", "interleaved-pp4"])
