@@ -51,7 +51,7 @@ EXTRA = [
                                           "chunks", "--activation-offload-chunks", "1"]),
     ("gpt-pp4-vocab-parallel", "gpt", 4, ["--schedule", "zbv", "--enable-vocab-parallel"]),
     ("gpt-pp4-bpipe", "gpt", 4, ["--schedule", "1f1b", "--bpipe"]),
-    ("gpt-pp4-moe", "gpt", 4, ["--schedule", "zb-h1", "--num-experts", "4", "--moe-router-topk", "2"]),
+    ("llama-pp4-moe", "llama", 4, ["--schedule", "zb-h1", "--num-experts", "4", "--moe-router-topk", "2"]),
     ("gpt-pp4-bf16", "gpt", 4, ["--schedule", "zb-h1", "--bf16"]),
     ("llama-pp4-bf16-zbv", "llama", 4, ["--schedule", "zbv", "--bf16"]),
 ]
