@@ -189,6 +189,10 @@ def markdown(results: list[dict], args, total_s: float) -> str:
             lines.append(f"| {r['id']} | {r['budget_bytes'] / MiB:.0f} | {fmt_mib(r['measured'])} | "
                          + " / ".join(f"{x:.3f}" for x in r["budget_ratio"])
                          + f" | {'yes' if max(r['budget_ratio']) <= 1 + BUDGET_GOAL else 'no'} |")
+    ran = {r["id"] for r in results}
+    skipped = [rid for rid, *_ in rows(args.quick) if rid not in ran]
+    if skipped:
+        lines += ["", f"Not run in this generation (`--only`): {', '.join(skipped)}."]
     missed = [r for r in results if "error" in r or not within(r)]
     lines += ["", "## Rows that miss", ""]
     if not missed:
