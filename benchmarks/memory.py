@@ -56,7 +56,13 @@ EXTRA = [
     ("llama-pp4-bf16-zbv", "llama", 4, ["--schedule", "zbv", "--bf16"]),
 ]
 #: rows outside the goal and why (filled in from their op traces; see the document)
-MISSES: dict[str, str] = {}
+MISSES: dict[str, str] = {
+    "llama-pp4-moe": ("the memory model's mixture-of-experts terms (planner/stagemem.py) undercount what Megatron-Core's "
+                      "router, token dispatcher and SequentialMLP save: our own counter finds 93.9 MB saved by one "
+                      "forward of a stage (`stage_activation_bytes`) against the model's 72.9 MB, and the measured F "
+                      "rise is 97-99 MB against 76 MB; the dense rows on the same shape are within 4%. Open: the "
+                      "MoE terms read off Megatron-Core's MoE layer as the dense ones are"),
+}
 GOAL, BUDGET_GOAL = 0.10, 0.05
 MiB = 2 ** 20
 
