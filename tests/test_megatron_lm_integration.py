@@ -637,12 +637,24 @@ def test_launch_scripts_run_end_to_end(work, script, model, schedule):
     assert all(math.isfinite(float(v)) for _, v in printed)
 
 
-def _launch_tiny_moe(work: Path, tag: str, schedule: str, *, pp: int = 2, ep: int = 1) -> list[str]:
+def _launch_tiny_moe(work: Path, tag: str, schedule: str, *, pp: int = 2, ep: int = 1, extra: str = "") -> list[str]:
     """scripts/pretrain_torchrun.sh tiny-moe (the scripts' bf16 + distributed optimizer + clipping,
-    4 experts top-2, alltoall) for 3 iterations; the printed lm loss, load-balancing loss and
-    grad norm of every iteration and the validation losses, as printed."""
+    4 experts top-2, alltoall) for 3 iterations, with `extra` flags; the printed lm loss,
+    load-balancing loss and grad norm of every iteration and the validation losses, as printed.
+    A launch already made in this module is not repeated (the tests share the plain zbv run)."""
+    key = (work, tag, schedule, pp, ep, extra)
+    if key not in _MOE_RUNS:
+        _MOE_RUNS[key] = _run_tiny_moe(work, tag, schedule, pp, ep, extra)
+    return _MOE_RUNS[key]
+
+
+_MOE_RUNS: dict[tuple, list[str]] = {}
+
+
+def _run_tiny_moe(work: Path, tag: str, schedule: str, pp: int, ep: int, extra: str) -> list[str]:
     world = pp * ep   # dp = ep: the experts split over the data-parallel ranks
     flags = CPU_FLAGS if ep == 1 else CPU_FLAGS.replace(" --layout-independent-init", "")
+    flags = f"{flags} {extra}".strip()
     env = dict(_env(), TRAIN_ITERS="3", LOG_INTERVAL="1", MASTER_PORT=str(_port()), SCHEDULE=schedule, PP=str(pp),
                EP=str(ep), GPUS_PER_NODE=str(world), EXTRA_ARGS=flags,
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
@@ -678,3 +690,23 @@ def test_moe_launch_script_matches_megatron(work):
     zbh1, own2 = _launch_tiny_moe(work, "zbh1-ep2", "zb-h1", ep=2), _launch_tiny_moe(work, "mcore-ep2", "mcore", ep=2)
     assert zbh1 == own2, (zbh1, own2)
     assert zbh1 != zbv          # ep=2 really changed the run (other initial experts, other routing)
+
+
+EXPERT_BIAS = "--moe-router-enable-expert-bias --moe-router-score-function sigmoid"
+
+
+def test_moe_expert_bias_through_megatron_lm_loop(work):
+    """The DeepSeek-V3-like router (issue 30) through Megatron-LM's own training loop: the tiny-moe
+    preset with --moe-router-enable-expert-bias --moe-router-score-function sigmoid (the flags
+    `mppx plan` emits for its DeepSeek-V3 preset). Megatron-LM calls the schedule without a
+    pg_collection, so the executor's default collection must carry tp_dp_cp, which Megatron-Core
+    0.18.2 and later assert in finalize_model_grads when the expert bias is on. zbv and v-half at
+    pp=2 against Megatron-Core's own 1F1B at pp=2: every printed loss, load-balancing loss and
+    gradient norm equal; the expert bias (updated from the token counts every step) really
+    changes the run against the plain router."""
+    zbv = _launch_tiny_moe(work, "zbv-bias", "zbv", extra=EXPERT_BIAS)
+    vhalf = _launch_tiny_moe(work, "vhalf-bias", "v-half", extra=EXPERT_BIAS)
+    own = _launch_tiny_moe(work, "mcore-bias", "mcore", extra=EXPERT_BIAS)
+    assert zbv == vhalf == own, (zbv, vhalf, own)
+    plain = _launch_tiny_moe(work, "zbv", "zbv")
+    assert zbv != plain, "the expert-bias flags did not change the run"
