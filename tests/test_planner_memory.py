@@ -348,6 +348,10 @@ def test_moe_activation_terms():
     assert terms["expert activation-function input"] == 2 * s * b * k * 2 * fe
     assert terms["expert fc2 input"] == 2 * s * b * k * fe
     assert terms["router logits and scores (fp32)"] == 8 * s * b * E
+    # the routing weights are applied inside each expert (SwiGLU: fused), so the combine keeps nothing
+    assert not any("combine" in t or "routing weights" in t for t in terms)
+    gelu = layer_activation(_moe_spec("gpt"), b, 1, moe=True).breakdown
+    assert gelu["expert activation before the routing weights"] == 2 * s * b * k * fe
     assert "fc2 input" not in terms and dense.breakdown["fc2 input"] == 2 * s * b * 96
     assert moe.transient == 4 * s * b * k * h and dense.transient == 0
     assert layer_activation(m, b, 1, moe=True, ep=4).stored == moe.stored

@@ -330,8 +330,10 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
     ``moe``: an MoE layer under the all-to-all dispatcher, with balanced routing. Its FFN terms
     become the router's fp32 logits and scores (2 x 4 bytes per token and expert), the dispatched
     tokens each expert's fc1 keeps (k copies of every token, gathered over the etp ranks), the
-    experts' activation-function and fc2 inputs (k tokens' worth, split over etp), the experts'
-    outputs the combine keeps for the routing weights' gradient, and a shared expert's FFN terms;
+    experts' activation-function and fc2 inputs (k tokens' worth, split over etp; Megatron-Core
+    applies the routing weights inside each expert, so the combine keeps nothing, and a GeLU
+    expert also keeps its unscaled activation, which the fused weighted SwiGLU recomputes), and a
+    shared expert's FFN terms;
     the dispatcher's send/receive buffers of one layer are transient (model-based, not measured)."""
     if recompute not in RECOMPUTE_MODES:
         raise PlannerError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -362,7 +364,8 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
         terms["dispatched tokens (expert fc1 input)"] = 2 * sb * k * h * etp
         terms["expert activation-function input"] = 2 * sb * k * fe * glu
         terms["expert fc2 input"] = 2 * sb * k * fe
-        terms["expert outputs (combine)"] = 2 * sb * k * h
+        if not model.gated_mlp:
+            terms["expert activation before the routing weights"] = 2 * sb * k * fe
         if model.moe_shared_ffn:
             terms["shared-expert activation-function input"] = 2 * sb * model.moe_shared_ffn * glu
             terms["shared-expert fc2 input"] = 2 * sb * model.moe_shared_ffn
@@ -380,7 +383,7 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
     if not sequence_parallel and tp > 1:
         split = {"q, k, v", "attention output (proj input)", "activation-function input", "fc2 input",
                  "softmax statistics", "dispatched tokens (expert fc1 input)", "expert activation-function input",
-                 "expert fc2 input", "expert outputs (combine)", "shared-expert activation-function input",
+                 "expert fc2 input", "expert activation before the routing weights", "shared-expert activation-function input",
                  "shared-expert fc2 input"}
         stored_terms = {k: (v / tp if k in split else v) for k, v in terms.items()}
         s2 /= tp

@@ -284,7 +284,7 @@ class Planner:
         setting = MemorySetting(mbs=cand.mbs, tp=cand.tp, sequence_parallel=cand.tp > 1, precision=self.req.precision,
                                 attention="flash" if model.flash_attention else ("torch" if cpu else "unfused"),
                                 recompute=cand.recompute, split=split, wgrad="autograd" if cpu else "fused_kernel",
-                                ep=cand.ep, etp=cand.etp)
+                                ep=cand.ep, etp=cand.etp, fused_activation=not cpu)
         mem = [stage_memory(model, setting, part) for part in parts]
         # one unit: a rank's average share of one microbatch's layer activations
         unit = unit_bytes(mem, placement)

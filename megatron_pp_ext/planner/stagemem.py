@@ -28,8 +28,10 @@ torch's softmax, fp32 and bf16, softmax in fp32), GPT (LayerNorm, GeLU, biases, 
 and LLaMA (RMSNorm, SwiGLU, RoPE, GQA): ``docs/benchmarks/memory.md`` compares them with the
 resident memory measured per rank. ``attention="unfused"`` (Megatron's fused softmax kernel on a
 GPU) and ``"flash"`` (fused attention, Transformer Engine; no s^2 term, Korthikanti et al.'s
-count) are model-based. Mixture-of-experts layers use :func:`.memory.layer_activation`'s terms
-for what F saves and count W's share from the experts' linear layers (model-based).
+count) are model-based. Mixture-of-experts layers (Megatron-Core's router, allgather/alltoall
+dispatcher and SequentialMLP) were read off the same way: the routing tensors, the dispatched
+tokens, each expert's MLP on its tokens with the routing weights applied inside it, the shared
+expert; W keeps every expert linear's input and output gradient.
 
 Pure Python: the trainer (its ``predicted_peak_bytes``), the planner and the benchmark share it.
 """
@@ -70,6 +72,9 @@ class MemorySetting:
     wgrad: str = "autograd"            # autograd | main_grad | fused_kernel (w_item_peak)
     ep: int = 1
     etp: int | None = None
+    #: Megatron's fused bias-activation (--bias-swiglu-fusion, on by default in Megatron-LM on a
+    #: GPU): SwiGLU keeps only fc1's output; False: the local spec's torch ops (mppx train, CPUs)
+    fused_activation: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -138,6 +143,27 @@ def _norm_bytes(model: ModelSpec, tq: float, e: int) -> float:
     return tq * e * ((h + 2) if model.norm == "layernorm" else (2 * h + 1))
 
 
+def _mlp_saved(model: ModelSpec, tokens: float, f_t: float, e: int, *, fused: bool, prefix: str = "",
+               routing_weights: bool = False) -> dict[str, float]:
+    """What one MLP saves past its fc1 input, for ``tokens`` tokens and ``f_t`` local FFN
+    columns. SwiGLU: fc1's output (both halves) and, unfused, the second half's copy and silu's
+    output; their product is fc2's input. GeLU: the bias-added fc1 output GeLU saves and its
+    output (fc2's input), fused or not. ``routing_weights``: a routed expert multiplies the
+    activation by each token's routing weight (fp32, kept), which keeps the unscaled activation
+    too unless the fused weighted SwiGLU recomputes it."""
+    if model.gated_mlp:
+        out = {"fc1 output (SwiGLU)": tokens * 2 * f_t * e}
+        if not fused:
+            out["SwiGLU copies"] = 2 * tokens * f_t * e
+    else:
+        out = {"activation input": tokens * f_t * e}
+    if routing_weights:
+        unscaled = 0.0 if (fused and model.gated_mlp) else tokens * f_t * e
+        out["activation before the routing weights"] = unscaled + tokens * 4
+    out["fc2 input"] = tokens * f_t * e
+    return {prefix + k: v for k, v in out.items()}
+
+
 def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _Layer:
     s, b, h, a, kv, d = model.seq, st.mbs, model.hidden, model.heads, model.kv_heads, model.head_dim
     tp, e = st.tp, st.e
@@ -183,43 +209,48 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     saved_attn = sum(terms.values()) - (terms.get("dropout masks", 0.0) / 2)
     # -- MLP half (pre-MLP norm, fc1, activation, fc2) ---------------------------------------------
     mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * e}
+    # what W keeps of each split linear: (input elements, output-gradient elements, weight elements)
+    lin = {
+        "qkv": (tq * h, T * qkv_out, qkv_out * h),
+        "proj": (T * a_t * d, T * h, h * a_t * d),
+    }
     if moe:
-        # the MoE layer's own terms (router, dispatched tokens, experts) as the planner counts them
+        # Megatron-Core's MoE layer (router, token dispatcher, SequentialMLP): the router's routing
+        # indices, weights and map and the permutation's indices; the k*T dispatched tokens; each
+        # routed expert an MLP on its share of them that also multiplies its activation by the
+        # routing weights (per_token_scale: the unpermute then needs nothing saved); a shared expert
+        # is a plain MLP on every token (read off megatron-core 0.16 on CPU: docs/benchmarks/memory.md)
         full = layer_activation(model, b, tp, sequence_parallel=st.sequence_parallel, moe=True, ep=st.ep,
                                 etp=st.etp)
-        moe_terms = {k: v * e / 2 for k, v in full.breakdown.items()
-                     if k.startswith(("router", "dispatched", "expert", "shared"))}
-        mlp_terms.update(moe_terms)
-        fe = model.expert_ffn
-        k = model.moe_topk
+        k, E = model.moe_topk, model.num_experts
         etp = tp if st.etp is None else st.etp
-        ffn_tokens, f_t = T * k, fe / etp
+        kT, f_t = T * k, model.expert_ffn / etp
+        mlp_terms["routing indices, weights and map"] = T * (20 * k + 5 * E)
+        mlp_terms["dispatched tokens (expert fc1 input)"] = full.breakdown["dispatched tokens (expert fc1 input)"] * e / 2
+        mlp_terms.update(_mlp_saved(model, kT, f_t, e, fused=st.fused_activation, prefix="expert ",
+                                    routing_weights=True))
+        lin["fc1"] = (kT * h, kT * glu * f_t, (E / st.ep) * glu * f_t * h)
+        lin["fc2"] = (kT * f_t, kT * h, (E / st.ep) * h * f_t)
+        bwd_mlp = (glu + 1) * kT * f_t * e
+        if model.moe_shared_ffn:
+            fs = model.moe_shared_ffn / tp
+            mlp_terms.update(_mlp_saved(model, T, fs, e, fused=st.fused_activation, prefix="shared-expert "))
+            lin["shared fc1"] = (tq * h, T * glu * fs, glu * fs * h)
+            lin["shared fc2"] = (T * fs, T * h, h * fs)
+            bwd_mlp = max(bwd_mlp, (glu + 1) * T * fs * e)
     else:
         f_t = model.ffn / tp
-        ffn_tokens = T
-        if model.gated_mlp:  # SwiGLU: fc1's output (both halves), the second half's copy, silu's output, their product
-            mlp_terms["fc1 output (SwiGLU)"] = T * 2 * f_t * e
-            mlp_terms["SwiGLU copies"] = 2 * T * f_t * e
-            mlp_terms["fc2 input"] = T * f_t * e
-        else:    # the bias-added fc1 output GeLU saves, and GeLU's output (fc2's input)
-            mlp_terms["activation input"] = T * f_t * e
-            mlp_terms["fc2 input"] = T * f_t * e
+        mlp_terms.update(_mlp_saved(model, T, f_t, e, fused=st.fused_activation))
+        lin["fc1"] = (tq * h, T * glu * f_t, glu * f_t * h)
+        lin["fc2"] = (T * f_t, T * h, h * f_t)
+        bwd_mlp = (glu + 1) * T * f_t * e
     if drop:
         mlp_terms["dropout mask"] = tq * h
     terms.update(mlp_terms)
     saved_mlp = sum(mlp_terms.values()) + (terms.get("dropout masks", 0.0) / 2)
     # -- what W keeps: every split linear's input and output gradient -------------------------------
-    lin = {
-        "qkv": (tq * h, T * qkv_out, qkv_out * h),
-        "proj": (T * a_t * d, T * h, h * a_t * d),
-        "fc1": (tq * h, ffn_tokens * glu * f_t, glu * f_t * h),
-        "fc2": (ffn_tokens * f_t, ffn_tokens * h, h * f_t),
-    }
-    if moe:  # each routed expert's linears see its share of the k*T dispatched tokens: the same totals
-        lin["fc1"] = (ffn_tokens * h, ffn_tokens * glu * f_t, (model.num_experts / st.ep) * glu * f_t * h)
-        lin["fc2"] = (ffn_tokens * f_t, ffn_tokens * h, (model.num_experts / st.ep) * h * f_t)
     w_attn = (sum(lin["qkv"][:2]) + sum(lin["proj"][:2])) * e
-    w_mlp = (sum(lin["fc1"][:2]) + sum(lin["fc2"][:2])) * e
+    w_mlp = sum(inp + gout for name, (inp, gout, _) in lin.items() if name not in ("qkv", "proj")) * e
     # -- peaks -------------------------------------------------------------------------------------
     if st.attention == "flash":
         bwd_attn = 2 * T * qkv_out * e + T * h * e
@@ -236,11 +267,12 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         # while softmax runs: the scores, their fp32 copy (below fp32) and the fp32 probabilities
         before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
         fwd_attn = before + scores * (e + (4 if e != 4 else 0) + 4 + (e if e != 4 else 0)) + s * s
-    bwd_mlp = (glu + 1) * ffn_tokens * f_t * e
     order = []
-    for name in ("fc2", "fc1", "proj", "qkv"):
+    for name in ("shared fc2", "shared fc1", "fc2", "fc1", "proj", "qkv"):
+        if name not in lin:
+            continue
         inp, gout, wnumel = lin[name]
-        gather = T * h * e if (st.sequence_parallel and tp > 1 and name in ("qkv", "fc1")) else 0.0
+        gather = T * h * e if (st.sequence_parallel and tp > 1 and name in ("qkv", "fc1", "shared fc1")) else 0.0
         order.append((wnumel, (inp + gout) * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0))
     return _Layer(saved_attn, saved_mlp, w_attn, w_mlp, bwd_attn, bwd_mlp, fwd_attn, tuple(order), terms)
 

@@ -42,13 +42,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..runtime.model import unwrap_model
+
 __all__ = ["ActivationMeter"]
-
-
-def _core(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
 
 
 class ActivationMeter:
@@ -58,7 +54,7 @@ class ActivationMeter:
         self.device = torch.device(device)
         self._exclude: set[int] = set()
         for m in models:
-            core = _core(m)
+            core = unwrap_model(m)
             for t in list(core.parameters()) + list(core.buffers()):
                 try:
                     self._exclude.add(t.untyped_storage().data_ptr())
@@ -178,7 +174,7 @@ class ActivationMeter:
 
         @wraps(fn)
         def step(data_iterator, model, *args, **kwargs):
-            stage = getattr(_core(model), "mppx_stage", 0)
+            stage = getattr(unwrap_model(model), "mppx_stage", 0)
             before = meter.live
             t0 = time.perf_counter()
             out = fn(data_iterator, model, *args, **kwargs)
