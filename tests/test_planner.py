@@ -536,7 +536,7 @@ def _emitted_moe_plans() -> list:
             ("mixtral-8x7b", 64, 256, dict(pp=(2,), tp=(2,), etp=(1,), schedules=("1f1b",), recompute=("none",))),
             ("qwen3-30b-a3b", 64, 256, dict(pp=(4,), schedules=("zb-h1",), ep=(8,))),
             # (interleaved-zb and zbv no longer fit there: under full recomputation what W keeps -- the inputs
-            # and output gradients of every expert's linears, 1.3 GB per MoE layer and microbatch -- is not
+            # and output gradients of every expert's and the shared expert's linears, 1.5 GB per MoE layer and microbatch -- is not
             # recomputed, docs/planner.md; V-Half, holding half as many microbatches, does)
             *(("deepseek-v3-like", 1024, 4096, dict(pp=(16,), tp=(8,), schedules=(s,), recompute=("full",),
                                                      mbs=(1,), ep=(64,), etp=(1,), max_vp=2))

@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -464,3 +464,51 @@ def _remove_local_patch() -> None:
         del _ORIGINALS[cls]
 
 
+
+
+def local_linear_modules(models: Sequence[torch.nn.Module]) -> Tuple[List[torch.nn.Module], Dict[int, str]]:
+    """Megatron-Core's local linear layers inside ``models`` and a readable name for each
+    (``chunkI.path``), for the split's messages."""
+    local = tuple(_local_linear_classes())
+    mods: List[torch.nn.Module] = []
+    names: Dict[int, str] = {}
+    for i, model in enumerate(models):
+        for name, mod in model.named_modules():
+            if isinstance(mod, local):
+                mods.append(mod)
+                names[id(mod)] = f"chunk{i}.{name}" if name else f"chunk{i}"
+    return mods, names
+
+
+def install_split(store, modules: Optional[Sequence[torch.nn.Module]], names: Dict[int, str],
+                  sp_gather: str) -> "_SplitState":
+    """Patch the local linear classes so that the forwards of ``modules`` (None: every local
+    linear layer) queue their weight gradients in ``store``; one split at a time per process.
+    Undo with :func:`uninstall_split`, also after an exception."""
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("split_weight_grads is already active (it is not re-entrant)")
+    module_ids = None if modules is None else {id(m) for m in modules}
+    state = _SplitState(store, module_ids, sp_gather)
+    state.names = names
+    try:
+        _install_local_patch()
+        hook = _count_forward(state)
+        state.hooks = [m.register_forward_pre_hook(hook) for m in (modules or ())]
+    except BaseException:
+        _remove_local_patch()
+        for h in state.hooks:
+            h.remove()
+        raise
+    _STATE = state
+    return state
+
+
+def uninstall_split(state: "_SplitState") -> None:
+    """Restore the linear classes and remove ``state``'s hooks; W work still queued stays in
+    its store."""
+    global _STATE
+    _STATE = None
+    _remove_local_patch()
+    for h in state.hooks:
+        h.remove()

@@ -6,7 +6,7 @@ and restores both on exit, normal or not.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Sequence, Union
+from typing import Iterator, Sequence, Union
 
 import torch
 
@@ -46,49 +46,29 @@ def split_weight_grads(store: WeightGradStore,
         raise ValueError(f"sp_gather must be 'w' or 'b', not {sp_gather!r}")
     if te not in ("auto", True, False):
         raise ValueError(f"te must be 'auto', True or False, not {te!r}")
-    if linear._STATE is not None:
+    if linear.split_active():
         raise RuntimeError("split_weight_grads is already active (it is not re-entrant)")
     if isinstance(models, torch.nn.Module):
         models = [models]
-    module_ids = None
-    names: Dict[int, str] = {}
-    local_mods: list = []
+    local_mods, names = None, {}
     if models is not None:
         models = list(models)
-        local = tuple(linear._local_linear_classes())
-        module_ids = set()
-        for i, model in enumerate(models):
-            for name, mod in model.named_modules():
-                if isinstance(mod, local):
-                    module_ids.add(id(mod))
-                    local_mods.append(mod)
-                    names[id(mod)] = f"chunk{i}.{name}" if name else f"chunk{i}"
+        local_mods, names = linear.local_linear_modules(models)
     if te is True and models is None:
         raise ValueError("te=True needs the model chunks (models=...) to find the TE modules")
     use_te = (te is True) or (te == "auto" and models is not None and te_available())
     te_state = None
     if use_te and models is not None:
         te_state = _TEState(store, find_te_wgrad_modules(models))
-    state = linear._SplitState(store, module_ids, sp_gather)
-    state.names = names
     try:
-        linear._install_local_patch()
-        hook = linear._count_forward(state)
-        state.hooks = [m.register_forward_pre_hook(hook) for m in local_mods]
+        state = linear.install_split(store, local_mods, names, sp_gather)
     except BaseException:
-        linear._remove_local_patch()
-        for h in state.hooks:
-            h.remove()
         if te_state is not None:
             te_state.close()
         raise
-    linear._STATE = state
     try:
         yield store
     finally:
-        linear._STATE = None
-        linear._remove_local_patch()
-        for h in state.hooks:
-            h.remove()
+        linear.uninstall_split(state)
         if te_state is not None:
             te_state.close()
