@@ -133,6 +133,10 @@ def test_a_gpt_layer_saves_16h_plus_a_s_and_w_keeps_16h_per_token():
     llama = _gpt(gated_mlp=True, norm="rmsnorm", bias=False, position="rope", kv_heads=4, ffn=1024)
     lm = stage_memory(llama, MemorySetting(precision="fp32", attention="torch"), StagePart(1, first=1))
     assert lm.w_held == (7 * h + 3 * 1024) * s * 4           # inputs 3h + F, output gradients 2h + h + 2F + h
+    # Megatron's fused bias-SwiGLU (GPU plans) keeps fc1's output and the product, not torch's two copies
+    fused = stage_memory(llama, MemorySetting(precision="fp32", attention="torch", fused_activation=True),
+                         StagePart(1, first=1))
+    assert lm.act - fused.act == 2 * 1024 * s * 4 and fused.w_held == lm.w_held
 
 
 def test_cost_fields_never_let_w_keep_more_than_f_saved():
