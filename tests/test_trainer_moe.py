@@ -43,6 +43,8 @@ MOE = ["--model", "llama", "--num-experts", "4", "--pp", "2", "--layers", "4"]
     (MOE + ["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
     (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias need(s) --num-experts"),
     (MOE + ["--save", "ckpt"], "--save with --num-experts: checkpoints of mixture-of-experts models are not"),
+    (MOE + ["--moe-router-topk", "1"], "--moe-router-topk 1 with the softmax router needs --moe-router-pre-softmax"),
+    (["--moe-router-pre-softmax"], "--moe-router-pre-softmax need(s) --num-experts"),
 ])
 def test_bad_moe_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):  # noqa: F811
     err = train_error(capsys, *argv)
@@ -58,7 +60,8 @@ def test_layer_freq_takes_megatron_lm_patterns():
 
 
 def test_moe_plan_reaches_the_runtime():
-    p = make_plan(TrainConfig(model="llama", num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=96,
+    p = make_plan(TrainConfig(model="llama", num_experts=4, moe_router_topk=1, moe_router_pre_softmax=True,
+                              moe_ffn_hidden_size=96,
                               moe_aux_loss_coeff=0.01, moe_layer_freq=(1, 0, 1, 1), moe_token_dispatcher_type="alltoall",
                               moe_shared_expert_intermediate_size=32, expert_model_parallel_size=2, pp=2, layers=4,
                               nproc=4, device="cpu"))
@@ -66,6 +69,7 @@ def test_moe_plan_reaches_the_runtime():
     assert (rc.ep, rc.expert_tp, rc.dp, rc.pp) == (2, 1, 2, 2)
     s = rc.spec
     assert (s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size, s.moe_pattern()) == (4, 1, 96, (1, 0, 1, 1))
+    assert s.moe_router_pre_softmax
     assert (s.moe_token_dispatcher_type, s.moe_shared_expert_intermediate_size, s.moe_aux_loss_coeff) == \
         ("alltoall", 32, 0.01)
     ref = p.reference_config()   # one process: the experts are not split
@@ -135,3 +139,17 @@ def test_expert_bias_flags_reach_the_model():
     from megatron_pp_ext.runtime.model import make_config
     cfg = make_config(spec, tp=1, pp=1)
     assert cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function == "sigmoid"
+
+
+def test_top1_softmax_routing_reaches_the_model_with_pre_softmax():
+    """--moe-router-topk 1 --moe-router-pre-softmax (Megatron-Core refuses top-1 softmax routing
+    without it, inside the workers) builds the model's config."""
+    import argparse
+
+    from megatron_pp_ext.runtime.model import make_config
+    from megatron_pp_ext.trainer.config import add_arguments, config_from_args, make_plan
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    plan = make_plan(config_from_args(ap.parse_args(MOE + ["--moe-router-topk", "1", "--moe-router-pre-softmax"])))
+    cfg = make_config(plan.model_spec(), tp=1, pp=1)
+    assert cfg.moe_router_topk == 1 and cfg.moe_router_pre_softmax

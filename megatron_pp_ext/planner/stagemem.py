@@ -231,7 +231,10 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
                                     routing_weights=True))
         lin["fc1"] = (kT * h, kT * glu * f_t, (E / st.ep) * glu * f_t * h)
         lin["fc2"] = (kT * f_t, kT * h, (E / st.ep) * h * f_t)
-        bwd_mlp = (glu + 1) * kT * f_t * e
+        # SequentialMLP runs its experts' backwards one after another: one expert's activation
+        # gradients (its kT/E share, balanced routing) while the dispatched tokens' gradient fills up
+        experts = E / st.ep
+        bwd_mlp = (glu + 1) * (kT / experts) * f_t * e + kT * h * e
         if model.moe_shared_ffn:
             fs = model.moe_shared_ffn / tp
             mlp_terms.update(_mlp_saved(model, T, fs, e, fused=st.fused_activation, prefix="shared-expert "))
@@ -268,12 +271,18 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
         fwd_attn = before + scores * (e + (4 if e != 4 else 0) + 4 + (e if e != 4 else 0)) + s * s
     order = []
-    for name in ("shared fc2", "shared fc1", "fc2", "fc1", "proj", "qkv"):
-        if name not in lin:
-            continue
-        inp, gout, wnumel = lin[name]
-        gather = T * h * e if (st.sequence_parallel and tp > 1 and name in ("qkv", "fc1", "shared fc1")) else 0.0
-        order.append((wnumel, (inp + gout) * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0))
+    def w_item(name: str, share: float = 1.0, gathers: bool = False) -> tuple[float, float, float, float]:
+        inp, gout, wnumel = (x / share for x in lin[name])
+        gather = T * h * e if (gathers and st.sequence_parallel and tp > 1) else 0.0
+        return (wnumel, (inp + gout) * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0)
+
+    if "shared fc1" in lin:
+        order += [w_item("shared fc2"), w_item("shared fc1", gathers=True)]
+    if moe:   # one W item per local expert linear (their weights are separate GEMMs), last expert first
+        order += [w_item(n, experts) for _ in range(int(experts)) for n in ("fc2", "fc1")]
+    else:
+        order += [w_item("fc2"), w_item("fc1", gathers=True)]
+    order += [w_item("proj"), w_item("qkv", gathers=True)]
     return _Layer(saved_attn, saved_mlp, w_attn, w_mlp, bwd_attn, bwd_mlp, fwd_attn, tuple(order), terms)
 
 

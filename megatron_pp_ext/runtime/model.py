@@ -79,6 +79,8 @@ class ModelSpec:
     #: the router's score function and aux-loss-free balancing (Megatron-LM's flags of those names)
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
+    #: softmax over all experts before the top-k (Megatron-Core requires it for top-1 softmax routing)
+    moe_router_pre_softmax: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in ("gpt", "llama"):
@@ -278,6 +280,7 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
                   moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
                   moe_router_score_function=spec.moe_router_score_function,
                   moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+                  moe_router_pre_softmax=spec.moe_router_pre_softmax,
                   expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp)
     elif ep != 1:
         raise ValueError(f"expert model parallel size {ep} needs a mixture-of-experts model (num_experts)")

@@ -102,6 +102,7 @@ class TrainConfig:
     moe_token_dispatcher_type: str = "allgather"
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
+    moe_router_pre_softmax: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None   # None: --tp
     # run

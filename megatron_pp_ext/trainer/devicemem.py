@@ -22,7 +22,13 @@ tensors of the op running at the peak.
   kernel's RSS counter slack (per-CPU batches of 32 pages, ~128 KiB per CPU). Tensors smaller
   than 64 KiB are counted as the heap grows, not when they are freed. Where ``clear_refs``
   cannot be written (not Linux), a sampling thread reads ``VmRSS`` every millisecond instead
-  (``measure`` says which): a peak shorter than that can be missed.
+  (``measure`` says which): a peak shorter than that can be missed. oneDNN (bf16/fp16 GEMMs on
+  CPU) and PyTorch's ideep keep a primitive and its buffers per GEMM shape (1024 of each by
+  default); MoE experts see a new token count, so a new shape, almost every microbatch, and the
+  resident memory grew by tens of MiB per iteration that a GPU never holds (a bf16 MoE run read
+  3.5x its prediction). :func:`configure_allocator` bounds both caches to a few entries
+  (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``, unless set): read at a process's
+  first oneDNN op, so the trainer configures each worker before it builds the model.
 
 The same probe measures one op at a time (:meth:`DeviceMemoryProbe.op_boundary`): the peak of
 each op above the level before it, which ``summary.json`` reports per op kind and stage
@@ -42,6 +48,8 @@ __all__ = ["DeviceMemoryProbe", "configure_allocator", "MMAP_THRESHOLD"]
 
 #: allocations of this many bytes or more get their own mmap (returned to the system when freed)
 MMAP_THRESHOLD = 64 * 1024
+#: oneDNN primitives kept per process (module doc: a new GEMM shape per MoE microbatch)
+ONEDNN_CACHE_ENTRIES = 8
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _configured: bool | None = None
@@ -55,6 +63,8 @@ def configure_allocator() -> bool:
     global _configured
     if _configured is not None:
         return _configured
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "1")
     ok = False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

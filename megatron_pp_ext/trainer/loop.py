@@ -112,6 +112,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
 
     c = plan.cfg
     with worker_device(plan) as device:
+        if device.type == "cpu":
+            from .devicemem import configure_allocator
+            configure_allocator()   # before the first GEMM: it bounds oneDNN's per-shape caches
         rank = dist.get_rank()
         t_setup = time.perf_counter()
         tr = setup_training(plan.run_config().replace(device=device.type))

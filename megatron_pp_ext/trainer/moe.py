@@ -4,7 +4,7 @@
 SequentialMLP experts, the local layer spec), ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
 ``--moe-aux-loss-coeff``, ``--moe-layer-freq`` (an int N: every N-th layer is MoE; or one 0/1 per
 layer, as ``1,0,1,1`` or Megatron-LM's ``([1]*3+[0])*2``), ``--moe-shared-expert-intermediate-size``,
-``--moe-token-dispatcher-type alltoall|allgather``, ``--expert-model-parallel-size`` and
+``--moe-token-dispatcher-type alltoall|allgather``, ``--moe-router-pre-softmax``, ``--expert-model-parallel-size`` and
 ``--expert-tensor-parallel-size``. Everything Megatron-Core would refuse (or crash on) is refused
 here, in the parent, in one line naming the flag and the fix. No torch import.
 """
@@ -30,6 +30,7 @@ MOE_FLAG_DEFAULTS = {
     "moe_token_dispatcher_type": ("--moe-token-dispatcher-type", "allgather"),
     "moe_router_score_function": ("--moe-router-score-function", "softmax"),
     "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", False),
+    "moe_router_pre_softmax": ("--moe-router-pre-softmax", False),
     "expert_model_parallel_size": ("--expert-model-parallel-size", 1),
     "expert_tensor_parallel_size": ("--expert-tensor-parallel-size", None),
 }
@@ -82,6 +83,9 @@ def add_moe_arguments(parser: argparse.ArgumentParser, whole: Callable[[str], in
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free load balancing: a per-expert bias on the routing scores, updated from each "
                         "iteration's token counts (DeepSeek-V3; needs --moe-router-score-function sigmoid)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before choosing the top k (needed with --moe-router-topk 1 and "
+                        "the softmax router, as in Megatron-LM)")
     g.add_argument("--expert-model-parallel-size", type=whole, default=1, metavar="EP",
                    help="split the experts over EP ranks of a pipeline stage; EP x expert tensor parallel size "
                         "must divide tp x dp (default: 1)")
@@ -119,6 +123,9 @@ def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
     if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
         return ("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule); "
                 "add it")
+    if k == 1 and c.moe_router_score_function == "softmax" and not c.moe_router_pre_softmax:
+        return ("--moe-router-topk 1 with the softmax router needs --moe-router-pre-softmax (Megatron-Core's rule: a "
+                "softmax over the one chosen expert has no gradient); add it, or use --moe-router-score-function sigmoid")
     freq = c.moe_layer_freq
     if isinstance(freq, int) and freq < 1:
         return f"--moe-layer-freq {freq}: must be >= 1 (every N-th layer is MoE)"
@@ -181,4 +188,5 @@ def moe_spec_fields(c: Any) -> dict:
                 moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
                 moe_token_dispatcher_type=c.moe_token_dispatcher_type,
                 moe_router_score_function=c.moe_router_score_function,
-                moe_router_enable_expert_bias=bool(c.moe_router_enable_expert_bias))
+                moe_router_enable_expert_bias=bool(c.moe_router_enable_expert_bias),
+                moe_router_pre_softmax=bool(c.moe_router_pre_softmax))
