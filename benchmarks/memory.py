@@ -58,6 +58,12 @@ EXTRA = [
                                                    "--moe-token-dispatcher-type", "alltoall",
                                                    "--moe-shared-expert-intermediate-size", "512"]),
     ("gpt-pp4-bf16", "gpt", 4, ["--schedule", "zb-h1", "--bf16"]),
+    ("gpt-pp4-recompute-full-1f1b", "gpt", 4, ["--schedule", "1f1b", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("gpt-pp4-recompute-full-zb-h1", "gpt", 4, ["--schedule", "zb-h1", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("llama-pp4-recompute-full-zbv", "llama", 4, ["--schedule", "zbv", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("llama-pp4-recompute-selective-zb-h1", "llama", 4, ["--schedule", "zb-h1", "--recompute-granularity", "selective"]),
+    ("gpt-pp4-dropout-zbv", "gpt", 4, ["--schedule", "zbv", "--dropout", "0.1"]),
+    ("gpt-pp4-tied-vocab8k-1f1b", "gpt", 4, ["--schedule", "1f1b", "--tie-embeddings", "--vocab", "8192"]),
     ("llama-pp4-bf16-zbv", "llama", 4, ["--schedule", "zbv", "--bf16"]),
 ]
 #: rows outside the goal and why (filled in from their op traces; see the document)

@@ -535,9 +535,8 @@ def _emitted_moe_plans() -> list:
             ("mixtral-8x7b", 64, 256, dict(pp=(4,), schedules=("interleaved-1f1b", "zbv"), recompute=("none",))),
             ("mixtral-8x7b", 64, 256, dict(pp=(2,), tp=(2,), etp=(1,), schedules=("1f1b",), recompute=("none",))),
             ("qwen3-30b-a3b", 64, 256, dict(pp=(4,), schedules=("zb-h1",), ep=(8,))),
-            # (interleaved-zb and zbv no longer fit there: under full recomputation what W keeps -- the inputs
-            # and output gradients of every expert's and the shared expert's linears, 1.5 GB per MoE layer and microbatch -- is not
-            # recomputed, docs/planner.md; V-Half, holding half as many microbatches, does)
+            # (under full recomputation what W keeps -- the inputs and output gradients of every expert's and
+            # the shared expert's linears, 1.5 GB per MoE layer and microbatch -- is held from B to W, docs/planner.md)
             *(("deepseek-v3-like", 1024, 4096, dict(pp=(16,), tp=(8,), schedules=(s,), recompute=("full",),
                                                      mbs=(1,), ep=(64,), etp=(1,), max_vp=2))
               for s in ("1f1b", "interleaved-1f1b", "v-half"))):

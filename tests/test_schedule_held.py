@@ -139,13 +139,23 @@ def test_a_gpt_layer_saves_16h_plus_a_s_and_w_keeps_16h_per_token():
     assert lm.act - fused.act == 2 * 1024 * s * 4 and fused.w_held == lm.w_held
 
 
-def test_cost_fields_never_let_w_keep_more_than_f_saved():
+def test_what_w_keeps_beyond_f_is_added_by_b():
+    """Full recomputation under the B/W split: F saves each layer's input only, W still keeps
+    every linear's input and output gradient (about 16h per token for GPT against h): the stage's
+    W share is above 1, and B adds the difference -- an F is not charged with it (the schedule
+    holds it only from B to W)."""
     from megatron_pp_ext.planner.memory import StagePart
     from megatron_pp_ext.planner.stagemem import MemorySetting, cost_fields, stage_memory, unit_bytes
+    from megatron_pp_ext.schedule import build_schedule, simulate
     m = _gpt(flash_attention=True)
-    st = MemorySetting(precision="bf16", attention="flash", tp=4, sequence_parallel=True)
+    st = MemorySetting(precision="bf16", attention="flash", recompute="full")
     stages = [stage_memory(m, st, StagePart(1, pre=i == 0, post=i == 3, first=i)) for i in range(4)]
     f = cost_fields(stages, unit_bytes(stages, (0, 1, 2, 3)))
-    assert all(0 <= w <= 1 for w in f["w_fraction_per_stage"])
-    assert all(st.act >= st.w_held for st in stages)
-    CostModel.uniform(4).with_(**f)    # a valid cost model
+    assert [w for w in f["w_fraction_per_stage"]] == [x.w_held / x.act for x in stages]
+    mid = stages[1]
+    assert mid.w_held / mid.act > 10      # inputs and output gradients of 4 linears vs the layer input
+    cost = CostModel.uniform(4).with_(**f)
+    sched, _ = build_schedule("zb-h1", 4, 8, costs=cost)
+    capped = cost.with_(w_fraction_per_stage=tuple(min(1.0, w) for w in f["w_fraction_per_stage"]))
+    # B adds what W keeps beyond F: more than if F had been charged with it and B freed nothing
+    assert max(simulate(sched, cost).peak_memory) > max(simulate(sched, capped).peak_memory)

@@ -289,7 +289,7 @@ class Planner:
         # one unit: a rank's average share of one microbatch's layer activations
         unit = unit_bytes(mem, placement)
         act = [x.act / unit for x in mem]
-        w_share = [min(1.0, x.w_held / x.act) if x.act > 0 else 1.0 for x in mem] if split else None
+        w_share = [x.w_held / x.act if x.act > 0 else 1.0 for x in mem] if split else None
         transient = []
         for r in range(cand.pp):
             mine = [s for s in range(S) if placement[s] == r]

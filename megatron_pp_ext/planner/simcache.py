@@ -244,8 +244,10 @@ class SimCache:
 
         coarse, ckey = model(_COARSE, 8)
         fine, fkey = model(_FINE, 64)
-        if w_share is not None and any(w < 1 for w in w_share):
-            qw_share = tuple(min(64, max(0, int(round(w * 64)))) for w in w_share)
+        if w_share is not None and any(w != 1 for w in w_share):
+            # what W keeps (w x act) on the grid, not w x the rounded act: under full recomputation
+            # act is a sliver of a unit (rounded up to 1/64) and w is in the hundreds
+            qw_share = tuple(max(0, int(round(w * a / fa * 64))) for w, a, fa in zip(w_share, act, fine.act))
             fine = fine.with_(w_fraction_per_stage=tuple(q / 64 for q in qw_share))
             fkey = fkey + (_compact(qw_share),)
         qbudget = None if budget is None else round(budget, 2)

@@ -136,11 +136,16 @@ class _Layer:
         return self.w_attn + self.w_mlp
 
 
-def _norm_bytes(model: ModelSpec, tq: float, e: int) -> float:
+def _norm_bytes(model: ModelSpec, tq: float, st: MemorySetting) -> float:
     """One norm's saved tensors: LayerNorm its input (and 2 statistics per token); the torch
-    RMSNorm of the local spec its input and the normalised tensor (and 1 per token)."""
-    h = model.hidden
-    return tq * e * ((h + 2) if model.norm == "layernorm" else (2 * h + 1))
+    RMSNorm of the local spec its input and the normalised tensor (and 1 per token) -- on CPU
+    below fp32 both as the fp32 copies it computes in (measured: torch's rms_norm upcasts)."""
+    h, e = model.hidden, st.e
+    if model.norm == "layernorm":
+        return tq * e * (h + 2)
+    if st.attention == "torch" and e != 4:
+        return tq * 4 * (2 * h + 1)
+    return tq * e * (2 * h + 1)
 
 
 def _mlp_saved(model: ModelSpec, tokens: float, f_t: float, e: int, *, fused: bool, prefix: str = "",
@@ -175,9 +180,12 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     qkv_out = (a + 2 * kv) * d / tp
     glu = 2 if model.gated_mlp else 1
     drop = 1 if model.dropout else 0
+    # a dropout mask: bool from the GPU's fused kernel; on CPU torch's dropout keeps its scaled
+    # noise in the activation dtype (measured)
+    mask = e if st.attention == "torch" else 1
     gqa = kv < a
     rope = model.position == "rope"
-    norm = _norm_bytes(model, tq, e)
+    norm = _norm_bytes(model, tq, st)
     terms: dict[str, float] = {}
     # -- attention half (input norm, qkv, core attention, proj) ------------------------------------
     terms["input norm"] = norm
@@ -200,13 +208,13 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
             terms["attention probabilities"] = scores * e
         terms["causal mask"] = s * s
         if drop:
-            terms["attention dropout"] = scores * (1 + e)
+            terms["attention dropout"] = scores * (mask + e)     # its mask and the dropped probabilities
     if model.qk_norm:
         terms["q, k norms"] = T * (a_t + kv_t) * d * e
     terms["proj input"] = T * a_t * d * e
     if drop:
-        terms["dropout masks"] = 2 * tq * h
-    saved_attn = sum(terms.values()) - (terms.get("dropout masks", 0.0) / 2)
+        terms["dropout mask (attention output)"] = tq * h * mask
+    saved_attn = sum(terms.values())
     # -- MLP half (pre-MLP norm, fc1, activation, fc2) ---------------------------------------------
     mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * e}
     # what W keeps of each split linear: (input elements, output-gradient elements, weight elements)
@@ -248,9 +256,9 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         lin["fc2"] = (T * f_t, T * h, h * f_t)
         bwd_mlp = (glu + 1) * T * f_t * e
     if drop:
-        mlp_terms["dropout mask"] = tq * h
+        mlp_terms["dropout mask (MLP output)"] = tq * h * mask
     terms.update(mlp_terms)
-    saved_mlp = sum(mlp_terms.values()) + (terms.get("dropout masks", 0.0) / 2)
+    saved_mlp = sum(mlp_terms.values())
     # -- what W keeps: every split linear's input and output gradient -------------------------------
     w_attn = (sum(lin["qkv"][:2]) + sum(lin["proj"][:2])) * e
     w_mlp = sum(inp + gout for name, (inp, gout, _) in lin.items() if name not in ("qkv", "proj")) * e
@@ -288,14 +296,16 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
 
 def _recomputed(layer: _Layer, model: ModelSpec, st: MemorySetting) -> _Layer:
     """Recomputation: ``full`` keeps the layer's input only and recomputes the rest inside B
-    (its whole activation on top of B's own peak); ``selective`` drops the score-sized terms,
-    recomputed inside B."""
+    (on top of B's own peak; the forward holds the same transients as without recomputation);
+    ``selective`` drops the score-sized terms, recomputed inside B."""
     T = model.seq * st.mbs
     tq = T / st.tp if (st.sequence_parallel and st.tp > 1) else T
     if st.recompute == "full":
         inp = tq * model.hidden * st.e
-        return replace(layer, saved_attn=inp, saved_mlp=0.0, bwd_attn=layer.bwd_attn + layer.saved,
-                       bwd_mlp=layer.bwd_mlp + layer.saved, fwd_attn=0.0,
+        # B recomputes the layer, then runs the MLP's backward on top of all of it and the
+        # attention's on top of the attention half (the MLP's tensors freed by then)
+        return replace(layer, saved_attn=inp, saved_mlp=0.0, bwd_attn=layer.bwd_attn + layer.saved_attn - inp,
+                       bwd_mlp=layer.bwd_mlp + layer.saved - inp,
                        terms={"layer input (full recomputation)": inp})
     s2 = sum(v for k, v in layer.terms.items() if k in ("attention probabilities", "causal mask", "attention dropout"))
     terms = {k: v for k, v in layer.terms.items() if k not in ("attention probabilities", "causal mask",
@@ -334,10 +344,10 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
     post_saved = post_w = 0.0
     post_linear = None
     if part.post and not output_layer:
-        post_saved = _norm_bytes(model, tq, e) + T * h * e
+        post_saved = _norm_bytes(model, tq, st) + T * h * e
         act += post_saved
     elif part.post:
-        norm = _norm_bytes(model, tq, e)
+        norm = _norm_bytes(model, tq, st)
         logits = 4.0 * T * v_t          # the cross entropy's fp32 logits (its gradient is made in place)
         post_saved = norm + tq * h * e + logits
         # W keeps the output layer's input and its output gradient: in fp32 the cross entropy's own
@@ -381,14 +391,15 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
             rise_w = max(rise_w, gather + w_item_peak(st.wgrad, numel, held, e, casts) - freed)
             freed += held
     else:  # without the split the weight gradients come inside the backward, one GEMM output each
-        rise_w = max((numel * e for lay in layers for numel, *_ in lay.linears), default=0.0)
-    # the B/W split never keeps more than F saved in the units' accounting: an F counts as at least
-    # what its W will keep (costs.py: w_fraction <= 1)
+        rise_w = max([numel * e for lay in layers for numel, *_ in lay.linears]
+                     + ([post_linear[0] * e] if post_linear is not None else []), default=0.0)
+    # with full recomputation W keeps more than F saved: B adds the difference (costs.py: a
+    # w_fraction above 1)
     detail.update(saved=act, layers=[lay.terms for lay in layers[:1]])
-    act_eff = max(act, w_held)
-    # (the unit is made of what F counts: with full recomputation W keeps more than F saved)
-    layer_eff = max(layer_act, sum(lay.w_held for lay in layers) if st.split else 0.0)
-    return StageMemory(act_eff, w_held, msg, max(rise_f, act_eff), rise_b, rise_w, layer_eff, detail)
+    # the unit is made of the larger of the two, so that a schedule's budget in units (1F1B's p)
+    # still holds what one microbatch needs at its peak
+    layer_unit = max(layer_act, sum(lay.w_held for lay in layers) if st.split else 0.0)
+    return StageMemory(act, w_held, msg, max(rise_f, act), rise_b, rise_w, layer_unit, detail)
 
 
 def w_item_peak(mode: str, numel: float, held: float, e: int, casts: float = 0.0) -> float:
@@ -427,9 +438,11 @@ def cost_fields(stages: Sequence[StageMemory], unit: float) -> dict:
     act = tuple(st.act / unit for st in stages)
     return {
         "act": act,
-        "w_fraction_per_stage": tuple(min(1.0, st.w_held / st.act) if st.act > 0 else 1.0 for st in stages),
+        "w_fraction_per_stage": tuple(st.w_held / st.act if st.act > 0 else 1.0 for st in stages),
         "transient_f": tuple(max(0.0, st.rise_f - st.act) / unit for st in stages),
-        "transient_b": tuple(st.rise_b / unit for st in stages),
+        # (a B that adds what W keeps beyond F -- full recomputation -- allocates it as it starts,
+        # buffers.py; its rise above the level before it already counts that)
+        "transient_b": tuple(max(0.0, st.rise_b - max(0.0, st.w_held - st.act)) / unit for st in stages),
         "transient_w": tuple(st.rise_w / unit for st in stages),
         "msg": tuple(st.msg / unit for st in stages),
         "bytes_per_unit": float(unit),

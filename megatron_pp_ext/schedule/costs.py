@@ -11,8 +11,10 @@ reference code and the figures of REFERENCE §2 do; it is the unit of ``--memory
 What the B/W split really keeps for W -- the inputs *and* the output gradients of every linear
 layer -- is less than what F saved for most models (about 16h against 16h + a*s values per token
 for a GPT layer without fused attention); a model that knows its shapes gives that share per
-stage (``w_fraction_per_stage``, :mod:`megatron_pp_ext.planner.stagemem`), capped at 1 by
-counting an F as at least what its W will keep.
+stage (``w_fraction_per_stage``, :mod:`megatron_pp_ext.planner.stagemem`). Under full
+recomputation F saves only each layer's input while W still keeps every linear's input and
+output gradient: the share is then above 1 and B *adds* ``(w - 1) * act`` (the simulators count
+it; the generators' own memory trackers use the same arithmetic).
 
 Held memory beyond the op kinds' own effects (all in units, per stage, empty = none; the
 generators' own trackers ignore them, the simulators count them, :mod:`.buffers`):
@@ -111,8 +113,8 @@ class CostModel:
             raise ScheduleError(f"w_fraction must be in [0, 1], got {self.w_fraction}")
         if self.w_fraction_per_stage is not None:
             per = tuple(float(w) for w in self.w_fraction_per_stage)
-            if len(per) != n or not all(0.0 <= w <= 1.0 for w in per):
-                raise ScheduleError(f"w_fraction_per_stage: expected {n} values in [0, 1], got {per}")
+            if len(per) != n or not all(0.0 <= w < math.inf for w in per):
+                raise ScheduleError(f"w_fraction_per_stage: expected {n} finite values >= 0, got {per}")
             object.__setattr__(self, "w_fraction_per_stage", per)
         for name in ("transient_f", "transient_b", "transient_w", "msg"):
             vals = getattr(self, name)
