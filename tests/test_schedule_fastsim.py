@@ -1,27 +1,38 @@
-"""The fast path (schedule/fastsim.py) against the general simulator, validator and comm pass.
+"""The one simulator (schedule/engine.py) against results frozen before the schedule core had a
+single implementation, and the fast accept-only checks and comm insertion against the general ones.
 
-The fast path must give the general code's results float for float and the same verdicts, so
-every test here runs both and compares: every registered schedule, compute-only and with
-send/recv ops (early and safe placement), under both communication models; broken schedules
-(deadlocks, duplicates, missing or misplaced ops) must be refused with the same errors.
+``data/simulate_fingerprints.json`` holds a digest of every result (makespan, busy, peaks, memory
+timelines, messages, comm waits, per-op times, float for float; or the error and its message) of
+the general simulator and the old fast path, which agreed on all of them: every registered
+schedule, compute-only and with send/recv ops (early and safe placement), under the eager and
+blocking models and (some) the NCCL stream models. ``_fingerprints.py`` (next to this file)
+re-creates it.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
-from megatron_pp_ext.schedule import build_schedule, fastsim, validate
+from megatron_pp_ext.schedule import build_schedule, engine, fastsim, validate
+from megatron_pp_ext.schedule.commmodel import COMM_MODELS
 from megatron_pp_ext.schedule.ir import Op, Schedule, ScheduleError
 from megatron_pp_ext.schedule.passes import comm as comm_pass
 from megatron_pp_ext.schedule.registry import schedule_info, schedule_names
 from megatron_pp_ext.schedule.simulate import DeadlockError, simulate
 
+from _fingerprints import cases, outcome, variants
+
+FROZEN = json.loads((pathlib.Path(__file__).parent / "data" / "simulate_fingerprints.json").read_text())
+
 
 def _general(monkeypatch_ctx, fn, *args, **kw):
-    """Run ``fn`` with the fast path switched off."""
+    """Run ``fn`` with the fast accept-only checks and comm insertion switched off."""
     with monkeypatch_ctx.context() as mp:
-        mp.setattr(fastsim, "prepare", lambda *a, **k: None)
-        mp.setattr(fastsim, "simulate_builtin", lambda *a, **k: None)
+        mp.setattr(fastsim, "accepts", lambda *a, **k: False)
+        mp.setattr(fastsim, "eligible_kinds", lambda *a, **k: False)
         return fn(*args, **kw)
 
 
@@ -42,56 +53,24 @@ def _same(a, b) -> None:
     assert dict(a.times) == dict(b.times)
 
 
-def _cases():
-    for name in schedule_names():
-        for p, m, costs in ((2, 5, (1, 1, 1, 0)), (4, 8, (1, 1.8, 0.4, 0.05)), (3, 7, (1, 2, 1, 0.1)),
-                            (3, 6, (1, 1, 0, 0))):   # W = 0: memory events tie
-            if name == "dualpipev" and m < 2 * p:
-                continue
-            yield name, p, m, costs
-
-
-def _kw(name: str) -> dict:
-    kw: dict = {}
-    if name == "v-budget":
-        kw["memory_budget"] = "0.75x"
-    kw["chunks"] = schedule_info(name).min_chunks
-    return kw
-
-
-@pytest.mark.parametrize("name,p,m,costs", list(_cases()))
-def test_same_results_as_the_general_path(monkeypatch, name, p, m, costs):
-    sched, cost = build_schedule(name, p, m, costs=costs, **_kw(name))
-    variants = [sched]
-    for early in (True, False):
-        fast_ins = comm_pass._insert(sched, cost, early)
-        gen_ins = _general(monkeypatch, comm_pass._insert, sched, cost, early)
-        assert fast_ins.ops == gen_ins.ops and fast_ins.meta == gen_ins.meta
-        variants.append(fast_ins)
-    for i, s in enumerate(variants):
-        deadlocks = False
-        for model in ("eager", "blocking"):
-            try:
-                fast = simulate(s, cost, comm_model=model)
-            except DeadlockError as e:
-                # only the early placement may deadlock when batches block (the pass then
-                # falls back to the safe one); both paths must say so in the same words
-                assert (i, model) == (1, "blocking")
-                with pytest.raises(DeadlockError) as gen:
-                    _general(monkeypatch, simulate, s, cost, comm_model=model)
-                assert str(gen.value) == str(e)
-                deadlocks = True
-                continue
-            assert isinstance(fast.times, fastsim.LazyTimes)   # the fast path did run
-            _same(fast, _general(monkeypatch, simulate, s, cost, comm_model=model))
+@pytest.mark.parametrize("name,p,m,costs", list(cases()))
+def test_results_are_the_frozen_ones(monkeypatch, name, p, m, costs):
+    cost, vs = variants(name, p, m, costs)
+    for v, s in vs.items():
+        if v != "compute":   # the fast comm insertion against the general one
+            gen = _general(monkeypatch, comm_pass._insert, vs["compute"], cost, v == "early")
+            assert s.ops == gen.ops and s.meta == gen.meta
+        models = ["eager", "blocking"]
+        if v != "compute" and name in ("zbv", "1f1b", "interleaved-1f1b") and p == 4:
+            models += list(COMM_MODELS)
+        for model in models:
+            assert outcome(s, cost, model) == FROZEN[f"{name} p={p} m={m} {v} {model}"], (v, model)
         assert fastsim.check_builtin(s)
-        if deadlocks:
-            with pytest.raises(DeadlockError):
-                validate(s, cost)
-            with pytest.raises(DeadlockError):
-                _general(monkeypatch, validate, s, cost)
-            continue
-        _same(validate(s, cost), _general(monkeypatch, validate, s, cost))
+        fast = _outcome(validate, s, cost)
+        gen = _outcome(lambda *a: _general(monkeypatch, validate, *a), s, cost)
+        assert fast[1] == gen[1]
+        if fast[1] is None:
+            _same(fast[0], gen[0])
 
 
 def test_build_with_comm_same_as_general(monkeypatch):
@@ -158,17 +137,17 @@ def test_broken_schedules_same_verdict(monkeypatch, which):
             assert f[1] == g[1]
 
 
-def test_deadlock_message_is_the_general_one(monkeypatch):
+def test_deadlock_message():
     ops = [[Op("F", 0, 0, 0), Op("B", 0, 0, 0), Op("W", 0, 0, 0)],
            [Op("B", 1, 0, 1), Op("F", 1, 0, 1), Op("W", 1, 0, 1)]]
     s = Schedule("dl", 1, (0, 1), ops)
     from megatron_pp_ext.schedule import CostModel
     c = CostModel.uniform(2, 1)
-    with pytest.raises(DeadlockError) as fast:
+    with pytest.raises(DeadlockError) as got:
         simulate(s, c)
-    with pytest.raises(DeadlockError) as gen:
-        _general(monkeypatch, simulate, s, c)
-    assert str(fast.value) == str(gen.value)
+    assert str(got.value) == ("schedule 'dl' deadlocks; each rank waits at:\n"
+                              "  rank 0: 0B0 waiting for ('act', 0, 0), ('grad', 1, 0)\n"
+                              "  rank 1: 1B0 waiting for ('act', 1, 0)")
 
 
 def test_make_op_equals_the_constructor():
@@ -179,15 +158,15 @@ def test_make_op_equals_the_constructor():
         a.stage = 4  # still frozen
 
 
-def test_feature_kinds_take_the_general_path():
-    # a schedule with a kind the fast path does not know is simulated by the general code
+def test_feature_kinds_run_on_the_same_engine():
+    # a feature's kind is compiled from its registered definition like the built-in ones
     from megatron_pp_ext.schedule.ir import OpKind, register_op_kind, unregister_op_kind
     register_op_kind(OpKind("NOP_TEST", "compute", "test op", duration=lambda c, op: 1.0))
     try:
         s = Schedule("x", 1, (0,), [[Op("F", 0, 0, 0), Op("NOP_TEST", 0, 0, 0), Op("BW", 0, 0, 0)]])
         from megatron_pp_ext.schedule import CostModel
         res = simulate(s, CostModel.uniform(1, 1))
-        assert not isinstance(res.times, fastsim.LazyTimes)
+        assert isinstance(res.times, engine.LazyTimes)
         assert res.makespan == pytest.approx(4.0)  # F 1, NOP_TEST 1, BW 2
     finally:
         unregister_op_kind("NOP_TEST")
@@ -209,23 +188,21 @@ def test_per_stage_w_fraction_everywhere(monkeypatch, name):
     ev = evaluate(sched.ops, sched.placement, m, cost)
     assert ev.makespan == pytest.approx(res.makespan, abs=1e-9)
     assert ev.peak == pytest.approx(res.peak_memory, abs=1e-9)
-    _same(res, _general(monkeypatch, simulate, sched, cost))
 
 
-def test_composed_requirements_that_add_nothing_keep_the_fast_path(monkeypatch):
+def test_composed_requirements(monkeypatch):
     # a feature that makes B wait for its own key when its ops are present (like offload's
-    # reloads) leaves plain schedules on the fast path, and takes those it affects off it
+    # reloads) changes nothing for plain schedules, and makes the marked ones wait
     from megatron_pp_ext.schedule import ir
 
     def needs_token(op, sched):
         return (("token", op.stage, op.microbatch),) if sched.meta.get("tokens") else ()
 
+    sched, cost = build_schedule("zbv", 3, 6)
+    plain = simulate(sched, cost)
     ir.register_requirement(("B",), "test.token", needs_token)
     try:
-        sched, cost = build_schedule("zbv", 3, 6)
-        res = simulate(sched, cost)
-        assert isinstance(res.times, fastsim.LazyTimes)
-        _same(res, _general(monkeypatch, simulate, sched, cost))
+        _same(simulate(sched, cost), plain)
         marked = Schedule(sched.name, 6, sched.placement, [list(r) for r in sched.ops], {"tokens": True})
         assert not fastsim.eligible_kinds(marked)
         with pytest.raises(DeadlockError):   # nobody makes the tokens: the general simulator says so

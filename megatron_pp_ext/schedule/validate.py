@@ -31,7 +31,7 @@ from typing import Callable
 from .commmodel import check_matching_order, comm_model as _comm_model
 from .costs import CostModel
 from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, comm_channel, matching_recv, op_kind
-from . import fastsim
+from . import engine
 from .checks import ValidationError, check_complete, check_structure
 from .checks import fail as _fail
 from .simresult import SimResult
@@ -94,7 +94,7 @@ def check_comm(schedule: Schedule) -> None:
 
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
              memory_budget: float | None = None, deadlock_proven: bool = False,
-             prepared: "fastsim.Prepared | None" = None, want_result: bool = True) -> SimResult | None:
+             prepared: "engine.Prepared | None" = None, want_result: bool = True) -> SimResult | None:
     """Run every check; return the (eager-communication) simulation under ``cost``, default uniform.
 
     ``deadlock_proven``: the caller has just run the blocking-batch simulation of this very
@@ -107,11 +107,11 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     if cost is None and schedule.num_ranks and schedule.num_stages \
             and schedule.num_stages % schedule.num_ranks == 0:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
-    # built-in kinds: checks and simulations on one coded copy (fastsim.py), same verdicts
+    # checks and simulations on one coded copy (engine.py)
     if prepared is not None and prepared.schedule is schedule and prepared.cost is cost:
         prep = prepared
     else:
-        prep = fastsim.prepare(schedule, cost) if cost is not None else None
+        prep = engine.prepare_checked(schedule, cost) if cost is not None else None
     if prep is None or not prep.check():
         prep = None
         check_structure(schedule)
@@ -122,19 +122,15 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     cost.check_scale(schedule.num_microbatches, "cost model")
     for check in _CHECKS:
         check(schedule, cost)
-    result = None
-    if prep is not None:
-        if prep.n_comm and not deadlock_proven:
-            prep.simulate(eager=False)  # the deadlock proof
-        proof = prep.results.get(False)
-        if not want_result and proof is not None and min(cost.t_f) > 0:
-            _check_budget(schedule, proof.peak_memory, memory_budget)
-            return None
-        result = prep.simulate(eager=True)
-    elif schedule.has_comm() and not deadlock_proven:
-        simulate(schedule, cost, comm_model="blocking", check=False)  # the deadlock proof
-    if result is None:
-        result = simulate(schedule, cost, check=False)
+    if prep is None:
+        prep = engine.prepare(schedule, cost)
+    if prep.n_comm and not deadlock_proven:
+        prep.simulate(eager=False)  # the deadlock proof
+    proof = prep.results.get(False)
+    if not want_result and proof is not None and min(cost.t_f) > 0:
+        _check_budget(schedule, proof.peak_memory, memory_budget)
+        return None
+    result = prep.simulate(eager=True)
     _check_budget(schedule, result.peak_memory, memory_budget)
     return result
 

@@ -29,7 +29,7 @@ import bisect
 from collections import defaultdict
 
 from ..costs import CostModel
-from .. import fastsim
+from .. import engine
 from ..ir import PIPELINE_MESSAGES, Op, Schedule, op_kind
 from ..simulate import DeadlockError, simulate
 from .gaps import insert_at_gaps
@@ -59,18 +59,15 @@ def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_place
     return _insert(schedule, cost, early=recv_placement == "early")
 
 
-def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "fastsim.Prepared | None"]:
+def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "engine.Prepared | None"]:
     """``insert_comm(..., recv_placement="auto")`` for a compute-only schedule, also returning
-    the coded copy (:func:`..fastsim.prepare`) on which the blocking run proved the early
-    placement deadlock-free (None: safe placement, or not a built-in-kinds schedule), so that
+    the coded copy (:func:`..engine.prepare`) on which the blocking run proved the early
+    placement deadlock-free (None: safe placement), so that
     :func:`..validate.validate` can check and simulate it without coding it again."""
     early = _insert(schedule, cost, early=True)
-    prep = fastsim.prepare(early, cost)
+    prep = engine.prepare(early, cost)
     try:
-        if prep is not None:
-            prep.simulate(eager=False)
-        else:
-            simulate(early, cost, comm_model="blocking", check=False)
+        prep.simulate(eager=False)
     except DeadlockError:
         return _insert(schedule, cost, early=False), None
     early.meta["comm_placement"] = PROVEN_EARLY
@@ -78,9 +75,10 @@ def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "
 
 
 def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
-    prep = fastsim.prepare(schedule, cost)
-    if prep is not None and not prep.n_comm:
-        fast = _insert_builtin(schedule, prep, early)
+    from .. import fastsim
+    enc = fastsim._encode(schedule, cost) if fastsim.eligible_kinds(schedule) else None
+    if enc is not None and not enc[2]:
+        fast = _insert_builtin(schedule, cost, enc, early)
         if fast is not None:
             return fast
     times = simulate(schedule, cost, check=False).times
@@ -132,23 +130,23 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
 
 
-def _insert_builtin(schedule: Schedule, prep: "fastsim.Prepared", early: bool) -> Schedule | None:
+def _insert_builtin(schedule: Schedule, cost: CostModel, enc: tuple, early: bool) -> Schedule | None:
     """:func:`_insert` for a compute-only schedule of the built-in kinds (``prep``), on the
     fast simulator's arrays instead of per-op dictionaries: the same ops in the same order.
     For these kinds the only consumer of ``act(s, k)`` on another rank is F(s+1, k), and of
     ``grad(s, k)`` is B or BW(s-1, k); op start and end times on a rank are non-decreasing in
     a compute-only timeline, so they are their own running maxima. None when the
     compute-only run fails (the general path then reports it)."""
-    res = prep.simulate(eager=True)
-    if res is None or not isinstance(res.times, fastsim.LazyTimes):
+    try:
+        res = engine.prepare(schedule, cost).simulate(eager=True)
+    except DeadlockError:
         return None
     st_arr, en_arr = res.times.rank_arrays()
     placement = schedule.placement
     S = len(placement)
     m = schedule.num_microbatches
     p = schedule.num_ranks
-    N = prep.N
-    plans = prep.plans
+    plans, N = enc[0], enc[1]
     # index on its rank of every compute op, by code (kind, stage, microbatch)
     pos = [-1] * (4 * N)
     for lst in plans:
@@ -158,7 +156,7 @@ def _insert_builtin(schedule: Schedule, prep: "fastsim.Prepared", early: bool) -
     opens = [[0.0] + en for en in en_arr]
     gaps: list[dict[int, list]] = [defaultdict(list) for _ in range(p)]
     bl, br = bisect.bisect_left, bisect.bisect_right
-    mk = fastsim.make_op
+    mk = engine.make_op
     for r, lst in enumerate(plans):
         ends_r = en_arr[r]
         g_r = gaps[r]

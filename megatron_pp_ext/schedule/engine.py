@@ -1,0 +1,712 @@
+"""The simulator: a schedule compiled once from the op-kind registry, and one event loop per
+communication model on that form.
+
+:func:`prepare` codes every op of a schedule -- of any registered kind, built-in or a feature's
+-- from its kind's definitions (:class:`..ir.OpKind`): the stream it runs on, its duration and
+memory effect, the data keys it needs and makes (as integer ids of a key *on a rank*), and for
+comm ops the channel and the ids of the two sides of its transfer. A kind declared
+``per_stage`` (the built-in ones) is evaluated once per (kind, stage, rank, peer) and shifted to
+each microbatch; any other kind, and requirements features compose onto a kind
+(``register_requirement``), once per op. Nothing here knows what F or SEND_F mean.
+
+:meth:`Prepared.simulate` runs the coded schedule under a communication model (see
+:mod:`.simulate` for the models' semantics, and :mod:`.commmodel` for the NCCL stream models,
+whose stream state this loop drives). Every rank runs its list as far as it can; when an input is
+missing it parks on the id of that input until whatever makes it wakes it. Every time is a max
+over fixed predecessors, so the order in which ranks run does not change any result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import ir
+from .costs import CostModel
+from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel
+
+__all__ = ["Prepared", "prepare", "LazyTimes", "make_op"]
+
+
+def _slot_setters():
+    # Op is a frozen dataclass with slots; its __init__ goes through object.__setattr__ once per
+    # field (about 2 us an op). The comm pass makes tens of thousands of ops, so it fills the
+    # slots directly -- only while Op has exactly the fields below (else: the constructor).
+    if getattr(Op, "__slots__", None) != ("kind", "stage", "microbatch", "rank", "peer"):
+        return None
+    return tuple(getattr(Op, f).__set__ for f in Op.__slots__)
+
+
+_SETTERS = _slot_setters()
+
+
+def make_op(kind: str, stage: int, microbatch: int, rank: int, peer: int | None = None) -> Op:
+    """``Op(kind, stage, microbatch, rank, peer)``, faster (equal to the constructor's)."""
+    if _SETTERS is None:
+        return Op(kind, stage, microbatch, rank, peer)
+    op = object.__new__(Op)
+    sk, ss, sm, sr, sp = _SETTERS
+    sk(op, kind)
+    ss(op, stage)
+    sm(op, microbatch)
+    sr(op, rank)
+    sp(op, peer)
+    return op
+
+
+class LazyTimes(Mapping):
+    """``op -> (start, end)``, built from per-rank arrays on first use (a dict of 100k ops
+    costs more than the simulation itself, and most callers never look)."""
+
+    __slots__ = ("_ops", "_starts", "_ends", "_d")
+
+    def __init__(self, ops: list[list[Op]], starts: list[list[float]], ends: list[list[float]]) -> None:
+        self._ops, self._starts, self._ends, self._d = ops, starts, ends, None
+
+    def _dict(self) -> dict:
+        d = self._d
+        if d is None:
+            d = {}
+            for lst, st, en in zip(self._ops, self._starts, self._ends):
+                d.update(zip(lst, zip(st, en)))
+            self._d = d
+        return d
+
+    def __getitem__(self, op):
+        return self._dict()[op]
+
+    def __iter__(self):
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __contains__(self, op) -> bool:
+        return op in self._dict()
+
+    def rank_arrays(self) -> tuple[list[list[float]], list[list[float]]]:
+        """Per-rank start and end times, parallel to the schedule's op lists."""
+        return self._starts, self._ends
+
+
+# --- the compiled form ------------------------------------------------------------------
+#
+# An op is one tuple. Compute-like ops (any category but "comm"):
+#   (stream, dur, mem, needs, makes, makes_far, msgs)
+# stream: 0 for "compute", 1.. for a feature's stream; needs: ids of the keys it waits for on
+# its rank; makes: ids of the keys it makes on its rank; makes_far: (compute-only schedules) the
+# same keys on the other ranks that need them, there ``comm`` after it ends; msgs: pipeline
+# messages it counts (compute-only schedules).
+# Comm ops:
+#   (-1, dur, mem, needs, makes, is_send, own, partner, batch_end, channel, peer)
+# own: id of (rank, kind, stage, microbatch) of this op; partner: that id of the op it matches
+# (the send of a receive, the receive of a send); batch_end: index after the run of comm ops of
+# one channel that starts here (a blocking batch).
+
+_COMM = -1
+
+
+class Prepared:
+    """A schedule coded once for any number of simulations (and the validator's checks).
+    Build with :func:`prepare`."""
+
+    __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_streams", "results", "_comm_ids", "seen")
+
+    def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int,
+                 n_streams: int, comm_ids: dict) -> None:
+        self.schedule, self.cost = schedule, cost
+        self.plans, self.n_comm, self.n_ids, self.n_streams = plans, n_comm, n_ids, n_streams
+        self._comm_ids = comm_ids
+        self.results: dict = {}   # comm model -> the last SimResult of that model
+        self.seen = None
+
+    def check(self) -> bool:
+        """True: the validator's structure, completeness and comm checks all pass (False: run
+        the checks that say why)."""
+        if self.seen is None:
+            from .fastsim import accepts
+            self.seen = accepts(self.schedule)
+        return self.seen
+
+    def simulate(self, eager: bool | str = True):
+        """The :class:`.simresult.SimResult` under ``eager`` (True: "eager", False: "blocking",
+        or a model's name); also kept in :attr:`results` (by eager/blocking: True/False)."""
+        model = ("eager" if eager else "blocking") if isinstance(eager, bool) else eager
+        res = _simulate(self, model)
+        if model in ("eager", "blocking"):
+            self.results[model == "eager"] = res
+        return res
+
+
+def prepare_checked(schedule: Schedule, cost: CostModel) -> Prepared | None:
+    """:func:`prepare` for a schedule that passes the validator's structure, completeness and
+    comm checks; None when it does not (then the checks that say why run)."""
+    from .fastsim import accepts
+    if cost.num_stages != schedule.num_stages or not accepts(schedule):
+        return None
+    prep = prepare(schedule, cost)
+    prep.seen = True
+    return prep
+
+
+def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
+    """Code ``schedule`` under ``cost`` (see module doc). Raises ScheduleError for an unknown
+    op kind, or a cost model for another number of stages."""
+    if cost.num_stages != schedule.num_stages:
+        raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
+    placement = schedule.placement
+    S = len(placement)
+    m = schedule.num_microbatches
+    kinds: dict = {}   # name -> (base kind, composed kind, extra requirement fns, stream, is send)
+    streams = {"compute": 0}
+    for name in {op.kind for ops in schedule.ops for op in ops}:
+        base, extras = ir.kind_parts(name)
+        spec = ir.op_kind(name)
+        sid = _COMM if spec.category == "comm" else streams.setdefault(spec.category, len(streams))
+        kinds[name] = (base, spec, extras, sid, name in COMM_PAIRS)
+    has_comm = any(k[3] == _COMM for k in kinds.values())
+    recv_to_send = {recv: (send, off) for send, (recv, off) in COMM_PAIRS.items()}
+
+    # key ids: a key (tag, stage, microbatch) on a rank is base(tag, stage, rank) + microbatch
+    blocks: dict = {}              # (block, rank) -> base id; block: (tag, stage), or ("#", key)
+    holders: dict = {}             # block -> ranks that need it
+    makers: dict = {}              # block -> ranks that make it
+    n_ids = 0
+
+    def kid(key, r: int, made: bool) -> int:
+        nonlocal n_ids
+        if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
+            blk, off, size = (key[0], key[1]), key[2], m
+        else:
+            blk, off, size = ("#", key), 0, 1
+        base = blocks.get((blk, r))
+        if base is None:
+            base = blocks[(blk, r)] = n_ids
+            n_ids += size
+        (makers if made else holders).setdefault(blk, set()).add(r)
+        return base + off
+
+    def code(op: Op, r: int, spec, base, sid: int, is_send: bool, extra: tuple) -> list:
+        needs = tuple(kid(k, r, False) for k in tuple(base.requires(op, schedule)) + extra)
+        made = tuple(base.produces(op, schedule))
+        makes = tuple(kid(k, r, True) for k in made)
+        if sid == _COMM:
+            return [sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, is_send, comm_channel(op.kind)]
+        msgs = 0
+        if not has_comm:   # pipeline messages, counted by the producer (compute-only schedules)
+            for k in made:
+                if k[0] in ("act", "grad"):
+                    consumer = k[1] + 1 if k[0] == "act" else k[1] - 1
+                    if 0 <= consumer < S and placement[consumer] != r:
+                        msgs += 1
+        return [sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, made, msgs]
+
+    def per_stage_ok(op: Op) -> bool:
+        # the template's keys must sit at microbatch 0 to be shifted to each op's
+        keys = tuple(kinds[op.kind][0].requires(op, schedule)) + tuple(kinds[op.kind][0].produces(op, schedule))
+        return all(type(k) is tuple and len(k) == 3 and k[2] == 0 for k in keys)
+
+    # pass 1: per rank, a template index and a microbatch shift per op; a per-stage kind's ops of
+    # one (kind, stage, rank, peer) share a template evaluated at microbatch 0
+    templates: list = []
+    tids: list[list[int]] = []
+    shifts: list[list[int]] = []
+    sides: list[list] = []
+    comm_ids: dict = {}
+    n_comm = 0
+
+    def cid(t: tuple) -> int:
+        got = comm_ids.get(t)
+        if got is None:
+            got = comm_ids[t] = len(comm_ids)
+        return got
+
+    for r, rank_ops in enumerate(schedule.ops):
+        cache: dict = {}
+        tl: list[int] = []
+        sl: list[int] = []
+        cs: list = []
+        for op in rank_ops:
+            k = op.kind
+            base, spec, extras, sid, is_send = kinds[k]
+            mb = op.microbatch
+            extra = ()
+            for fn in extras:
+                more = fn(op, schedule)
+                if more:
+                    extra += tuple(more)
+            t = -1
+            if base.per_stage and not extra and type(mb) is int and 0 <= mb < m:
+                ck = (k, op.stage, op.rank, op.peer)
+                t = cache.get(ck, -2)
+                if t == -2:
+                    t0 = make_op(k, op.stage, 0, op.rank, op.peer)
+                    t = -1
+                    if per_stage_ok(t0):
+                        templates.append(code(t0, r, spec, base, sid, is_send, ()))
+                        t = len(templates) - 1
+                    cache[ck] = t
+            if t >= 0:
+                tl.append(t)
+                sl.append(mb)
+            else:
+                templates.append(code(op, r, spec, base, sid, is_send, extra))
+                tl.append(len(templates) - 1)
+                sl.append(0)
+            if sid == _COMM:
+                n_comm += 1
+                if op.peer is None:
+                    cs.append(f"rank {r}: comm op {op} has no peer")
+                elif is_send:
+                    recv, off = COMM_PAIRS[k]
+                    cs.append((cid((r, k, op.stage, mb)), cid((op.peer, recv, op.stage + off, mb))))
+                elif k in recv_to_send:
+                    send, off = recv_to_send[k]
+                    cs.append((cid((r, k, op.stage, mb)), cid((op.peer, send, op.stage - off, mb))))
+                else:
+                    cs.append(f"comm op kind {k!r} is neither a registered send nor a receive")
+            else:
+                cs.append(None)
+        tids.append(tl)
+        shifts.append(sl)
+        sides.append(cs)
+
+    # pass 2 (compute-only schedules): a key made on one rank reaches the ranks that need it,
+    # and do not make it themselves, ``comm`` after its producer ends
+    final = []
+    for tp in templates:
+        if tp[0] == _COMM:
+            final.append((_COMM, tp[1], tp[2], tp[3], tp[4], tp[5], tp[6]))
+            continue
+        far: tuple = ()
+        if not has_comm and tp[5]:
+            far_l = []
+            for key, i in zip(tp[5], tp[4]):
+                if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
+                    blk, off = (key[0], key[1]), key[2]
+                else:
+                    blk, off = ("#", key), 0
+                mk = makers.get(blk, ())
+                for r2 in holders.get(blk, ()):
+                    if r2 not in mk:
+                        far_l.append(blocks[(blk, r2)] + off)
+            far = tuple(far_l)
+        final.append((tp[0], tp[1], tp[2], tp[3], tp[4], far, tp[6]))
+
+    plans = []
+    for r in range(len(schedule.ops)):
+        lst: list = []
+        app = lst.append
+        for t, mb, side in zip(tids[r], shifts[r], sides[r]):
+            f = final[t]
+            nd, mk = f[3], f[4]
+            if mb:
+                n = len(nd)
+                nd = () if not n else (nd[0] + mb,) if n == 1 else (nd[0] + mb, nd[1] + mb) if n == 2 \
+                    else tuple(x + mb for x in nd)
+                mk = () if not mk else (mk[0] + mb,) if len(mk) == 1 else tuple(x + mb for x in mk)
+            if f[0] != _COMM:
+                far = f[5]
+                if far and mb:
+                    far = (far[0] + mb,) if len(far) == 1 else tuple(x + mb for x in far)
+                app((f[0], f[1], f[2], nd, mk, far, f[6]))
+            elif type(side) is str:   # raised when the op is reached, as a rank runs
+                app((_COMM, f[1], f[2], nd, mk, f[5], -1, -1, 0, f[6], side))
+            else:
+                app((_COMM, f[1], f[2], nd, mk, f[5], side[0], side[1], 0, f[6], None))
+        # a run of comm ops of one channel is one batch: its first op records where it ends
+        j = len(lst)
+        chan = None
+        for i in range(len(lst) - 1, -1, -1):
+            rec = lst[i]
+            if rec[0] != _COMM:
+                chan = None
+                j = i
+                continue
+            if chan is not None and rec[9] != chan:
+                j = i + 1
+            chan = rec[9]
+            lst[i] = rec[:8] + (j,) + rec[9:]
+        plans.append(lst)
+    return Prepared(schedule, cost, plans, n_comm, n_ids, len(streams), comm_ids)
+
+
+# --- the event loop -----------------------------------------------------------------------
+
+def _simulate(prep: Prepared, model: str):
+    """One simulation of ``prep`` under ``model``: the SimResult, or DeadlockError."""
+    from .buffers import extra_events
+    from .commmodel import StreamComm, comm_model as comm_model_of
+    from .simresult import DeadlockError, SimResult
+
+    schedule, cost, plans = prep.schedule, prep.cost, prep.plans
+    nccl = comm_model_of(model)  # (None: eager or blocking; refuses unknown names)
+    if not prep.n_comm:
+        nccl = None
+    # (compute-only schedules: no batches, memory events in time order under every model)
+    eager = model != "blocking" or not prep.n_comm
+    p = len(plans)
+    comm = cost.comm
+    starts = [[0.0] * len(lst) for lst in plans]
+    ends = [[0.0] * len(lst) for lst in plans]
+    busy = [0.0] * p
+    messages = [0] * p
+    comm_wait = [0.0] * p
+    mem_events: list[list] = [[] for _ in range(p)]
+    ptr = [0] * p
+    ready = [-1.0] * prep.n_ids               # key id -> when the key is there (-1: not yet)
+    wait_on: list = [None] * prep.n_ids       # key id -> ranks parked on it
+    cwait: dict = {}                          # comm id -> ranks parked until it is posted
+    stack = list(range(p - 1, -1, -1))
+    queued = [True] * p
+    free = [0.0] * p                          # the compute stream's free time
+    last = [0.0] * p                          # start (post) time of the op before, in list order
+    sfree = [[0.0] * prep.n_streams for _ in range(p)]     # feature streams' free times (index: stream id)
+    # eager: a transfer's time is fixed by whichever side is posted second
+    send_post: dict = {}                      # send's id -> (post time, duration, memory, rank)
+    recv_wait: dict = {}                      # send's id -> (rank, key ids, post time, memory)
+    recv_fix: list = []                       # (rank, index, key id): a receive ends when its data is there
+    link_free: dict = {}                      # (src, dst, channel) -> free again (transfers with a duration)
+    # blocking: post time of each comm op's batch, by the op's id
+    posted: dict = {}
+    batch_post = [-1.0] * p                   # post time of the batch a rank waits in (-1: none)
+
+    def wake(i: int) -> None:
+        ws = wait_on[i]
+        wait_on[i] = None
+        for q in ws:
+            if not queued[q]:
+                queued[q] = True
+                stack.append(q)
+
+    def cwake(c: int) -> None:
+        for q in cwait.pop(c):
+            if not queued[q]:
+                queued[q] = True
+                stack.append(q)
+
+    def transfer_end(src: int, dst: int, chan: str, t_both: float, dur: float) -> float:
+        if dur <= 0:
+            return round(t_both + comm, 9)
+        lk = (src, dst, chan)
+        lf = link_free.get(lk, 0.0)
+        end = round((t_both if t_both > lf else lf) + comm + dur, 9)
+        link_free[lk] = end
+        return end
+
+    streams = None
+    awaiting: list = [None] * p               # NCCL: (items, issue time) a rank's compute waits for
+    parked_on_streams: list[int] = []
+    if nccl is not None:
+        where = {}
+        for r, ops in enumerate(schedule.ops):
+            for i, op in enumerate(ops):
+                if plans[r][i][0] == _COMM:
+                    where[op] = (r, i)
+
+        def set_ready(i: int, rank: int, t: float) -> None:
+            ready[i] = t
+            if wait_on[i] is not None:
+                wake(i)
+
+        def set_times(op: Op, start: float, end: float) -> None:
+            r, i = where[op]
+            starts[r][i], ends[r][i] = start, end
+
+        def add_mem(rank: int, t: float, order: int, delta: float) -> None:
+            mem_events[rank].append((t, order, delta))
+
+        streams = StreamComm(nccl, comm, set_ready, set_times, add_mem)
+
+    def resume(r: int) -> bool:
+        """A rank waiting for a batch (or a device sync) goes on once it has ended."""
+        items, t_post = awaiting[r]
+        done = streams.done_by(items)
+        if done is None:
+            return False
+        done = max(done, t_post)
+        comm_wait[r] += done - t_post
+        if done > free[r]:
+            free[r] = done
+        awaiting[r] = None
+        return True
+
+    while stack:
+        r = stack.pop()
+        queued[r] = False
+        if awaiting[r] is not None and not resume(r):
+            parked_on_streams.append(r)
+            continue
+        lst = plans[r]
+        L = len(lst)
+        i = ptr[r]
+        st_r, en_r, ev, sf = starts[r], ends[r], mem_events[r], sfree[r]
+        t_free, t_last = free[r], last[r]
+        b = busy[r]
+        nmsg = 0
+        blocked = -1        # key id the rank waits for
+        cblocked = -1       # comm id the rank waits for
+        issued = False
+        while i < L:
+            pl = lst[i]
+            sid = pl[0]
+            if sid >= 0:
+                t = t_free if sid == 0 else sf[sid]
+                if t_last > t:
+                    t = t_last
+                for k in pl[3]:
+                    kt = ready[k]
+                    if kt < 0:
+                        blocked = k
+                        break
+                    if kt > t:
+                        t = kt
+                if blocked >= 0:
+                    break
+                end = round(t + pl[1], 9)
+                st_r[i] = t
+                en_r[i] = end
+                t_last = t
+                if sid == 0:
+                    t_free = end
+                    b += pl[1]
+                else:
+                    sf[sid] = end
+                for k in pl[4]:
+                    ready[k] = end
+                    if wait_on[k] is not None:
+                        wake(k)
+                if pl[5]:
+                    far = round(end + comm, 9)
+                    for k in pl[5]:
+                        ready[k] = far
+                        if wait_on[k] is not None:
+                            wake(k)
+                nmsg += pl[6]
+                mem = pl[2]
+                if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
+                    ev.append((t if mem > 0 else end, (0 if mem < 0 else 1) if eager else 2 * i + (mem < 0), mem))
+                i += 1
+                continue
+            # a comm op
+            if pl[10] is not None and (eager or nccl is not None):
+                raise ScheduleError(pl[10])
+            if nccl is not None:
+                j = pl[8]
+                t_post = t_free if t_free > t_last else t_last
+                entries = []
+                ops_r = schedule.ops[r]
+                for k in range(i, j):
+                    pk = lst[k]
+                    if pk[10] is not None:
+                        raise ScheduleError(pk[10])
+                    for key in pk[3]:
+                        kt = ready[key]
+                        if kt < 0:
+                            blocked = key
+                            break
+                        if kt > t_post:
+                            t_post = kt
+                    if blocked >= 0:
+                        break
+                    entries.append((ops_r[k], pk[4], pk[1], pk[2]))
+                    if pk[5]:
+                        nmsg += 1
+                if blocked >= 0:
+                    nmsg -= sum(1 for k in range(i, j) if lst[k][5])
+                    break
+                t_post = round(t_post, 9)
+                items = streams.issue(r, entries, t_post)
+                issued = True
+                if nccl.sync_after_batch:
+                    awaiting[r] = (list(streams.outstanding.get(r, [])) + items, t_post)
+                elif nccl.recv_wait == "batch-end":
+                    awaiting[r] = (items, t_post)
+                t_last = t_post
+                i = j
+                if awaiting[r] is not None:
+                    free[r] = t_free
+                    if not resume(r):
+                        break
+                    t_free = free[r]
+                continue
+            if eager:
+                t_post = t_free if t_free > t_last else t_last
+                for k in pl[3]:
+                    kt = ready[k]
+                    if kt < 0:
+                        blocked = k
+                        break
+                    if kt > t_post:
+                        t_post = kt
+                if blocked >= 0:
+                    break
+                t_post = round(t_post, 9)
+                if pl[5]:  # a send
+                    nmsg += 1
+                    w = recv_wait.pop(pl[6], None)
+                    if w is not None:
+                        rr, keys, t_recv, rmem = w
+                        both = t_post if t_post > t_recv else t_recv
+                        arrive = transfer_end(r, rr, pl[9], both, pl[1])
+                        for k in keys:
+                            ready[k] = arrive
+                            if wait_on[k] is not None:
+                                wake(k)
+                        if pl[2]:
+                            ev.append((arrive, 0, pl[2]))
+                        if rmem:
+                            mem_events[rr].append((both, 1, rmem))
+                    else:
+                        send_post[pl[6]] = (t_post, pl[1], pl[2], r, pl[9])
+                else:
+                    if pl[4]:
+                        recv_fix.append((r, i, pl[4][0]))
+                    got = send_post.pop(pl[7], None)
+                    if got is None:
+                        recv_wait[pl[7]] = (r, pl[4], t_post, pl[2])
+                    else:
+                        t_send, sdur, smem, sr, schan = got
+                        both = t_post if t_post > t_send else t_send
+                        arrive = transfer_end(sr, r, schan, both, sdur)
+                        for k in pl[4]:
+                            ready[k] = arrive
+                            if wait_on[k] is not None:
+                                wake(k)
+                        if smem:
+                            mem_events[sr].append((arrive, 0, smem))
+                        if pl[2]:
+                            ev.append((both, 1, pl[2]))
+                st_r[i] = t_post
+                en_r[i] = t_post
+                t_last = t_post
+                i += 1
+                continue
+            # blocking: the batch i..j-1 is posted together and done once every partner is posted
+            j = pl[8]
+            t_post = batch_post[r]
+            if t_post < 0:
+                t_post = t_free if t_free > t_last else t_last
+                for k in range(i, j):
+                    for key in lst[k][3]:
+                        kt = ready[key]
+                        if kt < 0:
+                            blocked = key
+                            break
+                        if kt > t_post:
+                            t_post = kt
+                    if blocked >= 0:
+                        break
+                if blocked >= 0:
+                    break
+                t_post = round(t_post, 9)
+                batch_post[r] = t_post
+                for k in range(i, j):
+                    own = lst[k][6]
+                    if own >= 0:
+                        posted[own] = t_post
+                        if own in cwait:
+                            cwake(own)
+            t_done = t_post
+            for k in range(i, j):
+                pk = lst[k]
+                if pk[10] is not None:
+                    raise ScheduleError(pk[10])
+                pt = posted.get(pk[7])
+                if pt is None:
+                    cblocked = pk[7]
+                    break
+                if pt > t_done:
+                    t_done = pt
+            if cblocked >= 0:
+                break
+            t_done = round(t_done + comm + max(lst[k][1] for k in range(i, j)), 9)
+            for k in range(i, j):
+                pk = lst[k]
+                st_r[k] = t_post
+                en_r[k] = t_done
+                mem = pk[2]
+                if mem:  # a receive's buffer once both sides are posted, a send's data until the batch is done
+                    if mem > 0:
+                        pt = posted[pk[7]]
+                        ev.append((t_post if t_post > pt else pt, 2 * i, mem))
+                    else:
+                        ev.append((t_done, 2 * j - 1, mem))
+                for key in pk[4]:
+                    ready[key] = t_done
+                    if wait_on[key] is not None:
+                        wake(key)
+                if pk[5]:
+                    nmsg += 1
+            comm_wait[r] += t_done - t_post
+            t_free, t_last = t_done, t_post
+            batch_post[r] = -1.0
+            i = j
+        free[r], last[r] = t_free, t_last
+        busy[r] = b
+        messages[r] += nmsg
+        ptr[r] = i
+        if blocked >= 0:
+            ws = wait_on[blocked]
+            if ws is None:
+                wait_on[blocked] = [r]
+            else:
+                ws.append(r)
+        elif cblocked >= 0:
+            cwait.setdefault(cblocked, []).append(r)
+        if issued and parked_on_streams:   # the streams moved: ranks waiting for a batch look again
+            for q in parked_on_streams:
+                if not queued[q]:
+                    queued[q] = True
+                    stack.append(q)
+            parked_on_streams.clear()
+        if blocked < 0 and cblocked < 0 and awaiting[r] is not None:
+            parked_on_streams.append(r)
+
+    if any(ptr[r] < len(plans[r]) or awaiting[r] is not None for r in range(p)) or (streams is not None and streams.pending):
+        msg = _deadlock_message(schedule, ptr)
+        if streams is not None:
+            msg += f"\nNCCL streams ({nccl.name}):\n" + "\n".join(streams.stuck())
+        raise DeadlockError(msg)
+    for r, i, k in recv_fix:  # eager: receive ops end when their data arrives
+        t = ready[k]
+        if t < 0:
+            raise KeyError((schedule.ops[r][i], r))
+        ends[r][i] = t
+    makespan = 0.0
+    for en in ends:
+        if en:
+            x = max(en)
+            if x > makespan:
+                makespan = x
+    if cost.holds_extra:  # transients and message buffers (buffers.py)
+        for r, extra in enumerate(extra_events(schedule, cost, starts, ends, sends_until_end=model == "eager")):
+            mem_events[r].extend(extra)
+    peaks, timelines = [], []
+    for r in range(p):
+        cur, peak, tl = 0.0, 0.0, [(0.0, 0.0)]
+        app = tl.append
+        for t, _, delta in sorted(mem_events[r]):
+            cur = round(cur + delta, 9)
+            if cur > peak:
+                peak = cur
+            app((t, cur))
+        peaks.append(peak)
+        timelines.append(tl)
+    return SimResult(makespan, busy, peaks, timelines, LazyTimes(schedule.ops, starts, ends), messages, comm_wait,
+                     cost.bytes_per_unit, cost.bytes_per_message)
+
+
+def _deadlock_message(schedule: Schedule, ptr: list[int]) -> str:
+    lines = [f"schedule {schedule.name!r} deadlocks; each rank waits at:"]
+    for r, rank_ops in enumerate(schedule.ops):
+        if ptr[r] >= len(rank_ops):
+            lines.append(f"  rank {r}: finished")
+            continue
+        op = rank_ops[ptr[r]]
+        spec = ir.op_kind(op.kind)
+        if spec.category == "comm":
+            lines.append(f"  rank {r}: comm batch starting with {op} (partner not posted)")
+        else:
+            req = spec.requires(op, schedule)
+            lines.append(f"  rank {r}: {op} waiting for {', '.join(map(str, req)) or 'nothing'}")
+    return "\n".join(lines)
