@@ -97,34 +97,56 @@ class LazyTimes(Mapping):
 # same keys on the other ranks that need them, there ``comm`` after it ends; msgs: pipeline
 # messages it counts (compute-only schedules).
 # Comm ops:
-#   (-1, dur, mem, needs, makes, is_send, own, partner, batch_end, channel, peer)
+#   (-1, dur, mem, needs, makes, is_send, own, partner, batch_end, channel, error)
 # own: id of (rank, kind, stage, microbatch) of this op; partner: that id of the op it matches
 # (the send of a receive, the receive of a send); batch_end: index after the run of comm ops of
-# one channel that starts here (a blocking batch).
+# one channel that starts here (a blocking batch); error: why the op cannot run (or None).
+#
+# A per-stage kind's ops of one (kind, stage, rank, peer) on a rank share a *template* coded at
+# microbatch 0 (ids of one key, or one comm op, for the m microbatches are consecutive); every
+# other op is a template of its own. The templates also carry what the validator's checks
+# read (:meth:`Prepared.check`): which microbatches each one has, and the facts of its kind,
+# stage, rank and peer.
 
 _COMM = -1
+_FB = ("F", "B", "W", "BW")
+
+
+class _Tpl:
+    """One template: its coded tuple (microbatch 0) and the facts the checks read."""
+
+    __slots__ = ("code", "kind", "stage", "rank", "peer", "seen", "bad", "foreign", "sink", "made", "mb", "r")
+
+    def __init__(self, code: tuple, kind: str, stage, rank, peer, seen, bad: bool) -> None:
+        self.code, self.kind, self.stage, self.rank, self.peer, self.seen, self.bad = \
+            code, kind, stage, rank, peer, seen, bad
+        self.foreign: tuple = ()   # ids (at microbatch 0) of its inputs placed on other ranks
+        self.sink = None           # comm ops: ((src, dst, channel), True for a send)
+        self.made: tuple = ()      # the keys it makes (at microbatch 0)
+        self.mb = None             # an op of its own: its microbatch
+        self.r = -1                # the rank whose list it is on
 
 
 class Prepared:
     """A schedule coded once for any number of simulations (and the validator's checks).
     Build with :func:`prepare`."""
 
-    __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_streams", "results", "_comm_ids", "seen")
+    __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_cids", "n_streams", "results", "seen",
+                 "_tpls", "_tids", "_shifts", "_bad", "_ids")
 
-    def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int,
-                 n_streams: int, comm_ids: dict) -> None:
+    def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int, n_cids: int,
+                 n_streams: int, tpls: list, tids: list, shifts: list, bad: bool, ids) -> None:
         self.schedule, self.cost = schedule, cost
-        self.plans, self.n_comm, self.n_ids, self.n_streams = plans, n_comm, n_ids, n_streams
-        self._comm_ids = comm_ids
+        self.plans, self.n_comm, self.n_ids, self.n_cids, self.n_streams = plans, n_comm, n_ids, n_cids, n_streams
+        self._tpls, self._tids, self._shifts, self._bad, self._ids = tpls, tids, shifts, bad, ids
         self.results: dict = {}   # comm model -> the last SimResult of that model
-        self.seen = None
+        self.seen = None          # the verdict of check(), once known
 
     def check(self) -> bool:
         """True: the validator's structure, completeness and comm checks all pass (False: run
         the checks that say why)."""
         if self.seen is None:
-            from .fastsim import accepts
-            self.seen = accepts(self.schedule)
+            self.seen = _check(self)
         return self.seen
 
     def simulate(self, eager: bool | str = True):
@@ -136,16 +158,23 @@ class Prepared:
             self.results[model == "eager"] = res
         return res
 
+    def key_id(self, key, rank: int) -> int:
+        """The id of data key ``key`` on ``rank`` (-1: no op there needs or makes it)."""
+        return self._ids(key, rank)
+
 
 def prepare_checked(schedule: Schedule, cost: CostModel) -> Prepared | None:
     """:func:`prepare` for a schedule that passes the validator's structure, completeness and
     comm checks; None when it does not (then the checks that say why run)."""
-    from .fastsim import accepts
-    if cost.num_stages != schedule.num_stages or not accepts(schedule):
+    if cost.num_stages != schedule.num_stages or schedule.num_ranks < 1 or schedule.num_microbatches < 1:
         return None
-    prep = prepare(schedule, cost)
-    prep.seen = True
-    return prep
+    try:
+        prep = prepare(schedule, cost)
+    except ScheduleError:
+        raise
+    except Exception:   # e.g. a stage out of range for the cost model: the checks say which
+        return None
+    return prep if prep.check() else None
 
 
 def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
@@ -156,15 +185,11 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
     placement = schedule.placement
     S = len(placement)
     m = schedule.num_microbatches
+    p = len(schedule.ops)
     kinds: dict = {}   # name -> (base kind, composed kind, extra requirement fns, stream, is send)
     streams = {"compute": 0}
-    for name in {op.kind for ops in schedule.ops for op in ops}:
-        base, extras = ir.kind_parts(name)
-        spec = ir.op_kind(name)
-        sid = _COMM if spec.category == "comm" else streams.setdefault(spec.category, len(streams))
-        kinds[name] = (base, spec, extras, sid, name in COMM_PAIRS)
-    has_comm = any(k[3] == _COMM for k in kinds.values())
     recv_to_send = {recv: (send, off) for send, (recv, off) in COMM_PAIRS.items()}
+    bad = p < 1 or m < 1 or sorted(set(placement)) != list(range(p))
 
     # key ids: a key (tag, stage, microbatch) on a rank is base(tag, stage, rank) + microbatch
     blocks: dict = {}              # (block, rank) -> base id; block: (tag, stage), or ("#", key)
@@ -185,102 +210,189 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
         (makers if made else holders).setdefault(blk, set()).add(r)
         return base + off
 
-    def code(op: Op, r: int, spec, base, sid: int, is_send: bool, extra: tuple) -> list:
-        needs = tuple(kid(k, r, False) for k in tuple(base.requires(op, schedule)) + extra)
+    def ids(key, r: int) -> int:
+        if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
+            base = blocks.get(((key[0], key[1]), r))
+            return -1 if base is None else base + key[2]
+        base = blocks.get((("#", key), r))
+        return -1 if base is None else base
+
+    # comm ids: (rank, kind, stage, microbatch) is base(rank, kind, stage) + microbatch
+    cblocks: dict = {}
+    n_cids = 0
+
+    def cid(r, k: str, s, mb) -> int:
+        nonlocal n_cids
+        if type(mb) is int and 0 <= mb < m:
+            ck, off, size = (r, k, s), mb, m
+        else:
+            ck, off, size = (r, k, s, mb), 0, 1
+        base = cblocks.get(ck)
+        if base is None:
+            base = cblocks[ck] = n_cids
+            n_cids += size
+        return base + off
+
+    def kind_of(k: str) -> tuple:
+        base, extras = ir.kind_parts(k)   # unknown kinds raise
+        spec = ir.op_kind(k)
+        sid = _COMM if spec.category == "comm" else streams.setdefault(spec.category, len(streams))
+        got = kinds[k] = (base, spec, extras, sid, k in COMM_PAIRS)
+        return got
+
+    def code(op: Op, r: int, mb, extra: tuple, seen) -> _Tpl:
+        k = op.kind
+        base, spec, extras, sid, is_send = kinds[k]
+        s = op.stage
+        req = tuple(base.requires(op, schedule)) + extra
         made = tuple(base.produces(op, schedule))
-        makes = tuple(kid(k, r, True) for k in made)
+        needs = tuple(kid(key, r, False) for key in req)
+        makes = tuple(kid(key, r, True) for key in made)
+        tbad = op.rank != r or type(s) is not int or not 0 <= s < S \
+            or (spec.category == "compute" and placement[s] != r)
         if sid == _COMM:
-            return [sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, is_send, comm_channel(op.kind)]
-        msgs = 0
-        if not has_comm:   # pipeline messages, counted by the producer (compute-only schedules)
-            for k in made:
-                if k[0] in ("act", "grad"):
-                    consumer = k[1] + 1 if k[0] == "act" else k[1] - 1
+            err = None
+            own = cid(r, k, s, mb)
+            partner = -1
+            sink = None
+            if op.peer is None:
+                err = f"rank {r}: comm op {op} has no peer"
+            elif is_send:
+                recv, off = COMM_PAIRS[k]
+                partner = cid(op.peer, recv, s + off, mb)
+                rs = s + off
+                if not 0 <= rs < S or (k not in ir.PEER_ROUTED and op.peer != placement[rs]):
+                    tbad = True
+                sink = ((r, op.peer, comm_channel(k)), True)
+            elif k in recv_to_send:
+                send, off = recv_to_send[k]
+                partner = cid(op.peer, send, s - off, mb)
+                sink = ((op.peer, r, comm_channel(k)), False)
+            else:
+                err = f"comm op kind {k!r} is neither a registered send nor a receive"
+            tp = _Tpl((_COMM, spec.duration(cost, op), spec.memory(cost, op), needs, makes, is_send, own, partner,
+                       0, comm_channel(k), err), k, s, op.rank, op.peer, seen, tbad or err is not None)
+            tp.sink = sink
+        else:
+            msgs = 0   # pipeline messages, counted by the producer (compute-only schedules)
+            for key in made:
+                if type(key) is tuple and len(key) == 3 and key[0] in ("act", "grad"):
+                    consumer = key[1] + 1 if key[0] == "act" else key[1] - 1
                     if 0 <= consumer < S and placement[consumer] != r:
                         msgs += 1
-        return [sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, made, msgs]
+            tp = _Tpl((sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, (), msgs), k, s,
+                      op.rank, op.peer, seen, tbad)
+            if spec.category == "compute":
+                fl = []
+                for key, i in zip(req, needs):
+                    if type(key) is not tuple or len(key) != 3:
+                        tp.bad = True   # not a (tag, stage, microbatch) key: the general checks say what
+                        continue
+                    ks = key[1]
+                    if type(ks) is int and 0 <= ks < S and placement[ks] != r:
+                        fl.append(i)
+                tp.foreign = tuple(fl)
+        tp.made, tp.r = made, r
+        return tp
 
     def per_stage_ok(op: Op) -> bool:
         # the template's keys must sit at microbatch 0 to be shifted to each op's
-        keys = tuple(kinds[op.kind][0].requires(op, schedule)) + tuple(kinds[op.kind][0].produces(op, schedule))
+        base = kinds[op.kind][0]
+        keys = tuple(base.requires(op, schedule)) + tuple(base.produces(op, schedule))
         return all(type(k) is tuple and len(k) == 3 and k[2] == 0 for k in keys)
 
-    # pass 1: per rank, a template index and a microbatch shift per op; a per-stage kind's ops of
-    # one (kind, stage, rank, peer) share a template evaluated at microbatch 0
-    templates: list = []
+    # pass 1: per rank, a template index and a microbatch shift per op
+    tpls: list[_Tpl] = []
     tids: list[list[int]] = []
     shifts: list[list[int]] = []
-    sides: list[list] = []
-    comm_ids: dict = {}
+    loose: dict = {}     # (kind, stage, microbatch, rank, peer) of ops coded on their own -> count
+
+    def new_template(op: Op, r: int) -> int:
+        info = kinds.get(op.kind) or kind_of(op.kind)
+        if not info[0].per_stage:
+            return -1
+        t0 = make_op(op.kind, op.stage, 0, op.rank, op.peer)
+        if not per_stage_ok(t0):
+            return -1
+        tpls.append(code(t0, r, 0, (), bytearray(m)))
+        return len(tpls) - 1
+
+    def own(op: Op, r: int, extra: tuple) -> int:
+        if op.kind not in kinds:
+            kind_of(op.kind)
+        mb = op.microbatch
+        tp = code(op, r, mb, extra, None)
+        tp.mb = mb
+        if not (type(mb) is int and 0 <= mb < m):
+            tp.bad = True
+        tpls.append(tp)
+        return len(tpls) - 1
+
     n_comm = 0
-
-    def cid(t: tuple) -> int:
-        got = comm_ids.get(t)
-        if got is None:
-            got = comm_ids[t] = len(comm_ids)
-        return got
-
     for r, rank_ops in enumerate(schedule.ops):
         cache: dict = {}
         tl: list[int] = []
         sl: list[int] = []
-        cs: list = []
         for op in rank_ops:
-            k = op.kind
-            base, spec, extras, sid, is_send = kinds[k]
             mb = op.microbatch
-            extra = ()
-            for fn in extras:
-                more = fn(op, schedule)
-                if more:
-                    extra += tuple(more)
-            t = -1
-            if base.per_stage and not extra and type(mb) is int and 0 <= mb < m:
-                ck = (k, op.stage, op.rank, op.peer)
-                t = cache.get(ck, -2)
-                if t == -2:
-                    t0 = make_op(k, op.stage, 0, op.rank, op.peer)
-                    t = -1
-                    if per_stage_ok(t0):
-                        templates.append(code(t0, r, spec, base, sid, is_send, ()))
-                        t = len(templates) - 1
-                    cache[ck] = t
-            if t >= 0:
+            ck = (op.kind, op.stage, op.rank, op.peer)
+            t = cache.get(ck)
+            if t is None:
+                t = cache[ck] = new_template(op, r)
+            if t >= 0 and type(mb) is int and 0 <= mb < m:
+                tp = tpls[t]
+                sa = tp.seen
+                if sa[mb]:
+                    bad = True   # a duplicate
+                sa[mb] = 1
+                extras = kinds[op.kind][2]
+                if extras:
+                    extra = ()
+                    for fn in extras:
+                        more = fn(op, schedule)
+                        if more:
+                            extra += tuple(more)
+                    if extra:
+                        t = own(op, r, extra)
+                        tpls[t].mb = None    # counted above, in its template
+                        mb = 0
                 tl.append(t)
                 sl.append(mb)
             else:
-                templates.append(code(op, r, spec, base, sid, is_send, extra))
-                tl.append(len(templates) - 1)
+                extra = ()
+                if op.kind not in kinds:
+                    kind_of(op.kind)
+                for fn in kinds[op.kind][2]:
+                    more = fn(op, schedule)
+                    if more:
+                        extra += tuple(more)
+                t = own(op, r, extra)
+                lk = (op.kind, op.stage, op.microbatch, op.rank, op.peer)
+                loose[lk] = loose.get(lk, 0) + 1
+                tl.append(t)
                 sl.append(0)
-            if sid == _COMM:
-                n_comm += 1
-                if op.peer is None:
-                    cs.append(f"rank {r}: comm op {op} has no peer")
-                elif is_send:
-                    recv, off = COMM_PAIRS[k]
-                    cs.append((cid((r, k, op.stage, mb)), cid((op.peer, recv, op.stage + off, mb))))
-                elif k in recv_to_send:
-                    send, off = recv_to_send[k]
-                    cs.append((cid((r, k, op.stage, mb)), cid((op.peer, send, op.stage - off, mb))))
-                else:
-                    cs.append(f"comm op kind {k!r} is neither a registered send nor a receive")
-            else:
-                cs.append(None)
         tids.append(tl)
         shifts.append(sl)
-        sides.append(cs)
+
+    has_comm = False
+    for tp in tpls:
+        if tp.code[0] == _COMM:
+            has_comm = True
+        bad = bad or tp.bad
+    bad = bad or any(n > 1 for n in loose.values())   # a duplicate
 
     # pass 2 (compute-only schedules): a key made on one rank reaches the ranks that need it,
     # and do not make it themselves, ``comm`` after its producer ends
-    final = []
-    for tp in templates:
-        if tp[0] == _COMM:
-            final.append((_COMM, tp[1], tp[2], tp[3], tp[4], tp[5], tp[6]))
-            continue
-        far: tuple = ()
-        if not has_comm and tp[5]:
-            far_l = []
-            for key, i in zip(tp[5], tp[4]):
+    codes = []
+    for tp in tpls:
+        c = tp.code
+        if c[0] == _COMM:
+            codes.append(c)
+        elif has_comm:
+            codes.append(c[:5] + ((), 0))
+        else:
+            far: list = []
+            for key, i in zip(tp.made, c[4]):
                 if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
                     blk, off = (key[0], key[1]), key[2]
                 else:
@@ -288,16 +400,36 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
                 mk = makers.get(blk, ())
                 for r2 in holders.get(blk, ()):
                     if r2 not in mk:
-                        far_l.append(blocks[(blk, r2)] + off)
-            far = tuple(far_l)
-        final.append((tp[0], tp[1], tp[2], tp[3], tp[4], far, tp[6]))
+                        far.append(blocks[(blk, r2)] + off)
+            codes.append(c[:5] + (tuple(far), c[6]))
 
     plans = []
-    for r in range(len(schedule.ops)):
+    for r in range(p):
+        tl, sl = tids[r], shifts[r]
+        L = len(tl)
+        # a run of comm ops of one channel is one batch: its first op records where it ends
+        bend = [0] * L
+        if has_comm:
+            j = L
+            chan = None
+            for i in range(L - 1, -1, -1):
+                f = codes[tl[i]]
+                if f[0] != _COMM:
+                    chan = None
+                    j = i
+                    continue
+                n_comm += 1
+                if chan is not None and f[9] != chan:
+                    j = i + 1
+                chan = f[9]
+                bend[i] = j
         lst: list = []
         app = lst.append
-        for t, mb, side in zip(tids[r], shifts[r], sides[r]):
-            f = final[t]
+        for t, mb, j in zip(tl, sl, bend):
+            f = codes[t]
+            if not mb and not j:
+                app(f)
+                continue
             nd, mk = f[3], f[4]
             if mb:
                 n = len(nd)
@@ -309,25 +441,82 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
                 if far and mb:
                     far = (far[0] + mb,) if len(far) == 1 else tuple(x + mb for x in far)
                 app((f[0], f[1], f[2], nd, mk, far, f[6]))
-            elif type(side) is str:   # raised when the op is reached, as a rank runs
-                app((_COMM, f[1], f[2], nd, mk, f[5], -1, -1, 0, f[6], side))
             else:
-                app((_COMM, f[1], f[2], nd, mk, f[5], side[0], side[1], 0, f[6], None))
-        # a run of comm ops of one channel is one batch: its first op records where it ends
-        j = len(lst)
-        chan = None
-        for i in range(len(lst) - 1, -1, -1):
-            rec = lst[i]
-            if rec[0] != _COMM:
-                chan = None
-                j = i
-                continue
-            if chan is not None and rec[9] != chan:
-                j = i + 1
-            chan = rec[9]
-            lst[i] = rec[:8] + (j,) + rec[9:]
+                app((_COMM, f[1], f[2], nd, mk, f[5], f[6] + mb, f[7] + mb if f[7] >= 0 else -1, j, f[9], f[10]))
         plans.append(lst)
-    return Prepared(schedule, cost, plans, n_comm, n_ids, len(streams), comm_ids)
+    return Prepared(schedule, cost, plans, n_comm, n_ids, n_cids, len(streams), tpls, tids, shifts, bad, ids)
+
+
+def _check(prep: Prepared) -> bool:
+    """The validator's structure, completeness and comm checks on the compiled form (module doc
+    of :mod:`.validate`, checks 1-3): True when none finds a problem."""
+    if prep._bad:
+        return False
+    schedule = prep.schedule
+    S, m = schedule.num_stages, schedule.num_microbatches
+    tpls = prep._tpls
+    # completeness: per (stage, microbatch) one F; one BW, or one B and one W
+    groups: dict = {}
+    for tp in tpls:
+        if (tp.seen is not None or tp.mb is not None) and tp.kind in _FB:
+            groups.setdefault((tp.kind, tp.stage), []).append(tp)
+    zeros, ones = bytes(m), b"\x01" * m
+
+    def count(kind: str, s: int):
+        got = groups.get((kind, s))
+        if not got:
+            return zeros
+        if len(got) == 1 and got[0].mb is None:
+            return got[0].seen
+        c = [0] * m
+        for tp in got:
+            if tp.mb is not None:
+                c[tp.mb] += 1
+            else:
+                for mb, x in enumerate(tp.seen):
+                    c[mb] += x
+        return bytes(c)
+
+    forward_only = bool(schedule.meta.get("forward_only"))
+    for s in range(S):
+        if count("F", s) != ones:
+            return False
+        if forward_only:
+            continue
+        nb, nw, nbw = count("B", s), count("W", s), count("BW", s)
+        if nb != nw or bytes(x + y for x, y in zip(nb, nbw)) != ones:
+            return False
+    if not prep.n_comm:
+        return True
+    # every cross-rank input of a compute op received earlier on its rank; sends and receives of
+    # each (src, dst, channel) name the same messages in the same order
+    got = bytearray(prep.n_ids)
+    lists: dict = {}
+    sinks = []
+    for tp in tpls:
+        if tp.sink is None:
+            sinks.append(None)
+        else:
+            key, is_send = tp.sink
+            sl = lists.setdefault((key, is_send), [])
+            sinks.append((sl.append, tp.code[7], ()) if is_send else (sl.append, tp.code[6], tp.code[4]))
+    for tl, shl in zip(prep._tids, prep._shifts):
+        for t, mb in zip(tl, shl):
+            sk = sinks[t]
+            if sk is not None:
+                sk[0](sk[1] + mb)
+                for i in sk[2]:
+                    got[i + mb] = 1
+                continue
+            fr = tpls[t].foreign
+            if fr:
+                for i in fr:
+                    if not got[i + mb]:
+                        return False
+    for (key, is_send), sl in lists.items():
+        if sl != lists.get((key, not is_send)):
+            return False
+    return True
 
 
 # --- the event loop -----------------------------------------------------------------------
@@ -355,19 +544,21 @@ def _simulate(prep: Prepared, model: str):
     ptr = [0] * p
     ready = [-1.0] * prep.n_ids               # key id -> when the key is there (-1: not yet)
     wait_on: list = [None] * prep.n_ids       # key id -> ranks parked on it
-    cwait: dict = {}                          # comm id -> ranks parked until it is posted
+    n_cids = prep.n_cids
+    cwait: list = [None] * n_cids             # comm id -> ranks parked until it is posted
     stack = list(range(p - 1, -1, -1))
     queued = [True] * p
     free = [0.0] * p                          # the compute stream's free time
     last = [0.0] * p                          # start (post) time of the op before, in list order
     sfree = [[0.0] * prep.n_streams for _ in range(p)]     # feature streams' free times (index: stream id)
     # eager: a transfer's time is fixed by whichever side is posted second
-    send_post: dict = {}                      # send's id -> (post time, duration, memory, rank)
-    recv_wait: dict = {}                      # send's id -> (rank, key ids, post time, memory)
+    send_post = [-1.0] * n_cids               # send's id -> its post time (no receive posted yet)
+    send_more: dict = {}                      # send's id -> (duration, memory, rank, channel), when not 0, 0
+    recv_wait: list = [None] * n_cids         # send's id -> (rank, key ids, post time, memory)
     recv_fix: list = []                       # (rank, index, key id): a receive ends when its data is there
     link_free: dict = {}                      # (src, dst, channel) -> free again (transfers with a duration)
     # blocking: post time of each comm op's batch, by the op's id
-    posted: dict = {}
+    posted = [-1.0] * n_cids
     batch_post = [-1.0] * p                   # post time of the batch a rank waits in (-1: none)
 
     def wake(i: int) -> None:
@@ -379,7 +570,9 @@ def _simulate(prep: Prepared, model: str):
                 stack.append(q)
 
     def cwake(c: int) -> None:
-        for q in cwait.pop(c):
+        ws = cwait[c]
+        cwait[c] = None
+        for q in ws:
             if not queued[q]:
                 queued[q] = True
                 stack.append(q)
@@ -460,36 +653,99 @@ def _simulate(prep: Prepared, model: str):
                         break
                     if kt > t:
                         t = kt
-                if blocked >= 0:
-                    break
-                end = round(t + pl[1], 9)
-                st_r[i] = t
-                en_r[i] = end
-                t_last = t
-                if sid == 0:
-                    t_free = end
-                    b += pl[1]
                 else:
-                    sf[sid] = end
-                for k in pl[4]:
-                    ready[k] = end
-                    if wait_on[k] is not None:
-                        wake(k)
-                if pl[5]:
-                    far = round(end + comm, 9)
-                    for k in pl[5]:
-                        ready[k] = far
+                    dur = pl[1]
+                    end = round(t + dur, 9)
+                    st_r[i] = t
+                    en_r[i] = end
+                    t_last = t
+                    if sid == 0:
+                        t_free = end
+                        b += dur
+                    else:
+                        sf[sid] = end
+                    for k in pl[4]:
+                        ready[k] = end
                         if wait_on[k] is not None:
                             wake(k)
-                nmsg += pl[6]
-                mem = pl[2]
-                if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
-                    ev.append((t if mem > 0 else end, (0 if mem < 0 else 1) if eager else 2 * i + (mem < 0), mem))
-                i += 1
-                continue
-            # a comm op
+                    if pl[5]:
+                        far = round(end + comm, 9)
+                        for k in pl[5]:
+                            ready[k] = far
+                            if wait_on[k] is not None:
+                                wake(k)
+                        nmsg += pl[6]
+                    elif pl[6]:
+                        nmsg += pl[6]
+                    mem = pl[2]
+                    if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
+                        if eager:
+                            ev.append((t, 1, mem) if mem > 0 else (end, 0, mem))
+                        else:
+                            ev.append((t, 2 * i, mem) if mem > 0 else (end, 2 * i + 1, mem))
+                    i += 1
+                    continue
+                break
+            # a comm op (times compared here are all rounded already: sums are rounded where made)
             if pl[10] is not None and (eager or nccl is not None):
                 raise ScheduleError(pl[10])
+            if nccl is None and eager:
+                t_post = t_free if t_free > t_last else t_last
+                for k in pl[3]:
+                    kt = ready[k]
+                    if kt < 0:
+                        blocked = k
+                        break
+                    if kt > t_post:
+                        t_post = kt
+                if blocked >= 0:
+                    break
+                if pl[5]:  # a send
+                    nmsg += 1
+                    c = pl[6]
+                    w = recv_wait[c]
+                    if w is not None:
+                        recv_wait[c] = None
+                        rr, keys, t_recv, rmem = w
+                        both = t_post if t_post > t_recv else t_recv
+                        arrive = round(both + comm, 9) if pl[1] <= 0 else transfer_end(r, rr, pl[9], both, pl[1])
+                        for k in keys:
+                            ready[k] = arrive
+                            if wait_on[k] is not None:
+                                wake(k)
+                        if pl[2]:
+                            ev.append((arrive, 0, pl[2]))
+                        if rmem:
+                            mem_events[rr].append((both, 1, rmem))
+                    else:
+                        send_post[c] = t_post
+                        if pl[1] > 0 or pl[2]:
+                            send_more[c] = (pl[1], pl[2], r, pl[9])
+                else:
+                    if pl[4]:
+                        recv_fix.append((r, i, pl[4][0]))
+                    c = pl[7]
+                    t_send = send_post[c] if c >= 0 else -1.0
+                    if t_send < 0:
+                        recv_wait[c] = (r, pl[4], t_post, pl[2])
+                    else:
+                        send_post[c] = -1.0
+                        sdur, smem, sr, schan = send_more.pop(c) if send_more and c in send_more else (0, 0, 0, 0)
+                        both = t_post if t_post > t_send else t_send
+                        arrive = round(both + comm, 9) if sdur <= 0 else transfer_end(sr, r, schan, both, sdur)
+                        for k in pl[4]:
+                            ready[k] = arrive
+                            if wait_on[k] is not None:
+                                wake(k)
+                        if smem:
+                            mem_events[sr].append((arrive, 0, smem))
+                        if pl[2]:
+                            ev.append((both, 1, pl[2]))
+                st_r[i] = t_post
+                en_r[i] = t_post
+                t_last = t_post
+                i += 1
+                continue
             if nccl is not None:
                 j = pl[8]
                 t_post = t_free if t_free > t_last else t_last
@@ -529,58 +785,6 @@ def _simulate(prep: Prepared, model: str):
                         break
                     t_free = free[r]
                 continue
-            if eager:
-                t_post = t_free if t_free > t_last else t_last
-                for k in pl[3]:
-                    kt = ready[k]
-                    if kt < 0:
-                        blocked = k
-                        break
-                    if kt > t_post:
-                        t_post = kt
-                if blocked >= 0:
-                    break
-                t_post = round(t_post, 9)
-                if pl[5]:  # a send
-                    nmsg += 1
-                    w = recv_wait.pop(pl[6], None)
-                    if w is not None:
-                        rr, keys, t_recv, rmem = w
-                        both = t_post if t_post > t_recv else t_recv
-                        arrive = transfer_end(r, rr, pl[9], both, pl[1])
-                        for k in keys:
-                            ready[k] = arrive
-                            if wait_on[k] is not None:
-                                wake(k)
-                        if pl[2]:
-                            ev.append((arrive, 0, pl[2]))
-                        if rmem:
-                            mem_events[rr].append((both, 1, rmem))
-                    else:
-                        send_post[pl[6]] = (t_post, pl[1], pl[2], r, pl[9])
-                else:
-                    if pl[4]:
-                        recv_fix.append((r, i, pl[4][0]))
-                    got = send_post.pop(pl[7], None)
-                    if got is None:
-                        recv_wait[pl[7]] = (r, pl[4], t_post, pl[2])
-                    else:
-                        t_send, sdur, smem, sr, schan = got
-                        both = t_post if t_post > t_send else t_send
-                        arrive = transfer_end(sr, r, schan, both, sdur)
-                        for k in pl[4]:
-                            ready[k] = arrive
-                            if wait_on[k] is not None:
-                                wake(k)
-                        if smem:
-                            mem_events[sr].append((arrive, 0, smem))
-                        if pl[2]:
-                            ev.append((both, 1, pl[2]))
-                st_r[i] = t_post
-                en_r[i] = t_post
-                t_last = t_post
-                i += 1
-                continue
             # blocking: the batch i..j-1 is posted together and done once every partner is posted
             j = pl[8]
             t_post = batch_post[r]
@@ -598,28 +802,30 @@ def _simulate(prep: Prepared, model: str):
                         break
                 if blocked >= 0:
                     break
-                t_post = round(t_post, 9)
                 batch_post[r] = t_post
                 for k in range(i, j):
                     own = lst[k][6]
                     if own >= 0:
                         posted[own] = t_post
-                        if own in cwait:
+                        if cwait[own] is not None:
                             cwake(own)
             t_done = t_post
+            dmax = pl[1]
             for k in range(i, j):
                 pk = lst[k]
                 if pk[10] is not None:
                     raise ScheduleError(pk[10])
-                pt = posted.get(pk[7])
-                if pt is None:
+                pt = posted[pk[7]]
+                if pt < 0:
                     cblocked = pk[7]
                     break
                 if pt > t_done:
                     t_done = pt
+                if pk[1] > dmax:
+                    dmax = pk[1]
             if cblocked >= 0:
                 break
-            t_done = round(t_done + comm + max(lst[k][1] for k in range(i, j)), 9)
+            t_done = round(t_done + comm + dmax, 9)
             for k in range(i, j):
                 pk = lst[k]
                 st_r[k] = t_post
@@ -652,7 +858,11 @@ def _simulate(prep: Prepared, model: str):
             else:
                 ws.append(r)
         elif cblocked >= 0:
-            cwait.setdefault(cblocked, []).append(r)
+            ws = cwait[cblocked]
+            if ws is None:
+                cwait[cblocked] = [r]
+            else:
+                ws.append(r)
         if issued and parked_on_streams:   # the streams moved: ranks waiting for a batch look again
             for q in parked_on_streams:
                 if not queued[q]:
