@@ -91,63 +91,68 @@ class LazyTimes(Mapping):
 # --- the compiled form ------------------------------------------------------------------
 #
 # An op is one tuple. Compute-like ops (any category but "comm"):
-#   (stream, dur, mem, needs, makes, makes_far, msgs)
-# stream: 0 for "compute", 1.. for a feature's stream; needs: ids of the keys it waits for on
-# its rank; makes: ids of the keys it makes on its rank; makes_far: (compute-only schedules) the
-# same keys on the other ranks that need them, there ``comm`` after it ends; msgs: pipeline
-# messages it counts (compute-only schedules).
+#   (stream, dur, mem, need0, need1, needs_more, make0, makes_more, far0, far_more, msgs)
+# stream: 0 for "compute", 1.. for a feature's stream; need0, need1: ids of the first two keys it
+# waits for on its rank (-1: none), needs_more: the others (None: none); make0, makes_more: the
+# same for the keys it makes there that an op there needs; far0, far_more: (compute-only
+# schedules) the same for the keys it makes on the other ranks that need them, there ``comm``
+# after it ends (far0 -2: none, but msgs); msgs: pipeline messages it counts (compute-only). (Fixed fields rather than tuples
+# to loop over: a loop over a tuple allocates an iterator, a tenth of an op's time.)
 # Comm ops:
-#   (-1, dur, mem, needs, makes, is_send, own, partner, batch_end, channel, error)
+#   (-1, dur, mem, needs, makes, is_send, own, partner, channel, error, need0, make0)
 # own: id of (rank, kind, stage, microbatch) of this op; partner: that id of the op it matches
-# (the send of a receive, the receive of a send); batch_end: index after the run of comm ops of
-# one channel that starts here (a blocking batch); error: why the op cannot run (or None).
+# (the send of a receive, the receive of a send); error: why the op cannot run (or None);
+# need0, make0: the one key id it needs, makes (-1: none; -2: several, then in needs, makes,
+# which are () otherwise: see :func:`_ids`).
 #
 # A per-stage kind's ops of one (kind, stage, rank, peer) on a rank share a *template* coded at
 # microbatch 0 (ids of one key, or one comm op, for the m microbatches are consecutive); every
-# other op is a template of its own. The templates also carry what the validator's checks
-# read (:meth:`Prepared.check`): which microbatches each one has, and the facts of its kind,
-# stage, rank and peer.
+# other op is a template of its own. The templates also carry the facts the validator's rules
+# (:mod:`.checks`) read: which microbatches each one has, its kind, stage, rank, peer and list.
 
 _COMM = -1
-_FB = ("F", "B", "W", "BW")
 
 
 class _Tpl:
     """One template: its coded tuple (microbatch 0) and the facts the checks read."""
 
-    __slots__ = ("code", "kind", "stage", "rank", "peer", "seen", "bad", "foreign", "sink", "made", "mb", "r")
+    __slots__ = ("code", "kind", "stage", "rank", "peer", "seen", "req", "sink", "made", "mb", "r")
 
-    def __init__(self, code: tuple, kind: str, stage, rank, peer, seen, bad: bool) -> None:
-        self.code, self.kind, self.stage, self.rank, self.peer, self.seen, self.bad = \
-            code, kind, stage, rank, peer, seen, bad
-        self.foreign: tuple = ()   # ids (at microbatch 0) of its inputs placed on other ranks
+    def __init__(self, code: tuple, kind: str, stage, rank, peer, seen, req: tuple, made: tuple, r: int) -> None:
+        self.code, self.kind, self.stage, self.rank, self.peer = code, kind, stage, rank, peer
+        self.seen = seen           # per-stage templates: microbatch -> 1 once an op has it
+        self.req, self.made = req, made   # the keys it needs and makes (at microbatch 0)
         self.sink = None           # comm ops: ((src, dst, channel), True for a send)
-        self.made: tuple = ()      # the keys it makes (at microbatch 0)
         self.mb = None             # an op of its own: its microbatch
-        self.r = -1                # the rank whose list it is on
+        self.r = r                 # the rank whose list it is on
 
 
 class Prepared:
     """A schedule coded once for any number of simulations (and the validator's checks).
     Build with :func:`prepare`."""
 
-    __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_cids", "n_streams", "results", "seen",
-                 "_tpls", "_tids", "_shifts", "_bad", "_ids")
+    __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_cids", "n_streams", "results",
+                 "_tpls", "_tids", "_shifts", "_dup", "_ids", "_cblocks", "_problems")
 
     def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int, n_cids: int,
-                 n_streams: int, tpls: list, tids: list, shifts: list, bad: bool, ids) -> None:
+                 n_streams: int, tpls: list, tids: list, shifts: list, dup: bool, ids, cblocks: dict) -> None:
         self.schedule, self.cost = schedule, cost
         self.plans, self.n_comm, self.n_ids, self.n_cids, self.n_streams = plans, n_comm, n_ids, n_cids, n_streams
-        self._tpls, self._tids, self._shifts, self._bad, self._ids = tpls, tids, shifts, bad, ids
+        self._tpls, self._tids, self._shifts, self._dup, self._ids = tpls, tids, shifts, dup, ids
+        self._cblocks = cblocks
         self.results: dict = {}   # comm model -> the last SimResult of that model
-        self.seen = None          # the verdict of check(), once known
+        self._problems = None     # what the validator's rules 1-3 found, once asked
+
+    def problems(self) -> list[str]:
+        """The problems the validator's rules 1-3 find (:func:`.checks.problems`; [] if none)."""
+        if self._problems is None:
+            from .checks import problems
+            self._problems = problems(self)
+        return self._problems
 
     def check(self) -> bool:
-        """True: the validator's structure, completeness and comm checks all pass (False: run
-        the checks that say why)."""
-        if self.seen is None:
-            self.seen = _check(self)
-        return self.seen
+        """True: the validator's structure, completeness and comm rules all pass."""
+        return not self.problems()
 
     def simulate(self, eager: bool | str = True):
         """The :class:`.simresult.SimResult` under ``eager`` (True: "eager", False: "blocking",
@@ -162,25 +167,35 @@ class Prepared:
         """The id of data key ``key`` on ``rank`` (-1: no op there needs or makes it)."""
         return self._ids(key, rank)
 
-
-def prepare_checked(schedule: Schedule, cost: CostModel) -> Prepared | None:
-    """:func:`prepare` for a schedule that passes the validator's structure, completeness and
-    comm checks; None when it does not (then the checks that say why run)."""
-    if cost.num_stages != schedule.num_stages or schedule.num_ranks < 1 or schedule.num_microbatches < 1:
-        return None
-    try:
-        prep = prepare(schedule, cost)
-    except ScheduleError:
-        raise
-    except Exception:   # e.g. a stage out of range for the cost model: the checks say which
-        return None
-    return prep if prep.check() else None
+    def comm_name(self, i: int) -> tuple:
+        """(kind, stage, microbatch) of the comm op whose id is ``i``."""
+        for ck, base in self._cblocks.items():
+            if len(ck) == 3 and base <= i < base + self.schedule.num_microbatches:
+                return (ck[1], ck[2], i - base)
+            if len(ck) == 4 and base == i:
+                return ck[1:]
+        raise KeyError(i)
 
 
-def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
-    """Code ``schedule`` under ``cost`` (see module doc). Raises ScheduleError for an unknown
-    op kind, or a cost model for another number of stages."""
-    if cost.num_stages != schedule.num_stages:
+def prepare_checked(schedule: Schedule, cost: CostModel | None, *, comm: bool = True) -> Prepared:
+    """:func:`prepare`, once the validator's rules 1-3 (:mod:`.checks`; ``comm=False``: 1 and 2)
+    pass on it; raises ValidationError with their messages. With a ``cost`` for another number
+    of stages, or None, the rules run on a copy coded without costs (then returned: the caller
+    prepares again with its costs, and is told that they do not fit)."""
+    from .checks import fail, problems, sizes_problems
+    fail(schedule, sizes_problems(schedule))
+    if cost is not None and cost.num_stages != schedule.num_stages:
+        cost = None
+    prep = prepare(schedule, cost)
+    fail(schedule, problems(prep, comm))
+    return prep
+
+
+def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:
+    """Code ``schedule`` under ``cost`` (see module doc; None: for the checks only, every
+    duration and memory effect 0). Raises ScheduleError for an unknown op kind, or a cost model
+    for another number of stages."""
+    if cost is not None and cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
     placement = schedule.placement
     S = len(placement)
@@ -189,7 +204,7 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
     kinds: dict = {}   # name -> (base kind, composed kind, extra requirement fns, stream, is send)
     streams = {"compute": 0}
     recv_to_send = {recv: (send, off) for send, (recv, off) in COMM_PAIRS.items()}
-    bad = p < 1 or m < 1 or sorted(set(placement)) != list(range(p))
+    dup = False          # an op seen twice
 
     # key ids: a key (tag, stage, microbatch) on a rank is base(tag, stage, rank) + microbatch
     blocks: dict = {}              # (block, rank) -> base id; block: (tag, stage), or ("#", key)
@@ -248,52 +263,39 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
         made = tuple(base.produces(op, schedule))
         needs = tuple(kid(key, r, False) for key in req)
         makes = tuple(kid(key, r, True) for key in made)
-        tbad = op.rank != r or type(s) is not int or not 0 <= s < S \
-            or (spec.category == "compute" and placement[s] != r)
+        if cost is not None and type(s) is int and 0 <= s < S:
+            dur, mem = spec.duration(cost, op), spec.memory(cost, op)
+        else:   # (a stage out of range: the checks refuse the op)
+            dur = mem = 0.0
         if sid == _COMM:
             err = None
             own = cid(r, k, s, mb)
             partner = -1
-            sink = None
-            if op.peer is None:
-                err = f"rank {r}: comm op {op} has no peer"
-            elif is_send:
+            chan = comm_channel(k)
+            if is_send:
                 recv, off = COMM_PAIRS[k]
                 partner = cid(op.peer, recv, s + off, mb)
-                rs = s + off
-                if not 0 <= rs < S or (k not in ir.PEER_ROUTED and op.peer != placement[rs]):
-                    tbad = True
-                sink = ((r, op.peer, comm_channel(k)), True)
-            elif k in recv_to_send:
-                send, off = recv_to_send[k]
-                partner = cid(op.peer, send, s - off, mb)
-                sink = ((op.peer, r, comm_channel(k)), False)
+                sink = ((r, op.peer, chan), True)
             else:
-                err = f"comm op kind {k!r} is neither a registered send nor a receive"
-            tp = _Tpl((_COMM, spec.duration(cost, op), spec.memory(cost, op), needs, makes, is_send, own, partner,
-                       0, comm_channel(k), err), k, s, op.rank, op.peer, seen, tbad or err is not None)
+                sink = ((op.peer, r, chan), False)
+                if k in recv_to_send:
+                    send, off = recv_to_send[k]
+                    partner = cid(op.peer, send, s - off, mb)
+                else:
+                    err = f"comm op kind {k!r} is neither a registered send nor a receive"
+            if op.peer is None:
+                err = f"rank {r}: comm op {op} has no peer"
+            tp = _Tpl((_COMM, dur, mem, needs, makes, is_send, own, partner, chan, err), k, s, op.rank, op.peer,
+                      seen, req, made, r)
             tp.sink = sink
-        else:
-            msgs = 0   # pipeline messages, counted by the producer (compute-only schedules)
-            for key in made:
-                if type(key) is tuple and len(key) == 3 and key[0] in ("act", "grad"):
-                    consumer = key[1] + 1 if key[0] == "act" else key[1] - 1
-                    if 0 <= consumer < S and placement[consumer] != r:
-                        msgs += 1
-            tp = _Tpl((sid, spec.duration(cost, op), spec.memory(cost, op), needs, makes, (), msgs), k, s,
-                      op.rank, op.peer, seen, tbad)
-            if spec.category == "compute":
-                fl = []
-                for key, i in zip(req, needs):
-                    if type(key) is not tuple or len(key) != 3:
-                        tp.bad = True   # not a (tag, stage, microbatch) key: the general checks say what
-                        continue
-                    ks = key[1]
-                    if type(ks) is int and 0 <= ks < S and placement[ks] != r:
-                        fl.append(i)
-                tp.foreign = tuple(fl)
-        tp.made, tp.r = made, r
-        return tp
+            return tp
+        msgs = 0   # pipeline messages, counted by the producer (compute-only schedules)
+        for key in made:
+            if type(key) is tuple and len(key) == 3 and key[0] in ("act", "grad"):
+                consumer = key[1] + 1 if key[0] == "act" else key[1] - 1
+                if 0 <= consumer < S and placement[consumer] != r:
+                    msgs += 1
+        return _Tpl((sid, dur, mem, needs, makes, (), msgs), k, s, op.rank, op.peer, seen, req, made, r)
 
     def per_stage_ok(op: Op) -> bool:
         # the template's keys must sit at microbatch 0 to be shifted to each op's
@@ -323,8 +325,6 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
         mb = op.microbatch
         tp = code(op, r, mb, extra, None)
         tp.mb = mb
-        if not (type(mb) is int and 0 <= mb < m):
-            tp.bad = True
         tpls.append(tp)
         return len(tpls) - 1
 
@@ -336,16 +336,15 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
         for op in rank_ops:
             mb = op.microbatch
             ck = (op.kind, op.stage, op.rank, op.peer)
-            t = cache.get(ck)
-            if t is None:
-                t = cache[ck] = new_template(op, r)
+            got = cache.get(ck)
+            if got is None:
+                t = new_template(op, r)
+                got = cache[ck] = (t, tpls[t].seen, kinds[op.kind][2]) if t >= 0 else (-1, None, ())
+            t, sa, extras = got
             if t >= 0 and type(mb) is int and 0 <= mb < m:
-                tp = tpls[t]
-                sa = tp.seen
                 if sa[mb]:
-                    bad = True   # a duplicate
+                    dup = True
                 sa[mb] = 1
-                extras = kinds[op.kind][2]
                 if extras:
                     extra = ()
                     for fn in extras:
@@ -378,148 +377,81 @@ def prepare(schedule: Schedule, cost: CostModel) -> Prepared:
     for tp in tpls:
         if tp.code[0] == _COMM:
             has_comm = True
-        bad = bad or tp.bad
-    bad = bad or any(n > 1 for n in loose.values())   # a duplicate
+    dup = dup or any(n > 1 for n in loose.values())
 
-    # pass 2 (compute-only schedules): a key made on one rank reaches the ranks that need it,
-    # and do not make it themselves, ``comm`` after its producer ends
+    # pass 2: a compute-like op's keys made where nobody needs them are dropped; compute-only
+    # schedules: a key made on one rank reaches the ranks that need it, and do not make it
+    # themselves, ``comm`` after its producer ends
+    def block(key) -> tuple:
+        if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
+            return (key[0], key[1]), key[2]
+        return ("#", key), 0
+
+    def first(ids: tuple) -> int:   # comm ops: the one id, -1 for none, -2 for several
+        return -1 if not ids else ids[0] if len(ids) == 1 else -2
+
     codes = []
     for tp in tpls:
         c = tp.code
         if c[0] == _COMM:
-            codes.append(c)
-        elif has_comm:
-            codes.append(c[:5] + ((), 0))
-        else:
-            far: list = []
-            for key, i in zip(tp.made, c[4]):
-                if type(key) is tuple and len(key) == 3 and type(key[2]) is int and 0 <= key[2] < m:
-                    blk, off = (key[0], key[1]), key[2]
-                else:
-                    blk, off = ("#", key), 0
+            n0, k0 = first(c[3]), first(c[4])
+            codes.append(c[:3] + (c[3] if n0 == -2 else (), c[4] if k0 == -2 else ()) + c[5:] + (n0, k0))
+            continue
+        far: list = []
+        mine = []
+        for key, i in zip(tp.made, c[4]):
+            blk, off = block(key)
+            hold = holders.get(blk, ())
+            if tp.r in hold:
+                mine.append(i)
+            if not has_comm:
                 mk = makers.get(blk, ())
-                for r2 in holders.get(blk, ()):
+                for r2 in hold:
                     if r2 not in mk:
                         far.append(blocks[(blk, r2)] + off)
-            codes.append(c[:5] + (tuple(far), c[6]))
+        nd = c[3]
+        msgs = 0 if has_comm else c[6]
+        codes.append((c[0], c[1], c[2], nd[0] if nd else -1, nd[1] if len(nd) > 1 else -1,
+                      nd[2:] if len(nd) > 2 else None, mine[0] if mine else -1,
+                      tuple(mine[1:]) if len(mine) > 1 else None, far[0] if far else -2 if msgs else -1,
+                      tuple(far[1:]) if len(far) > 1 else None, msgs))
 
+    # the ops' tuples (see the layout above): a template's, shifted to each op's microbatch
     plans = []
     for r in range(p):
-        tl, sl = tids[r], shifts[r]
-        L = len(tl)
-        # a run of comm ops of one channel is one batch: its first op records where it ends
-        bend = [0] * L
-        if has_comm:
-            j = L
-            chan = None
-            for i in range(L - 1, -1, -1):
-                f = codes[tl[i]]
-                if f[0] != _COMM:
-                    chan = None
-                    j = i
-                    continue
-                n_comm += 1
-                if chan is not None and f[9] != chan:
-                    j = i + 1
-                chan = f[9]
-                bend[i] = j
+        tl = tids[r]
         lst: list = []
         app = lst.append
-        for t, mb, j in zip(tl, sl, bend):
+        for t, mb in zip(tl, shifts[r]):
             f = codes[t]
-            if not mb and not j:
+            if f[0] != _COMM:
+                if not mb:
+                    app(f)
+                    continue
+                n0, n1, nx, k0, kx, f0, fx = f[3], f[4], f[5], f[6], f[7], f[8], f[9]
+                app((f[0], f[1], f[2], n0 + mb if n0 >= 0 else -1, n1 + mb if n1 >= 0 else -1,
+                     None if nx is None else tuple(x + mb for x in nx), k0 + mb if k0 >= 0 else -1,
+                     None if kx is None else tuple(x + mb for x in kx), f0 + mb if f0 >= 0 else f0,
+                     None if fx is None else tuple(x + mb for x in fx), f[10]))
+                continue
+            n_comm += 1
+            if not mb:
                 app(f)
                 continue
-            nd, mk = f[3], f[4]
-            if mb:
-                n = len(nd)
-                nd = () if not n else (nd[0] + mb,) if n == 1 else (nd[0] + mb, nd[1] + mb) if n == 2 \
-                    else tuple(x + mb for x in nd)
-                mk = () if not mk else (mk[0] + mb,) if len(mk) == 1 else tuple(x + mb for x in mk)
-            if f[0] != _COMM:
-                far = f[5]
-                if far and mb:
-                    far = (far[0] + mb,) if len(far) == 1 else tuple(x + mb for x in far)
-                app((f[0], f[1], f[2], nd, mk, far, f[6]))
-            else:
-                app((_COMM, f[1], f[2], nd, mk, f[5], f[6] + mb, f[7] + mb if f[7] >= 0 else -1, j, f[9], f[10]))
+            nd, mk, n0, k0 = f[3], f[4], f[10], f[11]
+            app((_COMM, f[1], f[2], tuple(x + mb for x in nd) if nd else nd, tuple(x + mb for x in mk) if mk else mk,
+                 f[5], f[6] + mb, f[7] + mb if f[7] >= 0 else -1, f[8], f[9], n0 + mb if n0 >= 0 else n0,
+                 k0 + mb if k0 >= 0 else k0))
         plans.append(lst)
-    return Prepared(schedule, cost, plans, n_comm, n_ids, n_cids, len(streams), tpls, tids, shifts, bad, ids)
-
-
-def _check(prep: Prepared) -> bool:
-    """The validator's structure, completeness and comm checks on the compiled form (module doc
-    of :mod:`.validate`, checks 1-3): True when none finds a problem."""
-    if prep._bad:
-        return False
-    schedule = prep.schedule
-    S, m = schedule.num_stages, schedule.num_microbatches
-    tpls = prep._tpls
-    # completeness: per (stage, microbatch) one F; one BW, or one B and one W
-    groups: dict = {}
-    for tp in tpls:
-        if (tp.seen is not None or tp.mb is not None) and tp.kind in _FB:
-            groups.setdefault((tp.kind, tp.stage), []).append(tp)
-    zeros, ones = bytes(m), b"\x01" * m
-
-    def count(kind: str, s: int):
-        got = groups.get((kind, s))
-        if not got:
-            return zeros
-        if len(got) == 1 and got[0].mb is None:
-            return got[0].seen
-        c = [0] * m
-        for tp in got:
-            if tp.mb is not None:
-                c[tp.mb] += 1
-            else:
-                for mb, x in enumerate(tp.seen):
-                    c[mb] += x
-        return bytes(c)
-
-    forward_only = bool(schedule.meta.get("forward_only"))
-    for s in range(S):
-        if count("F", s) != ones:
-            return False
-        if forward_only:
-            continue
-        nb, nw, nbw = count("B", s), count("W", s), count("BW", s)
-        if nb != nw or bytes(x + y for x, y in zip(nb, nbw)) != ones:
-            return False
-    if not prep.n_comm:
-        return True
-    # every cross-rank input of a compute op received earlier on its rank; sends and receives of
-    # each (src, dst, channel) name the same messages in the same order
-    got = bytearray(prep.n_ids)
-    lists: dict = {}
-    sinks = []
-    for tp in tpls:
-        if tp.sink is None:
-            sinks.append(None)
-        else:
-            key, is_send = tp.sink
-            sl = lists.setdefault((key, is_send), [])
-            sinks.append((sl.append, tp.code[7], ()) if is_send else (sl.append, tp.code[6], tp.code[4]))
-    for tl, shl in zip(prep._tids, prep._shifts):
-        for t, mb in zip(tl, shl):
-            sk = sinks[t]
-            if sk is not None:
-                sk[0](sk[1] + mb)
-                for i in sk[2]:
-                    got[i + mb] = 1
-                continue
-            fr = tpls[t].foreign
-            if fr:
-                for i in fr:
-                    if not got[i + mb]:
-                        return False
-    for (key, is_send), sl in lists.items():
-        if sl != lists.get((key, not is_send)):
-            return False
-    return True
+    return Prepared(schedule, cost, plans, n_comm, n_ids, n_cids, len(streams), tpls, tids, shifts, dup, ids, cblocks)
 
 
 # --- the event loop -----------------------------------------------------------------------
+
+def _ids(first: int, more: tuple) -> tuple:
+    """A comm op's key ids from its need0 / make0 field and its needs / makes tuple."""
+    return more if first == -2 else (first,) if first >= 0 else ()
+
 
 def _simulate(prep: Prepared, model: str):
     """One simulation of ``prep`` under ``model``: the SimResult, or DeadlockError."""
@@ -623,10 +555,12 @@ def _simulate(prep: Prepared, model: str):
         awaiting[r] = None
         return True
 
+    nccl_on = nccl is not None
+    plain = eager and not nccl_on     # eager sends and receives, one op at a time
     while stack:
         r = stack.pop()
         queued[r] = False
-        if awaiting[r] is not None and not resume(r):
+        if nccl_on and awaiting[r] is not None and not resume(r):
             parked_on_streams.append(r)
             continue
         lst = plans[r]
@@ -643,119 +577,173 @@ def _simulate(prep: Prepared, model: str):
             pl = lst[i]
             sid = pl[0]
             if sid >= 0:
-                t = t_free if sid == 0 else sf[sid]
-                if t_last > t:
-                    t = t_last
-                for k in pl[3]:
+                if sid == 0:
+                    t = t_free if t_free > t_last else t_last
+                else:
+                    t = sf[sid]
+                    if t_last > t:
+                        t = t_last
+                k = pl[3]
+                if k >= 0:
                     kt = ready[k]
                     if kt < 0:
                         blocked = k
                         break
                     if kt > t:
                         t = kt
+                    k = pl[4]
+                    if k >= 0:
+                        kt = ready[k]
+                        if kt < 0:
+                            blocked = k
+                            break
+                        if kt > t:
+                            t = kt
+                        if pl[5] is not None:
+                            for k in pl[5]:
+                                kt = ready[k]
+                                if kt < 0:
+                                    blocked = k
+                                    break
+                                if kt > t:
+                                    t = kt
+                            if blocked >= 0:
+                                break
+                dur = pl[1]
+                end = round(t + dur, 9)
+                st_r[i] = t
+                en_r[i] = end
+                t_last = t
+                if sid == 0:
+                    t_free = end
+                    b += dur
                 else:
-                    dur = pl[1]
-                    end = round(t + dur, 9)
-                    st_r[i] = t
-                    en_r[i] = end
-                    t_last = t
-                    if sid == 0:
-                        t_free = end
-                        b += dur
-                    else:
-                        sf[sid] = end
-                    for k in pl[4]:
-                        ready[k] = end
-                        if wait_on[k] is not None:
-                            wake(k)
-                    if pl[5]:
-                        far = round(end + comm, 9)
-                        for k in pl[5]:
-                            ready[k] = far
+                    sf[sid] = end
+                k = pl[6]
+                if k >= 0:
+                    ready[k] = end
+                    if wait_on[k] is not None:
+                        wake(k)
+                    if pl[7] is not None:
+                        for k in pl[7]:
+                            ready[k] = end
                             if wait_on[k] is not None:
                                 wake(k)
-                        nmsg += pl[6]
-                    elif pl[6]:
-                        nmsg += pl[6]
-                    mem = pl[2]
-                    if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
-                        if eager:
-                            ev.append((t, 1, mem) if mem > 0 else (end, 0, mem))
-                        else:
-                            ev.append((t, 2 * i, mem) if mem > 0 else (end, 2 * i + 1, mem))
-                    i += 1
-                    continue
-                break
+                k = pl[8]
+                if k != -1:   # (compute-only schedules)
+                    if k >= 0:
+                        far = round(end + comm, 9)
+                        ready[k] = far
+                        if wait_on[k] is not None:
+                            wake(k)
+                        if pl[9] is not None:
+                            for k in pl[9]:
+                                ready[k] = far
+                                if wait_on[k] is not None:
+                                    wake(k)
+                    nmsg += pl[10]
+                mem = pl[2]
+                if mem:  # at equal times: frees first (eager); in list order (blocking: as the rank runs)
+                    if eager:
+                        ev.append((t, 1, mem) if mem > 0 else (end, 0, mem))
+                    else:
+                        ev.append((t, 2 * i, mem) if mem > 0 else (end, 2 * i + 1, mem))
+                i += 1
+                continue
             # a comm op (times compared here are all rounded already: sums are rounded where made)
-            if pl[10] is not None and (eager or nccl is not None):
-                raise ScheduleError(pl[10])
-            if nccl is None and eager:
+            if plain:
+                if pl[9] is not None:
+                    raise ScheduleError(pl[9])
                 t_post = t_free if t_free > t_last else t_last
-                for k in pl[3]:
+                k = pl[10]
+                if k >= 0:
                     kt = ready[k]
                     if kt < 0:
                         blocked = k
                         break
                     if kt > t_post:
                         t_post = kt
-                if blocked >= 0:
-                    break
+                elif k == -2:
+                    for k in pl[3]:
+                        kt = ready[k]
+                        if kt < 0:
+                            blocked = k
+                            break
+                        if kt > t_post:
+                            t_post = kt
+                    if blocked >= 0:
+                        break
+                st_r[i] = en_r[i] = t_last = t_post
                 if pl[5]:  # a send
                     nmsg += 1
                     c = pl[6]
                     w = recv_wait[c]
-                    if w is not None:
-                        recv_wait[c] = None
-                        rr, keys, t_recv, rmem = w
-                        both = t_post if t_post > t_recv else t_recv
-                        arrive = round(both + comm, 9) if pl[1] <= 0 else transfer_end(r, rr, pl[9], both, pl[1])
+                    if w is None:
+                        send_post[c] = t_post
+                        if pl[1] > 0 or pl[2]:
+                            send_more[c] = (pl[1], pl[2], r, pl[8])
+                        i += 1
+                        continue
+                    recv_wait[c] = None
+                    rr, k, keys, t_recv, rmem = w
+                    both = t_post if t_post > t_recv else t_recv
+                    arrive = round(both + comm, 9) if pl[1] <= 0 else transfer_end(r, rr, pl[8], both, pl[1])
+                    if k >= 0:
+                        ready[k] = arrive
+                        if wait_on[k] is not None:
+                            wake(k)
+                    elif k == -2:
                         for k in keys:
                             ready[k] = arrive
                             if wait_on[k] is not None:
                                 wake(k)
-                        if pl[2]:
-                            ev.append((arrive, 0, pl[2]))
-                        if rmem:
-                            mem_events[rr].append((both, 1, rmem))
-                    else:
-                        send_post[c] = t_post
-                        if pl[1] > 0 or pl[2]:
-                            send_more[c] = (pl[1], pl[2], r, pl[9])
-                else:
-                    if pl[4]:
-                        recv_fix.append((r, i, pl[4][0]))
-                    c = pl[7]
-                    t_send = send_post[c] if c >= 0 else -1.0
-                    if t_send < 0:
-                        recv_wait[c] = (r, pl[4], t_post, pl[2])
-                    else:
-                        send_post[c] = -1.0
-                        sdur, smem, sr, schan = send_more.pop(c) if send_more and c in send_more else (0, 0, 0, 0)
-                        both = t_post if t_post > t_send else t_send
-                        arrive = round(both + comm, 9) if sdur <= 0 else transfer_end(sr, r, schan, both, sdur)
-                        for k in pl[4]:
-                            ready[k] = arrive
-                            if wait_on[k] is not None:
-                                wake(k)
-                        if smem:
-                            mem_events[sr].append((arrive, 0, smem))
-                        if pl[2]:
-                            ev.append((both, 1, pl[2]))
-                st_r[i] = t_post
-                en_r[i] = t_post
-                t_last = t_post
+                    if pl[2]:
+                        ev.append((arrive, 0, pl[2]))
+                    if rmem:
+                        mem_events[rr].append((both, 1, rmem))
+                    i += 1
+                    continue
+                k = pl[11]
+                if k != -1:
+                    recv_fix.append((r, i, k if k >= 0 else pl[4][0]))
+                c = pl[7]
+                t_send = send_post[c]
+                if t_send < 0:
+                    recv_wait[c] = (r, k, pl[4], t_post, pl[2])
+                    i += 1
+                    continue
+                send_post[c] = -1.0
+                sdur, smem, sr, schan = send_more.pop(c) if send_more and c in send_more else (0, 0, 0, 0)
+                both = t_post if t_post > t_send else t_send
+                arrive = round(both + comm, 9) if sdur <= 0 else transfer_end(sr, r, schan, both, sdur)
+                k = pl[11]
+                if k >= 0:
+                    ready[k] = arrive
+                    if wait_on[k] is not None:
+                        wake(k)
+                elif k == -2:
+                    for k in pl[4]:
+                        ready[k] = arrive
+                        if wait_on[k] is not None:
+                            wake(k)
+                if smem:
+                    mem_events[sr].append((arrive, 0, smem))
+                if pl[2]:
+                    ev.append((both, 1, pl[2]))
                 i += 1
                 continue
             if nccl is not None:
-                j = pl[8]
+                j = i + 1    # the batch: the run of comm ops of one channel from here
+                while j < L and lst[j][0] == _COMM and lst[j][8] == pl[8]:
+                    j += 1
                 t_post = t_free if t_free > t_last else t_last
                 entries = []
                 ops_r = schedule.ops[r]
                 for k in range(i, j):
                     pk = lst[k]
-                    if pk[10] is not None:
-                        raise ScheduleError(pk[10])
-                    for key in pk[3]:
+                    if pk[9] is not None:
+                        raise ScheduleError(pk[9])
+                    for key in _ids(pk[10], pk[3]):
                         kt = ready[key]
                         if kt < 0:
                             blocked = key
@@ -764,7 +752,7 @@ def _simulate(prep: Prepared, model: str):
                             t_post = kt
                     if blocked >= 0:
                         break
-                    entries.append((ops_r[k], pk[4], pk[1], pk[2]))
+                    entries.append((ops_r[k], _ids(pk[11], pk[4]), pk[1], pk[2]))
                     if pk[5]:
                         nmsg += 1
                 if blocked >= 0:
@@ -786,35 +774,46 @@ def _simulate(prep: Prepared, model: str):
                     t_free = free[r]
                 continue
             # blocking: the batch i..j-1 is posted together and done once every partner is posted
-            j = pl[8]
+            j = i + 1        # the batch: the run of comm ops of one channel from here
+            while j < L and lst[j][0] == -1 and lst[j][8] == pl[8]:
+                j += 1
             t_post = batch_post[r]
             if t_post < 0:
                 t_post = t_free if t_free > t_last else t_last
                 for k in range(i, j):
-                    for key in lst[k][3]:
+                    pk = lst[k]
+                    key = pk[10]
+                    if key >= 0:
                         kt = ready[key]
                         if kt < 0:
                             blocked = key
                             break
                         if kt > t_post:
                             t_post = kt
-                    if blocked >= 0:
-                        break
+                    elif key == -2:
+                        for key in pk[3]:
+                            kt = ready[key]
+                            if kt < 0:
+                                blocked = key
+                                break
+                            if kt > t_post:
+                                t_post = kt
+                        if blocked >= 0:
+                            break
                 if blocked >= 0:
                     break
                 batch_post[r] = t_post
                 for k in range(i, j):
                     own = lst[k][6]
-                    if own >= 0:
-                        posted[own] = t_post
-                        if cwait[own] is not None:
-                            cwake(own)
+                    posted[own] = t_post
+                    if cwait[own] is not None:
+                        cwake(own)
             t_done = t_post
             dmax = pl[1]
             for k in range(i, j):
                 pk = lst[k]
-                if pk[10] is not None:
-                    raise ScheduleError(pk[10])
+                if pk[9] is not None:
+                    raise ScheduleError(pk[9])
                 pt = posted[pk[7]]
                 if pt < 0:
                     cblocked = pk[7]
@@ -837,10 +836,16 @@ def _simulate(prep: Prepared, model: str):
                         ev.append((t_post if t_post > pt else pt, 2 * i, mem))
                     else:
                         ev.append((t_done, 2 * j - 1, mem))
-                for key in pk[4]:
+                key = pk[11]
+                if key >= 0:
                     ready[key] = t_done
                     if wait_on[key] is not None:
                         wake(key)
+                elif key == -2:
+                    for key in pk[4]:
+                        ready[key] = t_done
+                        if wait_on[key] is not None:
+                            wake(key)
                 if pk[5]:
                     nmsg += 1
             comm_wait[r] += t_done - t_post
@@ -849,7 +854,8 @@ def _simulate(prep: Prepared, model: str):
             i = j
         free[r], last[r] = t_free, t_last
         busy[r] = b
-        messages[r] += nmsg
+        if nmsg:
+            messages[r] += nmsg
         ptr[r] = i
         if blocked >= 0:
             ws = wait_on[blocked]
@@ -863,14 +869,15 @@ def _simulate(prep: Prepared, model: str):
                 cwait[cblocked] = [r]
             else:
                 ws.append(r)
-        if issued and parked_on_streams:   # the streams moved: ranks waiting for a batch look again
-            for q in parked_on_streams:
-                if not queued[q]:
-                    queued[q] = True
-                    stack.append(q)
-            parked_on_streams.clear()
-        if blocked < 0 and cblocked < 0 and awaiting[r] is not None:
-            parked_on_streams.append(r)
+        if nccl_on:
+            if issued and parked_on_streams:   # the streams moved: ranks waiting for a batch look again
+                for q in parked_on_streams:
+                    if not queued[q]:
+                        queued[q] = True
+                        stack.append(q)
+                parked_on_streams.clear()
+            if blocked < 0 and cblocked < 0 and awaiting[r] is not None:
+                parked_on_streams.append(r)
 
     if any(ptr[r] < len(plans[r]) or awaiting[r] is not None for r in range(p)) or (streams is not None and streams.pending):
         msg = _deadlock_message(schedule, ptr)

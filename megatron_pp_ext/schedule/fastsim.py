@@ -9,7 +9,6 @@ compiled form; ``prepare``, ``Prepared``, ``LazyTimes`` and ``make_op`` are the 
 from __future__ import annotations
 
 from . import ir
-from .costs import CostModel
 from .ir import Schedule
 
 _F, _B, _W, _BW, _SF, _RF, _SB, _RB = range(8)
@@ -53,8 +52,9 @@ def eligible_kinds(schedule: Schedule) -> bool:
 def accepts(schedule: Schedule) -> bool:
     """True when the schedule passes the validator's structure, completeness and
     communication checks (on the compiled form, any op kinds)."""
-    from .engine import prepare_checked
-    return prepare_checked(schedule, CostModel.uniform(schedule.num_stages, 1)) is not None
+    from . import engine
+    from .checks import sizes_problems
+    return not sizes_problems(schedule) and engine.prepare(schedule, None).check()
 
 
 check_builtin = accepts

@@ -30,7 +30,6 @@ and runs the one event loop of each model; this module checks the inputs and cal
 
 from __future__ import annotations
 
-from .checks import check_complete, check_structure
 from .commmodel import comm_model as comm_model_of
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
@@ -50,13 +49,9 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
     comm_model_of(comm_model)  # refuses unknown names
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
-    prep = None
     if check:
-        prep = engine.prepare_checked(schedule, cost)
-        if prep is None:
-            check_structure(schedule)
-            check_complete(schedule)
+        prep = engine.prepare_checked(schedule, cost, comm=False)
         cost.check_scale(schedule.num_microbatches, "cost model")
-    if prep is None:
+    else:
         prep = engine.prepare(schedule, cost)
     return prep.simulate(comm_model)

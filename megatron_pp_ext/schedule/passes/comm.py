@@ -86,15 +86,16 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
     # and when gap k (before op k) opens, i.e. op k-1 ends
     starts = [list(accumulate(st, max)) for st in st_arr]
     opens = [[0.0] + list(accumulate(en, max)) for en in en_arr]
+    tpls = prep._tpls
     first_use = [-1] * prep.n_ids    # key id (a key on a rank) -> first op there that needs it
-    for lst in prep.plans:
-        for i, pl in enumerate(lst):
-            for k in pl[3]:
+    for tl, sl in zip(prep._tids, prep._shifts):
+        for i, (t, mb) in enumerate(zip(tl, sl)):
+            for k in tpls[t].code[3]:
+                k += mb
                 if first_use[k] < 0:
                     first_use[k] = i
     # per template: the messages its op sends (send kind, receive kind, stage, offset of the
     # key's microbatch, receiving stage and rank, id of the key there)
-    tpls = prep._tpls
     sends: list = []
     for tp in tpls:
         out = []
