@@ -1,25 +1,27 @@
-"""The one simulator (schedule/engine.py) against results frozen before the schedule core had a
-single implementation, and the fast accept-only checks and comm insertion against the general ones.
+"""The one simulator (schedule/engine.py), the validator's rules (schedule/checks.py) and the comm
+pass (schedule/passes/comm.py), all on one compiled form, against the results of the earlier
+implementations.
 
 ``data/simulate_fingerprints.json`` holds a digest of every result (makespan, busy, peaks, memory
 timelines, messages, comm waits, per-op times, float for float; or the error and its message) of
 the general simulator and the old fast path, which agreed on all of them: every registered
 schedule, compute-only and with send/recv ops (early and safe placement), under the eager and
 blocking models and (some) the NCCL stream models. ``_fingerprints.py`` (next to this file)
-re-creates it.
+re-creates it. ``_reference_checks.py`` keeps the validator's rules as they were written op by op
+(the messages must stay word for word), and ``_reference_insert`` below the comm pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
 import pytest
 
-from megatron_pp_ext.schedule import build_schedule, engine, fastsim, validate
+from megatron_pp_ext.schedule import ValidationError, build_schedule, engine, fastsim, validate
 from megatron_pp_ext.schedule.commmodel import COMM_MODELS
-from megatron_pp_ext.schedule.ir import Op, Schedule, ScheduleError
-from megatron_pp_ext.schedule.registry import schedule_info, schedule_names
+from megatron_pp_ext.schedule.ir import Op, Schedule, ScheduleError, op_kind
 from megatron_pp_ext.schedule.simulate import DeadlockError, simulate
 
 from _fingerprints import cases, outcome, variants
@@ -311,3 +313,29 @@ def test_composed_requirements(monkeypatch):
     finally:
         ir._EXTRA_REQUIRES.get("B", {}).pop("test.token", None)
         ir._COMPOSED.pop("B", None)
+
+
+def _feature_schedules():
+    from megatron_pp_ext.features.bpipe import BPipeConfig, build_bpipe_schedule
+    from megatron_pp_ext.features.offload import build_offload_schedule
+    from megatron_pp_ext.features.vocab import build_vocab_schedule
+    yield build_offload_schedule("1f1b", 2, 4, config="full")[0]
+    yield build_bpipe_schedule("1f1b", 4, 8, config=BPipeConfig(transfer_time=0.0))[0]
+    yield build_vocab_schedule("1f1b", 2, 4)[0]
+
+
+def test_feature_schedules_same_messages_as_the_reference():
+    # the feature kinds (per op, not per stage), their transfers and requirements: the rules say
+    # what the op-by-op ones said, on the schedules and on broken copies of them
+    from megatron_pp_ext.schedule import checks
+    for s in _feature_schedules():
+        variants = [s.ops, [r[::-1] for r in s.ops], [r[1:] for r in s.ops], [r + r[:3] for r in s.ops],
+                    [[o for o in r if op_kind(o.kind).category != "comm"] for r in s.ops],
+                    [[o for o in r if op_kind(o.kind).category == "compute"] for r in s.ops]]
+        for ops in variants:
+            v = Schedule(s.name, s.num_microbatches, s.placement, [list(r) for r in ops], dict(s.meta))
+            ref = reference_problems(v)
+            got = checks.problems(engine.prepare(v, None))
+            with pytest.raises(ValidationError) if got else contextlib.nullcontext() as e:
+                checks.fail(v, got)
+            assert (None if e is None else str(e.value)) == ref

@@ -7,7 +7,10 @@ memory effect, the data keys it needs and makes (as integer ids of a key *on a r
 comm ops the channel and the ids of the two sides of its transfer. A kind declared
 ``per_stage`` (the built-in ones) is evaluated once per (kind, stage, rank, peer) and shifted to
 each microbatch; any other kind, and requirements features compose onto a kind
-(``register_requirement``), once per op. Nothing here knows what F or SEND_F mean.
+(``register_requirement``), once per op. Nothing here knows what F or SEND_F mean. The same
+compiled form is what the validator's rules read (:mod:`.checks`: prepare records facts -- the
+microbatches each template has, its rank, stage, peer and list -- and decides nothing) and what
+the comm pass places sends and receives on (:mod:`.passes.comm`).
 
 :meth:`Prepared.simulate` runs the coded schedule under a communication model (see
 :mod:`.simulate` for the models' semantics, and :mod:`.commmodel` for the NCCL stream models,

@@ -20,7 +20,9 @@ Every generated schedule passes through :func:`validate` before anything runs. C
    feature collective runs on a communicator of its own, issued in the same order on every
    rank that takes part.
 
-Feature packages register extra checks with :func:`register_check`.
+Checks 1-3 are :mod:`.checks` (one implementation each, on the simulator's compiled form);
+4 and 5 read the simulations of that same form (:mod:`.engine`). Feature packages register
+extra checks with :func:`register_check`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ before the send time <= s, so the receiver is not stuck past it; if it waits to 
 the sender's batch follows an op that ended at the send time <= s, and every op before that
 started strictly earlier. Either way a stuck rank has an earlier s: contradiction. The
 validator re-checks it by simulation, so the argument is never trusted alone.
+
+The pass runs on the simulator's compiled form (:func:`..engine.prepare`): the keys each op
+sends and where they are first needed are integer ids; every op kind goes the same way.
 """
 
 from __future__ import annotations
