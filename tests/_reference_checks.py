@@ -1,5 +1,6 @@
 """The validator's rules 1-3 as they were written op by op on keys and Counters, before they ran on
-the compiled form (schedule/checks.py): a reference for the messages of the one implementation."""
+the compiled form (schedule/checks.py): a reference for the messages of the one implementation
+(pairs of ranks now reported in rank order: below, the one change)."""
 # flake8: noqa
 from collections import Counter, defaultdict
 
@@ -91,7 +92,9 @@ def _ref_comm(schedule: Schedule) -> None:
                     if 0 <= ks < schedule.num_stages and placement[ks] != r and key not in received:
                         problems.append(f"rank {r}: {op} needs {key} from rank {placement[ks]} "
                                         "but no receive for it comes earlier on this rank")
-    for chan in set(sends) | set(recvs):
+    # (one change: pairs of ranks in rank order; the set's order varied with the hash seed)
+    for chan in sorted(set(sends) | set(recvs), key=lambda c: (-1 if c[0] is None else c[0],
+                                                               -1 if c[1] is None else c[1], c[2])):
         if sends[chan] != recvs[chan]:
             s, d = chan[:2]
             extra_s = set(sends[chan]) - set(recvs[chan])

@@ -140,7 +140,8 @@ def comm_problems(prep) -> list[str]:
     """Rule 3 (schedules with comm ops): a send goes to a stage that exists, on that stage's
     rank (unless its kind routes by peer); every input a compute op needs from another rank is
     received earlier on its rank; the sends from one rank to another on a channel and the
-    receives there name the same messages in the same order (point-to-point matches in order)."""
+    receives there name the same messages in the same order (point-to-point matches in order).
+    Pairs of ranks are reported in rank order."""
     if not prep.n_comm:
         return []
     schedule = prep.schedule
@@ -193,8 +194,7 @@ def comm_problems(prep) -> list[str]:
                         key = (key[0], key[1], key[2] + mb) if mb else key
                         out.append(f"rank {r}: {op} needs {key} from rank {placement[key[1]]} "
                                    "but no receive for it comes earlier on this rank")
-    chans = {key for key, _ in lists}
-    for chan in chans:
+    for chan in sorted({key for key, _ in lists}, key=_pair_order):
         sends, recvs = lists.get((chan, True), []), lists.get((chan, False), [])
         if sends != recvs:
             s, d = chan[:2]
@@ -208,6 +208,12 @@ def comm_problems(prep) -> list[str]:
                 out.append(f"ranks {s}->{d}: sends and receives are in different orders "
                            "(point-to-point matches in order)")
     return out
+
+
+def _pair_order(chan: tuple) -> tuple:
+    """(src, dst, channel) in rank order (a rank may be None: a comm op without a peer)."""
+    src, dst, name = chan
+    return (-1 if src is None else src, -1 if dst is None else dst, name)
 
 
 def _prepared(schedule: Schedule):
