@@ -13,10 +13,15 @@ the problems found. :func:`.validate.validate` and :func:`.simulate.simulate` ru
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, ScheduleError, op_kind
 
-__all__ = ["ValidationError", "check_structure", "check_complete", "check_comm", "problems", "fail"]
+if TYPE_CHECKING:
+    from .engine import Prepared
+
+__all__ = ["ValidationError", "check_structure", "check_complete", "check_comm", "problems", "fail",
+           "sizes_problems", "structure_problems", "completeness_problems", "comm_problems"]
 
 
 class ValidationError(ScheduleError):
@@ -24,6 +29,7 @@ class ValidationError(ScheduleError):
 
 
 def fail(schedule: Schedule, problems: list[str]) -> None:
+    """Raise ValidationError listing the first eight ``problems`` (nothing when there are none)."""
     if problems:
         more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
         raise ValidationError(f"schedule {schedule.name!r} is invalid:\n  " + "\n  ".join(problems[:8]) + more)
@@ -35,14 +41,14 @@ def sizes_problems(schedule: Schedule) -> list[str]:
     return [f"need at least one rank and one microbatch (ranks={p}, microbatches={m})"] if p < 1 or m < 1 else []
 
 
-def problems(prep, comm: bool = True) -> list[str]:
+def problems(prep: Prepared, comm: bool = True) -> list[str]:
     """The problems of the first rule that finds any (structure, completeness, then, with
     ``comm``, communication) on ``prep`` (an :class:`.engine.Prepared`); [] when all pass."""
     return (sizes_problems(prep.schedule) or structure_problems(prep) or completeness_problems(prep)
             or (comm_problems(prep) if comm else []))
 
 
-def structure_problems(prep) -> list[str]:
+def structure_problems(prep: Prepared) -> list[str]:
     """Rule 1: every rank in the placement; an op's rank is its list's, its stage and
     microbatch in range, a compute op on its stage's rank; no op twice."""
     schedule = prep.schedule
@@ -51,7 +57,8 @@ def structure_problems(prep) -> list[str]:
     out: list[str] = []
     if sorted(set(placement)) != list(range(p)):
         out.append(f"placement {placement} must use every rank 0..{p - 1}")
-    # per template: (listed on another rank, stage out of range, on another rank than its stage)
+    # per template: (listed on another rank, stage out of range, microbatch out of range (an op
+    # coded on its own), a compute op on another rank than its stage's)
     why = []
     any_bad = prep._dup
     for tp in prep._tpls:
@@ -90,7 +97,7 @@ def structure_problems(prep) -> list[str]:
 _BACKWARD_OK = frozenset({(1, 0, 0), (0, 1, 1)})   # (BW, B, W) per (stage, microbatch)
 
 
-def completeness_problems(prep) -> list[str]:
+def completeness_problems(prep: Prepared) -> list[str]:
     """Rule 2: each (stage, microbatch) has one F and one BW, or one B and one W (forward-only
     schedules: one F)."""
     schedule = prep.schedule
@@ -136,7 +143,7 @@ def completeness_problems(prep) -> list[str]:
     return out
 
 
-def comm_problems(prep) -> list[str]:
+def comm_problems(prep: Prepared) -> list[str]:
     """Rule 3 (schedules with comm ops): a send goes to a stage that exists, on that stage's
     rank (unless its kind routes by peer); every input a compute op needs from another rank is
     received earlier on its rank; the sends from one rank to another on a channel and the

@@ -24,8 +24,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import ir
+from .buffers import extra_events
+from .checks import fail, problems, sizes_problems
+from .commmodel import StreamComm, comm_model as comm_model_of
 from .costs import CostModel
 from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel
+from .simresult import DeadlockError, SimResult
 
 __all__ = ["Prepared", "prepare", "LazyTimes", "make_op"]
 
@@ -149,7 +153,6 @@ class Prepared:
     def problems(self) -> list[str]:
         """The problems the validator's rules 1-3 find (:func:`.checks.problems`; [] if none)."""
         if self._problems is None:
-            from .checks import problems
             self._problems = problems(self)
         return self._problems
 
@@ -185,7 +188,6 @@ def prepare_checked(schedule: Schedule, cost: CostModel | None, *, comm: bool = 
     pass on it; raises ValidationError with their messages. With a ``cost`` for another number
     of stages, or None, the rules run on a copy coded without costs (then returned: the caller
     prepares again with its costs, and is told that they do not fit)."""
-    from .checks import fail, problems, sizes_problems
     fail(schedule, sizes_problems(schedule))
     if cost is not None and cost.num_stages != schedule.num_stages:
         cost = None
@@ -258,12 +260,15 @@ def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:
         got = kinds[k] = (base, spec, extras, sid, k in COMM_PAIRS)
         return got
 
-    def code(op: Op, r: int, mb, extra: tuple, seen) -> _Tpl:
+    def code(op: Op, r: int, mb, extra: tuple, seen, keys: tuple | None = None) -> _Tpl:
         k = op.kind
         base, spec, extras, sid, is_send = kinds[k]
         s = op.stage
-        req = tuple(base.requires(op, schedule)) + extra
-        made = tuple(base.produces(op, schedule))
+        if keys is None:
+            req = tuple(base.requires(op, schedule)) + extra
+            made = tuple(base.produces(op, schedule))
+        else:
+            req, made = keys
         needs = tuple(kid(key, r, False) for key in req)
         makes = tuple(kid(key, r, True) for key in made)
         if cost is not None and type(s) is int and 0 <= s < S:
@@ -300,11 +305,6 @@ def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:
                     msgs += 1
         return _Tpl((sid, dur, mem, needs, makes, (), msgs), k, s, op.rank, op.peer, seen, req, made, r)
 
-    def per_stage_ok(op: Op) -> bool:
-        # the template's keys must sit at microbatch 0 to be shifted to each op's
-        base = kinds[op.kind][0]
-        keys = tuple(base.requires(op, schedule)) + tuple(base.produces(op, schedule))
-        return all(type(k) is tuple and len(k) == 3 and k[2] == 0 for k in keys)
 
     # pass 1: per rank, a template index and a microbatch shift per op
     tpls: list[_Tpl] = []
@@ -317,9 +317,11 @@ def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:
         if not info[0].per_stage:
             return -1
         t0 = make_op(op.kind, op.stage, 0, op.rank, op.peer)
-        if not per_stage_ok(t0):
-            return -1
-        tpls.append(code(t0, r, 0, (), bytearray(m)))
+        req, made = tuple(info[0].requires(t0, schedule)), tuple(info[0].produces(t0, schedule))
+        for key in req + made:   # the keys must sit at microbatch 0 to be shifted to each op's
+            if type(key) is not tuple or len(key) != 3 or key[2] != 0:
+                return -1
+        tpls.append(code(t0, r, 0, (), bytearray(m), (req, made)))
         return len(tpls) - 1
 
     def own(op: Op, r: int, extra: tuple) -> int:
@@ -458,10 +460,6 @@ def _ids(first: int, more: tuple) -> tuple:
 
 def _simulate(prep: Prepared, model: str):
     """One simulation of ``prep`` under ``model``: the SimResult, or DeadlockError."""
-    from .buffers import extra_events
-    from .commmodel import StreamComm, comm_model as comm_model_of
-    from .simresult import DeadlockError, SimResult
-
     schedule, cost, plans = prep.schedule, prep.cost, prep.plans
     nccl = comm_model_of(model)  # (None: eager or blocking; refuses unknown names)
     if not prep.n_comm:
