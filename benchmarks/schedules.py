@@ -315,8 +315,9 @@ def render(results: list[dict], command: str, wall: float, jobs: int, extra_cpu:
     L += ["", f"The whole build with communication at p={pc}, m={mc}: `build_schedule(..., with_comm=True)` = "
           "generation + the comm pass (send/recv insertion, the blocking-batch deadlock proof) + validation "
           "(structure, completeness, comm matching, eager simulation, memory budget), CPU seconds. The schedule "
-          "core runs these on integer-coded ops for the built-in op kinds (`schedule/fastsim.py`, checked "
-          "against the general simulator and validator in `tests/test_schedule_fastsim.py`).", "",
+          "core runs these on one integer-coded form of the schedule compiled from the op-kind registry "
+          "(`schedule/engine.py`; the validator's rules on it in `schedule/checks.py`), checked against results "
+          "frozen from the earlier implementations in `tests/test_schedule_fastsim.py`.", "",
           "| schedule | `balanced` | `unbalanced` |", "|---|---|---|"]
     for kind, name in rows:
         if kind != "ours":

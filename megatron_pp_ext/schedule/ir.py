@@ -70,6 +70,9 @@ class OpKind:
     communicators: the process groups (by name) on which the op issues collectives; on NCCL
     every rank of one must issue its collectives in the same order, and none may be the
     pipeline group ("pp"), whose stream carries the point-to-point transfers.
+    per_stage: the kind's functions depend on the op's kind, stage, rank and peer only, and the
+    keys it needs and makes are at the op's own microbatch: the simulator (:mod:`.engine`)
+    then evaluates them once per (kind, stage, rank, peer) instead of once per op.
     """
 
     name: str
@@ -80,6 +83,7 @@ class OpKind:
     duration: Callable[[object, Op], float] = _zero
     memory: Callable[[object, Op], float] = _zero
     communicators: tuple = ()
+    per_stage: bool = False
 
 
 _KINDS: dict[str, OpKind] = {}
@@ -153,6 +157,13 @@ def op_kind(name: str) -> OpKind:
     return got
 
 
+def kind_parts(name: str) -> tuple[OpKind, tuple]:
+    """The registered kind ``name`` and the requirement functions features composed onto it:
+    :func:`op_kind` is their composition (for compilers that evaluate the parts separately)."""
+    op_kind(name)  # unknown kinds raise
+    return _KINDS[name], tuple(_EXTRA_REQUIRES.get(name, {}).values())
+
+
 def op_kinds() -> dict[str, OpKind]:
     return {name: op_kind(name) for name in _KINDS}
 
@@ -176,6 +187,7 @@ F = register_op_kind(OpKind(
     produces=lambda op, s: (("act", op.stage, op.microbatch),),
     duration=lambda c, op: c.t_f[op.stage],
     memory=lambda c, op: c.act[op.stage],
+    per_stage=True,
 ))
 B = register_op_kind(OpKind(
     "B", "compute", "backward for inputs (activation gradient) only",
@@ -183,6 +195,7 @@ B = register_op_kind(OpKind(
     produces=lambda op, s: (("grad", op.stage, op.microbatch),),
     duration=lambda c, op: c.t_b[op.stage],
     memory=lambda c, op: -c.act[op.stage] * (1.0 - c.w_share(op.stage)),
+    per_stage=True,
 ))
 W = register_op_kind(OpKind(
     "W", "compute", "backward for weights, deferred from its B",
@@ -190,6 +203,7 @@ W = register_op_kind(OpKind(
     produces=lambda op, s: (("wgrad", op.stage, op.microbatch),),
     duration=lambda c, op: c.t_w[op.stage],
     memory=lambda c, op: -c.act[op.stage] * c.w_share(op.stage),
+    per_stage=True,
 ))
 BW = register_op_kind(OpKind(
     "BW", "compute", "full backward (inputs and weights together)",
@@ -197,6 +211,7 @@ BW = register_op_kind(OpKind(
     produces=lambda op, s: (("grad", op.stage, op.microbatch), ("wgrad", op.stage, op.microbatch)),
     duration=lambda c, op: c.t_b[op.stage] + c.t_w[op.stage],
     memory=lambda c, op: -c.act[op.stage],
+    per_stage=True,
 ))
 
 # Communication kinds: the one table of what the pipeline's messages carry. SEND_F(s, m) sends the
@@ -224,11 +239,13 @@ def pipeline_message(kind: str, stage: int, microbatch: int) -> tuple[str, int, 
 
 
 def _send_kind(name: str, what: str) -> OpKind:
-    return OpKind(name, "comm", what, requires=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),))
+    return OpKind(name, "comm", what, requires=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),),
+                  per_stage=True)
 
 
 def _recv_kind(name: str, what: str) -> OpKind:
-    return OpKind(name, "comm", what, produces=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),))
+    return OpKind(name, "comm", what, produces=lambda op, s: (pipeline_message(op.kind, op.stage, op.microbatch),),
+                  per_stage=True)
 
 
 SEND_F = register_op_kind(_send_kind("SEND_F", "send a forward activation to the next stage"))

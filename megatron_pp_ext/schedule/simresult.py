@@ -1,5 +1,5 @@
 """What a simulation gives: :class:`SimResult`, and :class:`DeadlockError` when a schedule cannot
-run to the end. Its own module so that the simulators (:mod:`.simulate`, :mod:`.fastsim`) and the
+run to the end. Its own module so that the simulator (:mod:`.simulate`, :mod:`.engine`) and the
 validator share it without importing each other."""
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Every generated schedule passes through :func:`validate` before anything runs. C
    feature collective runs on a communicator of its own, issued in the same order on every
    rank that takes part.
 
-Feature packages register extra checks with :func:`register_check`.
+Checks 1-3 are :mod:`.checks` (one implementation each, on the simulator's compiled form);
+4 and 5 read the simulations of that same form (:mod:`.engine`). Feature packages register
+extra checks with :func:`register_check`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Callable
 
 from .commmodel import check_matching_order, comm_model as _comm_model
 from .costs import CostModel
-from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, comm_channel, matching_recv, op_kind
-from . import fastsim
-from .checks import ValidationError, check_complete, check_structure
+from .ir import COMM_PAIRS, Schedule, comm_channel, op_kind
+from . import engine
+from .checks import ValidationError, check_comm, check_complete, check_structure  # noqa: F401  (rules 1-3)
 from .checks import fail as _fail
 from .simresult import SimResult
 from .simulate import simulate
@@ -47,54 +49,9 @@ def register_check(check: Callable[[Schedule, CostModel], None]) -> Callable:
     return check
 
 
-def check_comm(schedule: Schedule) -> None:
-    if not schedule.has_comm():
-        return
-    problems: list[str] = []
-    placement = schedule.placement
-    sends: dict[tuple, list] = defaultdict(list)     # (src, dst, channel) -> [(kind, stage, mb) of recv]
-    recvs: dict[tuple, list] = defaultdict(list)
-    recv_set = set()
-    for r, rank_ops in enumerate(schedule.ops):
-        received = set()
-        for op in rank_ops:
-            spec = op_kind(op.kind)
-            if spec.category == "comm":
-                if op.kind in COMM_PAIRS:
-                    rk, rs, rm = matching_recv(op)
-                    if not 0 <= rs < schedule.num_stages:
-                        problems.append(f"rank {r}: {op} sends to a stage that does not exist")
-                        continue
-                    if op.kind not in PEER_ROUTED and op.peer != placement[rs]:
-                        problems.append(f"rank {r}: {op} must go to rank {placement[rs]} (stage {rs})")
-                    sends[(r, op.peer, comm_channel(op.kind))].append((rk, rs, rm))
-                else:
-                    recvs[(op.peer, r, comm_channel(op.kind))].append((op.kind, op.stage, op.microbatch))
-                    recv_set.add((op.kind, op.stage, op.microbatch, r))
-                    received.update(spec.produces(op, schedule))
-            elif spec.category == "compute":
-                for key in spec.requires(op, schedule):
-                    tag, ks, _ = key
-                    if 0 <= ks < schedule.num_stages and placement[ks] != r and key not in received:
-                        problems.append(f"rank {r}: {op} needs {key} from rank {placement[ks]} "
-                                        "but no receive for it comes earlier on this rank")
-    for chan in set(sends) | set(recvs):
-        if sends[chan] != recvs[chan]:
-            s, d = chan[:2]
-            extra_s = set(sends[chan]) - set(recvs[chan])
-            extra_r = set(recvs[chan]) - set(sends[chan])
-            if extra_s or extra_r:
-                problems.append(f"ranks {s}->{d}: unmatched sends {sorted(extra_s)[:3]} / "
-                                f"unmatched receives {sorted(extra_r)[:3]}")
-            else:
-                problems.append(f"ranks {s}->{d}: sends and receives are in different orders "
-                                "(point-to-point matches in order)")
-    _fail(schedule, problems)
-
-
 def validate(schedule: Schedule, cost: CostModel | None = None, *,
              memory_budget: float | None = None, deadlock_proven: bool = False,
-             prepared: "fastsim.Prepared | None" = None, want_result: bool = True) -> SimResult | None:
+             prepared: "engine.Prepared | None" = None, want_result: bool = True) -> SimResult | None:
     """Run every check; return the (eager-communication) simulation under ``cost``, default uniform.
 
     ``deadlock_proven``: the caller has just run the blocking-batch simulation of this very
@@ -107,34 +64,26 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     if cost is None and schedule.num_ranks and schedule.num_stages \
             and schedule.num_stages % schedule.num_ranks == 0:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
-    # built-in kinds: checks and simulations on one coded copy (fastsim.py), same verdicts
+    # rules 1-3 (checks.py) and the simulations on one coded copy (engine.py)
     if prepared is not None and prepared.schedule is schedule and prepared.cost is cost:
         prep = prepared
+        _fail(schedule, prep.problems())
     else:
-        prep = fastsim.prepare(schedule, cost) if cost is not None else None
-    if prep is None or not prep.check():
-        prep = None
-        check_structure(schedule)
-        check_complete(schedule)
-        check_comm(schedule)
+        prep = engine.prepare_checked(schedule, cost)
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     cost.check_scale(schedule.num_microbatches, "cost model")
     for check in _CHECKS:
         check(schedule, cost)
-    result = None
-    if prep is not None:
-        if prep.n_comm and not deadlock_proven:
-            prep.simulate(eager=False)  # the deadlock proof
-        proof = prep.results.get(False)
-        if not want_result and proof is not None and min(cost.t_f) > 0:
-            _check_budget(schedule, proof.peak_memory, memory_budget)
-            return None
-        result = prep.simulate(eager=True)
-    elif schedule.has_comm() and not deadlock_proven:
-        simulate(schedule, cost, comm_model="blocking", check=False)  # the deadlock proof
-    if result is None:
-        result = simulate(schedule, cost, check=False)
+    if prep.cost is not cost:
+        prep = engine.prepare(schedule, cost)
+    if prep.n_comm and not deadlock_proven:
+        prep.simulate(eager=False)  # the deadlock proof
+    proof = prep.results.get(False)
+    if not want_result and proof is not None and min(cost.t_f) > 0:
+        _check_budget(schedule, proof.peak_memory, memory_budget)
+        return None
+    result = prep.simulate(eager=True)
     _check_budget(schedule, result.peak_memory, memory_budget)
     return result
 

@@ -47,15 +47,12 @@ def score(sched: Schedule, cost: CostModel) -> tuple[float, float]:
 def pattern_targets(sched: Schedule, cost: CostModel) -> dict[tuple[str, int, int], float]:
     """Start time of every op of compute-only ``sched`` under ``cost``, keyed ``(kind,
     stage, microbatch)``: deadlines for :func:`.greedy.list_schedule` (``targets``)."""
-    from .. import fastsim
     from ..simulate import simulate
-    res = fastsim.simulate_builtin(sched, cost, eager=True) or simulate(sched, cost, check=False)
-    if isinstance(res.times, fastsim.LazyTimes):  # per-rank arrays: no op -> times dict
-        out = {}
-        for rank_ops, starts in zip(sched.ops, res.times.rank_arrays()[0]):
-            out.update(zip([(op.kind, op.stage, op.microbatch) for op in rank_ops], starts))
-        return out
-    return {(op.kind, op.stage, op.microbatch): st for op, (st, _) in res.times.items()}
+    res = simulate(sched, cost, check=False)
+    out = {}
+    for rank_ops, starts in zip(sched.ops, res.times.rank_arrays()[0]):  # per-rank arrays: no op -> times dict
+        out.update(zip([(op.kind, op.stage, op.microbatch) for op in rank_ops], starts))
+    return out
 
 
 def _key(ms: float, peak: float) -> tuple[float, float]:

@@ -21,17 +21,21 @@ before the send time <= s, so the receiver is not stuck past it; if it waits to 
 the sender's batch follows an op that ended at the send time <= s, and every op before that
 started strictly earlier. Either way a stuck rank has an earlier s: contradiction. The
 validator re-checks it by simulation, so the argument is never trusted alone.
+
+The pass runs on the simulator's compiled form (:func:`..engine.prepare`): the keys each op
+sends and where they are first needed are integer ids; every op kind goes the same way.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from itertools import accumulate
 
 from ..costs import CostModel
-from .. import fastsim
-from ..ir import PIPELINE_MESSAGES, Op, Schedule, op_kind
-from ..simulate import DeadlockError, simulate
+from .. import engine
+from ..ir import PIPELINE_MESSAGES, Schedule
+from ..simresult import DeadlockError
 from .gaps import insert_at_gaps
 
 # key tag -> (send kind, stage offset from the producer stage to the consumer stage), and the
@@ -59,18 +63,15 @@ def insert_comm(schedule: Schedule, cost: CostModel | None = None, *, recv_place
     return _insert(schedule, cost, early=recv_placement == "early")
 
 
-def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "fastsim.Prepared | None"]:
+def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "engine.Prepared | None"]:
     """``insert_comm(..., recv_placement="auto")`` for a compute-only schedule, also returning
-    the coded copy (:func:`..fastsim.prepare`) on which the blocking run proved the early
-    placement deadlock-free (None: safe placement, or not a built-in-kinds schedule), so that
+    the coded copy (:func:`..engine.prepare`) on which the blocking run proved the early
+    placement deadlock-free (None: safe placement), so that
     :func:`..validate.validate` can check and simulate it without coding it again."""
     early = _insert(schedule, cost, early=True)
-    prep = fastsim.prepare(early, cost)
+    prep = engine.prepare(early, cost)
     try:
-        if prep is not None:
-            prep.simulate(eager=False)
-        else:
-            simulate(early, cost, comm_model="blocking", check=False)
+        prep.simulate(eager=False)
     except DeadlockError:
         return _insert(schedule, cost, early=False), None
     early.meta["comm_placement"] = PROVEN_EARLY
@@ -78,116 +79,67 @@ def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "
 
 
 def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
-    prep = fastsim.prepare(schedule, cost)
-    if prep is not None and not prep.n_comm:
-        fast = _insert_builtin(schedule, prep, early)
-        if fast is not None:
-            return fast
-    times = simulate(schedule, cost, check=False).times
+    """The pass (module doc) on the simulator's compiled form (:func:`..engine.prepare`): keys,
+    the ranks that need them and the first op there that does, as integer ids."""
+    prep = engine.prepare(schedule, cost)
+    st_arr, en_arr = prep.simulate(eager=True).times.rank_arrays()   # the compute-only timeline
     placement = schedule.placement
     S = schedule.num_stages
-    # gap index -> list of (sort key, op); gap k sits before compute op k of the rank.
+    # per rank, in list order (made monotone: feature streams may overlap): when op k starts,
+    # and when gap k (before op k) opens, i.e. op k-1 ends
+    starts = [list(accumulate(st, max)) for st in st_arr]
+    opens = [[0.0] + list(accumulate(en, max)) for en in en_arr]
+    tpls = prep._tpls
+    first_use = [-1] * prep.n_ids    # key id (a key on a rank) -> first op there that needs it
+    for tl, sl in zip(prep._tids, prep._shifts):
+        for i, (t, mb) in enumerate(zip(tl, sl)):
+            for k in tpls[t].code[3]:
+                k += mb
+                if first_use[k] < 0:
+                    first_use[k] = i
+    # per template: the messages its op sends (send kind, receive kind, stage, offset of the
+    # key's microbatch, receiving stage and rank, id of the key there)
+    sends: list = []
+    for tp in tpls:
+        out = []
+        for key in tp.made:
+            tag, stage, kmb = key
+            if tag not in _SENDS:
+                continue
+            send_kind, off = _SENDS[tag]
+            dst_stage = stage + off
+            if not 0 <= dst_stage < S or placement[dst_stage] == tp.r:
+                continue
+            dst = placement[dst_stage]
+            i = prep.key_id(key, dst)
+            if i >= 0:
+                out.append((send_kind, _RECV_OF[send_kind], stage, kmb, dst_stage, dst, i))
+        sends.append(out)
     gaps: list[dict[int, list]] = [defaultdict(list) for _ in range(schedule.num_ranks)]
-    # Per rank, in list order (made monotone: feature streams may overlap): when op k starts,
-    # and when gap k (before op k) opens, i.e. op k-1 ends.
-    starts, opens = [], []
-    for rank_ops in schedule.ops:
-        st, op_end, s_list, o_list = 0.0, 0.0, [], [0.0]
-        for op in rank_ops:
-            st, op_end = max(st, times[op][0]), max(op_end, times[op][1])
-            s_list.append(st)
-            o_list.append(op_end)
-        starts.append(s_list)
-        opens.append(o_list)
-    first_use: dict[tuple, int] = {}  # (rank, key) -> index of the first op needing it there
-    for r, rank_ops in enumerate(schedule.ops):
-        for i, op in enumerate(rank_ops):
-            for key in op_kind(op.kind).requires(op, schedule):
-                first_use.setdefault((r, key), i)
-
-    for r, rank_ops in enumerate(schedule.ops):
-        for i, op in enumerate(rank_ops):
-            for key in op_kind(op.kind).produces(op, schedule):
-                tag, stage, mb = key
-                if tag not in _SENDS:
-                    continue
-                send_kind, off = _SENDS[tag]
-                dst_stage = stage + off
-                if not 0 <= dst_stage < S or placement[dst_stage] == r:
-                    continue
-                dst = placement[dst_stage]
-                if (dst, key) not in first_use:
-                    continue  # nobody consumes it (e.g. gradients of a forward-only schedule)
-                t = times[op][1]
-                sort_key = (t, send_kind, stage, mb)
-                gaps[r][i + 1].append((sort_key, Op(send_kind, stage, mb, r, dst)))
-                if early:
-                    k = min(first_use[(dst, key)], bisect.bisect_right(opens[dst], t) - 1)
-                else:
-                    k = bisect.bisect_left(starts[dst], t)
-                gaps[dst][k].append((sort_key, Op(_RECV_OF[send_kind], dst_stage, mb, dst, r)))
-
-    new_ops = [insert_at_gaps(rank_ops, gaps[r]) for r, rank_ops in enumerate(schedule.ops)]
-    meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
-    return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
-
-
-def _insert_builtin(schedule: Schedule, prep: "fastsim.Prepared", early: bool) -> Schedule | None:
-    """:func:`_insert` for a compute-only schedule of the built-in kinds (``prep``), on the
-    fast simulator's arrays instead of per-op dictionaries: the same ops in the same order.
-    For these kinds the only consumer of ``act(s, k)`` on another rank is F(s+1, k), and of
-    ``grad(s, k)`` is B or BW(s-1, k); op start and end times on a rank are non-decreasing in
-    a compute-only timeline, so they are their own running maxima. None when the
-    compute-only run fails (the general path then reports it)."""
-    res = prep.simulate(eager=True)
-    if res is None or not isinstance(res.times, fastsim.LazyTimes):
-        return None
-    st_arr, en_arr = res.times.rank_arrays()
-    placement = schedule.placement
-    S = len(placement)
-    m = schedule.num_microbatches
-    p = schedule.num_ranks
-    N = prep.N
-    plans = prep.plans
-    # index on its rank of every compute op, by code (kind, stage, microbatch)
-    pos = [-1] * (4 * N)
-    for lst in plans:
-        for i, pl in enumerate(lst):
-            pos[pl[9]] = i
-    starts = st_arr
-    opens = [[0.0] + en for en in en_arr]
-    gaps: list[dict[int, list]] = [defaultdict(list) for _ in range(p)]
     bl, br = bisect.bisect_left, bisect.bisect_right
-    mk = fastsim.make_op
-    for r, lst in enumerate(plans):
+    mk = engine.make_op
+    for r, (tl, sl) in enumerate(zip(prep._tids, prep._shifts)):
         ends_r = en_arr[r]
         g_r = gaps[r]
-        for i, pl in enumerate(lst):
-            if not pl[8]:
-                continue  # makes nothing another rank needs
-            kid = pl[0]
-            s, mb = divmod(pl[9] - kid * N, m)
-            if kid == 0:   # F: act(s) to F(s+1)
-                dst_stage, send_kind, recv_kind = s + 1, "SEND_F", "RECV_F"
-                use = pos[dst_stage * m + mb]
-            else:          # B/BW: grad(s) to B or BW(s-1)
-                dst_stage, send_kind, recv_kind = s - 1, "SEND_B", "RECV_B"
-                use = pos[N + dst_stage * m + mb]
+        for i, (t, mb) in enumerate(zip(tl, sl)):
+            out = sends[t]
+            if not out:
+                continue
+            for send_kind, recv_kind, stage, kmb, dst_stage, dst, k in out:
+                use = first_use[k + mb]
                 if use < 0:
-                    use = pos[3 * N + dst_stage * m + mb]
-            if use < 0:
-                continue  # nobody consumes it
-            dst = placement[dst_stage]
-            t = ends_r[i]
-            sort_key = (t, send_kind, s, mb)
-            g_r[i + 1].append((sort_key, mk(send_kind, s, mb, r, dst)))
-            if early:
-                kk = br(opens[dst], t) - 1
-                if use < kk:
-                    kk = use
-            else:
-                kk = bl(starts[dst], t)
-            gaps[dst][kk].append((sort_key, mk(recv_kind, dst_stage, mb, dst, r)))
+                    continue  # nobody consumes it (e.g. gradients of a forward-only schedule)
+                kmb += mb
+                t_end = ends_r[i]
+                sort_key = (t_end, send_kind, stage, kmb)
+                g_r[i + 1].append((sort_key, mk(send_kind, stage, kmb, r, dst)))
+                if early:
+                    kk = br(opens[dst], t_end) - 1
+                    if use < kk:
+                        kk = use
+                else:
+                    kk = bl(starts[dst], t_end)
+                gaps[dst][kk].append((sort_key, mk(recv_kind, dst_stage, kmb, dst, r)))
     new_ops = [insert_at_gaps(rank_ops, gaps[r]) for r, rank_ops in enumerate(schedule.ops)]
     meta = dict(schedule.meta, comm_inserted=True, comm_placement="early" if early else "safe")
     return Schedule(schedule.name, schedule.num_microbatches, placement, new_ops, meta)
