@@ -13,14 +13,11 @@ the problems found. :func:`.validate.validate` and :func:`.simulate.simulate` ru
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
-
+from .costs import CostModel
+from .engine import Prepared, prepare
 from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, ScheduleError, op_kind
 
-if TYPE_CHECKING:
-    from .engine import Prepared
-
-__all__ = ["ValidationError", "check_structure", "check_complete", "check_comm", "problems", "fail",
+__all__ = ["ValidationError", "prepare_checked", "problems", "fail",
            "sizes_problems", "structure_problems", "completeness_problems", "comm_problems"]
 
 
@@ -223,23 +220,14 @@ def _pair_order(chan: tuple) -> tuple:
     return (-1 if src is None else src, -1 if dst is None else dst, name)
 
 
-def _prepared(schedule: Schedule):
-    from .costs import CostModel
-    from .engine import prepare
-    return prepare(schedule, CostModel.uniform(schedule.num_stages, 1))
-
-
-def check_structure(schedule: Schedule) -> None:
-    """Raise ValidationError unless rule 1 holds."""
+def prepare_checked(schedule: Schedule, cost: CostModel | None, *, comm: bool = True) -> Prepared:
+    """:func:`.engine.prepare`, once rules 1-3 (``comm=False``: 1 and 2) pass on it; raises
+    ValidationError with their messages. With a ``cost`` for another number of stages, or None,
+    the rules run on a copy coded without costs (then returned: the caller prepares again with
+    its costs, and is told that they do not fit)."""
     fail(schedule, sizes_problems(schedule))
-    fail(schedule, structure_problems(_prepared(schedule)))
-
-
-def check_complete(schedule: Schedule) -> None:
-    """Raise ValidationError unless rule 2 holds (on a schedule that passes rule 1)."""
-    fail(schedule, completeness_problems(_prepared(schedule)))
-
-
-def check_comm(schedule: Schedule) -> None:
-    """Raise ValidationError unless rule 3 holds (on a schedule that passes rules 1 and 2)."""
-    fail(schedule, comm_problems(_prepared(schedule)))
+    if cost is not None and cost.num_stages != schedule.num_stages:
+        cost = None
+    prep = prepare(schedule, cost)
+    fail(schedule, problems(prep, comm))
+    return prep

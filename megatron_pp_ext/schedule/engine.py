@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import ir
-from .checks import fail, problems, sizes_problems
 from .costs import CostModel
 from .ir import COMM_PAIRS, Op, Schedule, ScheduleError, comm_channel
 
@@ -134,7 +133,7 @@ class Prepared:
     Build with :func:`prepare`."""
 
     __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_cids", "n_streams", "results",
-                 "_tpls", "_tids", "_shifts", "_dup", "_ids", "_cblocks", "_problems")
+                 "_tpls", "_tids", "_shifts", "_dup", "_ids", "_cblocks")
 
     def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int, n_cids: int,
                  n_streams: int, tpls: list, tids: list, shifts: list, dup: bool, ids, cblocks: dict) -> None:
@@ -142,28 +141,7 @@ class Prepared:
         self.plans, self.n_comm, self.n_ids, self.n_cids, self.n_streams = plans, n_comm, n_ids, n_cids, n_streams
         self._tpls, self._tids, self._shifts, self._dup, self._ids = tpls, tids, shifts, dup, ids
         self._cblocks = cblocks
-        self.results: dict = {}   # comm model -> the last SimResult of that model
-        self._problems = None     # what the validator's rules 1-3 found, once asked
-
-    def problems(self) -> list[str]:
-        """The problems the validator's rules 1-3 find (:func:`.checks.problems`; [] if none)."""
-        if self._problems is None:
-            self._problems = problems(self)
-        return self._problems
-
-    def check(self) -> bool:
-        """True: the validator's structure, completeness and comm rules all pass."""
-        return not self.problems()
-
-    def simulate(self, eager: bool | str = True):
-        """The :class:`.simresult.SimResult` under ``eager`` (True: "eager", False: "blocking",
-        or a model's name); also kept in :attr:`results` (by eager/blocking: True/False)."""
-        model = ("eager" if eager else "blocking") if isinstance(eager, bool) else eager
-        from .eventloop import run
-        res = run(self, model)
-        if model in ("eager", "blocking"):
-            self.results[model == "eager"] = res
-        return res
+        self.results: dict = {}   # eager (True) / blocking (False) -> the last SimResult (eventloop.simulate)
 
     def key_id(self, key, rank: int) -> int:
         """The id of data key ``key`` on ``rank`` (-1: no op there needs or makes it)."""
@@ -177,19 +155,6 @@ class Prepared:
             if len(ck) == 4 and base == i:
                 return ck[1:]
         raise KeyError(i)
-
-
-def prepare_checked(schedule: Schedule, cost: CostModel | None, *, comm: bool = True) -> Prepared:
-    """:func:`prepare`, once the validator's rules 1-3 (:mod:`.checks`; ``comm=False``: 1 and 2)
-    pass on it; raises ValidationError with their messages. With a ``cost`` for another number
-    of stages, or None, the rules run on a copy coded without costs (then returned: the caller
-    prepares again with its costs, and is told that they do not fit)."""
-    fail(schedule, sizes_problems(schedule))
-    if cost is not None and cost.num_stages != schedule.num_stages:
-        cost = None
-    prep = prepare(schedule, cost)
-    fail(schedule, problems(prep, comm))
-    return prep
 
 
 def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:

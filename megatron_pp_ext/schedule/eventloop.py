@@ -11,20 +11,25 @@ the memory timelines, the result -- is outside it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from . import ir
 from .buffers import extra_events
 from .commmodel import StreamComm, comm_model as comm_model_of
-from .engine import _COMM, LazyTimes
+from .engine import _COMM, LazyTimes, Prepared
 from .ir import Op, Schedule, ScheduleError
 from .simresult import DeadlockError, SimResult
 
-if TYPE_CHECKING:
-    from .engine import Prepared
+__all__ = ["simulate", "run"]
 
-__all__ = ["run"]
 
+
+def simulate(prep: Prepared, eager: bool | str = True) -> SimResult:
+    """The :class:`.simresult.SimResult` of ``prep`` under ``eager`` (True: "eager", False:
+    "blocking", or a model's name); also kept in ``prep.results`` (by eager/blocking: True/False)."""
+    model = ("eager" if eager else "blocking") if isinstance(eager, bool) else eager
+    res = run(prep, model)
+    if model in ("eager", "blocking"):
+        prep.results[model == "eager"] = res
+    return res
 
 
 def _ids(first: int, more: tuple) -> tuple:
@@ -32,7 +37,7 @@ def _ids(first: int, more: tuple) -> tuple:
     return more if first == -2 else (first,) if first >= 0 else ()
 
 
-def run(prep: "Prepared", model: str) -> SimResult:
+def run(prep: Prepared, model: str) -> SimResult:
     """One simulation of ``prep`` under ``model``: the SimResult, or DeadlockError."""
     schedule, cost, plans = prep.schedule, prep.cost, prep.plans
     nccl = comm_model_of(model)  # (None: eager or blocking; refuses unknown names)
@@ -462,7 +467,7 @@ def run(prep: "Prepared", model: str) -> SimResult:
     return _result(prep, model, starts, ends, busy, messages, comm_wait, mem_events, ready, recv_fix)
 
 
-def _result(prep: "Prepared", model: str, starts, ends, busy, messages, comm_wait, mem_events, ready,
+def _result(prep: Prepared, model: str, starts, ends, busy, messages, comm_wait, mem_events, ready,
             recv_fix) -> SimResult:
     """The SimResult of a finished run: receive ends (eager), the makespan, each rank's memory
     timeline and peak (with the transients and message buffers of buffers.py)."""

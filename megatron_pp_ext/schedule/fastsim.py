@@ -53,8 +53,8 @@ def accepts(schedule: Schedule) -> bool:
     """True when the schedule passes the validator's structure, completeness and
     communication checks (on the compiled form, any op kinds)."""
     from . import engine
-    from .checks import sizes_problems
-    return not sizes_problems(schedule) and engine.prepare(schedule, None).check()
+    from .checks import problems, sizes_problems
+    return not sizes_problems(schedule) and not problems(engine.prepare(schedule, None))
 
 
 check_builtin = accepts

@@ -45,13 +45,13 @@ def simulate(schedule: Schedule, cost: CostModel, *, comm_model: str = "eager", 
     refuse for its structure or completeness (an op missing or duplicated, no microbatch, a
     placement that does not match the ops), and costs the arithmetic cannot carry
     (:meth:`CostModel.check_scale`). Generators simulating their own orders pass False."""
-    from . import engine
+    from . import checks, engine, eventloop
     comm_model_of(comm_model)  # refuses unknown names
     if cost.num_stages != schedule.num_stages:
         raise ScheduleError(f"cost model has {cost.num_stages} stages, schedule has {schedule.num_stages}")
     if check:
-        prep = engine.prepare_checked(schedule, cost, comm=False)
+        prep = checks.prepare_checked(schedule, cost, comm=False)
         cost.check_scale(schedule.num_microbatches, "cost model")
     else:
         prep = engine.prepare(schedule, cost)
-    return prep.simulate(comm_model)
+    return eventloop.simulate(prep, comm_model)

@@ -33,8 +33,8 @@ from typing import Callable
 from .commmodel import check_matching_order, comm_model as _comm_model
 from .costs import CostModel
 from .ir import COMM_PAIRS, Schedule, comm_channel, op_kind
-from . import engine
-from .checks import ValidationError, check_comm, check_complete, check_structure  # noqa: F401  (rules 1-3)
+from . import checks, engine, eventloop
+from .checks import ValidationError, comm_problems, completeness_problems, sizes_problems, structure_problems  # noqa: F401
 from .checks import fail as _fail
 from .simresult import SimResult
 from .simulate import simulate
@@ -67,9 +67,9 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     # rules 1-3 (checks.py) and the simulations on one coded copy (engine.py)
     if prepared is not None and prepared.schedule is schedule and prepared.cost is cost:
         prep = prepared
-        _fail(schedule, prep.problems())
+        _fail(schedule, checks.problems(prep))
     else:
-        prep = engine.prepare_checked(schedule, cost)
+        prep = checks.prepare_checked(schedule, cost)
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
     cost.check_scale(schedule.num_microbatches, "cost model")
@@ -78,12 +78,12 @@ def validate(schedule: Schedule, cost: CostModel | None = None, *,
     if prep.cost is not cost:
         prep = engine.prepare(schedule, cost)
     if prep.n_comm and not deadlock_proven:
-        prep.simulate(eager=False)  # the deadlock proof
+        eventloop.simulate(prep, eager=False)  # the deadlock proof
     proof = prep.results.get(False)
     if not want_result and proof is not None and min(cost.t_f) > 0:
         _check_budget(schedule, proof.peak_memory, memory_budget)
         return None
-    result = prep.simulate(eager=True)
+    result = eventloop.simulate(prep, eager=True)
     _check_budget(schedule, result.peak_memory, memory_budget)
     return result
 
@@ -148,3 +148,25 @@ def check_communicators(schedule: Schedule) -> list[str]:
                                 f"{first[i] if i < len(first) else None} vs {by_rank[r][i] if i < len(by_rank[r]) else None})")
                 break
     return problems
+
+
+# -- rules 1-3 one at a time, on a schedule (the validator runs them together: checks.prepare_checked)
+
+def _prepared(schedule: Schedule):
+    return engine.prepare(schedule, CostModel.uniform(schedule.num_stages, 1))
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Raise ValidationError unless rule 1 holds."""
+    _fail(schedule, sizes_problems(schedule))
+    _fail(schedule, structure_problems(_prepared(schedule)))
+
+
+def check_complete(schedule: Schedule) -> None:
+    """Raise ValidationError unless rule 2 holds (on a schedule that passes rule 1)."""
+    _fail(schedule, completeness_problems(_prepared(schedule)))
+
+
+def check_comm(schedule: Schedule) -> None:
+    """Raise ValidationError unless rule 3 holds (on a schedule that passes rules 1 and 2)."""
+    _fail(schedule, comm_problems(_prepared(schedule)))

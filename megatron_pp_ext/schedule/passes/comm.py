@@ -33,7 +33,7 @@ from collections import defaultdict
 from itertools import accumulate
 
 from ..costs import CostModel
-from .. import engine
+from .. import engine, eventloop
 from ..ir import PIPELINE_MESSAGES, Schedule
 from ..simresult import DeadlockError
 from .gaps import insert_at_gaps
@@ -71,7 +71,7 @@ def insert_comm_proven(schedule: Schedule, cost: CostModel) -> tuple[Schedule, "
     early = _insert(schedule, cost, early=True)
     prep = engine.prepare(early, cost)
     try:
-        prep.simulate(eager=False)
+        eventloop.simulate(prep, eager=False)
     except DeadlockError:
         return _insert(schedule, cost, early=False), None
     early.meta["comm_placement"] = PROVEN_EARLY
@@ -82,7 +82,7 @@ def _insert(schedule: Schedule, cost: CostModel, early: bool) -> Schedule:
     """The pass (module doc) on the simulator's compiled form (:func:`..engine.prepare`): keys,
     the ranks that need them and the first op there that does, as integer ids."""
     prep = engine.prepare(schedule, cost)
-    st_arr, en_arr = prep.simulate(eager=True).times.rank_arrays()   # the compute-only timeline
+    st_arr, en_arr = eventloop.simulate(prep, eager=True).times.rank_arrays()   # the compute-only timeline
     placement = schedule.placement
     S = schedule.num_stages
     # per rank, in list order (made monotone: feature streams may overlap): when op k starts,
