@@ -32,6 +32,25 @@ def simulate(prep: Prepared, eager: bool | str = True) -> SimResult:
     return res
 
 
+def _latest(ready: list, t: float, first: int, more: tuple) -> tuple[float, int]:
+    """When the keys of an op are all there, at least ``t``: (time, -1), or (t, the first key id
+    not there yet). ``first``/``more``: the op's key ids as the compiled form codes them (-1
+    none, -2 several: ``more``)."""
+    if first >= 0:
+        kt = ready[first]
+        if kt < 0:
+            return t, first
+        return (kt if kt > t else t), -1
+    if first == -2:
+        for k in more:
+            kt = ready[k]
+            if kt < 0:
+                return t, k
+            if kt > t:
+                t = kt
+    return t, -1
+
+
 def _ids(first: int, more: tuple) -> tuple:
     """A comm op's key ids from its need0 / make0 field and its needs / makes tuple."""
     return more if first == -2 else (first,) if first >= 0 else ()
@@ -80,6 +99,13 @@ def run(prep: Prepared, model: str) -> SimResult:
             if not queued[q]:
                 queued[q] = True
                 stack.append(q)
+
+    def publish(first: int, more: tuple, t: float) -> None:
+        """The keys of an op (coded as in :func:`_latest`) are there at ``t``; wake who waits."""
+        for k in ((first,) if first >= 0 else more if first == -2 else ()):
+            ready[k] = t
+            if wait_on[k] is not None:
+                wake(k)
 
     def cwake(c: int) -> None:
         ws = cwait[c]
@@ -234,25 +260,9 @@ def run(prep: Prepared, model: str) -> SimResult:
             if plain:
                 if pl[9] is not None:
                     raise ScheduleError(pl[9])
-                t_post = t_free if t_free > t_last else t_last
-                k = pl[10]
-                if k >= 0:
-                    kt = ready[k]
-                    if kt < 0:
-                        blocked = k
-                        break
-                    if kt > t_post:
-                        t_post = kt
-                elif k == -2:
-                    for k in pl[3]:
-                        kt = ready[k]
-                        if kt < 0:
-                            blocked = k
-                            break
-                        if kt > t_post:
-                            t_post = kt
-                    if blocked >= 0:
-                        break
+                t_post, blocked = _latest(ready, t_free if t_free > t_last else t_last, pl[10], pl[3])
+                if blocked >= 0:
+                    break
                 st_r[i] = en_r[i] = t_last = t_post
                 if pl[5]:  # a send
                     nmsg += 1
@@ -268,15 +278,7 @@ def run(prep: Prepared, model: str) -> SimResult:
                     rr, k, keys, t_recv, rmem = w
                     both = t_post if t_post > t_recv else t_recv
                     arrive = round(both + comm, 9) if pl[1] <= 0 else transfer_end(r, rr, pl[8], both, pl[1])
-                    if k >= 0:
-                        ready[k] = arrive
-                        if wait_on[k] is not None:
-                            wake(k)
-                    elif k == -2:
-                        for k in keys:
-                            ready[k] = arrive
-                            if wait_on[k] is not None:
-                                wake(k)
+                    publish(k, keys, arrive)
                     if pl[2]:
                         ev.append((arrive, 0, pl[2]))
                     if rmem:
@@ -296,16 +298,7 @@ def run(prep: Prepared, model: str) -> SimResult:
                 sdur, smem, sr, schan = send_more.pop(c) if send_more and c in send_more else (0, 0, 0, 0)
                 both = t_post if t_post > t_send else t_send
                 arrive = round(both + comm, 9) if sdur <= 0 else transfer_end(sr, r, schan, both, sdur)
-                k = pl[11]
-                if k >= 0:
-                    ready[k] = arrive
-                    if wait_on[k] is not None:
-                        wake(k)
-                elif k == -2:
-                    for k in pl[4]:
-                        ready[k] = arrive
-                        if wait_on[k] is not None:
-                            wake(k)
+                publish(pl[11], pl[4], arrive)
                 if smem:
                     mem_events[sr].append((arrive, 0, smem))
                 if pl[2]:
@@ -323,13 +316,7 @@ def run(prep: Prepared, model: str) -> SimResult:
                     pk = lst[k]
                     if pk[9] is not None:
                         raise ScheduleError(pk[9])
-                    for key in _ids(pk[10], pk[3]):
-                        kt = ready[key]
-                        if kt < 0:
-                            blocked = key
-                            break
-                        if kt > t_post:
-                            t_post = kt
+                    t_post, blocked = _latest(ready, t_post, pk[10], pk[3])
                     if blocked >= 0:
                         break
                     entries.append((ops_r[k], _ids(pk[11], pk[4]), pk[1], pk[2]))
@@ -362,24 +349,9 @@ def run(prep: Prepared, model: str) -> SimResult:
                 t_post = t_free if t_free > t_last else t_last
                 for k in range(i, j):
                     pk = lst[k]
-                    key = pk[10]
-                    if key >= 0:
-                        kt = ready[key]
-                        if kt < 0:
-                            blocked = key
-                            break
-                        if kt > t_post:
-                            t_post = kt
-                    elif key == -2:
-                        for key in pk[3]:
-                            kt = ready[key]
-                            if kt < 0:
-                                blocked = key
-                                break
-                            if kt > t_post:
-                                t_post = kt
-                        if blocked >= 0:
-                            break
+                    t_post, blocked = _latest(ready, t_post, pk[10], pk[3])
+                    if blocked >= 0:
+                        break
                 if blocked >= 0:
                     break
                 batch_post[r] = t_post
@@ -416,16 +388,7 @@ def run(prep: Prepared, model: str) -> SimResult:
                         ev.append((t_post if t_post > pt else pt, 2 * i, mem))
                     else:
                         ev.append((t_done, 2 * j - 1, mem))
-                key = pk[11]
-                if key >= 0:
-                    ready[key] = t_done
-                    if wait_on[key] is not None:
-                        wake(key)
-                elif key == -2:
-                    for key in pk[4]:
-                        ready[key] = t_done
-                        if wait_on[key] is not None:
-                            wake(key)
+                publish(pk[11], pk[4], t_done)
                 if pk[5]:
                     nmsg += 1
             comm_wait[r] += t_done - t_post
