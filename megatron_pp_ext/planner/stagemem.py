@@ -87,6 +87,12 @@ class MemorySetting:
             raise PlannerError(f"wgrad must be one of {WGRAD}, got {self.wgrad!r}")
 
     @property
+    def torch_kernels(self) -> bool:
+        """The local spec's torch ops on a CPU (``attention="torch"``): RMSNorm and dropout then
+        keep what the GPU kernels do not (fp32 copies, masks in the activation dtype)."""
+        return self.attention == "torch"
+
+    @property
     def e(self) -> int:
         """Bytes of an activation element."""
         return 4 if self.precision == "fp32" else 2
@@ -143,7 +149,7 @@ def _norm_bytes(model: ModelSpec, tq: float, st: MemorySetting) -> float:
     h, e = model.hidden, st.e
     if model.norm == "layernorm":
         return tq * e * (h + 2)
-    if st.attention == "torch" and e != 4:
+    if st.torch_kernels and e != 4:
         return tq * 4 * (2 * h + 1)
     return tq * e * (2 * h + 1)
 
@@ -182,7 +188,7 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     drop = 1 if model.dropout else 0
     # a dropout mask: bool from the GPU's fused kernel; on CPU torch's dropout keeps its scaled
     # noise in the activation dtype (measured)
-    mask = e if st.attention == "torch" else 1
+    mask = e if st.torch_kernels else 1
     gqa = kv < a
     rope = model.position == "rope"
     norm = _norm_bytes(model, tq, st)
@@ -232,16 +238,15 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
                                 etp=st.etp)
         k, E = model.moe_topk, model.num_experts
         etp = tp if st.etp is None else st.etp
-        kT, f_t = T * k, model.expert_ffn / etp
+        kT, f_t, experts = T * k, model.expert_ffn / etp, E / st.ep
         mlp_terms["routing indices, weights and map"] = T * (20 * k + 5 * E)
         mlp_terms["dispatched tokens (expert fc1 input)"] = full.breakdown["dispatched tokens (expert fc1 input)"] * e / 2
         mlp_terms.update(_mlp_saved(model, kT, f_t, e, fused=st.fused_activation, prefix="expert ",
                                     routing_weights=True))
-        lin["fc1"] = (kT * h, kT * glu * f_t, (E / st.ep) * glu * f_t * h)
-        lin["fc2"] = (kT * f_t, kT * h, (E / st.ep) * h * f_t)
+        lin["fc1"] = (kT * h, kT * glu * f_t, experts * glu * f_t * h)
+        lin["fc2"] = (kT * f_t, kT * h, experts * h * f_t)
         # SequentialMLP runs its experts' backwards one after another: one expert's activation
         # gradients (its kT/E share, balanced routing) while the dispatched tokens' gradient fills up
-        experts = E / st.ep
         bwd_mlp = (glu + 1) * (kT / experts) * f_t * e + kT * h * e
         if model.moe_shared_ffn:
             fs = model.moe_shared_ffn / tp
@@ -279,6 +284,7 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         before = terms["input norm"] + terms["qkv input"] + terms["q, k, v"] + terms.get("rotary cos/sin (fp32)", 0.0)
         fwd_attn = before + scores * (e + (4 if e != 4 else 0) + 4 + (e if e != 4 else 0)) + s * s
     order = []
+
     def w_item(name: str, share: float = 1.0, gathers: bool = False) -> tuple[float, float, float, float]:
         inp, gout, wnumel = (x / share for x in lin[name])
         gather = T * h * e if (gathers and st.sequence_parallel and tp > 1) else 0.0
