@@ -1090,3 +1090,19 @@ def test_tp2_split_exact():
                 if p.is_alive():
                     p.terminate()
         assert sorted(os.listdir(d)) == ["ok0", "ok1"]
+
+
+def test_a_nested_split_is_refused_and_the_outer_one_stays():
+    """split_weight_grads is not re-entrant: a second one inside the first raises, and the first
+    keeps its patch until it exits (then the layer classes are restored)."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_pp_ext.runtime.wgrad import linear
+    before = layers.ColumnParallelLinear.__dict__["_forward_impl"]
+    with split_weight_grads(WeightGradStore()):
+        patched = layers.ColumnParallelLinear.__dict__["_forward_impl"]
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            with split_weight_grads(WeightGradStore()):
+                pass
+        assert linear.split_active() and layers.ColumnParallelLinear.__dict__["_forward_impl"] is patched
+    assert not linear.split_active() and layers.ColumnParallelLinear.__dict__["_forward_impl"] is before

@@ -46,8 +46,6 @@ def split_weight_grads(store: WeightGradStore,
         raise ValueError(f"sp_gather must be 'w' or 'b', not {sp_gather!r}")
     if te not in ("auto", True, False):
         raise ValueError(f"te must be 'auto', True or False, not {te!r}")
-    if linear.split_active():
-        raise RuntimeError("split_weight_grads is already active (it is not re-entrant)")
     if isinstance(models, torch.nn.Module):
         models = [models]
     local_mods, names = None, {}
