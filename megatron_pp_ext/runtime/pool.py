@@ -139,8 +139,11 @@ def reset_megatron_state() -> None:
 
 def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: list, parent: int | None,
                  forked_by_main_thread: bool, env: dict | None = None, backend: str = "gloo",
-                 preload: tuple = ()) -> None:
+                 preload: tuple = (), fatal_log: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    if fatal_log:  # a native crash (SIGSEGV, SIGABRT, ...): its Python stacks, for the parent's error
+        import faulthandler
+        faulthandler.enable(file=open(fatal_log, "w"), all_threads=True)
     os.environ.update(env or {})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the parent's handler: a worker just stops)
     # a worker (and whatever it forks: checkpoint writers) dies with the pool's process, even
@@ -314,7 +317,8 @@ class WorkerPool:
             others = [c for j, c in enumerate(self._conns) if c is not None and j != i]
             p = self._ctx.Process(target=_worker_main,
                                   args=(i, child, self.threads, self.cpu_compat, others + [end],
-                                        parent, main, env, self.backend, self.preload if spawned else ()),
+                                        parent, main, env, self.backend, self.preload if spawned else (),
+                                        self._fatal_log(i)),
                                   name=f"mppx-pool-{i}", daemon=True)
             p.start()
             child.close()
@@ -322,6 +326,31 @@ class WorkerPool:
             self._conns[i] = end
         finally:
             gc.unfreeze()
+
+    def _fatal_log(self, i: int) -> str:
+        return os.path.join(self._tmp, f"fatal_{i}.txt")
+
+    def _death(self, i: int) -> str:
+        """Why worker ``i`` ended without an answer: its exit status and, after a native crash,
+        the stacks faulthandler wrote (which test and which op, not just "died")."""
+        p = self._procs[i]
+        p.join(timeout=5)  # (its sentinel fires before its exit status is collected)
+        code = p.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        try:
+            with open(self._fatal_log(i)) as f:
+                stacks = f.read().strip()
+        except OSError:
+            stacks = ""
+        if len(stacks) > 6000:
+            stacks = stacks[:6000] + "\n[...]"
+        return f"worker {i} died ({how})" + (f"; its last stacks:\n{stacks}" if stacks else "")
 
     def _recycle(self, workers: list[int]) -> None:
         """Replace workers that exited after their answer (too many leftover gloo threads)."""
@@ -398,11 +427,19 @@ class WorkerPool:
         # The workers' gloo timeout is longer than ours: a hang is reported here as a timeout
         # (and the workers are killed), not as a gloo error on the ranks that waited.
         msg = (task_id, fn, kwargs, world_size, store, min(limit + 60.0, 1e9))
-        for i in range(world_size):
-            self._conns[i].send(msg)
+        if not all(self._procs[i].is_alive() for i in range(world_size)):
+            self.restart()  # one died between configurations (killed from outside)
+        try:
+            for i in range(world_size):
+                self._conns[i].send(msg)
+        except OSError:  # died just now: start clean and send once more
+            self.restart()
+            for i in range(world_size):
+                self._conns[i].send(msg)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         recycle: list[int] = []
+        died: list[int] = []
         pending = {self._conns[i]: i for i in range(world_size)}
         sentinels = {self._procs[i].sentinel: i for i in range(world_size)}
         deadline = time.monotonic() + limit
@@ -425,7 +462,8 @@ class WorkerPool:
                             conn = self._conns[i]
                             if conn.poll():  # its last word arrived before it died
                                 continue
-                            errors[i] = f"worker {i} died (exit code {self._procs[i].exitcode})"
+                            errors[i] = self._death(i)
+                            died.append(i)
                             pending.pop(conn, None)
                         continue
                     i = pending.pop(r)
@@ -450,7 +488,8 @@ class WorkerPool:
                 os.unlink(store)
             except OSError:
                 pass
-        if pending:
+        if pending or died:
+            # (a dead worker's peers may hold half of a collective: every worker starts afresh)
             stuck = sorted(pending.values())
             self.restart()
             recycle = []

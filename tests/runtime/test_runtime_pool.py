@@ -36,6 +36,16 @@ def hang_on_rank(rank: int):
     return dist.get_rank()
 
 
+def crash_on_rank(rank: int):
+    """A native crash (what a segfault in a C++ kernel looks like to the pool)."""
+    import signal
+    import torch.distributed as dist
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return dist.get_rank()
+
+
 def megatron_groups(tp: int, pp: int):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -91,6 +101,30 @@ def test_exception_carries_worker_traceback(pool):
     assert "boom on rank 1" in text and "Traceback" in text and "fail_on_rank" in text
     assert set(info.value.tracebacks) == {1}
     assert [r["rank"] for r in pool.run(world_info, 2)] == [0, 1]  # still usable
+
+
+def test_a_crashed_worker_is_reported_with_its_stacks_and_the_pool_recovers(pool):
+    """A worker killed by a signal mid-configuration: the error names the signal and carries the
+    stacks faulthandler wrote in the worker (which function crashed); the pool restarts, so the
+    next configuration runs (before: every later configuration failed with BrokenPipeError)."""
+    restarts = pool.restarts
+    with pytest.raises(WorkerError) as info:
+        pool.run(crash_on_rank, 2, rank=0, timeout=60)
+    text = str(info.value)
+    assert "worker 0 died (killed by SIGSEGV)" in text, text
+    assert "Fatal Python error" in text and "crash_on_rank" in text, text
+    assert pool.restarts == restarts + 1
+    assert [r["sum"] for r in pool.run(world_info, 4)] == [10.0] * 4
+
+
+def test_a_worker_killed_between_configurations_is_replaced(pool):
+    """Killed from outside while idle (the OOM killer): the next configuration forks afresh."""
+    import signal
+    pids = [r["pid"] for r in pool.run(world_info, 2)]
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.5)
+    after = pool.run(world_info, 2)
+    assert [r["sum"] for r in after] == [3.0, 3.0] and after[1]["pid"] != pids[1]
 
 
 def test_hang_times_out_with_clear_error_and_pool_recovers(pool):
