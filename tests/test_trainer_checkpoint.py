@@ -30,9 +30,10 @@ BASE = dict(device="cpu", iters=4, reference_iters=0, profile_iters=0, progress=
 
 @pytest.fixture(scope="module")
 def pool():
-    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD
+    from _pools import RetryingPool
     from megatron_pp_ext.trainer.launcher import POOL_PRELOAD
-    p = WorkerPool(4, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+    p = RetryingPool(4, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
     yield p
     p.close()
 

@@ -188,9 +188,10 @@ RUN = dict(device="cpu", pp=2, layers=2, schedule="1f1b", reference_iters=0, pro
 
 @pytest.fixture(scope="module")
 def pool():
-    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD
+    from _pools import RetryingPool
     from megatron_pp_ext.trainer.launcher import POOL_PRELOAD
-    p = WorkerPool(2, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+    p = RetryingPool(2, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
     yield p
     p.close()
 

@@ -22,8 +22,8 @@ V, H = 50, 8
 
 @pytest.fixture(scope="module")
 def pool():
-    from megatron_pp_ext.runtime.pool import WorkerPool
-    with WorkerPool(4, timeout=120) as p:
+    from _pools import RetryingPool
+    with RetryingPool(4, timeout=120) as p:
         yield p
 
 

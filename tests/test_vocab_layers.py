@@ -46,8 +46,8 @@ CASES += [
 
 @pytest.fixture(scope="module")
 def results():
-    from megatron_pp_ext.runtime.pool import WorkerPool
-    with WorkerPool(4, timeout=240) as pool:
+    from _pools import RetryingPool
+    with RetryingPool(4, timeout=240) as pool:
         per_rank = pool.run(run_layer_cases, 4, cases=CASES)
     return {c: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
 
@@ -144,8 +144,8 @@ def test_tied_needs_input_embedding():
 
 def test_misuse_refused_clearly():
     from megatron_pp_ext.testing.vocab_layers import misuse_messages
-    from megatron_pp_ext.runtime.pool import WorkerPool
-    with WorkerPool(1, timeout=120) as pool:
+    from _pools import RetryingPool
+    with RetryingPool(1, timeout=120) as pool:
         msg = pool.run(misuse_messages, 1)[0]
     assert "the loss function must be linear in the per-token losses" in msg["nonlinear"]
     assert "handed off microbatch 1, expected 0" in msg["out_of_order"]

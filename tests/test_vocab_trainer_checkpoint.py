@@ -31,9 +31,10 @@ VOCAB = ["--enable-vocab-parallel"]
 
 @pytest.fixture(scope="module")
 def pool():
-    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD
+    from _pools import RetryingPool
     from megatron_pp_ext.trainer.launcher import POOL_PRELOAD
-    p = WorkerPool(4, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
+    p = RetryingPool(4, timeout=240, cpu_compat=True, preload=DEFAULT_PRELOAD + POOL_PRELOAD)
     yield p
     p.close()
 

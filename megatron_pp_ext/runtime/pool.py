@@ -96,11 +96,13 @@ def _fork_unsafe_threads() -> list[str]:
 
 
 class WorkerError(RuntimeError):
-    """A configuration raised on one or more ranks; the message holds their tracebacks."""
+    """A configuration raised on one or more ranks; the message holds their tracebacks.
+    ``died``: the ranks whose process ended without an answer (a native crash, a kill)."""
 
-    def __init__(self, message: str, tracebacks: dict[int, str]):
+    def __init__(self, message: str, tracebacks: dict[int, str], died: tuple[int, ...] = ()):
         super().__init__(message)
         self.tracebacks = tracebacks
+        self.died = tuple(died)
 
 
 class PoolTimeout(TimeoutError):
@@ -460,14 +462,23 @@ class WorkerPool:
                         i = sentinels.pop(r)
                         if any(v == i for v in pending.values()):
                             conn = self._conns[i]
-                            if conn.poll():  # its last word arrived before it died
+                            if conn.poll():  # its last word (or EOF) is there: read below
                                 continue
                             errors[i] = self._death(i)
                             died.append(i)
                             pending.pop(conn, None)
                         continue
+                    if r not in pending:  # (its death was just handled above)
+                        continue
                     i = pending.pop(r)
-                    got_id, ok, payload, again = pickle.loads(r.recv_bytes())
+                    try:
+                        data = r.recv_bytes()
+                    except EOFError:  # it died (its pipe closed before its sentinel was seen)
+                        sentinels = {k: v for k, v in sentinels.items() if v != i}
+                        errors[i] = self._death(i)
+                        died.append(i)
+                        continue
+                    got_id, ok, payload, again = pickle.loads(data)
                     if again:
                         recycle.append(i)
                         sentinels = {k: v for k, v in sentinels.items() if v != i}
@@ -494,7 +505,7 @@ class WorkerPool:
             self.restart()
             recycle = []
             if errors:
-                raise WorkerError(self._error_text(what, errors, stuck), errors)
+                raise WorkerError(self._error_text(what, errors, stuck), errors, tuple(died))
             raise PoolTimeout(f"{what} did not finish within {limit:.0f} s on rank(s) {stuck} of "
                               f"{world_size} (finished: {sorted(results)}); likely a hang or deadlock "
                               "in the schedule or its communication. The worker pool was restarted.")

@@ -14,6 +14,8 @@ import pytest
 from megatron_pp_ext.testing.parity import merge_results, run_training
 from megatron_pp_ext.runtime.pool import WorkerPool
 
+from _pools import RetryingPool
+
 from runtime_helpers import GPU_PATH_ENV
 
 # Megatron-Core warns at import time that Transformer Engine / apex are missing (expected on CPU).
@@ -25,7 +27,7 @@ def pool():
     # Every executor of these tests runs the GPU path's point-to-point (the NCCL strategy) under
     # NCCL's rules emulated on gloo (runtime/nccl_emulation.py): untagged, matched in issue order,
     # one stream per communicator. Tests of the tagged gloo path ask for it (p2p="tagged").
-    p = WorkerPool(4, timeout=180, env=GPU_PATH_ENV)
+    p = RetryingPool(4, timeout=180, env=GPU_PATH_ENV)
     yield p
     p.close()
 

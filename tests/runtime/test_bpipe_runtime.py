@@ -12,14 +12,15 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.testing.bpipe import bpipe_parity_run
-from megatron_pp_ext.runtime.pool import WorkerPool
+
+from _pools import RetryingPool
 
 from runtime_helpers import GPU_PATH_ENV
 
 
 @pytest.fixture(scope="module")
 def pool6():
-    p = WorkerPool(6, timeout=240, env=GPU_PATH_ENV)
+    p = RetryingPool(6, timeout=240, env=GPU_PATH_ENV)
     yield p
     p.close()
 

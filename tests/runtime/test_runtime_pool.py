@@ -42,7 +42,6 @@ def crash_on_rank(rank: int):
     import torch.distributed as dist
     if dist.get_rank() == rank:
         os.kill(os.getpid(), signal.SIGSEGV)
-    dist.barrier()
     return dist.get_rank()
 
 
@@ -103,18 +102,47 @@ def test_exception_carries_worker_traceback(pool):
     assert [r["rank"] for r in pool.run(world_info, 2)] == [0, 1]  # still usable
 
 
-def test_a_crashed_worker_is_reported_with_its_stacks_and_the_pool_recovers(pool):
+def crash_once(rank: int, marker: str):
+    """Crashes on ``rank`` the first time only (a rare native crash)."""
+    import signal
+    import torch.distributed as dist
+    first = not os.path.exists(marker)
+    dist.barrier()  # (every rank has looked before the marker exists)
+    if first and dist.get_rank() == rank:
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return dist.get_rank()
+
+
+def test_a_crashed_worker_is_reported_with_its_stacks_and_the_pool_recovers():
     """A worker killed by a signal mid-configuration: the error names the signal and carries the
     stacks faulthandler wrote in the worker (which function crashed); the pool restarts, so the
     next configuration runs (before: every later configuration failed with BrokenPipeError)."""
-    restarts = pool.restarts
-    with pytest.raises(WorkerError) as info:
-        pool.run(crash_on_rank, 2, rank=0, timeout=60)
-    text = str(info.value)
-    assert "worker 0 died (killed by SIGSEGV)" in text, text
-    assert "Fatal Python error" in text and "crash_on_rank" in text, text
-    assert pool.restarts == restarts + 1
-    assert [r["sum"] for r in pool.run(world_info, 4)] == [10.0] * 4
+    from megatron_pp_ext.runtime.pool import WorkerPool
+    with WorkerPool(2, timeout=120) as p:
+        with pytest.raises(WorkerError) as info:
+            p.run(crash_on_rank, 2, rank=0, timeout=60)
+        text = str(info.value)
+        assert "worker 0 died (killed by SIGSEGV)" in text, text
+        assert "Fatal Python error" in text and "crash_on_rank" in text, text
+        assert info.value.died == (0,) and p.restarts == 1
+        assert [r["sum"] for r in p.run(world_info, 2)] == [3.0, 3.0]
+
+
+def test_the_suite_pool_runs_a_crashed_configuration_once_more_and_says_so(pool, tmp_path):
+    """The suite's pool (tests/_pools.py): a configuration whose worker died runs again on fresh
+    workers, with a warning that carries the stacks; one that raises is not run again, and one
+    that crashes twice fails."""
+    from _pools import WorkerCrashRetried
+    retries = pool.crash_retries
+    with pytest.warns(WorkerCrashRetried, match="killed by SIGSEGV"):
+        assert pool.run(crash_once, 2, rank=1, marker=str(tmp_path / "m")) == [0, 1]
+    assert pool.crash_retries == retries + 1
+    with pytest.raises(WorkerError, match="boom on rank 1"):
+        pool.run(fail_on_rank, 2, rank=1)
+    assert pool.crash_retries == retries + 1
+    with pytest.warns(WorkerCrashRetried), pytest.raises(WorkerError, match="killed by SIGSEGV"):
+        pool.run(crash_on_rank, 2, rank=0)
 
 
 def test_a_worker_killed_between_configurations_is_replaced(pool):
