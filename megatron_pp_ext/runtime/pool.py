@@ -8,7 +8,9 @@ first ``world_size`` workers under a fresh gloo process group (rank = worker ind
 per-rank return values come back as a list; an exception on any rank is re-raised in the
 caller with the worker's traceback; a configuration that does not finish in time (a hang,
 a deadlock) raises :class:`PoolTimeout` and the workers are killed and forked again, so the
-next configuration starts clean.
+next configuration starts clean. A worker that dies (a native crash, a kill) is reported the
+same way, with the signal and the stacks faulthandler wrote in it (``WorkerError.died``), and
+the workers are forked again too.
 
 Between configurations every worker tears down Megatron-Core's ``parallel_state`` (and the
 RNG tracker and global buffers) and destroys the process group, so each configuration can
