@@ -1,9 +1,9 @@
 """The suite's worker pool: a configuration whose worker process *died* (a native crash in a
 third-party kernel under CPU emulation, the OOM killer) is run once more on fresh workers.
 
-Why: one such crash in CI (a worker killed by a signal in the 0.19.2 stage, once in several
-runs, not reproduced in 6 runs here) failed every later configuration of the pool before
-the pool restarted itself, and still fails its own test; a test asserts what our code
+Why: one such crash in CI (a worker killed by a signal in the 0.19.2 stage; not reproduced
+here, docs/tests.md) failed every later configuration of the pool before the pool restarted
+itself, and would still fail its own test; a test asserts what our code
 computes, not that gloo/oneDNN never crash on a loaded machine. A configuration that raises
 (an assertion, a wrong number, a hang) is never retried, and a crash that repeats fails the
 test. Each retry is reported with the dead worker's stacks: as a pytest warning and appended
