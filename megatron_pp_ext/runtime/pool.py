@@ -226,6 +226,18 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
     os._exit(0)
 
 
+def _crashed_thread_first(dump: str) -> str:
+    """faulthandler lists the newest thread first and the crashed one ("Current thread") where it
+    falls, often last after dozens of idle ones: put it right after the error line."""
+    blocks = dump.split("\n\n")
+    current = [b for b in blocks if b.startswith("Current thread")]
+    if not current:
+        return dump
+    rest = [b for b in blocks if not b.startswith("Current thread")]
+    head = rest[:1] if rest and rest[0].startswith("Fatal Python error") else []
+    return "\n\n".join(head + current + rest[len(head):])
+
+
 def _describe(fn: Callable, kwargs: dict) -> str:
     name = getattr(fn, "__qualname__", repr(fn))
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
@@ -352,6 +364,7 @@ class WorkerPool:
                 stacks = f.read().strip()
         except OSError:
             stacks = ""
+        stacks = _crashed_thread_first(stacks)
         if len(stacks) > 6000:
             stacks = stacks[:6000] + "\n[...]"
         return f"worker {i} died ({how})" + (f"; its last stacks:\n{stacks}" if stacks else "")

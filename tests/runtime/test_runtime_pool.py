@@ -261,3 +261,17 @@ def test_spawned_workers_get_their_own_environment():
     assert [g["NCCL_HOSTID"] for g in got] == ["t-rank0", "t-rank1"]
     assert all(g["MPPX_X"] == "1" and g["NCCL_SHM_DISABLE"] == "1" for g in got)
     assert [a["sum"] for a in again] == [3.0, 3.0]
+
+
+def test_the_crashed_thread_comes_first_in_a_dead_worker_s_stacks():
+    """faulthandler puts the crashed thread where it falls (after dozens of idle threads in a
+    worker of the suite, beyond the 6000 characters the error keeps): it is moved up front."""
+    from megatron_pp_ext.runtime.pool import _crashed_thread_first
+    idle = "\n".join(f"Thread 0x{i:x} (most recent call first):\n  File \"queue.py\", line 171 in get"
+                     for i in range(3)).replace("\nThread", "\n\nThread")
+    dump = (f"Fatal Python error: Segmentation fault\n\n{idle}\n\nCurrent thread 0x9 (most recent call first):\n"
+            "  File \"x.py\", line 1 in crash\n\nExtension modules: torch._C (total: 1)")
+    out = _crashed_thread_first(dump).split("\n\n")
+    assert out[0] == "Fatal Python error: Segmentation fault" and out[1].startswith("Current thread 0x9")
+    assert sorted(out) == sorted(dump.split("\n\n"))
+    assert _crashed_thread_first("no threads") == "no threads"
