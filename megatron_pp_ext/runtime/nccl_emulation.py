@@ -32,7 +32,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from typing import Sequence
 
 import torch.distributed as dist
@@ -144,10 +143,6 @@ class EmulatedNCCL(P2P):
         self.emulates_latency = True
         self._me = self._global[pp_group.rank()]
         self._streams: dict = {}
-        # the stream threads end when this object goes (an executor is not closed explicitly):
-        # each holds the process group, and a worker that runs many configurations kept
-        # thousands of idle threads and every group alive
-        weakref.finalize(self, _stop, self._streams)
         self._met: set = set()
         self._outstanding: list[tuple[_Job, _Stream]] = []
 
@@ -272,14 +267,9 @@ class EmulatedNCCL(P2P):
                 return
 
     def close(self) -> None:
-        _stop(self._streams)
-
-
-def _stop(streams: dict) -> None:
-    """Let the stream threads end (after the ops already queued on them)."""
-    for st in streams.values():
-        st.stop()
-    streams.clear()
+        for st in self._streams.values():
+            st.stop()
+        self._streams.clear()
 
 
 def _sleep_until(t: float) -> None:
