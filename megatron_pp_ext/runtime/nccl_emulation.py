@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import torch.distributed as dist
@@ -143,6 +144,10 @@ class EmulatedNCCL(P2P):
         self.emulates_latency = True
         self._me = self._global[pp_group.rank()]
         self._streams: dict = {}
+        # the stream threads end when this object goes (an executor is not closed explicitly):
+        # each holds the process group, and a worker that runs many configurations kept
+        # thousands of idle threads and every group alive
+        weakref.finalize(self, _stop, self._streams)
         self._met: set = set()
         self._outstanding: list[tuple[_Job, _Stream]] = []
 
@@ -267,9 +272,21 @@ class EmulatedNCCL(P2P):
                 return
 
     def close(self) -> None:
-        for st in self._streams.values():
-            st.stop()
-        self._streams.clear()
+        _stop(self._streams)
+
+
+def _stop(streams: dict, join_s: float = 10.0) -> None:
+    """Let the stream threads end (after the ops already queued on them), and wait for them:
+    the caller, not a thread in its own teardown, then drops the last reference to their
+    process group (a gloo group freed by an ending thread aborted the process, SIGABRT)."""
+    for st in streams.values():
+        st.stop()
+    me = threading.current_thread()
+    deadline = time.monotonic() + join_s
+    for st in streams.values():
+        if st is not me:   # (a collection that runs the finalizer on a stream thread)
+            st.join(max(0.0, deadline - time.monotonic()))
+    streams.clear()
 
 
 def _sleep_until(t: float) -> None:

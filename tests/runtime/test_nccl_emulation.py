@@ -54,6 +54,43 @@ def test_a_swapped_order_delivers_the_wrong_tensor(pool, strategy):
     assert b == [1.0, 1.0] and a == [2.0, 2.0]
 
 
+def _stream_threads() -> int:
+    import threading
+    return sum(t.name.startswith("nccl-stream") for t in threading.enumerate())
+
+
+def use_and_drop(strategy: str):
+    """An emulation that ran a transfer and is then dropped without close() (as an executor is)."""
+    import gc
+    import time
+
+    import torch
+    import torch.distributed as dist
+    p2p = _emulated(strategy, [(0, 1, "act")])
+    if dist.get_rank() == 0:
+        p2p.run_batch([Transfer(True, 1, ("act", 0, 0), torch.ones(2))])
+        p2p.drain()
+    else:
+        handles = p2p.run_batch([Transfer(False, 0, ("act", 0, 0), torch.empty(2))])
+        for key in list(handles):
+            handles.pop(key).wait()
+    used = _stream_threads()
+    del p2p
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _stream_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return used, _stream_threads()
+
+
+@pytest.mark.parametrize("strategy", ["channels", "batched"])
+def test_stream_threads_end_with_their_emulation(pool, strategy):
+    """Each stream thread holds the process group; before, every executor left its threads
+    behind (a worker of the suite held hundreds), and with them every group it ever ran."""
+    for used, left in pool.run(use_and_drop, 2, strategy=strategy):
+        assert used >= 1 and left == 0, (used, left)
+
+
 def both_send_first(hang_s: float):
     """Two ranks that each send to the other before receiving, on one pair stream: NCCL hangs."""
     import torch
