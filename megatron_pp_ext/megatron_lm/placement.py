@@ -9,6 +9,7 @@ import types
 from typing import Any, Callable
 
 from .. import compat
+from ..runtime import nccl_rules
 from ..runtime.tied import tied_pairs
 from .flags import MegatronPlan
 from .state import _reads_all_data, _flag_error, _pp_info, _stages_here, current_plan
@@ -74,6 +75,9 @@ def _make_get_model(orig: Callable) -> Callable:
         plan = current_plan()
         if plan is None or not (plan.options.needs_install):
             return orig(model_provider_func, *args, **kwargs)
+        if nccl_rules.wanted() and nccl_rules.active() is None:
+            # MPPX_EMULATE_NCCL: NCCL's rules before the model's groups exist (vocabulary parallelism's)
+            nccl_rules.install()
 
         def provider(*pargs: Any, **pkw: Any):
             pkw.setdefault("pre_process", True)

@@ -182,7 +182,7 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     from megatron.training import get_args
 
     from ..schedule import ScheduleError, simulate
-    from ..trainer.profile import measure_p2p_latency
+    from ..trainer.profile import executor_p2p, measure_p2p_latency
 
     args = get_args()
     gathered: list = [None] * torch.distributed.get_world_size()
@@ -190,7 +190,7 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shape = (args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size, args.hidden_size)
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    comm = measure_p2p_latency(ps.get_pipeline_model_parallel_group(), shape, dtype, dev)
+    comm = measure_p2p_latency(executor_p2p(fb.executor), shape, dtype, dev)
     lat = torch.tensor([comm], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
     try:

@@ -68,6 +68,7 @@ import torch.distributed as dist
 from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
 from ..schedule.validate import validate_comm_model
 from .iteration import COMM_KINDS as _COMM, COMPUTE_KINDS as _COMPUTE, Iteration, OpTiming, Shapes
+from . import nccl_rules
 from .p2p import P2P, make_p2p
 
 __all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook",
@@ -147,7 +148,7 @@ class ScheduleExecutor:
             ``mppx train --emulate-nccl`` and the runtime tests set).
         nccl_timeout: seconds before an emulated NCCL wait is reported as a hang.
         record_timings: keep per-op wall-clock timings of the last call in ``last_timings``.
-        sync_timings: with CUDA, synchronise the device around every op while recording, so
+        sync_timings: with CUDA, synchronise the compute stream around every op while recording, so
             that the timings are device times (slower; for profiling runs). Without it, CUDA
             timings come from CUDA events recorded around every op on the current stream
             (read once at the end of the call; the host never waits mid-iteration).
@@ -444,6 +445,10 @@ class ScheduleExecutor:
         pp_group = pg_collection.pp
         tp_group, cp_group = pg_collection.tp, pg_collection.cp
         pp, rank = pp_group.size(), pp_group.rank()
+        if self.emulate_nccl and nccl_rules.active() is None and dist.get_backend(pp_group) == "gloo":
+            # NCCL's rules on every torch.distributed call of the process from now on (every
+            # rank gets here at its first call, before any op of the call)
+            nccl_rules.install(timeout=self.nccl_timeout)
 
         # the schedule, checked against the call before anything runs
         sched = self.schedule_for(pp, num_microbatches, forward_only)

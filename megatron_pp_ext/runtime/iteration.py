@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..schedule import Op, Schedule
+from . import nccl_rules
 from .p2p import P2P, Transfer, message_key
 
 __all__ = ["Iteration", "OpTiming", "State", "COMPUTE_KINDS", "COMM_KINDS"]
@@ -142,8 +143,9 @@ class Iteration:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        if self.sync:
-            torch.cuda.synchronize(self.device)
+        if self.sync:   # the compute stream only: a device-wide sync would also wait for the features'
+            # collectives posted ahead (vocabulary parallelism's), which may need this rank's later ops
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     def _record(self, op: Op, ts, te) -> None:
@@ -339,8 +341,6 @@ class Iteration:
                                                 dtype=self.shapes.dtype, device=self.device))
                 if self.emu_in_p2p:
                     p2p.latency_s = emu.comm_s
-                    for stream in getattr(p2p, "_streams", {}).values():
-                        stream.latency_s = emu.comm_s
             # no_sync for the whole iteration: DDP must not start reducing a bucket while later
             # backward/W ops of this rank still add to it.
             no_sync = config.no_sync_func
@@ -392,6 +392,7 @@ class Iteration:
         if emu is not None:
             emu.begin(op)
         self._hook(op, "before")
+        nccl_rules.compute(str(op))   # (under one emulated hardware queue: after every op issued before)
         ts = self.now()
         if emu is not None and op.kind not in COMPUTE_KINDS:
             emu.feature_op(op)  # (its cost-model time, on its stream; the handler is not run)

@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.ir import PIPELINE_MESSAGES, Schedule, comm_channel, pipeline_message
+from .nccl_rules import RAW
 
 __all__ = ["P2P", "Transfer", "message_key", "TaggedP2P", "BatchedP2P", "PairwiseP2P", "ChannelP2P",
-           "STRATEGIES", "make_p2p", "channels_of"]
+           "STRATEGIES", "make_p2p", "channels_of", "channel_warmup_order", "pair_warmup_order"]
 
 
 def message_key(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
@@ -159,7 +160,9 @@ class P2P:
 
 
 class TaggedP2P(P2P):
-    """gloo: plain isend/irecv, one tag per message of an iteration (same on both sides)."""
+    """gloo: plain isend/irecv, one tag per message of an iteration (same on both sides).
+    gloo's own functions even where NCCL's rules are emulated (:mod:`.nccl_rules`): the tags
+    are the point of this strategy, and it never runs on NCCL."""
 
     name = "tagged"
     comm_model = "eager"
@@ -178,10 +181,10 @@ class TaggedP2P(P2P):
         for t in transfers:
             peer = self._global[t.peer]
             if t.is_send:
-                w = dist.isend(t.tensor, dst=peer, group=self.group, tag=self.tag(t.key))
+                w = RAW.isend(t.tensor, dst=peer, group=self.group, tag=self.tag(t.key))
                 self._keep(w, t.tensor, t.key)
             else:
-                w = dist.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key))
+                w = RAW.irecv(t.tensor, src=peer, group=self.group, tag=self.tag(t.key))
             works.append(w)
         return works
 
@@ -230,12 +233,15 @@ class PairwiseP2P(P2P):
         self._warm: set = set()
 
     def prepare(self, schedule: Schedule) -> None:
-        pairs = sorted({tuple(sorted((src, dst))) for src, dst, _ in channels_of(schedule)} - self._warm)
-        me = self.group.rank()
-        for a, b in pairs:   # one global order: a rank's first op with a peer creates their communicator
-            if me in (a, b):
-                _warm_up(self._global, me, a, b, self.group, self._device())
-        self._warm.update(pairs)
+        """Each pair's communicator created and both its directions connected, in one global
+        order (NCCL connects a direction at its first op, a meeting of the two ranks: in the
+        middle of an iteration, ranks that reach their pairs in different orders hang)."""
+        me = self._global[self.group.rank()]
+        rank_of = {g: r for r, g in enumerate(self._global)}
+        for src, dst in pair_warmup_order(schedule, self._global):
+            if me in (src, dst) and (src, dst) not in self._warm:
+                _warm_up(self._global, self.group.rank(), rank_of[src], rank_of[dst], self.group, self._device())
+                self._warm.add((src, dst))
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -251,6 +257,21 @@ class PairwiseP2P(P2P):
                 w = dist.irecv(t.tensor, src=peer, group=self.group)
             works.append(w)
         return works
+
+
+def channel_warmup_order(schedule: Schedule, glob: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(global sender, global receiver, "act"|"grad") of every channel of ``schedule``, in the
+    one global order every rank creates and connects them (sorted: the channel of lowest order
+    not yet connected always has both its ranks at it, so the warm-up cannot hang)."""
+    return sorted((glob[s], glob[d], c) for s, d, c in channels_of(schedule))
+
+
+def pair_warmup_order(schedule: Schedule, glob: Sequence[int]) -> list[tuple[int, int]]:
+    """(global sender, global receiver) of both directions of every pair of ranks that exchange
+    messages in ``schedule``, in one global order: the pairs sorted, each pair's lower rank
+    sending first."""
+    pairs = sorted({tuple(sorted((glob[s], glob[d]))) for s, d, _ in channels_of(schedule)})
+    return [d for a, b in pairs for d in ((a, b), (b, a))]
 
 
 def channels_of(schedule: Schedule) -> list[tuple[int, int, str]]:
@@ -312,8 +333,8 @@ def channel_groups(pp_group, schedule: Schedule, backend: str | None = None, *,
     groups = {k[1:]: g for k, g in member_groups(wanted, backend, timeout=timeout).items()}
     if backend == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
-        for (src, dst, cls) in sorted(groups):
-            if (src, dst, cls) not in _WARM:
+        for (src, dst, cls) in channel_warmup_order(schedule, glob):
+            if (src, dst, cls) in groups and (src, dst, cls) not in _WARM:
                 _warm_up([src, dst], 0 if me == src else 1, 0, 1, groups[(src, dst, cls)], dev)
                 _WARM.add((src, dst, cls))
     return groups
@@ -381,6 +402,11 @@ def make_p2p(pp_group, strategy: str | None, *, num_stages: int, num_microbatche
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown p2p strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     kw = dict(num_stages=num_stages, num_microbatches=num_microbatches)
+    if backend == "nccl" and (emulate_nccl or strategy == "tagged"):
+        # (threads issuing NCCL ops with tags NCCL ignores: messages matched in the wrong order)
+        raise ValueError("the NCCL emulation (MPPX_EMULATE_NCCL, --emulate-nccl) and the tagged p2p strategy are "
+                         "for gloo; on NCCL use an NCCL strategy (channels, batched or pairwise) and unset "
+                         "MPPX_EMULATE_NCCL")
     if emulate_nccl:
         if strategy == "tagged":
             raise ValueError("--emulate-nccl emulates an NCCL strategy (channels, batched or pairwise), not 'tagged'")

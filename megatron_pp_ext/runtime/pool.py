@@ -191,39 +191,76 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
             if cpu_compat:
                 from .cpu_compat import enable_cpu_compat
                 compat = enable_cpu_compat()
+            from . import nccl_rules
+            if nccl_rules.wanted():   # (MPPX_EMULATE_NCCL: every call of the configuration under NCCL's rules)
+                nccl_rules.install()
             payload = fn(**kwargs)
         except BaseException:  # noqa: BLE001 - reported to the parent
             ok, payload = False, traceback.format_exc()
-        finally:
+        if not ok:
+            # the traceback first: cleaning up after a failure can block (on NCCL a device
+            # synchronize waits for ops whose partners never come), and it would be lost behind
+            # the pool's timeout. The worker is replaced after its clean-up.
+            _answer(conn, task_id, ok, payload, True)
+        try:
             if compat is not None:
                 compat.close()
             reset_megatron_state()
-            try:
-                if nccl:
-                    torch.cuda.synchronize()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:
-                pass
+            _end_process_groups(nccl, failed=not ok)
+        except Exception:
+            pass
+        finally:
             # Drop the configuration's objects (models, DDP buckets, optimizers hold process
             # groups): gloo groups stop their threads only when the last reference goes.
             del fn, kwargs
             gc.collect()
             if nccl:
                 torch.cuda.empty_cache()
-        # plain pickle, not the connection's ForkingPickler: that one shares tensors through file
-        # descriptors, and every tensor a test keeps (cached references) would keep one open (the
-        # suite ran out of descriptors)
+        if not ok:
+            break
         recycle = _leftover_loops() > MAX_LEFTOVER_LOOPS
-        try:
-            data = pickle.dumps((task_id, ok, payload, recycle), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # unpicklable result
-            data = pickle.dumps((task_id, False, "the result could not be sent back to the parent:\n"
-                                 + traceback.format_exc(), recycle))
-        conn.send_bytes(data)
+        _answer(conn, task_id, ok, payload, recycle)
         if recycle:   # the parent forks a fresh worker in this one's place
             break
     os._exit(0)
+
+
+def _answer(conn, task_id, ok: bool, payload, recycle: bool) -> None:
+    """Send a configuration's result (or traceback) to the parent. Plain pickle, not the
+    connection's ForkingPickler: that one shares tensors through file descriptors, and every
+    tensor a test keeps (cached references) would keep one open (the suite ran out of
+    descriptors)."""
+    try:
+        data = pickle.dumps((task_id, ok, payload, recycle), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # unpicklable result
+        data = pickle.dumps((task_id, False, "the result could not be sent back to the parent:\n"
+                             + traceback.format_exc(), recycle))
+    conn.send_bytes(data)
+
+
+def _end_process_groups(nccl: bool, *, failed: bool) -> None:
+    """After a configuration: wait for the device's work and destroy the process groups. After
+    a failure nothing is waited for (ops whose partners never come would block): NCCL's
+    communicators are aborted, the emulated NCCL rules removed without waiting."""
+    import torch
+    import torch.distributed as dist
+
+    from . import nccl_rules
+    rules = nccl_rules.active()
+    if not failed:
+        if nccl:
+            torch.cuda.synchronize()
+        elif rules is not None:
+            rules.synchronize()
+    nccl_rules.uninstall(wait=not failed)
+    if not dist.is_initialized():
+        return
+    if failed and nccl:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+            return
+    dist.destroy_process_group()
 
 
 def _crashed_thread_first(dump: str) -> str:

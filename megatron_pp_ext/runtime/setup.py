@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import nccl_rules
 from .precision import precision_dtype, precision_overrides, wrap_float16
 from .tied import tied_pairs, v_embedding_ranks, with_tied_sum
 from .model import ModelSpec, build_model_chunks, make_config, param_meta, wrap_ddp
@@ -309,6 +310,8 @@ def setup_training(cfg: RunConfig) -> Training:
     if dist.get_world_size() != cfg.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {cfg.world_size}")
     check_expert_layout(cfg)
+    if nccl_rules.wanted(cfg.emulate_nccl) and nccl_rules.active() is None:
+        nccl_rules.install()   # (before any group exists: each communicator is created at its first op)
     placement = _placement(cfg)
     v = len(placement) // cfg.pp
     # (the default group is gloo already on CPU: no extra gloo copies of the dp groups)

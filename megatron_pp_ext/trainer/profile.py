@@ -8,9 +8,9 @@ held up mid-iteration). At the end of the window:
 * every rank's F / B / W (or full-backward BW) durations are gathered; the **median per
   stage** over the window and over all ranks holding that stage (data/tensor-parallel
   replicas) gives the per-stage cost model;
-* the **p2p latency** is measured directly: each pipeline rank sends one activation-sized
-  message to the next one and receives from the previous one, a few times (a comm op's
-  recorded interval is mostly waiting for the producer, not transfer time);
+* the **p2p latency** is measured directly on the executor's own point-to-point: each pipeline
+  rank sends one activation-sized message to the next one and receives from the previous one, a
+  few times (a comm op's recorded interval is mostly waiting for the producer, not transfer time);
 * every rank derives the same :class:`~megatron_pp_ext.schedule.CostModel` (milliseconds)
   from the same gathered numbers, re-generates the schedule once with it (same name, chunks
   and memory budget) and swaps in a new executor. If the generator refuses the measured costs
@@ -26,37 +26,57 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-__all__ = ["Profiler", "measure_p2p_latency"]
+__all__ = ["Profiler", "measure_p2p_latency", "executor_p2p"]
 
 
 def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def measure_p2p_latency(pp_group, shape, dtype, device, repeats: int = 5) -> float:
-    """Seconds for one activation-sized message to the next pipeline rank (ring exchange)."""
-    p = pp_group.size()
+def measure_p2p_latency(p2p, shape, dtype, device, repeats: int = 5) -> float:
+    """Seconds for one activation-sized message from a pipeline rank to the next, measured on
+    the executor's own point-to-point strategy ``p2p`` (:class:`~megatron_pp_ext.runtime.p2p.P2P`,
+    its communicators created and connected by the iterations before). A probe of its own --
+    a ring of ``isend``/``irecv`` on the pipeline group -- would create NCCL's pair communicators
+    lazily in a cycle (pp >= 3) or send before receiving both ways on one pair (pp = 2): a hang."""
+    from ..runtime.p2p import Transfer
+
+    group = p2p.group
+    p = group.size()
     if p == 1:
         return 0.0
-    r = pp_group.rank()
-    nxt = dist.get_global_rank(pp_group, (r + 1) % p)
-    prv = dist.get_global_rank(pp_group, (r - 1) % p)
+    r = group.rank()
     send = torch.zeros(shape, dtype=dtype, device=device)
     recv = torch.empty(shape, dtype=dtype, device=device)
+    m = max(1, p2p.num_microbatches)
     times = []
     for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        works = [dist.isend(send, dst=nxt, group=pp_group, tag=900 + i),
-                 dist.irecv(recv, src=prv, group=pp_group, tag=900 + i)]
-        for w in works:
-            w.wait()
+        transfers = []   # a chain: stage r -> r + 1 (every placement puts stage r on rank r for r < p)
+        if r < p - 1:
+            transfers.append(Transfer(True, r + 1, ("act", r, i % m), send))
+        if r > 0:
+            transfers.append(Transfer(False, r - 1, ("act", r - 1, i % m), recv))
+        for h in p2p.run_batch(transfers).values():
+            h.wait()
+        p2p.drain()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:  # the first exchange is a warm-up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def executor_p2p(executor):
+    """The point-to-point strategy of an executor's last call (features wrap the executor)."""
+    p2p = getattr(executor, "last_p2p", None)
+    if p2p is None and hasattr(executor, "inner"):
+        p2p = executor_p2p(executor.inner)
+    if p2p is None:
+        raise RuntimeError("the p2p latency is measured after at least one iteration of the executor")
+    return p2p
 
 
 def _compute_order(sched) -> list[list[str]]:
@@ -112,15 +132,14 @@ class Profiler:
 
     def reschedule(self, tr, plan, *, device) -> dict:
         """Gather, build the cost model, re-generate the schedule; swap the executor in ``tr``."""
-        from megatron.core import parallel_state
         from ..runtime.executor import ScheduleExecutor
         from ..schedule import ScheduleError, simulate
 
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, dict(self.samples))
         c = plan.cfg
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        comm = measure_p2p_latency(pp_group, (c.seq, c.micro_batch_size, c.hidden), torch.float32, device)
+        comm = measure_p2p_latency(executor_p2p(tr.executor), (c.seq, c.micro_batch_size, c.hidden), torch.float32,
+                                   device)
         lat = torch.tensor([comm], dtype=torch.float64, device=device)
         dist.all_reduce(lat, op=dist.ReduceOp.MAX)
         comm = float(lat.item())

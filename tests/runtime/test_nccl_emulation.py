@@ -23,7 +23,7 @@ def _emulated(strategy: str, pairs, timeout: float = 5.0, lazy: bool = False):
         ops[src].append(Op("SEND_F" if kind == "act" else "SEND_B", 0, 0, src, dst))
     sched = Schedule("t", 1, tuple(range(n)), ops)
     p2p = EmulatedNCCL(dist.group.WORLD, strategy, num_stages=n, num_microbatches=1, timeout=timeout,
-                       lazy_pairs=lazy)
+                       lazy=lazy)
     p2p.prepare(sched)
     return p2p
 

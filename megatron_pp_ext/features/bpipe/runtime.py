@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ...runtime.communicators import warm_up_pairs
 from ...runtime.stepwrap import wrap_in_step
 from .schedule_pass import BPIPE_KINDS, RECV_EVICT, RECV_FETCH, SEND_EVICT, SEND_FETCH
 from .store import PartnerStore
@@ -92,6 +93,12 @@ class BPipeGroups:
         self.header, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo")
         self.evict, _ = dist.new_subgroups_by_enumeration(pipelines)
         self.fetch, _ = dist.new_subgroups_by_enumeration(pipelines)
+        # each pair's communicator and direction now (NCCL would create them at the first
+        # eviction or fetch, in the middle of an iteration, in the schedule's order per rank)
+        p = len(self.ranks)
+        pairs = [(self.ranks[x], self.ranks[p - 1 - x]) for x in range(p // 2)]
+        warm_up_pairs(self.evict, pairs)
+        warm_up_pairs(self.fetch, [(b, a) for a, b in pairs])
 
     @classmethod
     def for_group(cls, pp_group) -> "BPipeGroups":

@@ -45,6 +45,8 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ...runtime.streams import dedicated_stream
+
 __all__ = ["ActivationStore", "PinnedHostPool", "StoreStats", "DiscardedActivationError", "default_cheap_op"]
 
 ALIGN = 64
@@ -287,8 +289,9 @@ class ActivationStore:
         self.pool = pool if pool is not None else PinnedHostPool(pin_memory=self.cuda)
         self.min_tensor_bytes = int(min_tensor_bytes)
         self.streams = self.cuda if use_streams is None else (bool(use_streams) and self.cuda)
-        self.d2h_stream = torch.cuda.Stream(device=self.device) if self.streams else None
-        self.h2d_stream = torch.cuda.Stream(device=self.device) if self.streams else None
+        # streams of their own: a pooled one may be a communicator's (runtime/streams.py)
+        self.d2h_stream = dedicated_stream(self.device, "offload-d2h") if self.streams else None
+        self.h2d_stream = dedicated_stream(self.device, "offload-h2d") if self.streams else None
         self.stats = StoreStats()
         self._groups: dict[Hashable, _Group] = {}
         self._key: Hashable | None = None

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from ...runtime.communicators import warm_up_groups
 from .config import VocabConfigError
 
 __all__ = ["VocabGroups"]
@@ -82,6 +83,13 @@ class VocabGroups:
         me = dist.get_rank() if my_rank is None else my_rank
         mine = None
         made: dict = {}
+        created: list = []   # (group, members) in creation order: the order of their warm-up
+
+        def new(ranks: list, name: str):
+            grp = dist.new_group(ranks=ranks, group_desc=f"mppx-vocab-{name}")
+            created.append((grp, ranks))
+            return grp
+
         for grid in replicas:
             grid = [list(row) for row in grid]
             pp, tp = len(grid), len(grid[0])
@@ -89,20 +97,23 @@ class VocabGroups:
             inside = me in flat
             g = {}
             for name in ("stats", "dx"):
-                g[name] = dist.new_group(ranks=flat)
+                g[name] = new(flat, name)
             for t in range(tp):
                 line = [grid[p][t] for p in range(pp)]
                 for name in ("x", "emb", "embgrad"):
-                    grp = dist.new_group(ranks=line)
+                    grp = new(line, name)
                     if me in line:
                         g[name] = grp
-            first_tp = dist.new_group(ranks=[grid[first_pp][t] for t in range(tp)])
+            first_tp = new([grid[first_pp][t] for t in range(tp)], "emb_tp")
             if me in grid[first_pp]:
                 g["emb_tp"] = first_tp
             if inside:
                 p = next(i for i in range(pp) if me in grid[i])
                 mine = (grid, p, grid[p].index(me))
                 made = g
+        # every communicator now, in one global order: on NCCL each is created at its first
+        # collective, and the passes first use them in different orders on different ranks
+        warm_up_groups(grp for grp, ranks in created if me in ranks)
         if mine is None:
             raise VocabConfigError(f"rank {me} is in none of the vocabulary-parallel grids {replicas}")
         grid, p, t = mine

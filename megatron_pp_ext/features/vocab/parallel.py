@@ -23,11 +23,11 @@ One :class:`VocabParallel` per rank owns shard ``pp_rank * tp + tp_rank`` of the
 Reductions run on dedicated process groups, one per *channel* (x broadcast, statistics, input
 gradient, embedding sum, embedding gradient), so that the collectives of a channel are issued
 in microbatch order on every rank whatever the interleaving of the passes. Each channel is
-asynchronous: on CPU (gloo) a daemon thread runs its collectives (``async_op=True`` handles,
-waited on that thread) while the main thread computes; on GPU its work is enqueued on the
-channel's own CUDA stream (NCCL ``wait()`` only orders streams), with events for the consumer.
-Every rank joins all the broadcasts of an iteration when it begins (a broadcast is a tree or a
-ring: a receiver gets microbatch m's data only once every receiver has posted m).
+asynchronous: a thread of the channel runs its collectives one after another (waiting for each
+on the host, never with a stream wait; on a GPU inside the channel's own CUDA stream) while the
+main thread computes (:mod:`.channels` says why). Every rank hands all the broadcasts of an
+iteration to their channel when it begins (a broadcast is a tree or a ring: a receiver gets
+microbatch m's data only once every receiver has posted m).
 
 The grid and its groups are :mod:`.groups`, the channels :mod:`.channels`, the shard parameters
 :mod:`.shards`; this module is the engine that runs the passes.
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels as K
-from .channels import Channel, Pending
+from .channels import Channel, Pending, wait_host
 from .config import VocabConfigError, VocabParallelConfig, VocabPartition
 from .groups import VocabGroups
 from .shards import VocabShards, accumulate_grad
@@ -248,7 +248,7 @@ class VocabParallel:
 
         def job():   # the buffer is allocated when the broadcast starts (CPU: on the channel thread)
             buf = torch.empty(nl + ng + nx, dtype=torch.uint8, device=dev)
-            dist.broadcast(buf, src=src, group=grp, async_op=True).wait()
+            wait_host(dist.broadcast(buf, src=src, group=grp, async_op=True))
             return buf
 
         self._state(m).x_wait = self.channels["x"].submit(job)
@@ -299,7 +299,7 @@ class VocabParallel:
             src, grp = g_.last_rank, g_.x
 
             def job(payload):
-                dist.broadcast(payload, src=src, group=grp, async_op=True).wait()
+                wait_host(dist.broadcast(payload, src=src, group=grp, async_op=True))
 
             self._outstanding.append(self.channels["x"].submit(job, payload))
         return m
@@ -344,7 +344,7 @@ class VocabParallel:
         def job(stats, sstate):
             parts = [torch.empty_like(stats) for _ in range(P)]
             if P > 1:
-                dist.all_gather(parts, stats, group=grp, async_op=True).wait()
+                wait_host(dist.all_gather(parts, stats, group=grp, async_op=True))
                 gathered = torch.empty(P, *stats.shape, dtype=stats.dtype, device=stats.device)
                 for j, t in enumerate(parts):
                     gathered[order[j]] = t
@@ -355,7 +355,7 @@ class VocabParallel:
             if alg2:
                 factor = K.alg2_term(sstate, comb, shard, V, ls)
                 if P > 1:
-                    dist.all_reduce(factor, group=grp, async_op=True).wait()
+                    wait_host(dist.all_reduce(factor, group=grp, async_op=True))
             return comb, factor
 
         st.stats_wait = self.channels["stats"].submit(job, stats, sstate)
@@ -389,7 +389,7 @@ class VocabParallel:
                 grp = self.groups.dx
 
                 def job(dx):
-                    dist.all_reduce(dx, group=grp, async_op=True).wait()
+                    wait_host(dist.all_reduce(dx, group=grp, async_op=True))
                     return dx
 
                 st.dx_wait = self.channels["dx"].submit(job, dx)
@@ -459,15 +459,15 @@ class VocabParallel:
             partial = K.embedding_partial(self._tokens_of(m), w, self.part)
         g = self.groups
         if g.pp == 1 and g.tp == 1:
-            st.emb_wait = Pending(value=partial)
+            st.emb_wait = Pending.of(partial)
         else:
             dst, grp, tp_grp, first, tp = g.first_rank, g.emb, g.emb_tp, g.is_first, g.tp
 
             def job(partial):
                 if g.pp > 1:
-                    dist.reduce(partial, dst=dst, group=grp, async_op=True).wait()
+                    wait_host(dist.reduce(partial, dst=dst, group=grp, async_op=True))
                 if first and tp > 1:
-                    dist.all_reduce(partial, group=tp_grp, async_op=True).wait()
+                    wait_host(dist.all_reduce(partial, group=tp_grp, async_op=True))
                 return partial if first else None
 
             pending = self.channels["emb"].submit(job, partial)
@@ -516,11 +516,11 @@ class VocabParallel:
             src, grp = g.first_rank, g.embgrad
 
             def job(grad):
-                dist.broadcast(grad, src=src, group=grp, async_op=True).wait()
+                wait_host(dist.broadcast(grad, src=src, group=grp, async_op=True))
                 return grad
 
             self._outstanding.append(self.channels["embgrad"].submit(job, grad))
-        st.embgrad_wait = Pending(value=grad)
+        st.embgrad_wait = Pending.of(grad)
 
     def _post_embgrad(self) -> None:
         m = self._embgrad_posted
@@ -536,7 +536,7 @@ class VocabParallel:
 
         def job():
             buf = torch.empty(shape, dtype=dtype, device=dev)
-            dist.broadcast(buf, src=src, group=grp, async_op=True).wait()
+            wait_host(dist.broadcast(buf, src=src, group=grp, async_op=True))
             return buf
 
         self._state(m).embgrad_wait = self.channels["embgrad"].submit(job)

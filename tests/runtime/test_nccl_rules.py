@@ -1,0 +1,189 @@
+"""NCCL's rules for every torch.distributed call, emulated on gloo (runtime/nccl_rules.py): lazy
+communicators, one stream per communicator with unfused sends that wait for their receive, and
+one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1). Each rule is shown hanging-and-reporting on
+the pattern a GPU would hang on, and passing on the pattern that does not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def _rules(timeout: float, one_queue: bool = False):
+    from megatron_pp_ext.runtime import nccl_rules
+    return nccl_rules.install(one_queue=one_queue, timeout=timeout)
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return "completed"
+
+
+def groups_in_orders(warm: bool, hang_s: float):
+    """Two groups over both ranks, first used in opposite orders (with or without a warm-up): the
+    ops are asynchronous, which NCCL runs on a stream per communicator whatever their order."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    from megatron_pp_ext.runtime.communicators import warm_up_groups
+    _rules(hang_s)
+    try:
+        g1 = dist.new_group([0, 1], group_desc="first")
+        g2 = dist.new_group([0, 1], group_desc="second")
+        if warm:
+            warm_up_groups([g1, g2])
+        order = [g1, g2] if dist.get_rank() == 0 else [g2, g1]
+        return _outcome(lambda: [w.wait() for w in [dist.all_reduce(torch.ones(1), group=g, async_op=True)
+                                                    for g in order]])
+    finally:
+        nccl_rules.uninstall(wait=False)
+
+
+def test_groups_first_used_in_different_orders_hang_unless_warmed_up(pool):
+    msgs = pool.run(groups_in_orders, 2, warm=False, hang_s=2.0)
+    for msg in msgs:
+        assert msg.startswith("NCCLHangError: emulated NCCL: rank"), msg
+        assert "created lazily in different orders hang" in msg and "\n" not in msg, msg
+    assert "(first)" in msgs[0] and "is creating the communicator of group" in msgs[0], msgs[0]
+    assert pool.run(groups_in_orders, 2, warm=True, hang_s=2.0) == ["completed", "completed"]
+
+
+def ring_probe(fused: bool, hang_s: float):
+    """The profiling latency probe as it was (an unfused isend/irecv ring on the pipeline group),
+    and as it is (``measure_p2p_latency`` on the executor's own point-to-point, prepared)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    from megatron_pp_ext.runtime.nccl_emulation import EmulatedNCCL
+    from megatron_pp_ext.schedule import build_schedule
+    from megatron_pp_ext.trainer.profile import measure_p2p_latency
+    _rules(hang_s)
+    try:
+        p, r = dist.get_world_size(), dist.get_rank()
+        group = dist.new_group(list(range(p)))
+        if not fused:
+            def ring():
+                works = [dist.isend(torch.zeros(64), dst=(r + 1) % p, group=group, tag=900),
+                         dist.irecv(torch.empty(64), src=(r - 1) % p, group=group, tag=900)]
+                for w in works:
+                    w.wait()
+            return _outcome(ring)
+        sched, _ = build_schedule("1f1b", p, 2 * p, with_comm=True)
+        p2p = EmulatedNCCL(group, "channels", num_stages=p, num_microbatches=2 * p, timeout=hang_s)
+        p2p.prepare(sched)
+        out = []
+        out.append(_outcome(lambda: out.append(measure_p2p_latency(p2p, (4, 1, 16), torch.float32,
+                                                                    torch.device("cpu"), repeats=3))))
+        return out[-1] if isinstance(out[-1], str) else "completed"
+    finally:
+        nccl_rules.uninstall(wait=False)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_profiling_latency_probe_runs_on_the_prepared_channels(pool, pp):
+    """At pp=2 both ranks send before they receive on one pair communicator; at pp >= 3 the ring's
+    pair communicators are created lazily in a cycle: both hang on a GPU, and did here."""
+    for msg in pool.run(ring_probe, pp, fused=False, hang_s=2.0):
+        assert msg.startswith("NCCLHangError: emulated NCCL: rank") and "\n" not in msg, msg
+    assert pool.run(ring_probe, pp, fused=True, hang_s=10.0) == ["completed"] * pp
+
+
+def side_collective_behind_a_wait(one_queue: bool, hang_s: float):
+    """Rank 0 waits for a message (a stream wait on a GPU) while a thread of it issues a
+    collective that rank 1 needs before it sends that message."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    _rules(hang_s, one_queue=one_queue)
+    try:
+        g = dist.new_group([0, 1])
+        pair = dist.new_group([0, 1])
+        from megatron_pp_ext.runtime.communicators import warm_up_groups, warm_up_pairs
+        warm_up_groups([g])
+        warm_up_pairs(pair, [(1, 0)])
+        if dist.get_rank() == 1:
+            return _outcome(lambda: (dist.all_reduce(torch.ones(1), group=g),
+                                     dist.send(torch.ones(4), dst=0, group=pair)))
+        errors: list = []
+
+        def side():
+            time.sleep(0.3)
+            errors.append(_outcome(lambda: dist.all_reduce(torch.ones(1), group=g)))
+        t = threading.Thread(target=side)
+        t.start()
+        got = _outcome(lambda: dist.irecv(torch.empty(4), src=1, group=pair).wait())
+        t.join()
+        return got if got != "completed" else errors[0]
+    finally:
+        nccl_rules.uninstall(wait=False)
+
+
+def test_one_hardware_queue_holds_work_issued_after_a_stream_wait(pool):
+    assert pool.run(side_collective_behind_a_wait, 2, one_queue=False, hang_s=5.0) == ["completed"] * 2
+    msgs = pool.run(side_collective_behind_a_wait, 2, one_queue=True, hang_s=2.0)
+    assert msgs[0].startswith("NCCLHangError: emulated NCCL, one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1): "
+                              "rank 0: the stream wait for receive from rank 1"), msgs[0]
+    assert "did not end within 2 s, and it holds 2 op(s) issued after it, the first all_reduce on group" in msgs[0], msgs[0]
+    assert "\n" not in msgs[0], msgs[0]
+
+
+def fail_while_peer_waits():
+    """Rank 1 raises at once; rank 0 waits for a message from it (which never comes)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    from megatron_pp_ext.runtime.communicators import warm_up_pairs
+    nccl_rules.install(timeout=300)
+    pair = dist.new_group([0, 1])
+    warm_up_pairs(pair, [(0, 1), (1, 0)])
+    if dist.get_rank() == 1:
+        dist.irecv(torch.empty(4), src=0, group=pair)   # an op of its own that will never end
+        raise ValueError("rank 1 fails here")
+    dist.irecv(torch.empty(4), src=1, group=pair).wait()
+
+
+def test_a_failing_rank_reports_its_traceback_before_cleaning_up(pool):
+    """Its clean-up would wait for its ops (a device synchronize on a GPU), which never end: the
+    traceback comes first, within the pool's grace, not after the pool's timeout."""
+    from megatron_pp_ext.runtime.pool import WorkerError
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 fails here"):
+        pool.run(fail_while_peer_waits, 2, timeout=120)
+    assert time.monotonic() - t0 < 40
+
+
+def explicit_gloo_group():
+    """A group created with backend="gloo" is gloo on a GPU too: no NCCL rules for it (tags
+    matter, no lazy creation)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    _rules(2.0)
+    try:
+        g = dist.new_group([0, 1], backend="gloo")
+        a, b = torch.full((2,), 1.0), torch.full((2,), 2.0)
+        if dist.get_rank() == 0:
+            for w in [dist.isend(a, 1, group=g, tag=1), dist.isend(b, 1, group=g, tag=2)]:
+                w.wait()
+            return None
+        x, y = torch.empty(2), torch.empty(2)
+        for w in [dist.irecv(y, 0, group=g, tag=2), dist.irecv(x, 0, group=g, tag=1)]:
+            w.wait()
+        return x.tolist(), y.tolist()
+    finally:
+        nccl_rules.uninstall(wait=False)
+
+
+def test_a_group_created_for_gloo_keeps_gloo_semantics(pool):
+    assert pool.run(explicit_gloo_group, 2)[1] == ([1.0, 1.0], [2.0, 2.0])
