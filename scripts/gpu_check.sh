@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 29 (docs/gpu.md): real NCCL ranks sharing one GPU (parity
-# against pp=1 with every NCCL strategy of the executor), and on one rank the CUDA paths: the B/W
-# split, F/B/W op times of real layer shapes, memory against the planner, offload on CUDA streams
-# under the CUDA sanitizer. Results: results.json and results.md in --out (default $OUT, else
-# scripts/gpu_check_out/).
+# The prepared GPU check (docs/gpu.md#the-gpu-check-scriptsgpu_checksh): on one rank the CUDA
+# paths first (the B/W split, F/B/W op times of real layer shapes, memory against the planner,
+# offload's copies), then real NCCL ranks sharing one GPU (parity against pp=1 with every NCCL
+# strategy of the executor; stopping at the first hang), the same with CUDA_DEVICE_MAX_CONNECTIONS=1,
+# mppx train, and offload under the CUDA sanitizer. Results: results.md, results.json and
+# gpu_check.log in --out (default $OUT, else scripts/gpu_check_out/).
 #
-#   scripts/gpu_check.sh                 # on the GPU machine: everything (about 5-6 min on an H100)
+#   scripts/gpu_check.sh                 # on the GPU machine: everything (about 6-7 min on an H100, estimated)
 #   scripts/gpu_check.sh --quick         # the subset (under 3 min)
 #   scripts/gpu_check.sh --cpu --quick   # the same steps on CPU processes (CI: tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --only nccl,sanitizer   # rerun some steps

@@ -57,6 +57,20 @@ def test_cpu_run_passes_every_step_and_writes_its_results(tmp_path):
     assert names["offload copy time vs the compute it hides behind"]["status"] == "measured"
     assert names["offload on CUDA streams under the CUDA sanitizer"]["status"] == "skip"
     assert "| step | check | status |" in md and "megatron_core" in json.dumps(doc["env"])
+    # the one-rank steps come first, the NCCL cases after them, then the same under one hardware queue
+    order = [c["name"] for c in doc["checks"]]
+    assert order.index("peak memory vs the planner") < order.index("zbv-pp2 [channels]")
+    q = " (CUDA_DEVICE_MAX_CONNECTIONS=1)"
+    assert order.index("a deadlock is a one-line failure within the limit") < order.index("zbv-pp2 [channels]" + q)
+    for case in ("zbv-pp2", "dualpipev-pp2", "interleaved-zb-pp4", "moe ep2 zbv-pp2-dp2"):
+        for strategy in ("channels", "batched", "pairwise"):
+            assert names[f"{case} [{strategy}]{q}"]["status"] == "pass", case
+    for case in ("vocab-parallel zbv-pp2 [channels]", "bpipe 1f1b-pp4 [channels]"):   # (they hang under it)
+        assert names[case + q]["status"] == "skip" and "refused under" in names[case + q]["detail"], case
+    assert names["offload-full zbv-pp2 [channels]" + q]["status"] == "pass"
+    # every check's line in the one log
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert all(f"] {c['name']}: " in log for c in doc["checks"]), log[-2000:]
 
 
 @pytest.mark.parametrize("args,needle", [(["--only", "bogus"], "--only 'bogus': unknown step"),

@@ -81,6 +81,24 @@ def test_bad_input_is_one_line_before_any_process(capsys, no_processes, argv, ex
     assert expect in err, err
 
 
+@pytest.mark.parametrize("env,argv,expect", [
+    ({"MPPX_NCCL_TIMEOUT": v}, ["--emulate-nccl"], f"MPPX_NCCL_TIMEOUT='{v}': the emulated NCCL hang timeout must be")
+    for v in ("0.001", "0", "-1", "nan", "abc", "inf", "1e300")] + [
+    ({"MPPX_EMULATE_NCCL": "bogus"}, [], "MPPX_EMULATE_NCCL='bogus': use 1 (channels), channels, batched, pairwise"),
+    ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, ["--emulate-nccl", "--enable-vocab-parallel"],
+     "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) with --enable-vocab-parallel hangs"),
+])
+def test_bad_nccl_environment_is_one_line_before_any_process(capsys, no_processes, monkeypatch, env, argv, expect):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert expect in train_error(capsys, *argv)
+
+
+def test_one_hardware_queue_is_fine_without_a_feature_that_hangs_under_it(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert make_plan(TrainConfig(device="cpu", emulate_nccl="channels")).device == "cpu"
+
+
 def test_device_cuda_without_gpu_is_refused(capsys, no_processes):
     import torch
     if torch.cuda.is_available():
@@ -282,9 +300,11 @@ def test_train_with_emulated_nccl_is_bit_exact(tmp_path):
     """--emulate-nccl batched: the executor's batched NCCL strategy under NCCL's rules on gloo
     (untagged, in issue order; Megatron-Core's batch_isend_irecv waited for at its end): the
     same losses as pp=1, bit for bit (the runtime tests run the default channels strategy)."""
-    r = _mppx("--pp", "2", "--schedule", "zb-h1", "--layers", "4", "--iters", "2", "--profile-iters", "0",
+    r = _mppx("--pp", "2", "--schedule", "zb-h1", "--layers", "4", "--iters", "4", "--profile-iters", "2",
               "--emulate-nccl", "batched", "--out", "out", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
+    # the profiling window's latency probe ran on the emulated NCCL path (every call under NCCL's rules)
+    assert "profile (iterations 2-3): median per stage F" in r.stdout, r.stdout
     last = r.stdout.strip().splitlines()[-2]
     assert last.endswith(": bit-exact match"), r.stdout
 

@@ -26,7 +26,7 @@ from .setup_env import ROOT, WHEEL_DIR, SetupError, ensure_packages, versions, w
 __all__ = ["main", "STEPS"]
 
 #: the steps ``--only`` can pick (set-up always runs)
-STEPS = ("nccl", "host", "train", "wgrad", "optimes", "memory", "offload", "sanitizer")
+STEPS = ("nccl", "host", "train", "wgrad", "optimes", "memory", "offload", "sanitizer", "onequeue")
 #: seconds after which no step starts (the sanitizer's: the others stop SANITIZER_RESERVE earlier); a
 #: step that starts in time runs to its end, so the run ends within about 40 s of this
 DEFAULT_BUDGET = {"gpu": 420.0, "gpu-quick": 140.0, "cpu": 0.0, "cpu-quick": 0.0}
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = _Parser(prog="scripts/gpu_check.sh", description="The prepared GPU check of issue 29 (docs/gpu.md).")
+    p = _Parser(prog="scripts/gpu_check.sh", description="The prepared GPU check (docs/gpu.md).")
     p.add_argument("--cpu", action="store_true", help="run the same steps on CPU processes (gloo, small shapes)")
     p.add_argument("--quick", action="store_true", help="the subset (GPU: under 3 minutes)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -105,6 +105,15 @@ class Runner:
         #: imported it records a stack trace per allocation: it would slow every later step)
         self.reserve = SANITIZER_RESERVE if (self.wanted("sanitizer") and not mode.cpu) else 0.0
         self.pool = None
+        #: the pool's workers run with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue)
+        self.one_queue = False
+        #: the name of the first configuration that hung: the NCCL part stops there
+        self.hung: str | None = None
+
+    @property
+    def suffix(self) -> str:
+        """What the names of this pass's checks end with."""
+        return " (CUDA_DEVICE_MAX_CONNECTIONS=1)" if self.one_queue else ""
 
     def wanted(self, step: str) -> bool:
         return self.args.only is None or step in self.args.only
@@ -115,12 +124,15 @@ class Runner:
     def start_pool(self) -> None:
         from megatron_pp_ext.runtime.pool import DEFAULT_PRELOAD, WorkerPool
         from megatron_pp_ext.runtime.shared_gpu import shared_gpu_env
+        # (set in the workers before CUDA starts; on --cpu the emulated NCCL rules read it)
+        queue = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if self.one_queue else {}
         if self.mode.cpu:
             spawn = {"start_method": "spawn", "rank_env": [shared_gpu_env(i, tag="cpu") for i in range(4)]}
-            self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=1, **(spawn if self.args.spawn else {}))
+            self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=1, env=queue,
+                                   **(spawn if self.args.spawn else {}))
             return
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-               "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+               "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **queue}
         tag = f"gpu-check-{os.getpid()}"
         preload = DEFAULT_PRELOAD + ("megatron_pp_ext.runtime.setup", "megatron_pp_ext.runtime.executor")
         self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=2, backend="nccl", env=env,
@@ -131,17 +143,31 @@ class Runner:
             self.pool.close()
             self.pool = None
 
+    def restart_pool(self, *, one_queue: bool) -> None:
+        """Fresh workers with (or without) one hardware queue."""
+        self.close()
+        self.one_queue = one_queue
+        self.start_pool()
+
     def run(self, step: str, name: str, fn, world: int, *, timeout: float, **kwargs):
         """``(per-rank results, seconds)`` or ``(None, seconds)`` after recording the failure."""
         from megatron_pp_ext.runtime.pool import PoolTimeout, WorkerError
         t = time.monotonic()
         try:
             return self.pool.run(fn, world, timeout=timeout, **kwargs), time.monotonic() - t
-        except PoolTimeout:
+        except PoolTimeout as e:
+            for rank, stack in sorted(e.stacks.items()):
+                self.results.log(f"--- {name}: rank {rank} stuck here ---\n{stack}")
             self.results.add(Check(step, name, "fail", f"hang (or far too slow): did not finish within {timeout:g} s on "
-                                   f"{world} rank(s); workers killed and respawned", time.monotonic() - t))
+                                   f"{world} rank(s); workers killed and respawned; the NCCL part stops here (the "
+                                   "stuck ranks' stacks: gpu_check.log)", time.monotonic() - t,
+                                   {"stacks": {str(k): v[-3000:] for k, v in e.stacks.items()}}))
+            if step in ("nccl", "host", "train"):
+                self.hung = self.hung or name
         except WorkerError as e:
             first = min(e.tracebacks)
+            for rank, tb in sorted(e.tracebacks.items()):
+                self.results.log(f"--- {name}: rank {rank} ---\n{tb}")
             self.results.add(Check(step, name, "fail", f"rank {first}: {_last_line(e.tracebacks[first])}",
                                    time.monotonic() - t, {"traceback": e.tracebacks[first][-4000:]}))
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be unpickled: still one line

@@ -115,6 +115,18 @@ def parity_cases(mode: Mode) -> list[ParityCase]:
     return out
 
 
+#: parity kinds that are a trainer feature, by the feature's name (its refusals apply to the case)
+_FEATURE_OF_KIND = {"vocab": "vocab_parallel", "bpipe": "bpipe", "offload": "activation_offload"}
+
+
+def one_queue_refusal(case: ParityCase) -> str | None:
+    """Why ``case`` is refused under one hardware queue (its feature's ``one_queue_hang``), or None."""
+    from megatron_pp_ext.trainer.features import train_features
+    name = _FEATURE_OF_KIND.get(case.kind)
+    feature = train_features().get(name) if name else None
+    return getattr(feature, "one_queue_hang", None) if feature is not None else None
+
+
 def reference_config(cfg: RunConfig) -> RunConfig:
     """The pp=1 run of ``cfg``: same model, data, dp, ep, loss and optimizer; Megatron-Core's own
     forward-backward function."""

@@ -1,4 +1,5 @@
-"""Results of the GPU check: one record per check, written as JSON and a markdown table.
+"""Results of the GPU check: one record per check, written as JSON and a markdown table, and
+one log (``gpu_check.log``: every check's line and the texts too long for the table).
 
 Written after every check (``Results.add`` saves), so a run that the device tool cuts off still
 leaves what it did. A check's ``status`` is ``pass`` / ``fail`` (correctness: decides the exit
@@ -66,9 +67,18 @@ class Results:
         line = f"[{check.step}] {check.name}: {check.status.upper()}"
         if check.detail:
             line += f" - {check.detail}"
-        print(line + f" ({check.seconds:.1f} s)", flush=True)
+        line += f" ({check.seconds:.1f} s)"
+        print(line, flush=True)
+        self.log(line)
         self.save()
         return check
+
+    def log(self, text: str) -> None:
+        """Append to ``gpu_check.log``: every check's line, and the long texts (tracebacks, the
+        stacks of ranks that hung, ``mppx train``'s output) the table leaves out."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "gpu_check.log", "a") as f:
+            f.write(text.rstrip("\n") + "\n")
 
     @property
     def failed(self) -> list[Check]:

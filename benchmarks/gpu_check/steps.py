@@ -1,8 +1,10 @@
 """The steps of the GPU check in order, each turning worker results into checks.
 
-NCCL (2 and 4 ranks): the world itself, the parity subset, the host time per op, ``mppx train``
-on the shared GPU. One rank: the B/W split's exactness, op times, memory against the planner,
-offload's copy time, offload under the CUDA sanitizer (last: the sanitizer stays in worker 0).
+One rank first: the B/W split's exactness, op times, memory against the planner, offload's copy
+time. NCCL (2 and 4 ranks): the world itself, the parity subset, the host time per op, a
+deliberate deadlock -- then the same under one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``)
+-- and ``mppx train`` on the shared GPU; the first hang stops the NCCL part (the stuck ranks'
+stacks go to the log). Last, offload under the CUDA sanitizer (it stays in worker 0).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _nccl_world(r) -> bool:
     step, mode = "nccl", r.mode
     ok = True
     for world in (2, 4):
-        name = f"{world} {'NCCL' if not mode.cpu else 'gloo'} ranks on one {'GPU' if not mode.cpu else 'host'}"
+        name = f"{world} {'NCCL' if not mode.cpu else 'gloo'} ranks on one {'GPU' if not mode.cpu else 'host'}" + r.suffix
         got, dt = r.run(step, name, world_info, world, timeout=120.0 if world == 2 else 90.0)
         if got is None:
             ok = False
@@ -102,21 +104,30 @@ def _nccl_world(r) -> bool:
 
 def _parity(r) -> None:
     from .parity import judge, merge, parity_cases, parity_worker, reference_config
+    from .parity import one_queue_refusal
     refs: dict = {}
     for case in parity_cases(r.mode):
-        if r.skip_if_over("nccl", case.name):
+        name = case.name + r.suffix
+        if r.hung:
+            r.results.add(Check("nccl", name, "skip", f"after the hang of {r.hung}"))
+            continue
+        refused = one_queue_refusal(case) if r.one_queue else None
+        if refused:
+            r.results.add(Check("nccl", name, "skip", f"refused under CUDA_DEVICE_MAX_CONNECTIONS=1 (it hangs: {refused})"))
+            continue
+        if r.skip_if_over("nccl", name):
             continue
         ref_cfg = reference_config(case.cfg)
         t = time.monotonic()
         if ref_cfg not in refs:
-            got, _ = r.run("nccl", f"{case.name}: pp=1 reference", parity_worker, ref_cfg.world_size,
+            got, _ = r.run("nccl", f"{name}: pp=1 reference", parity_worker, ref_cfg.world_size,
                            timeout=r.mode.parity_timeout, kind="plain", cfg=ref_cfg)
             refs[ref_cfg] = (got, merge("plain", got, ref_cfg) if got is not None else None)
         ref_ranks, ref = refs[ref_cfg]
         if ref is None:
-            r.results.add(Check("nccl", case.name, "skip", "its pp=1 reference failed"))
+            r.results.add(Check("nccl", name, "skip", "its pp=1 reference failed"))
             continue
-        got, _ = r.run("nccl", case.name, parity_worker, case.world, timeout=r.mode.parity_timeout, kind=case.kind,
+        got, _ = r.run("nccl", name, parity_worker, case.world, timeout=r.mode.parity_timeout, kind=case.kind,
                        cfg=case.cfg)
         if got is None:
             continue
@@ -125,12 +136,12 @@ def _parity(r) -> None:
         except Exception as e:  # noqa: BLE001 - a comparison that cannot be made is a failure
             status, detail, data = "fail", f"comparison failed: {type(e).__name__}: {e}", {}
         detail = f"{case.world} ranks, m={case.cfg.num_microbatches}: {detail}"
-        r.results.add(Check("nccl", case.name, status, detail, time.monotonic() - t, data))
+        r.results.add(Check("nccl", name, status, detail, time.monotonic() - t, data))
 
 
 def _host_time(r) -> None:
     from .host_time import host_time_config, host_time_worker, summarize
-    name = "executor host time per op vs Megatron-Core 1F1B (pp=2)"
+    name = "executor host time per op vs Megatron-Core 1F1B (pp=2)" + r.suffix
     if r.skip_if_over("host", name):
         return
     cfg = host_time_config(r.mode)
@@ -144,8 +155,13 @@ def _host_time(r) -> None:
                         f"{s['with_model_us_per_op']:.0f} us/op", dt, s, goal_met=s["ratio"] <= 1.05))
 
 
-def _train(r) -> None:
-    name = "mppx train --device cuda --pp 2 --schedule zbv (MPPX_SHARE_GPU=1)"
+def _train_name(one_queue: bool) -> str:
+    return "mppx train --device cuda --pp 2 --schedule zbv (MPPX_SHARE_GPU=1)" + (
+        " (CUDA_DEVICE_MAX_CONNECTIONS=1)" if one_queue else "")
+
+
+def _train(r, one_queue: bool = False) -> None:
+    name = _train_name(one_queue)
     if r.mode.cpu:
         r.results.add(Check("nccl", name, "skip", "GPU only (the trainer's CPU path is in the test suite)"))
         return
@@ -154,22 +170,28 @@ def _train(r) -> None:
         return
     if r.skip_if_over("train", name):
         return
-    out = r.results.out_dir / "train"
+    import tempfile
     cmd = [sys.executable, "-m", "megatron_pp_ext.cli", "train", "--device", "cuda", "--pp", "2", "--schedule", "zbv",
-           "--iters", "4", "--reference-iters", "2", "--no-progress", "--timeout", "150", "--out", str(out)]
+           "--iters", "4", "--reference-iters", "2", "--no-progress", "--timeout", "150"]
     env = dict(os.environ, MPPX_SHARE_GPU="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    if one_queue:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     t = time.monotonic()
-    try:
-        p = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=180)
-        text = p.stdout + p.stderr
-        (r.results.out_dir / "train.log").write_text(text)
-        ref = [ln for ln in text.splitlines() if ln.startswith("pp=1 reference")]
-        detail = (ref[-1] if ref else _tail(text))[:300]
-        status = "pass" if p.returncode == 0 else "fail"
-        r.results.add(Check("nccl", name, status, f"exit {p.returncode}: {detail}", time.monotonic() - t))
-    except subprocess.TimeoutExpired:
-        r.results.add(Check("nccl", name, "fail", "did not finish within 180 s", time.monotonic() - t))
+    with tempfile.TemporaryDirectory(prefix="mppx-gpu-check-train-") as out:   # (its figures: not kept)
+        try:
+            p = subprocess.run(cmd + ["--out", out], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                               timeout=180)
+            text = p.stdout + p.stderr
+            r.results.log(f"--- {name}: {' '.join(cmd)} (exit {p.returncode}) ---\n{text}")
+            ref = [ln for ln in text.splitlines() if ln.startswith("pp=1 reference")]
+            detail = (ref[-1] if ref else _tail(text))[:300]
+            status = "pass" if p.returncode == 0 else "fail"
+            r.results.add(Check("nccl", name, status, f"exit {p.returncode}: {detail}", time.monotonic() - t))
+        except subprocess.TimeoutExpired as e:
+            r.results.log(f"--- {name}: did not finish within 180 s ---\n{e.stdout or ''}{e.stderr or ''}")
+            r.results.add(Check("nccl", name, "fail", "did not finish within 180 s", time.monotonic() - t))
+            r.hung = r.hung or name
 
 
 def _fmt(n: float) -> str:
@@ -303,22 +325,41 @@ def _sanitizer(r) -> None:
 
 
 def run_all(r) -> None:
-    """Every wanted step, in order (the NCCL ones need the world to work)."""
-    ok = _nccl_world(r) if r.wanted("nccl") or r.wanted("host") or r.wanted("train") else True
-    if not ok:
-        r.results.add(Check("nccl", "parity, host time, trainer", "skip", "the NCCL world failed"))
-    else:
-        if r.wanted("nccl"):
-            _parity(r)
-        if r.wanted("host"):
-            _host_time(r)
-        if r.wanted("nccl"):
-            _hang(r)
-        if r.wanted("train"):
-            _train(r)
+    """Every wanted step, in the order that spends a short GPU window where it matters: the
+    one-rank CUDA paths first (they cannot hang on NCCL), then the NCCL cases (stopping at the
+    first hang, with the stuck ranks' stacks in the log), the same NCCL cases once more under one
+    hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, a fresh pool), ``mppx train`` (both ways),
+    and the sanitizer last (it slows every later step of its worker)."""
     for step, fn in (("wgrad", _wgrad), ("optimes", _optimes), ("memory", _memory), ("offload", _offload)):
         if r.wanted(step):
             fn(r)
+    nccl = r.wanted("nccl") or r.wanted("host")
+    if nccl:
+        _nccl_pass(r)
+    if r.wanted("onequeue") and not r.hung:
+        r.restart_pool(one_queue=True)
+        _nccl_pass(r)
+        r.restart_pool(one_queue=False)
+    if r.wanted("train"):
+        for one_queue in (False, True) if r.wanted("onequeue") else (False,):
+            if r.hung:
+                r.results.add(Check("nccl", _train_name(one_queue), "skip", f"after the hang of {r.hung}"))
+            else:
+                _train(r, one_queue)
     if r.wanted("sanitizer"):
         r.reserve = 0.0   # (the time kept for it: see Runner.over_budget)
         _sanitizer(r)
+
+
+def _nccl_pass(r) -> None:
+    """The NCCL world, the parity cases, the host time and the deliberate deadlock, under the
+    pool's current queue setting; nothing more after a hang."""
+    if not _nccl_world(r):
+        r.results.add(Check("nccl", "parity, host time" + r.suffix, "skip", "the NCCL world failed"))
+        return
+    if r.wanted("nccl"):
+        _parity(r)
+    if r.wanted("host") and not r.hung:
+        _host_time(r)
+    if r.wanted("nccl") and not r.hung and not r.one_queue:
+        _hang(r)

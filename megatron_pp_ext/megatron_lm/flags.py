@@ -355,6 +355,14 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
                            features=features, notes=tuple(notes), flag=flag)
+    from ..runtime.ncclenv import check_nccl_environment, emulated_strategy
+    from ..trainer.features import one_queue_hangs
+    try:   # (a GPU unless NCCL is emulated on CPU processes; MPPX_EMULATE_NCCL is checked there too)
+        emulating = emulated_strategy() is not None
+        check_nccl_environment(gpu=not emulating and get("distributed_backend", "nccl") == "nccl",
+                               emulating=emulating, one_queue_hangs=one_queue_hangs(features))
+    except ValueError as e:
+        raise MegatronLMFlagError(str(e)) from None
     if schedule is None:
         registry = train_features()
         for name, cfg in features:

@@ -32,7 +32,6 @@ docs/gpu.md (*What a green CPU run proves*).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
 import threading
@@ -42,37 +41,18 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .ncclenv import DEFAULT_TIMEOUT, emulated_strategy, hang_timeout, one_hardware_queue
+
 __all__ = ["NCCLHangError", "DEFAULT_TIMEOUT", "Rules", "install", "uninstall", "active", "compute",
            "wait_host", "hang_timeout", "wanted", "RAW", "DeviceQueue", "Meetings", "Stream", "stop_streams",
            "shared_meetings"]
 
-#: seconds a wait may take before the emulation calls it a hang (MPPX_NCCL_TIMEOUT overrides)
-DEFAULT_TIMEOUT = 60.0
 #: gloo tags of the emulated communicators (above every tag the library and Megatron use)
 _TAG_BASE = 1 << 26
 
 
 class NCCLHangError(RuntimeError):
     """A wait of the emulated NCCL path did not end: the run would hang on a GPU."""
-
-
-def hang_timeout(value: str | float | None = None) -> float:
-    """The hang timeout in seconds: ``value``, else ``$MPPX_NCCL_TIMEOUT``, else 60. Raises
-    ValueError with one line naming the variable for anything but a finite number of at least
-    0.1 s and at most a day (below that a slow CPU step reads as a hang)."""
-    src = "MPPX_NCCL_TIMEOUT"
-    if value is None:
-        value = os.environ.get(src)
-        if value is None or value.strip() == "":
-            return DEFAULT_TIMEOUT
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        t = math.nan
-    if not (math.isfinite(t) and 0.1 <= t <= 86400):
-        raise ValueError(f"{src}={value!r}: the emulated NCCL hang timeout must be a number of seconds from 0.1 "
-                         f"to 86400 (unset it for the default {DEFAULT_TIMEOUT:g})")
-    return t
 
 
 # --- the functions this module replaces, kept for the emulation itself ---------------------------
@@ -571,8 +551,7 @@ def active() -> Rules | None:
 def wanted(flag: bool = False) -> bool:
     """Whether NCCL's rules are to be emulated: asked for (``--emulate-nccl``) or the
     environment's ``MPPX_EMULATE_NCCL`` (the test suites' switch), on a gloo default group."""
-    env = os.environ.get("MPPX_EMULATE_NCCL", "").strip()
-    return (bool(flag) or env not in ("", "0")) and dist.is_initialized() and dist.get_backend() == "gloo"
+    return (bool(flag) or emulated_strategy() is not None) and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def install(*, one_queue: bool | None = None, timeout: float | None = None) -> Rules:
@@ -581,7 +560,7 @@ def install(*, one_queue: bool | None = None, timeout: float | None = None) -> R
     (``1``: one hardware queue). Replaces rules installed before."""
     uninstall()
     if one_queue is None:
-        one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+        one_queue = one_hardware_queue()
     rules = Rules(one_queue=one_queue, timeout=timeout)
     rules.install()
     _ACTIVE[0] = rules

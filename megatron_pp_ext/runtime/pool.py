@@ -108,7 +108,13 @@ class WorkerError(RuntimeError):
 
 
 class PoolTimeout(TimeoutError):
-    """A configuration did not finish in time on some ranks (the pool was restarted)."""
+    """A configuration did not finish in time on some ranks (the pool was restarted).
+    ``stacks``: rank -> the Python stacks of every thread of that stuck worker, dumped (SIGUSR1,
+    faulthandler) right before it was killed: where it hung."""
+
+    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.stacks = dict(stacks or {})
 
 
 def reset_megatron_state() -> None:
@@ -148,6 +154,8 @@ def _worker_main(index: int, conn, threads: int, cpu_compat: bool, parent_ends: 
     if fatal_log:  # a native crash (SIGSEGV, SIGABRT, ...): its Python stacks, for the parent's error
         import faulthandler
         faulthandler.enable(file=open(fatal_log, "w"), all_threads=True)
+        # and on the parent's request (a configuration that hangs), where every thread stands
+        faulthandler.register(signal.SIGUSR1, file=open(fatal_log + ".hang", "a"), all_threads=True)
     os.environ.update(env or {})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the parent's handler: a worker just stops)
     # a worker (and whatever it forks: checkpoint writers) dies with the pool's process, even
@@ -406,6 +414,26 @@ class WorkerPool:
             stacks = stacks[:6000] + "\n[...]"
         return f"worker {i} died ({how})" + (f"; its last stacks:\n{stacks}" if stacks else "")
 
+    def _hang_stacks(self, ranks: list[int], wait_s: float = 1.0) -> dict[int, str]:
+        """The stacks of stuck workers (faulthandler on SIGUSR1), before they are killed."""
+        for i in ranks:
+            try:
+                os.truncate(self._fatal_log(i) + ".hang", 0)
+                os.kill(self._procs[i].pid, signal.SIGUSR1)
+            except (OSError, TypeError):
+                pass
+        time.sleep(wait_s)
+        out = {}
+        for i in ranks:
+            try:
+                with open(self._fatal_log(i) + ".hang") as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text:
+                out[i] = text[:8000]
+        return out
+
     def _recycle(self, workers: list[int]) -> None:
         """Replace workers that exited after their answer (too many leftover gloo threads)."""
         for i in workers:
@@ -554,13 +582,14 @@ class WorkerPool:
         if pending or died:
             # (a dead worker's peers may hold half of a collective: every worker starts afresh)
             stuck = sorted(pending.values())
+            stacks = self._hang_stacks(stuck) if not errors else {}
             self.restart()
             recycle = []
             if errors:
                 raise WorkerError(self._error_text(what, errors, stuck), errors, tuple(died))
             raise PoolTimeout(f"{what} did not finish within {limit:.0f} s on rank(s) {stuck} of "
                               f"{world_size} (finished: {sorted(results)}); likely a hang or deadlock "
-                              "in the schedule or its communication. The worker pool was restarted.")
+                              "in the schedule or its communication. The worker pool was restarted.", stacks)
         if recycle:
             self._recycle(sorted(recycle))
         if errors:

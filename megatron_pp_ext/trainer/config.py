@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.ncclenv import check_nccl_environment
 from .errors import TrainConfigError
 from .moe import add_moe_arguments, check_moe, moe_from_args, moe_spec_fields
 from .options import add_training_arguments, check_training_options, options_from_args, run_options
@@ -641,6 +642,12 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             _fail("--emulate-nccl emulates NCCL on CPU processes (gloo); with --device cuda NCCL itself runs: "
                   "drop --emulate-nccl or use --device cpu")
         device = "cpu"
+    try:   # (MPPX_NCCL_TIMEOUT, MPPX_EMULATE_NCCL, CUDA_DEVICE_MAX_CONNECTIONS=1 with the features)
+        from .features import one_queue_hangs
+        check_nccl_environment(gpu=device == "cuda", emulating=bool(c.emulate_nccl),
+                               one_queue_hangs=one_queue_hangs(c.features))
+    except ValueError as e:
+        _fail(str(e))
     if device == "cpu" and not launch.external:   # (every process on this machine)
         from .hostmem import check_fits
         check_fits(c, layers=sum(lps), kv_heads=kv, ffn=ffn, dp=dp, fail=_fail)

@@ -24,6 +24,10 @@ the pipeline size, which the Megatron-LM integration checks before the model is 
 ``emulation_overlay(config, schedule, cost)`` (optional): what ``--emulate-compute`` should
 simulate instead of the schedule itself (vocabulary parallelism: its collectives as messages).
 
+``one_queue_hang`` (optional, a string: why): the feature hangs on a GPU with one hardware queue
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``), as the emulation of NCCL's rules shows; such a run is refused
+before any process starts (runtime/ncclenv.py).
+
 A feature whose run rounds differently from the plain pp=1 reference sets ``reference_rounding``
 (a string: why), so the pp=1 comparison allows a tolerance, names the reason, and otherwise
 requires the losses bit for bit (trainer/report.py).
@@ -45,7 +49,7 @@ from typing import Any, Callable, Protocol
 
 __all__ = ["TrainFeature", "FeatureRuntime", "FeaturePlan", "PlanContext", "register_train_feature",
            "train_features", "add_feature_arguments", "features_from_args", "plan_features",
-           "attach_features", "feature_run_config", "merge_feature_metrics", "require_sole_schedule_rewrite"]
+           "attach_features", "feature_run_config", "one_queue_hangs", "merge_feature_metrics", "require_sole_schedule_rewrite"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,17 @@ def plan_features(features: tuple[tuple[str, Any], ...], ctx: PlanContext):
         if got.summary:
             summary[name] = got.summary
     return factory, built, notes, summary
+
+
+def one_queue_hangs(features: tuple[tuple[str, Any], ...]) -> list[tuple[str, str]]:
+    """(flag, why) of the active features that hang under one hardware queue."""
+    registry = train_features()
+    out = []
+    for name, cfg in features:
+        why = getattr(registry[name], "one_queue_hang", None)
+        if why:
+            out.append((registry[name].flag_of(cfg), why))
+    return out
 
 
 def feature_run_config(features: tuple[tuple[str, Any], ...], run_config):

@@ -187,3 +187,35 @@ def explicit_gloo_group():
 
 def test_a_group_created_for_gloo_keeps_gloo_semantics(pool):
     assert pool.run(explicit_gloo_group, 2)[1] == ([1.0, 1.0], [2.0, 2.0])
+
+
+# --- the schedules under one hardware queue ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_queue_runs():
+    """A pool of its own whose workers emulate one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)."""
+    from _pools import RetryingPool
+    from conftest import Runs
+    from runtime_helpers import GPU_PATH_ENV
+    p = RetryingPool(4, timeout=180, env={**GPU_PATH_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    yield Runs(p)
+    p.close()
+
+
+def _steady_one_queue_rows():
+    from test_runtime_parity import _steady_rows
+    return [pytest.param(*r.values[:4], id=r.id) for r in _steady_rows()]
+
+
+@pytest.mark.parametrize("schedule,layout,mult,variant", _steady_one_queue_rows())
+def test_every_schedule_runs_under_one_hardware_queue(one_queue_runs, schedule, layout, mult, variant):
+    """Each schedule in its steady state (m = 2p / 4p: receives posted earliest, several ops
+    queued per channel) on the executor's default NCCL strategy with one hardware queue: no
+    hang, and the same losses, gradients and parameters as pp=1, bit for bit."""
+    from megatron_pp_ext.testing.parity import compare_records
+    from runtime_helpers import config, microbatches_for
+    pp, tp, dp = layout
+    m = microbatches_for(schedule, pp, mult * pp)
+    cfg = config(variant, schedule=schedule, pp=pp, tp=tp, dp=dp, m=m)
+    compare_records(one_queue_runs(cfg), one_queue_runs.reference(cfg),
+                    what=f"{schedule} pp{pp}-tp{tp}-dp{dp} m={m} {variant} (CUDA_DEVICE_MAX_CONNECTIONS=1)")

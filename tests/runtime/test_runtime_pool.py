@@ -162,6 +162,9 @@ def test_hang_times_out_with_clear_error_and_pool_recovers(pool):
         pool.run(hang_on_rank, 2, rank=0, timeout=3)
     assert time.monotonic() - t < 30
     assert "did not finish within 3 s" in str(info.value) and "hang_on_rank" in str(info.value)
+    # where the stuck ranks stood when they were killed (their stacks, every thread)
+    assert sorted(info.value.stacks) == [0, 1], info.value.stacks
+    assert all("hang_on_rank" in st and "thread 0x" in st.lower() for st in info.value.stacks.values()), info.value.stacks
     assert pool.restarts == restarts + 1
     assert [r["sum"] for r in pool.run(world_info, 4)] == [10.0] * 4
 

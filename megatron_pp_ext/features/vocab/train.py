@@ -58,6 +58,9 @@ class VocabTrainFeature:
     model_state_only: bool = True
     #: the pp=1 comparison (the plain model) is not bit for bit: see trainer/features.py
     reference_rounding: str = "the vocabulary-parallel softmax sums per shard"
+    #: shown by the emulation of NCCL's rules (tests/runtime/test_vocab_runtime.py)
+    one_queue_hang: str = ("its reduction channels' collectives queue behind this rank's stream waits for received "
+                           "tensors, which other ranks send only after those collectives")
 
     def add_arguments(self, parser) -> None:
         add_vocab_arguments(parser)
