@@ -172,7 +172,7 @@ def _train(r, one_queue: bool = False) -> None:
         return
     import tempfile
     cmd = [sys.executable, "-m", "megatron_pp_ext.cli", "train", "--device", "cuda", "--pp", "2", "--schedule", "zbv",
-           "--iters", "4", "--reference-iters", "2", "--no-progress", "--timeout", "150"]
+           "--iters", "5", "--reference-iters", "2", "--no-progress", "--timeout", "150"]   # (5: a profiling window)
     env = dict(os.environ, MPPX_SHARE_GPU="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     if one_queue:

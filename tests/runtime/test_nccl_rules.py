@@ -219,3 +219,15 @@ def test_every_schedule_runs_under_one_hardware_queue(one_queue_runs, schedule, 
     cfg = config(variant, schedule=schedule, pp=pp, tp=tp, dp=dp, m=m)
     compare_records(one_queue_runs(cfg), one_queue_runs.reference(cfg),
                     what=f"{schedule} pp{pp}-tp{tp}-dp{dp} m={m} {variant} (CUDA_DEVICE_MAX_CONNECTIONS=1)")
+
+
+@pytest.mark.parametrize("strategy,emulate", [("tagged", False), ("channels", True), (None, True)])
+def test_emulation_and_tags_are_refused_on_an_nccl_group(monkeypatch, strategy, emulate):
+    """Threads issuing NCCL ops with tags NCCL ignores would match messages in the wrong order."""
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import p2p
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match=r"^the NCCL emulation \(MPPX_EMULATE_NCCL, --emulate-nccl\) and the tagged "
+                                         r"p2p strategy are for gloo; on NCCL use an NCCL strategy"):
+        p2p.make_p2p(object(), strategy, num_stages=2, num_microbatches=2, emulate_nccl=emulate)
