@@ -38,7 +38,7 @@ from typing import Sequence
 
 from ..schedule.ir import Schedule
 from . import nccl_rules
-from .nccl_rules import RAW, DEFAULT_TIMEOUT, Meetings, NCCLHangError, Stream, hang_timeout, stop_streams
+from .nccl_rules import RAW, DEFAULT_TIMEOUT, NCCLHangError, Stream, hang_timeout, settle, stop_streams, wait_job
 from .p2p import P2P, Transfer, channel_warmup_order, pair_warmup_order
 
 __all__ = ["EmulatedNCCL", "NCCLHangError", "DEFAULT_TIMEOUT"]
@@ -205,21 +205,8 @@ class EmulatedNCCL(P2P):
         return handles
 
     def _wait(self, job, st: Stream, *, stream_wait: bool) -> None:
-        dq = self._queue
-        if dq is not None and stream_wait and not job.done.is_set():
-            seq = dq.issue(lambda: f"a stream wait for {job.what} on stream {st.label}, which has not ended",
-                           f"the stream wait for {job.what}")
-            dq.start(seq, f"the stream wait for {job.what}", ready=job.done.is_set)
-        if not job.done.wait(self.timeout):
-            stuck = st.current.what if st.current is not None else "nothing (its queue is empty)"
-            raise NCCLHangError(
-                f"emulated NCCL ({self.strategy}): rank {self._me} waited {self.timeout:g} s for {job.what} on "
-                f"stream {st.label}, which is stuck at {stuck}: this order hangs on a GPU")
-        if job.error is not None:
-            if isinstance(job.error, NCCLHangError):
-                raise job.error
-            raise RuntimeError(f"emulated NCCL ({self.strategy}): rank {self._me}: {job.what} failed: "
-                               f"{job.error}") from job.error
+        wait_job(job, st, rank=self._me, timeout=self.timeout, queue=self._queue, stream_wait=stream_wait,
+                 who=f"emulated NCCL ({self.strategy})")
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize()``: wait for every stream op this rank has issued."""
@@ -232,11 +219,7 @@ class EmulatedNCCL(P2P):
         self.synchronize()
 
     def settle(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        for job, _ in list(self._outstanding):
-            left = deadline - time.monotonic()
-            if left <= 0 or not job.done.wait(left):
-                return
+        settle(self._outstanding, timeout)
 
     def close(self) -> None:
         stop_streams(self._streams)

@@ -45,7 +45,7 @@ from .ncclenv import DEFAULT_TIMEOUT, emulated_strategy, hang_timeout, one_hardw
 
 __all__ = ["NCCLHangError", "DEFAULT_TIMEOUT", "Rules", "install", "uninstall", "active", "compute",
            "wait_host", "hang_timeout", "wanted", "RAW", "DeviceQueue", "Meetings", "Stream", "stop_streams",
-           "shared_meetings"]
+           "shared_meetings", "wait_job", "settle"]
 
 #: gloo tags of the emulated communicators (above every tag the library and Megatron use)
 _TAG_BASE = 1 << 26
@@ -220,6 +220,25 @@ def stop_streams(streams: dict, join_s: float = 10.0) -> None:
     streams.clear()
 
 
+def wait_job(job: _Job, stream: Stream, *, rank: int, timeout: float, queue: "DeviceQueue | None",
+             stream_wait: bool, who: str = "emulated NCCL") -> None:
+    """The host waits for ``job`` of ``stream`` (its error re-raised). ``stream_wait``: on a GPU
+    this is a stream wait (``work.wait()``), an entry of the hardware queue that, under one
+    queue, holds every op issued after it until the job has ended."""
+    if queue is not None and stream_wait and not job.done.is_set():
+        seq = queue.issue(lambda: f"a stream wait for {job.what} on stream {stream.label}, which has not ended",
+                          f"the stream wait for {job.what}")
+        queue.start(seq, f"the stream wait for {job.what}", ready=job.done.is_set)
+    if not job.done.wait(timeout):
+        stuck = stream.current.what if stream.current is not None else "nothing (its queue is empty)"
+        raise NCCLHangError(f"{who}: rank {rank} waited {timeout:g} s for {job.what} on stream {stream.label}, which "
+                            f"is stuck at {stuck}: this order hangs on a GPU")
+    if job.error is not None:
+        if isinstance(job.error, NCCLHangError):
+            raise job.error
+        raise RuntimeError(f"{who}: rank {rank}: {job.what} failed: {job.error}") from job.error
+
+
 class Meetings:
     """NCCL's communicator creation: the members of a communicator block until all of them
     reach it (through the job's store: one key per member)."""
@@ -361,22 +380,7 @@ class Rules:
         return _Work(self, job, stream)
 
     def wait_job(self, job: _Job, stream: Stream, *, stream_wait: bool) -> None:
-        """The host waits for ``job``; ``stream_wait``: on a GPU this is a stream wait
-        (``work.wait()``), an entry of the hardware queue that holds all later ones."""
-        dq = self.queue
-        if dq is not None and stream_wait and not job.done.is_set():
-            seq = dq.issue(lambda: f"a stream wait for {job.what} on stream {stream.label}, which has not ended",
-                           f"the stream wait for {job.what}")
-            dq.start(seq, f"the stream wait for {job.what}", ready=job.done.is_set)
-        if not job.done.wait(self.timeout):
-            stuck = stream.current.what if stream.current is not None else "nothing (its queue is empty)"
-            raise NCCLHangError(
-                f"emulated NCCL: rank {self.rank} waited {self.timeout:g} s for {job.what} on stream "
-                f"{stream.label}, which is stuck at {stuck}: this order hangs on a GPU")
-        if job.error is not None:
-            if isinstance(job.error, NCCLHangError):
-                raise job.error
-            raise RuntimeError(f"emulated NCCL: rank {self.rank}: {job.what} failed: {job.error}") from job.error
+        wait_job(job, stream, rank=self.rank, timeout=self.timeout, queue=self.queue, stream_wait=stream_wait)
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize()``: wait for every op this process has issued."""
@@ -495,11 +499,16 @@ class Rules:
         stop_streams(self.streams, join_s=10.0 if wait else 1.0)
 
     def settle(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        for job, _ in list(self._outstanding):
-            left = deadline - time.monotonic()
-            if left <= 0 or not job.done.wait(left):
-                return
+        settle(self._outstanding, timeout)
+
+
+def settle(outstanding: list, timeout: float = 10.0) -> None:
+    """Give the ``(job, stream)`` pairs issued up to ``timeout`` seconds to end, never raising."""
+    deadline = time.monotonic() + timeout
+    for job, _ in list(outstanding):
+        left = deadline - time.monotonic()
+        if left <= 0 or not job.done.wait(left):
+            return
 
 
 def _bind_collective(rules: Rules, name: str) -> Callable:
