@@ -428,3 +428,22 @@ def test_simulate_checks_its_byte_flags_before_building(capsys, monkeypatch):
         raise AssertionError("built before the flags were checked")
     monkeypatch.setattr("megatron_pp_ext.cli.commands.simulate.build_from_args", no_build)
     assert "--bytes-per-unit" in one_line_error(capsys, "simulate", "--schedule", "zbv", "--bytes-per-unit", "nan")
+
+
+def test_loader_refuses_a_file_that_deadlocks_under_the_nccl_model_it_names():
+    """A JSON naming an NCCL strategy (mppx export --backend nccl) is a promise that it runs there:
+    writing such a file and reading one are both checked under that model."""
+    from megatron_pp_ext.schedule import build_schedule
+    from megatron_pp_ext.schedule.simresult import DeadlockError
+    s, c = build_schedule("v-min", 4, 4, costs=(1, 1, 0, 0), with_comm=True)
+    with pytest.raises(DeadlockError, match="deadlocks under nccl-pairwise"):
+        dumps_json(s, c, comm_model="nccl-pairwise")
+    d = json.loads(dumps_json(s, c, comm_model="nccl-channels"))
+    assert loads_json(json.dumps(d)).meta["comm_model"] == "nccl-channels"
+    d["meta"]["comm_model"] = "nccl-pairwise"     # the same order, claimed for plain isend/irecv
+    with pytest.raises(DeadlockError, match="deadlocks under nccl-pairwise"):
+        loads_json(json.dumps(d))
+    assert loads_json(json.dumps(d), check=False).meta["comm_model"] == "nccl-pairwise"
+    d["meta"]["comm_model"] = "nccl-magic"
+    with pytest.raises(ScheduleError, match="unknown communication model"):
+        loads_json(json.dumps(d))

@@ -133,3 +133,15 @@ def test_the_table_of_docs_schedules_is_what_the_simulator_says():
             s, cost = build_schedule(name, 4, 16, costs=costs, with_comm=True, **_args(name, 4))
         got = [simulate(s, cost, comm_model=m).makespan for m in ("eager", "nccl-channels", "nccl-batched")]
         assert [f"{x:.2f}" for x in got] == [eager, channels, batched], label
+
+
+def test_the_blocking_proof_is_no_proof_for_nccl_pairwise():
+    """schedule/simulate.py's header: a schedule that runs with blocking batches runs eagerly, but
+    NCCL's stream models add waits of their own -- nccl-pairwise deadlocks this proven order."""
+    s, c = build_schedule("v-min", 4, 4, costs=(1, 1, 0, 0), with_comm=True)   # validated: blocking run
+    assert s.meta["comm_placement"] == "early, proven deadlock-free"
+    assert simulate(s, c, comm_model="blocking").makespan >= simulate(s, c).makespan   # eager waits less
+    validate_comm_model(s, c, "nccl-channels")                                          # the executor's runs it
+    with pytest.raises(DeadlockError, match="deadlocks") as e:
+        validate_comm_model(s, c, "nccl-pairwise")
+    assert e.value.model == "nccl-pairwise" and "waits for its partner" in e.value.brief()
