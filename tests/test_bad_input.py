@@ -447,3 +447,32 @@ def test_loader_refuses_a_file_that_deadlocks_under_the_nccl_model_it_names():
     d["meta"]["comm_model"] = "nccl-magic"
     with pytest.raises(ScheduleError, match="unknown communication model"):
         loads_json(json.dumps(d))
+
+
+def test_interleaved_1f1b_refuses_an_order_that_deadlocks_in_one_line(capsys):
+    """Every (p, v, m) with p <= 16, v <= 4, p < m <= 4p and m not a multiple of p: the 780 whose
+    order deadlocks are refused in one line naming --microbatches (never the validator's dump),
+    the others still build (p=4, m=6 is what torch's Interleaved1F1B runs), as do m < p."""
+    from megatron_pp_ext.schedule import ScheduleRequest, schedule_info
+    from megatron_pp_ext.schedule.simresult import DeadlockError
+    generate = schedule_info("interleaved-1f1b").generate   # (build_schedule also validates: 20 s here)
+    refused = 0
+    for p in range(2, 17):
+        for v in range(2, 5):
+            for m in range(p + 1, 4 * p + 1):
+                if m % p == 0:
+                    continue
+                try:
+                    generate(ScheduleRequest(p, m, v))
+                except ScheduleError as e:
+                    assert not isinstance(e, DeadlockError) and "\n" not in str(e)
+                    lo = m - m % p
+                    assert f"--microbatches {m} with --pp {p}" in str(e) and f"use --microbatches {lo} or {lo + p}" in str(e)
+                    refused += 1
+    assert refused == 780
+    for p, v, m in [(8, 2, 16), (8, 2, 4), (3, 3, 2), (4, 2, 6)]:
+        build_schedule("interleaved-1f1b", p, m, chunks=v)
+    assert main(["simulate", "--schedule", "interleaved-1f1b", "--chunks", "2", "--pp", "8",
+                 "--microbatches", "12"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "waits" not in err and "--microbatches 8 or 16" in err
