@@ -476,3 +476,20 @@ def test_interleaved_1f1b_refuses_an_order_that_deadlocks_in_one_line(capsys):
                  "--microbatches", "12"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "waits" not in err and "--microbatches 8 or 16" in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    # the required feature is left out by --features: the conflict, not plans that use it anyway
+    (["--features", "none", "--require-features", "bpipe"], "--features none leaves it out"),
+    (["--features", "offload", "--require-features", "bpipe"], "--features offload leaves it out"),
+    # the cause is the schedule list (BPipe has no V schedules), not "use more GPUs"
+    (["--schedules", "zbv", "--require-features", "bpipe"], "bpipe is planned with 1f1b only"),
+    # standard output carries one document
+    (["--json", "--emit-flags", "-"], "--emit-flags - with --json"),
+    (["--json", "--emit-slurm", "-"], "--emit-slurm - with --json"),
+    (["--emit-flags", "-", "--emit-slurm", "-"], "only one of them can go to standard output"),
+])
+def test_plan_refuses_flags_that_contradict_each_other_before_searching(capsys, extra, needle):
+    line = one_line_error(capsys, *PLAN, *extra)
+    assert needle in line
+    assert "use more GPUs" not in line

@@ -115,7 +115,16 @@ class Planner:
             get_feature(f)
         for f in req.require_features:
             if f not in self.features:
+                if req.features is not None:   # the two lists disagree: say so, not "nothing fits"
+                    listed = ",".join(req.features) or "none"
+                    raise PlannerError(f"--require-features {f}: --features {listed} leaves it out; add {f} to "
+                                       f"--features or drop it from --require-features")
                 self.features.append(f)
+            planned_with = getattr(get_feature(f), "schedules", None)
+            if planned_with is not None and not set(planned_with) & set(self.schedules):
+                raise PlannerError(f"--require-features {f}: {f} is planned with {', '.join(planned_with)} only, "
+                                   f"and --schedules {','.join(self.schedules)} has none of them; add "
+                                   f"{planned_with[0]} to --schedules or drop --require-features {f}")
         self.model_flops = req.global_batch * model_flops_per_sample(model)
         self.peak_flops = self.N * cl.gpu.peak_tflops * 1e12
 
