@@ -493,3 +493,21 @@ def test_plan_refuses_flags_that_contradict_each_other_before_searching(capsys, 
     line = one_line_error(capsys, *PLAN, *extra)
     assert needle in line
     assert "use more GPUs" not in line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [
+    ["--layers", "100000", "--hidden", "4096", "--heads", "32", "--arch", "llama", "--gpus", "8",
+     "--global-batch-size", "64"],                                  # 300 s silent before
+    ["--model", "deepseek-v3-like", "--gpus", "64", "--global-batch-size", "1024"],   # 149 s at --time-limit 20
+])
+def test_plan_answers_within_its_time_limit(capsys, argv):
+    import time
+    t0 = time.process_time()
+    rc = main(["plan", *argv, "--time-limit", "1", "--no-cache"])
+    spent = time.process_time() - t0
+    out, err = capsys.readouterr()
+    # a plan, or one line saying the limit stopped it: 1 s of search and the baseline's tenth,
+    # plus the set-up and one candidate's costing past the check
+    assert spent < 1.1 + 2, spent
+    assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1 and "--time-limit 1" in err), err
