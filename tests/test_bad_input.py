@@ -428,3 +428,86 @@ def test_simulate_checks_its_byte_flags_before_building(capsys, monkeypatch):
         raise AssertionError("built before the flags were checked")
     monkeypatch.setattr("megatron_pp_ext.cli.commands.simulate.build_from_args", no_build)
     assert "--bytes-per-unit" in one_line_error(capsys, "simulate", "--schedule", "zbv", "--bytes-per-unit", "nan")
+
+
+def test_loader_refuses_a_file_that_deadlocks_under_the_nccl_model_it_names():
+    """A JSON naming an NCCL strategy (mppx export --backend nccl) is a promise that it runs there:
+    writing such a file and reading one are both checked under that model."""
+    from megatron_pp_ext.schedule import build_schedule
+    from megatron_pp_ext.schedule.simresult import DeadlockError
+    s, c = build_schedule("v-min", 4, 4, costs=(1, 1, 0, 0), with_comm=True)
+    with pytest.raises(DeadlockError, match="deadlocks under nccl-pairwise"):
+        dumps_json(s, c, comm_model="nccl-pairwise")
+    d = json.loads(dumps_json(s, c, comm_model="nccl-channels"))
+    assert loads_json(json.dumps(d)).meta["comm_model"] == "nccl-channels"
+    d["meta"]["comm_model"] = "nccl-pairwise"     # the same order, claimed for plain isend/irecv
+    with pytest.raises(DeadlockError, match="deadlocks under nccl-pairwise"):
+        loads_json(json.dumps(d))
+    assert loads_json(json.dumps(d), check=False).meta["comm_model"] == "nccl-pairwise"
+    d["meta"]["comm_model"] = "nccl-magic"
+    with pytest.raises(ScheduleError, match="unknown communication model"):
+        loads_json(json.dumps(d))
+
+
+def test_interleaved_1f1b_refuses_an_order_that_deadlocks_in_one_line(capsys):
+    """Every (p, v, m) with p <= 16, v <= 4, p < m <= 4p and m not a multiple of p: the 780 whose
+    order deadlocks are refused in one line naming --microbatches (never the validator's dump),
+    the others still build (p=4, m=6 is what torch's Interleaved1F1B runs), as do m < p."""
+    from megatron_pp_ext.schedule import ScheduleRequest, schedule_info
+    from megatron_pp_ext.schedule.simresult import DeadlockError
+    generate = schedule_info("interleaved-1f1b").generate   # (build_schedule also validates: 20 s here)
+    refused = 0
+    for p in range(2, 17):
+        for v in range(2, 5):
+            for m in range(p + 1, 4 * p + 1):
+                if m % p == 0:
+                    continue
+                try:
+                    generate(ScheduleRequest(p, m, v))
+                except ScheduleError as e:
+                    assert not isinstance(e, DeadlockError) and "\n" not in str(e)
+                    lo = m - m % p
+                    assert f"--microbatches {m} with --pp {p}" in str(e) and f"use --microbatches {lo} or {lo + p}" in str(e)
+                    refused += 1
+    assert refused == 780
+    for p, v, m in [(8, 2, 16), (8, 2, 4), (3, 3, 2), (4, 2, 6)]:
+        build_schedule("interleaved-1f1b", p, m, chunks=v)
+    assert main(["simulate", "--schedule", "interleaved-1f1b", "--chunks", "2", "--pp", "8",
+                 "--microbatches", "12"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "waits" not in err and "--microbatches 8 or 16" in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    # the required feature is left out by --features: the conflict, not plans that use it anyway
+    (["--features", "none", "--require-features", "bpipe"], "--features none leaves it out"),
+    (["--features", "offload", "--require-features", "bpipe"], "--features offload leaves it out"),
+    # the cause is the schedule list (BPipe has no V schedules), not "use more GPUs"
+    (["--schedules", "zbv", "--require-features", "bpipe"], "bpipe is planned with 1f1b only"),
+    # standard output carries one document
+    (["--json", "--emit-flags", "-"], "--emit-flags - with --json"),
+    (["--json", "--emit-slurm", "-"], "--emit-slurm - with --json"),
+    (["--emit-flags", "-", "--emit-slurm", "-"], "only one of them can go to standard output"),
+])
+def test_plan_refuses_flags_that_contradict_each_other_before_searching(capsys, extra, needle):
+    line = one_line_error(capsys, *PLAN, *extra)
+    assert needle in line
+    assert "use more GPUs" not in line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [
+    ["--layers", "100000", "--hidden", "4096", "--heads", "32", "--arch", "llama", "--gpus", "8",
+     "--global-batch-size", "64"],                                  # 300 s silent before
+    ["--model", "deepseek-v3-like", "--gpus", "64", "--global-batch-size", "1024"],   # 149 s at --time-limit 20
+])
+def test_plan_answers_within_its_time_limit(capsys, argv):
+    import time
+    t0 = time.process_time()
+    rc = main(["plan", *argv, "--time-limit", "1", "--no-cache"])
+    spent = time.process_time() - t0
+    out, err = capsys.readouterr()
+    # a plan, or one line saying the limit stopped it: 1 s of search and the baseline's tenth,
+    # plus the set-up and one candidate's costing past the check
+    assert spent < 1.1 + 2, spent
+    assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1 and "--time-limit 1" in err), err

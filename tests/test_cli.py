@@ -295,6 +295,57 @@ def test_export_torch_csv(capsys, tmp_path):
     assert back.ops == ref.ops and back.placement == ref.placement
 
 
+# --- communication models: what runs under the NCCL strategy asked ----------------------------
+
+#: v-min at p=4, m=4, costs 1,1,0,0: its early receives pass the blocking proof, and deadlock
+#: under nccl-pairwise (both directions between two ranks on one stream)
+PAIRWISE_DEADLOCK = ["--pp", "4", "--microbatches", "4", "--costs", "1,1,0,0"]
+
+
+def test_export_for_an_nccl_strategy_refuses_an_order_that_deadlocks_under_it(capsys, tmp_path):
+    out = tmp_path / "f.json"
+    argv = ["export", "--schedule", "v-budget", "--memory-budget", "0.6x", *PAIRWISE_DEADLOCK, "--with-comm",
+            "--backend", "nccl", "-o", str(out)]
+    rc, _, err = run_cli(capsys, *argv, "--p2p", "pairwise")
+    assert rc == 2 and not out.exists()
+    assert len(err.strip().splitlines()) == 1
+    assert "--p2p pairwise" in err and "deadlocks under nccl-pairwise" in err and "--p2p channels" in err
+    rc, _, _ = run_cli(capsys, *argv)   # the executor's strategy runs it: written, and it loads back
+    assert rc == 0
+    sched, _ = loads_json_with_cost(out.read_text())
+    assert sched.meta["comm_model"] == "nccl-channels"
+
+
+def test_compare_lists_a_schedule_that_deadlocks_under_the_comm_model_as_skipped(capsys):
+    rc, out, err = run_cli(capsys, "compare", "--comm-model", "nccl-pairwise", *PAIRWISE_DEADLOCK,
+                           "--memory-budget", "0.6x", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    skipped = {s["schedule"]: s["reason"] for s in doc["skipped"]}
+    assert "deadlocks under --comm-model nccl-pairwise" in skipped["v-min"]
+    assert "v-min" not in {r["schedule"] for r in doc["rows"]} and "zbv" in {r["schedule"] for r in doc["rows"]}
+
+
+@pytest.mark.parametrize("model", ["nccl-batched", "nccl-pairwise", "blocking"])
+def test_simulate_judges_against_1f1b_under_the_comm_model_asked(capsys, model):
+    cfg = ["--schedule", "zbv", "--microbatches", "8", "--costs", "1,1,1,0.05", "--comm-model", model]
+    rc, out, _ = run_cli(capsys, "simulate", *cfg, "--json")
+    vs = json.loads(out)["vs_1f1b"]
+    s, c = build_schedule("1f1b", 4, 8, costs=(1, 1, 1, 0.05), with_comm=True)
+    ref = simulate(s, c, comm_model=model).makespan
+    assert vs["comm_model"] == model and vs["makespan"] == pytest.approx(ref)
+    assert vs["speedup"] == pytest.approx(ref / json.loads(out)["makespan"])
+    rc, out, _ = run_cli(capsys, "simulate", *cfg)
+    assert f"(1f1b under {model}: makespan {ref:g}" in out
+
+
+def test_export_help_claims_only_the_load_back_that_exists(capsys):
+    rc, out, _ = run_cli(capsys, "export", "--help")
+    text = " ".join(out.split())
+    assert rc == 0 and "megatron_pp_ext.schedule.export.load reads back" in text
+    assert "'mppx' and the runtime load back" not in text
+
+
 # --- errors: one line on stderr, exit 2, no traceback --------------------------------------
 
 ERRORS = [
@@ -324,6 +375,10 @@ ERRORS = [
     (["compare", "--schedules", "1f1b,nope"], "unknown schedule 'nope'"),
     (["compare", "--memory-budget", "0.1"], "--memory-budget"),
     (["compare", "-o", "pareto.jpg"], "-o"),
+    (["simulate", "--schedule", "v-min", *PAIRWISE_DEADLOCK, "--comm-model", "nccl-pairwise"],
+     "deadlocks under --comm-model nccl-pairwise"),
+    (["viz", "--schedule", "v-min", *PAIRWISE_DEADLOCK, "--comm-model", "nccl-pairwise", "-o", "x.svg"],
+     "deadlocks under --comm-model nccl-pairwise"),
 ]
 
 

@@ -75,7 +75,13 @@ def test_cpu_run_passes_every_step_and_writes_its_results(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [(["--only", "bogus"], "--only 'bogus': unknown step"),
                                          (["--spawn"], "--spawn is for --cpu"),
-                                         (["--cpu", "--budget", "-1"], "--budget -1")])
+                                         (["--cpu", "--budget", "-1"], "argument --budget: '-1'"),
+                                         (["--cpu", "--budget", "nan"], "argument --budget: 'nan'"),
+                                         (["--cpu", "--budget", "inf"], "argument --budget: 'inf'"),
+                                         (["--cpu", "--budget=-inf"], "argument --budget: '-inf'"),
+                                         (["--cpu", "--budget", "soon"], "argument --budget: 'soon'"),
+                                         (["--cpu", "--quick", "--out", "/proc/gc"], "--out /proc/gc: cannot write"),
+                                         (["--cpu", "--out", "/dev/null/x"], "--out /dev/null/x: cannot write")])
 def test_bad_arguments_are_one_line_and_exit_2(args, needle):
     from benchmarks.gpu_check.main import main
     import io

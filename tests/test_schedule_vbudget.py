@@ -86,3 +86,22 @@ def test_large_problems_search_few_rungs_on_a_fixed_grid():
     assert big == 8.0
     low, high = ladder(20.0, 1.0, 256.0, big), ladder(30.0, 1.0, 256.0, big)
     assert set(low) <= set(high) and len(high) <= 5
+
+
+def test_ladder_adds_the_anchors_within_the_budget_whatever_the_grid():
+    # p=32, m=256: rungs 1, 9 (step 8) below 16 units; V-Min's 12 is an anchor
+    assert ladder(16.0, 1.0, 256.0, 8.0, anchors=(12.0, 17.0, 32.0)) == [12.0, 9.0, 1.0]
+    assert ladder(40.0, 1.0, 256.0, 8.0, anchors=(12.0, 17.0, 32.0)) == [33.0, 32.0, 25.0, 17.0, 12.0, 9.0, 1.0]
+    assert ladder(4.3, 1.0, 16.0, None, anchors=(2.0, 3.0, 4.0)) == [4.3, 4.0, 3.0, 2.0]
+
+
+@pytest.mark.parametrize("p, m, budget, named", [
+    (32, 256, 16, "v-min"),   # 1085.5 at 9 units, V-Min 829 at 12
+    (16, 256, 6, "v-min"),    # 1053.5 at 5 units, V-Min 797.5 at 6
+    (32, 64, 32, "zbv"),      # 212 at 31 units, ZB-V 207.5 at 32
+])
+def test_v_budget_never_slower_than_a_named_v_schedule_within_it(p, m, budget, named):
+    ms, pk = run("v-budget", p, m, (1, 1, 1, 0), budget)
+    ms_named, _ = run(named, p, m, (1, 1, 1, 0))
+    assert pk <= budget + EPS
+    assert ms <= ms_named + EPS, (ms, ms_named)

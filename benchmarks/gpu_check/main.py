@@ -46,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where results.json / results.md go (default: $OUT when set, else scripts/gpu_check_out)")
     p.add_argument("--only", default=None, metavar="STEPS", help=f"comma-separated subset of {','.join(STEPS)}")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS",
                    help="skip steps that would start after this many seconds (default: 420 on a GPU, 140 with "
                         "--quick, none on CPU; 0: no limit)")
     p.add_argument("--spawn", action="store_true",
@@ -61,9 +61,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.only = steps
     if a.spawn and not a.cpu:
         p.error("--spawn is for --cpu (on a GPU the workers are always spawned)")
-    if a.budget is not None and a.budget < 0:
-        p.error(f"--budget {a.budget:g}: give seconds >= 0")
+    try:
+        _writable_dir(_out_dir(a.out))
+    except OSError as e:
+        p.error(f"--out {_out_dir(a.out)}: cannot write the results there ({e.strerror or e}); give a writable "
+                "folder (--out DIR)")
     return a
+
+
+def _seconds(text: str) -> float:
+    """``--budget``: a finite number of seconds >= 0 (0: no limit); nan, inf and negatives refused."""
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds >= 0 (0: no limit)")
+    return value
+
+
+def _writable_dir(path: Path) -> None:
+    """Make ``path`` and prove a file can be written in it, before any step runs (the results are
+    written after every check: an unwritable folder would end the run in a traceback)."""
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".gpu_check_probe_{os.getpid()}"
+    probe.write_text("")
+    probe.unlink()
 
 
 def _out_dir(arg: str | None) -> Path:

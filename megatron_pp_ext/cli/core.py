@@ -251,6 +251,27 @@ def comm_model_of(args: argparse.Namespace) -> str:
     return getattr(args, "comm_model", None) or "eager"
 
 
+def deadlock_reason(model: str, error) -> str:
+    """A few words for a schedule that deadlocks under ``--comm-model``: where it first waits."""
+    return f"deadlocks under --comm-model {model} ({error.brief()})"
+
+
+def simulate_under_model(schedule, cost, args: argparse.Namespace):
+    """``simulate`` under the ``--comm-model`` asked; a schedule that cannot run there is a
+    one-line CLIError naming the flag (what a schedule the executor builds does under that NCCL
+    strategy: the executor would refuse it before its first op)."""
+    from ..schedule import simulate
+    from ..schedule.simresult import DeadlockError
+    model = comm_model_of(args)
+    try:
+        return simulate(schedule, cost, comm_model=model)
+    except DeadlockError as e:
+        if model == "eager":
+            raise
+        raise CLIError(f"schedule {schedule.name!r} {deadlock_reason(model, e)}; pick another "
+                       "--comm-model (nccl: what the executor runs on GPUs)") from None
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser, *, microbatches: int = 16,
                            with_comm: bool = True) -> None:
     parser.add_argument("--schedule", required=True, metavar="NAME",

@@ -86,6 +86,9 @@ class BaseFeature:
     model_based = True
     memory_only = False
     conflicts: tuple[str, ...] = ()
+    #: the schedules it is planned with (None: any); a request that requires it with none of
+    #: them in --schedules is refused up front, naming this as the cause
+    schedules: tuple[str, ...] | None = None
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
         return ()
@@ -264,9 +267,10 @@ class BPipeEstimator(BaseFeature):
     flag = "--bpipe"
     memory_only = True
     conflicts = ("offload",)
+    schedules = ("1f1b",)
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.schedule != "1f1b" or cand.vp != 1 or cand.pp < 4:
+        if cand.schedule not in self.schedules or cand.vp != 1 or cand.pp < 4:
             return ()
         return ("on",)
 

@@ -115,7 +115,16 @@ class Planner:
             get_feature(f)
         for f in req.require_features:
             if f not in self.features:
+                if req.features is not None:   # the two lists disagree: say so, not "nothing fits"
+                    listed = ",".join(req.features) or "none"
+                    raise PlannerError(f"--require-features {f}: --features {listed} leaves it out; add {f} to "
+                                       f"--features or drop it from --require-features")
                 self.features.append(f)
+            planned_with = getattr(get_feature(f), "schedules", None)
+            if planned_with is not None and not set(planned_with) & set(self.schedules):
+                raise PlannerError(f"--require-features {f}: {f} is planned with {', '.join(planned_with)} only, "
+                                   f"and --schedules {','.join(self.schedules)} has none of them; add "
+                                   f"{planned_with[0]} to --schedules or drop --require-features {f}")
         self.model_flops = req.global_batch * model_flops_per_sample(model)
         self.peak_flops = self.N * cl.gpu.peak_tflops * 1e12
 
@@ -444,7 +453,15 @@ class Planner:
         heap: list = []
         seq = itertools.count()
         n_points = 0
+        complete = True
+        # enumerating costs the stages of every candidate (minutes for 100,000 layers): at most
+        # ENUMERATION_SHARE of the limit, so that the search proper can still find a plan
         for base in self.candidates():
+            if time.process_time() - t0 > ENUMERATION_SHARE * req.time_limit:
+                complete = False
+                self.rej.add("time limit", _describe(base), f"candidates not costed: half of --time-limit "
+                             f"{req.time_limit:g} s of CPU spent costing them")
+                break
             for cand, costs, feats in self._sim_variants(base):
                 n_points += 1
                 what = _describe(cand)
@@ -491,7 +508,6 @@ class Planner:
         self.stats["points"] = n_points
         plans: list[Estimate] = []
         observed: dict[tuple, tuple[float, ...]] = {}
-        complete = True
         top = max(1, req.top)
         while heap:
             lb, _, cand, costs, feats = heapq.heappop(heap)
@@ -552,9 +568,10 @@ class Planner:
         ex = (self.rej.examples("memory") or self.rej.examples("schedule")
               or self.rej.examples("divisibility") or ["-"])[0]
         if c.get("time limit"):  # not proved that nothing fits: the search ran out of time first
-            return (f"--time-limit {req.time_limit:g}: the search stopped after {req.time_limit:g} s of CPU, "
-                    f"before any configuration of {model.name} was found to fit ({dict(c)} rejected); raise "
-                    "--time-limit (default 120)")
+            return (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
+                    f"of CPU (at most half of the limit costing candidates, the rest simulating them), before any "
+                    f"configuration of {model.name} was found to fit ({dict(c)} rejected); raise --time-limit "
+                    "(default 120)")
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
@@ -592,14 +609,23 @@ def _describe(c: Candidate) -> str:
     return s
 
 
+#: the share of --time-limit the enumeration of candidates may take (their stage costs and memory:
+#: proportional to the layers), and the least the baseline search gets after the main one
+ENUMERATION_SHARE = 0.5
+BASELINE_SHARE = 0.1
+
+
 def plan(req: PlanRequest, *, cache: SimCache | None = None, baseline: bool = False) -> PlanResult:
     """Search ``req``; with ``baseline`` also the best plan using only Megatron-Core's own
     schedules (1F1B, interleaved) and no features, for comparison (``result.baseline``)."""
     cache = cache if cache is not None else SimCache()
+    t0 = time.process_time()
     result = Planner(req, cache).run()
     if baseline:
+        # within what is left of --time-limit (at least BASELINE_SHARE of it): the whole stays near the limit
+        left = max(req.time_limit - (time.process_time() - t0), BASELINE_SHARE * req.time_limit)
         base_req = req.with_(schedules=tuple(s for s in ("1f1b", INTERLEAVED) if s in schedule_names()),
-                             features=(), require_features=(), top=1)
+                             features=(), require_features=(), top=1, time_limit=left)
         try:
             result.baseline = Planner(base_req, cache).run()
         except PlannerError:

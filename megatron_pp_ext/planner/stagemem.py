@@ -336,8 +336,13 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
     T = s * b
     tq = T / tp if (st.sequence_parallel and tp > 1) else T
     pattern = model.moe_pattern
-    layers = [_layer(model, st, bool(pattern[part.first + j]) if part.first + j < len(pattern) else False)
-              for j in range(part.layers)]
+    kinds = {}   # (dense, MoE): one model each, shared by every layer of the kind (100,000 layers stay fast)
+    layers = []
+    for j in range(part.layers):
+        moe = bool(pattern[part.first + j]) if part.first + j < len(pattern) else False
+        if moe not in kinds:
+            kinds[moe] = _layer(model, st, moe)
+        layers.append(kinds[moe])
     layer_act = sum(lay.saved for lay in layers)
     act = layer_act
     w_held = sum(lay.w_held for lay in layers) if st.split else 0.0

@@ -424,9 +424,12 @@ def run(prep: Prepared, model: str) -> SimResult:
 
     if any(ptr[r] < len(plans[r]) or awaiting[r] is not None for r in range(p)) or (streams is not None and streams.pending):
         msg = _deadlock_message(schedule, ptr)
+        waits = [ln.strip() for ln in msg.splitlines()[1:] if not ln.strip().endswith("finished")]
         if streams is not None:
-            msg += f"\nNCCL streams ({nccl.name}):\n" + "\n".join(streams.stuck())
-        raise DeadlockError(msg)
+            stuck = streams.stuck()
+            msg += f"\nNCCL streams ({nccl.name}):\n" + "\n".join(stuck)
+            waits = [ln.strip() for ln in stuck] or waits
+        raise DeadlockError(msg, model=nccl.name if streams is not None else model, waits=tuple(waits))
     return _result(prep, model, starts, ends, busy, messages, comm_wait, mem_events, ready, recv_fix)
 
 

@@ -43,7 +43,7 @@ from .validate import validate
 __all__ = [
     "cost_to_dict", "cost_from_dict", "dumps_json", "loads_json", "loads_json_with_cost",
     "to_torch_rows", "to_torch_csv", "from_torch_rows", "from_torch_csv", "save", "load",
-    "load_with_cost", "TORCH_OF_KIND", "KIND_OF_TORCH",
+    "load_with_cost", "check_runs_under", "TORCH_OF_KIND", "KIND_OF_TORCH",
 ]
 
 #: our compute kind -> torch's computation type letter
@@ -149,13 +149,16 @@ def dumps_json(schedule: Schedule, cost: CostModel | None = None, *, indent: int
     comm ops as that NCCL path issues them -- each carries ``"stream"`` and, batched, ``"batch"``
     (shared by the ops of one ``batch_isend_irecv``) -- and ``meta`` gains ``"p2p"``
     (``"batched"`` | ``"pairwise"``), ``"recv_wait"`` (``"batch-end"`` | ``"consumer"``) and
-    ``"comm_model"``. (Loading ignores them.)"""
+    ``"comm_model"``. The schedule must run under that model (:func:`.validate.validate_comm_model`:
+    NCCL's matching order, no deadlock on its streams), else a ScheduleError says where it waits:
+    a file that names a model is a promise that it runs there. (Loading checks the same.)"""
     d = schedule.to_dict()
     meta = dict(schedule.meta)
     if comm_model is not None:
         from .commmodel import annotate_ops, comm_model as _model
         model = _model(comm_model)
         if model is not None:
+            check_runs_under(schedule, cost, model.name)
             for ops, notes in zip(d["ops"], annotate_ops(schedule, model)):
                 for o, extra in zip(ops, notes):
                     o.update(extra)
@@ -169,12 +172,30 @@ def dumps_json(schedule: Schedule, cost: CostModel | None = None, *, indent: int
     return json.dumps(d, indent=indent)
 
 
+def check_runs_under(schedule: Schedule, cost: CostModel | None, model: str) -> None:
+    """Refuse (ScheduleError, one line) a schedule with send/recv ops that the NCCL ``model``
+    cannot run: messages matched out of order, or a deadlock on its streams (nccl-pairwise runs
+    both directions between two ranks on one stream: an order the blocking proof accepts can
+    still wait forever there)."""
+    from .simresult import DeadlockError
+    from .validate import validate_comm_model
+    if cost is None:
+        cost = CostModel.uniform(schedule.num_stages, schedule.chunks_per_rank)
+    try:
+        validate_comm_model(schedule, cost, model)
+    except DeadlockError as e:
+        raise DeadlockError(f"schedule {schedule.name!r} deadlocks under {model} ({e.brief()})",
+                            model=model, waits=e.waits) from None
+
+
 def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, CostModel | None]:
     """Schedule and cost model (None when the JSON holds none) from :func:`dumps_json` text.
 
     With ``check`` (default) the schedule must pass :func:`..validate.validate`, the validator
     every generated schedule passes (each op present once, placement and ranks consistent,
-    sends matched, deadlock-free), under its own cost model when the file has one."""
+    sends matched, deadlock-free), under its own cost model when the file has one; a file whose
+    ``meta["comm_model"]`` names an NCCL model (``mppx export --backend nccl``) must also run
+    under that model (:func:`check_runs_under`)."""
     try:
         d = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
@@ -231,6 +252,13 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
         _check_enough_ops("schedule JSON", len(placement), d["num_microbatches"], compute,
                           per_pair=1 if meta.get("forward_only") else 2)
         validate(sched, cost, want_result=False)
+        named = meta.get("comm_model")
+        if named is not None and named not in ("eager", "blocking"):
+            from .commmodel import comm_model as _model
+            if not isinstance(named, str):
+                raise ScheduleError(f"schedule JSON: meta 'comm_model' must be a model's name, got {named!r}")
+            _model(named)   # an unknown name is refused
+            check_runs_under(sched, cost, named)
     return sched, cost
 
 

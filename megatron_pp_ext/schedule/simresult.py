@@ -12,7 +12,22 @@ __all__ = ["SimResult", "DeadlockError"]
 
 
 class DeadlockError(ScheduleError):
-    """The schedule cannot run to the end: some rank waits forever."""
+    """The schedule cannot run to the end: some rank waits forever.
+
+    ``model``: the communication model it deadlocks under (None: not told); ``waits``: one line
+    per stuck rank or NCCL stream, for :meth:`brief`."""
+
+    def __init__(self, message: str, *, model: str | None = None, waits: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.model = model
+        self.waits = tuple(waits)
+
+    def brief(self, limit: int = 2) -> str:
+        """The first ``limit`` waits in a few words (the full message lists every rank)."""
+        if not self.waits:
+            return str(self).splitlines()[0] if str(self) else "every rank waits"
+        more = len(self.waits) - limit
+        return "; ".join(self.waits[:limit]) + (f"; {more} more" if more > 0 else "")
 
 
 @dataclass

@@ -17,7 +17,12 @@ Two models of communication:
   ``comm_model="blocking"`` (the validator's deadlock proof): consecutive comm ops of a rank
   on one channel form one batch (as ``batch_isend_irecv`` issues them) that blocks the rank
   until every op in it is matched by its partner *posted* on the peer rank. A schedule that
-  runs under this model runs under any more relaxed one (NCCL or gloo, batched or not).
+  runs under this model runs under the eager one (gloo's tagged point-to-point), which only
+  ever waits less. It proves nothing for NCCL's stream models (``comm_model="nccl-..."``,
+  :mod:`.commmodel`): there an op also waits behind the ops issued before it on its stream,
+  and ``nccl-pairwise`` (both directions between two ranks on one stream) deadlocks orders
+  this model accepts (v-min at p=4, m=4, costs 1,1,0,0; ``tests/test_comm_models.py``).
+  :func:`.validate.validate_comm_model` checks a schedule under the model that will run it.
 A rank that can never proceed is a deadlock, reported with what every rank waits for.
 Comm kinds a feature registers with a duration and a memory effect (BPipe's transfers to a
 partner rank) take ``comm`` + their duration once both sides are posted, one at a time per

@@ -10,7 +10,8 @@ Every generated schedule passes through :func:`validate` before anything runs. C
    its rank, and sends and receives between two ranks come in the same order (NCCL matches
    them in order);
 4. deadlock: the schedule is executed by the simulator with blocking batches (each batch
-   waits until its partners are posted: the strictest way a runtime can block); a rank
+   waits until its partners are posted: stricter than gloo's path, but not a proof for
+   NCCL's stream models, whose ops also wait behind their stream: check 6); a rank
    that can never proceed is reported;
 5. memory: the peak activation of every rank is within ``memory_budget`` (units).
 6. (:func:`validate_comm_model`, for the backend's strategy) NCCL's rules: on every stream the

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..core import CLIError, add_comm_model_argument, add_config_arguments, comm_model_of, format_table, parse_costs, register_command
+from ..core import (CLIError, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
+                    parse_costs, register_command)
 
 DEFAULT_BUDGET = "0.5x"
 
@@ -83,6 +84,7 @@ def compare_rows(args) -> tuple[list[dict], list[dict]]:
 def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | None:
     """The row of one schedule, or None (and an entry in ``skipped``) when it cannot be built."""
     from ...schedule import ScheduleError, parse_memory_budget, schedule_info, simulate
+    from ...schedule.simresult import DeadlockError
 
     info = schedule_info(name)
     try:
@@ -92,7 +94,11 @@ def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | N
             raise  # the budget asked for cannot be met: that is bad input, not a note
         skipped.append({"schedule": name, "reason": " ".join(str(e).split())})
         return None
-    res = simulate(sched, cost, comm_model=comm_model_of(args))
+    try:
+        res = simulate(sched, cost, comm_model=comm_model_of(args))
+    except DeadlockError as e:   # it cannot run under the NCCL strategy asked: a result, not an error
+        skipped.append({"schedule": name, "reason": deadlock_reason(comm_model_of(args), e)})
+        return None
     note = ""
     if budget is not None:
         units = parse_memory_budget(budget, args.pp)

@@ -50,7 +50,17 @@ def run(args) -> int:
         raise CLIError(f"--p2p {args.p2p} is an NCCL strategy: add --backend nccl")
     sched, cost = build_from_args(args)
     model = f"nccl-{args.p2p}" if args.backend == "nccl" else None
-    text = export.dumps_json(sched, cost, indent=1, comm_model=model) if fmt == "json" else export.to_torch_csv(sched)
+    if fmt == "json":
+        from ...schedule.simresult import DeadlockError
+        try:   # a file that names an NCCL strategy runs under it: checked, not assumed
+            text = export.dumps_json(sched, cost, indent=1, comm_model=model)
+        except DeadlockError as e:
+            raise CLIError(f"--p2p {args.p2p}: {e}; "
+                           + ("plain isend/irecv run every message between two ranks on one stream, in issue "
+                              "order; " if args.p2p == "pairwise" else "")
+                           + "use --p2p channels (the default: what the executor runs on GPUs)") from None
+    else:
+        text = export.to_torch_csv(sched)
     write_text(args.output, text)
     if args.output != "-":
         print(f"wrote {args.output} ({fmt}: {sched.name}, pp={sched.num_ranks}, "
@@ -60,5 +70,5 @@ def run(args) -> int:
 
 register_command("export", "write one schedule as JSON or as a PyTorch pipelining CSV", order=50,
                  description="Write one schedule to a file: --format json (this package's schedule JSON, "
-                             "which 'mppx' and the runtime load back) or --format torch-csv (the action "
-                             "table torch.distributed.pipelining loads).")(configure, run)
+                             "which megatron_pp_ext.schedule.export.load reads back and validates) or "
+                             "--format torch-csv (the action table torch.distributed.pipelining loads).")(configure, run)

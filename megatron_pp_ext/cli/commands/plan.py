@@ -204,10 +204,24 @@ def build_request(args):
         raise CLIError(str(e)) from None
 
 
+def _check_outputs(args) -> None:
+    """Standard output carries one document: the JSON, the flags or the SLURM script."""
+    to_stdout = [flag for flag, path in (("--emit-flags", args.emit_flags), ("--emit-slurm", args.emit_slurm))
+                 if path == "-"]
+    if args.json and to_stdout:
+        raise CLIError(f"{to_stdout[0]} - with --json: standard output carries the JSON, which holds the best "
+                       "plan's flags (plans[0].megatron_flags) and the SLURM script (slurm_script); give a file name (e.g. "
+                       f"{to_stdout[0]} best.{'txt' if to_stdout[0] == '--emit-flags' else 'sbatch'}) or drop --json")
+    if len(to_stdout) > 1:
+        raise CLIError("--emit-flags - with --emit-slurm -: only one of them can go to standard output; give the "
+                       "other a file name")
+
+
 def run(args) -> int:
     from ...planner import PlannerError, SimCache, bpipe_estimate, format_report, plan, result_to_dict
     from ...planner.emit import flags_text, slurm_script
 
+    _check_outputs(args)
     req = build_request(args)
     bad = [r for r in req.recompute if r not in ("none", "selective", "full")]
     if bad:

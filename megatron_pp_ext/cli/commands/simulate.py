@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..core import (add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, format_table,
-                    parse_bytes, parse_costs, register_command)
+                    parse_bytes, parse_costs, register_command, simulate_under_model)
 
 
 def configure(parser):
@@ -22,8 +22,6 @@ def configure(parser):
 
 def simulate_report(args, bar=None) -> dict:
     """The JSON document of ``mppx simulate --json`` (``bar``: a progress bar to tell the steps)."""
-    from ...schedule import simulate
-
     step = bar.step if bar is not None else (lambda text: None)
     changes = {}  # every flag is checked before the (possibly long) build
     if args.bytes_per_unit is not None:
@@ -35,7 +33,7 @@ def simulate_report(args, bar=None) -> dict:
         cost = cost.with_(**changes)
     step("simulating")
     model = comm_model_of(args)
-    res = simulate(sched, cost, comm_model=model)
+    res = simulate_under_model(sched, cost, args)
     f, b, w, comm = parse_costs(args.costs)
     doc = {
         "schedule": sched.meta.get("schedule", sched.name),
@@ -57,18 +55,19 @@ def simulate_report(args, bar=None) -> dict:
 
 
 def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
-    """1F1B at the same pp, microbatches and costs: the baseline every schedule is judged by
-    (None when 1F1B cannot be built there, e.g. fewer microbatches than stages)."""
+    """1F1B at the same pp, microbatches and costs, with the same send/recv pass and under the
+    same ``--comm-model``: the baseline every schedule is judged by (None when 1F1B cannot be
+    built there, e.g. fewer microbatches than stages, or cannot run under that model)."""
     from ...schedule import ScheduleError, simulate
 
     plain = argparse.Namespace(**{**vars(args), "memory_budget": None})  # 1F1B's own memory, not --memory-budget
     try:
         ref_sched, ref_cost = build_from_args(plain, "1f1b", chunks=1, with_comm=with_comm)
-    except ScheduleError:
+        ref = simulate(ref_sched, ref_cost, comm_model=comm_model_of(args))
+    except ScheduleError:   # (a DeadlockError under the model included)
         return None
-    ref = simulate(ref_sched, ref_cost, comm_model=comm_model_of(args))
     return {"makespan": ref.makespan, "bubble_rate": ref.bubble_rate, "max_peak_memory": ref.max_peak_memory,
-            "speedup": ref.makespan / res.makespan if res.makespan > 0 else 1.0}
+            "speedup": ref.makespan / res.makespan if res.makespan > 0 else 1.0, "comm_model": comm_model_of(args)}
 
 
 def run(args) -> int:
@@ -93,7 +92,8 @@ def run(args) -> int:
     ref = doc["vs_1f1b"]
     if ref is not None and doc["schedule"] != "1f1b":
         print(f"vs 1f1b   {ref['speedup']:.2f}x speed at {doc['max_peak_memory'] / ref['max_peak_memory']:.2f}x "
-              f"memory (1f1b: makespan {ref['makespan']:g}, bubble {ref['bubble_rate']:.2%}, "
+              f"memory (1f1b{'' if ref['comm_model'] == 'eager' else ' under ' + ref['comm_model']}: "
+              f"makespan {ref['makespan']:g}, bubble {ref['bubble_rate']:.2%}, "
               f"peak {ref['max_peak_memory']:g} units)"
               + ("; 'mppx compare' shows every schedule at these costs" if ref["speedup"] < 1 - 1e-9 else ""))
     headers = ["rank", "busy", "bubble", "peak mem (units)"]

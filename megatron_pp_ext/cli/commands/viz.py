@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core import add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, register_command
+from ..core import add_comm_model_argument, add_schedule_arguments, build_from_args, register_command, simulate_under_model
 
 
 def configure(parser):
@@ -23,9 +23,7 @@ def run(args) -> int:
     per_rank = args.microbatches * chunks * (3 if info.split_backward else 2)
     check_figure_size(args.pp, per_rank, microbatches=args.microbatches)  # before building anything
     sched, cost = build_from_args(args)
-    from ...schedule import simulate
-    res = plot_timeline(sched, cost, args.output, title=args.title,
-                        result=simulate(sched, cost, comm_model=comm_model_of(args)))
+    res = plot_timeline(sched, cost, args.output, title=args.title, result=simulate_under_model(sched, cost, args))
     print(f"wrote {args.output} ({sched.name}: pp={sched.num_ranks}, microbatches={sched.num_microbatches}, "
           f"bubble {res.bubble_rate:.1%}, peak {res.max_peak_memory:g} units, makespan {res.makespan:g})")
     return 0

@@ -14,6 +14,11 @@ ZB-V's makespan at 4). :func:`ladder_search` makes the budget a monotone knob on
   point up to the snapped budget. So a larger budget sees every schedule a smaller one sees:
   its makespan is never larger, and at an equal makespan its peak is never larger either (ZB-V
   at p units is among them, so a budget above p never peaks above ZB-V at ZB-V's makespan);
+- the *anchors* (the budgets of V-Min, V-Half and ZB-V) within the budget are ladder points
+  too, whatever the grid: at large sizes the grid is coarse (p=32, m=256: rungs 1, 9, 17, 25)
+  and would miss V-Min's 12 units, so the budget would buy a slower schedule than V-Min at less
+  memory than it allows. With them, v-budget is never slower than a named V schedule within its
+  budget (the same search at the same budget);
 - ladder points are searched from the top down and the descent stops where the lower bound of
   :mod:`.bounds` at a point exceeds the best makespan found (no schedule there could tie it).
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..costs import CostModel
 from ..ir import Schedule, v_placement
@@ -68,20 +73,25 @@ def coarse_step(step: float, need: float, span_top: float, ops: int) -> float:
     return step * k
 
 
-def ladder(budget: float, need: float, cap: float, step: float | None) -> list[float]:
+def ladder(budget: float, need: float, cap: float, step: float | None,
+           anchors: Sequence[float] = ()) -> list[float]:
     """Budgets to search, highest first: ``budget`` snapped down to ``need + k*step`` (within
-    ``cap``), then every lower ladder point down to ``need``."""
+    ``cap``), every lower ladder point down to ``need``, and the ``anchors`` between ``need``
+    and ``budget`` (not capped: a named schedule searched at its own budget)."""
     top = min(budget, cap)
     if step is None:
-        return [top]
-    k = math.floor((top - need) / step + 1e-9)
-    return [round(need + i * step, 9) for i in range(k, -1, -1)]
+        points = {round(top, 9)}
+    else:
+        k = math.floor((top - need) / step + 1e-9)
+        points = {round(need + i * step, 9) for i in range(k, -1, -1)}
+    points |= {round(a, 9) for a in anchors if need - 1e-9 <= a <= budget + 1e-9}
+    return sorted(points, reverse=True)
 
 
 def ladder_search(build: Callable[[float], Schedule], p: int, m: int, cost: CostModel, budget: float,
-                  key: tuple) -> Schedule:
-    """The best of ``build(b)`` over the ladder below ``budget`` (see module doc). ``key``
-    identifies the request (cost, options) for the cache."""
+                  key: tuple, anchors: Sequence[float] = ()) -> Schedule:
+    """The best of ``build(b)`` over the ladder below ``budget`` and the ``anchors`` within it
+    (see module doc). ``key`` identifies the request (cost, options) for the cache."""
     placement = v_placement(p)
     need = max(cost.act[r] + cost.act[2 * p - 1 - r] for r in range(p))
     cap = m * need
@@ -89,7 +99,7 @@ def ladder_search(build: Callable[[float], Schedule], p: int, m: int, cost: Cost
     if step is not None:
         ops = 3 * 2 * p * m
         step = coarse_step(step, need, 2 * p * max(cost.act), ops)
-    points = ladder(budget, need, cap, step)
+    points = ladder(budget, need, cap, step, anchors)
     best: tuple[tuple[float, float], float, Schedule] | None = None
     bound = 0.0  # the largest lower bound seen: valid for every lower budget too
     for b in points:

@@ -52,17 +52,76 @@ def interleaved(req: ScheduleRequest) -> Schedule:
         raise ScheduleError(f"interleaved-1f1b: microbatch group size {group} must be >= pp ({p})")
     table = interleaved_table(m, v, group)
     total = m * v
+    warm = [min((p - r - 1) * 2 + (v - 1) * group, total) for r in range(p)]
+    check_last_group(p, m, v, group, table, warm)
     ops = []
     for r in range(p):
-        warm = min((p - r - 1) * 2 + (v - 1) * group, total)
         fwd = [Op("F", c * p + r, mb, r) for mb, c in table]
         bwd = [Op("BW", (v - 1 - c) * p + r, mb, r) for mb, c in table]
-        lst = fwd[:warm]
-        for k in range(total - warm):
-            lst += [fwd[warm + k], bwd[k]]
-        lst += bwd[total - warm:]
+        w = warm[r]
+        lst = fwd[:w]
+        for k in range(total - w):
+            lst += [fwd[w + k], bwd[k]]
+        lst += bwd[total - w:]
         ops.append(lst)
     return Schedule("interleaved-1f1b", m, loop_placement(p, v), ops, {"microbatch_group_size": group})
+
+
+def check_last_group(p: int, m: int, v: int, group: int, table: list[tuple[int, int]], warm: list[int]) -> None:
+    """Megatron-Core refuses its interleaved order when the last group of microbatches (``m mod
+    group``) is neither whole nor at least pp long. Some of those orders still run (p=4, m=6,
+    v=2: what torch's Interleaved1F1B runs too); the others send a rank's first chunk forward
+    for microbatches its later chunks cannot take yet, and deadlock (780 of the (p, v, m) with
+    p <= 16, v <= 4, p < m <= 4p): refused here in one line, before the validator's dump."""
+    rest = m % group
+    if not (m > group and 0 < rest < p) or _runs_to_the_end(p, m, v, table, warm):
+        return
+    lo = m - rest
+    size = "pp" if group == p else f"{group}"
+    raise ScheduleError(f"interleaved-1f1b: --microbatches {m} with --pp {p}: Megatron-Core's interleaved order "
+                        f"(groups of {size} microbatches, the last one {rest}) deadlocks here, and Megatron-Core "
+                        f"refuses a last group shorter than pp; use --microbatches {lo}"
+                        + (f" or {lo + p}" if group == p else ""))
+
+
+def _runs_to_the_end(p: int, m: int, v: int, table: list[tuple[int, int]], warm: list[int]) -> bool:
+    """Whether every rank gets through the interleaved order (a forward waits for the previous
+    stage's, a backward for the next stage's): the deadlock check on integer codes (stage * m +
+    microbatch; backwards negative), before any op is made."""
+    S = p * v
+    f_done, b_done = bytearray(S * m), bytearray(S * m)
+    lists = []
+    for r in range(p):
+        fwd = [(c * p + r) * m + mb for mb, c in table]
+        bwd = [-1 - ((v - 1 - c) * p + r) * m - mb for mb, c in table]
+        w = warm[r]
+        lst = fwd[:w]
+        for k in range(len(table) - w):
+            lst += [fwd[w + k], bwd[k]]
+        lists.append(lst + bwd[len(table) - w:])
+    ptr = [0] * p
+    last = (S - 1) * m
+    moved = True
+    while moved:
+        moved = False
+        for r, lst in enumerate(lists):
+            i, n = ptr[r], len(lst)
+            while i < n:
+                x = lst[i]
+                if x >= 0:
+                    if x >= m and not f_done[x - m]:
+                        break
+                    f_done[x] = 1
+                else:
+                    x = -1 - x
+                    if x < last and not b_done[x + m]:
+                        break
+                    b_done[x] = 1
+                i += 1
+            if i > ptr[r]:
+                moved = True
+                ptr[r] = i
+    return all(i == len(lst) for i, lst in zip(ptr, lists))
 
 
 def one_f_one_b_split(p: int, m: int, name: str = "1f1b-split") -> Schedule:

@@ -222,8 +222,10 @@ def v_min(req: ScheduleRequest) -> Schedule:
                    "(units, or a fraction of 1F1B such as 0.6x)", placement="v", chunks=2,
                    split_backward=True, uses_budget=True)
 def v_budget(req: ScheduleRequest) -> Schedule:
-    """The V search at every budget of a ladder up to ``--memory-budget`` (:mod:`.budget_ladder`):
-    a larger budget never gives a slower schedule, nor a larger peak at the same makespan."""
+    """The V search at every budget of a ladder up to ``--memory-budget`` (:mod:`.budget_ladder`),
+    V-Min's, V-Half's and ZB-V's budgets included where they fit: a larger budget never gives a
+    slower schedule, nor a larger peak at the same makespan, and a budget that holds a named V
+    schedule is never slower than it."""
     if req.memory_budget is None:
         raise ScheduleError("v-budget needs --memory-budget (units, e.g. 3, or a fraction of 1F1B, e.g. 0.5x)")
     from .budget_ladder import ladder_search
@@ -233,4 +235,7 @@ def v_budget(req: ScheduleRequest) -> Schedule:
     if req.memory_budget + 1e-9 < need:
         return _v(req, "v-budget", req.memory_budget)  # its error names the budget needed
     key = ("v-budget", req.pp, req.microbatches, cost, repr(sorted(req.options.items())))
-    return ladder_search(lambda b: _v(req, "v-budget", b), req.pp, req.microbatches, cost, req.memory_budget, key)
+    # the named V schedules' budgets are searched whenever they fit: never slower than one of them
+    anchors = [v_budget_units(kind, req.pp) for kind in ("v-min", "v-half", "zbv")]
+    return ladder_search(lambda b: _v(req, "v-budget", b), req.pp, req.microbatches, cost, req.memory_budget, key,
+                         anchors)
