@@ -17,7 +17,7 @@ by our launcher, the pool and Megatron-LM):
   order (a stream thread each); messages of a pair match in issue order whatever their tags,
   and a send ends only once its receive is posted -- two ranks that both send before they
   receive on one pair hang.
-* **one hardware queue** (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM needs for its
+* **one hardware queue** (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM advises for its
   TP/SP overlap and our launch scripts export): the device starts work in the order the host
   issued it, across all streams; an op whose stream is still busy with an earlier op, or a
   stream wait (``work.wait()``) on an op that has not ended, holds every op issued after it.

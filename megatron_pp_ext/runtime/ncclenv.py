@@ -4,7 +4,7 @@
   (:mod:`.nccl_rules`);
 * ``MPPX_EMULATE_NCCL``: ``1`` / ``channels`` / ``batched`` / ``pairwise`` runs the executor's NCCL
   strategy on gloo with NCCL's rules (CPU processes only);
-* ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue per GPU (what Megatron-LM needs for its
+* ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue per GPU (what Megatron-LM advises for its
   tensor-parallel communication overlap); features that hang under it say so
   (``one_queue_hang`` of their trainer plug-in) and are refused with it.
 
