@@ -7,7 +7,7 @@ then takes the next one; the consumer's ``Pending.wait()`` blocks the host until
 done. On a GPU the job runs inside the channel's own CUDA stream (not a pooled one), ordered
 after the work the main thread issued before submitting it. Why not issue every job at once
 on the stream (waits ordering the streams, the host never blocking): with one hardware queue
-(``CUDA_DEVICE_MAX_CONNECTIONS=1``, what Megatron-LM needs for TP overlap) a stream wait, or a
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``, what Megatron-LM advises for TP overlap) a stream wait, or a
 second collective behind one still waiting for another rank, holds every kernel issued after it
 -- the forward kernels the pre-posted broadcasts wait for included: a hang.
 """
