@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from ..features.flags import argument_adder
 
 __all__ = ["MegatronLMFlagError", "PipelineOptions", "add_arguments", "extra_args_provider", "build_parser",
-           "resolve", "check_megatron_args", "layers_per_stage_for", "MCORE", "REFERENCE_NOOP_FLAGS"]
+           "resolve", "check_megatron_args", "layers_per_stage_for", "plan_summary", "MCORE", "REFERENCE_NOOP_FLAGS"]
 
 #: ``--pipeline-schedule mcore``: Megatron-Core's own forward-backward function (the default).
 MCORE = "mcore"
@@ -415,6 +415,15 @@ class MegatronPlan:
         return self.placement[-1]
 
 
+def plan_summary(plan: MegatronPlan) -> str:
+    """The log line that says what runs (schedule, the flag that chose it, sizes, placement)."""
+    o = plan.options
+    where = f", V placement {list(plan.placement)} (loss on pipeline rank {plan.loss_rank})" if plan.v else ""
+    lay = f", layers per stage {list(plan.layers_per_stage)}" if plan.layers_per_stage is not None else ""
+    return (f"megatron_pp_ext: schedule {o.schedule} ({o.flag}) at pp={plan.pp}, {plan.chunks} chunk(s) per rank, "
+            f"{plan.microbatches} microbatches per iteration{where}{lay}")
+
+
 def _given(args: argparse.Namespace, *names: str) -> str | None:
     for n in names:
         v = getattr(args, n, None)
@@ -551,6 +560,12 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                 check(fcfg, schedule=opts.schedule, pp=pp)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
+    if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
+        raise MegatronLMFlagError("--layout-independent-init cannot be combined with --init-model-with-meta-device; "
+                                  "drop one of them")
+    if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        raise MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size > 1 yet "
+                                  "(local expert names are not global); drop one of them")
     if opts.profile_iters and getattr(args, "freeze_all_layers", False):
         # (Megatron-LM main: --freeze-all-layers runs every training iteration forward only)
         raise MegatronLMFlagError("--pipeline-profile-iters measures the F, B and W ops of training iterations, but "

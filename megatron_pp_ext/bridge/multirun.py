@@ -1,0 +1,109 @@
+"""Several Bridge launches in one set of processes, with their exact losses (tests, checks).
+
+Importing Megatron-Bridge costs tens of CPU seconds per process, far more than a tiny model's
+training, so the checks run the launcher (:func:`megatron_pp_ext.bridge.launch.run`: the whole
+path from the command line to Bridge's ``pretrain()``) on the ranks of a
+:class:`~megatron_pp_ext.runtime.pool.WorkerPool` forked after Bridge was imported once::
+
+    from megatron_pp_ext.bridge.multirun import bridge_pool, launch
+    with bridge_pool(4) as pool:
+        runs = launch(pool, 2, ["--recipe", "vanilla_gpt_pretrain_config", "mppx.schedule=zbv", ...])
+
+Each rank returns what Bridge's loop logged and printed: per iteration the loss dict handed to
+``training_log`` and the gradient norm (exact floats, ``float.hex``), the evaluations'
+losses as ``evaluate_and_print_results`` got them, the lines it printed (Bridge's iteration
+log, ``megatron_pp_ext:`` lines), and the exit status of a refused run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import time
+from typing import Any, Iterator, Sequence
+
+__all__ = ["PRELOAD", "bridge_pool", "launch", "run_rank"]
+
+#: imported in the pool's parent before its workers are forked (the launcher's imports)
+PRELOAD = ("megatron_pp_ext.bridge.integration", "megatron.bridge.training.pretrain",
+           "megatron.bridge.recipes", "megatron.bridge.training.gpt_step",
+           "megatron.bridge.training.utils.omegaconf_utils")
+_KEPT = ("iteration ", "validation loss", "megatron_pp_ext")
+
+
+def _hex(v: Any) -> str | None:
+    if v is None:
+        return None
+    try:
+        return float(v.item() if hasattr(v, "item") else v).hex()
+    except (TypeError, ValueError):
+        return None
+
+
+def _floats(d: dict | None) -> dict:
+    return {k: h for k, h in ((k, _hex(v)) for k, v in (d or {}).items()) if h is not None}
+
+
+@contextlib.contextmanager
+def _recording(rec: dict) -> Iterator[None]:
+    """Bridge's ``training_log`` and ``evaluate`` (as its printing calls it) record what they get."""
+    from .. import compat
+    train = importlib.import_module("megatron.bridge.training.train")
+    ev = importlib.import_module("megatron.bridge.training.eval")
+    log0, eval0 = train.training_log, ev.evaluate
+
+    def training_log(*args: Any, **kwargs: Any):
+        bound = compat.bind_call(log0, args, kwargs)
+        if bound is not None:
+            rec["train"].append(_floats(bound.arguments.get("loss_dict")))
+            rec["grad_norm"].append(_hex(bound.arguments.get("grad_norm")))
+        return log0(*args, **kwargs)
+
+    def evaluate(*args: Any, **kwargs: Any):
+        out = eval0(*args, **kwargs)
+        rec["eval"].append(_floats(out[0]) if isinstance(out, tuple) else {})
+        return out
+
+    train.training_log, ev.evaluate = training_log, evaluate
+    try:
+        yield
+    finally:
+        train.training_log, ev.evaluate = log0, eval0
+
+
+def run_rank(argv: Sequence[str]) -> dict:
+    """One rank of a launch (a pool configuration: ``torch.distributed`` is initialised): runs
+    :func:`~megatron_pp_ext.bridge.launch.run` with ``argv`` and returns this rank's record."""
+    import torch
+
+    from .launch import LaunchError, run
+    rec: dict[str, Any] = {"rank": torch.distributed.get_rank(), "train": [], "grad_norm": [], "eval": [],
+                           "exit": 0, "lines": []}
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(buf):
+            run(list(argv), hooks=lambda: _recording(rec))
+    except LaunchError as e:
+        rec["exit"], rec["error"] = e.code, e.msg
+    except SystemExit as e:
+        rec["exit"] = e.code
+    rec["seconds"] = time.perf_counter() - t0
+    rec["lines"] = [ln for ln in buf.getvalue().splitlines() if any(k in ln for k in _KEPT)]
+    return rec
+
+
+def bridge_pool(size: int, **kwargs: Any):
+    """A :class:`~megatron_pp_ext.runtime.pool.WorkerPool` of ``size`` workers forked after the
+    launcher's imports (:data:`PRELOAD`); keywords go to the pool (``timeout``, ...)."""
+    import megatron_pp_ext  # noqa: F401 - the import shims, before Megatron-Bridge is imported
+
+    from ..runtime.pool import DEFAULT_PRELOAD, WorkerPool
+    kwargs.setdefault("preload", DEFAULT_PRELOAD + PRELOAD)
+    return WorkerPool(size, **kwargs)
+
+
+def launch(pool: Any, nproc: int, argv: Sequence[str], *, timeout: float | None = None) -> list[dict]:
+    """Run the launcher with ``argv`` on ``nproc`` ranks of ``pool``; the records, by rank."""
+    return pool.run(run_rank, nproc, timeout=timeout, argv=list(argv))
