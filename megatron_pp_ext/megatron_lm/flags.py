@@ -523,10 +523,10 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if getattr(args, "overlap_moe_expert_parallel_comm", False):
             raise MegatronLMFlagError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
                                       "(Megatron's combined 1F1B schedule); drop one of them")
-        if getattr(args, "cuda_graph_impl", "none") == "local" and "full_iteration" in str(
-                getattr(args, "cuda_graph_scope", "")):
-            raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph "
-                                      "(--cuda-graph-scope full_iteration); drop one of them")
+        graph = _full_iteration_graph(args)
+        if graph is not None:
+            raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph ({graph}); drop "
+                                      "one of them")
         if getattr(args, "mtp_num_layers", None):
             raise MegatronLMFlagError(f"{opts.flag}: multi-token prediction (--mtp-num-layers) is not supported "
                                       "by megatron_pp_ext's runtime yet; drop --mtp-num-layers")
@@ -578,6 +578,20 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                          f"--train-iters {train_iters}: the schedule is never re-generated")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
                         layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes)
+
+
+def _full_iteration_graph(args: argparse.Namespace) -> str | None:
+    """The flag that asks for a full-iteration CUDA graph around the training step, or None: the
+    ``full_iteration`` implementation (megatron-core 0.19+), or the ``local`` one with a
+    ``full_iteration`` scope (older spelling) or module."""
+    impl = str(getattr(args, "cuda_graph_impl", "none") or "none")
+    if impl == "full_iteration":
+        return "--cuda-graph-impl full_iteration"
+    if impl == "local":
+        for flag in ("cuda_graph_scope", "cuda_graph_modules"):
+            if "full_iteration" in str(getattr(args, flag, "") or ""):
+                return f"--{flag.replace('_', '-')} full_iteration"
+    return None
 
 
 def _schedule_options(opts: PipelineOptions) -> dict:
