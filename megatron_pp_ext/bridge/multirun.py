@@ -12,7 +12,8 @@ path from the command line to Bridge's ``pretrain()``) on the ranks of a
 Each rank returns what Bridge's loop logged and printed: per iteration the loss dict handed to
 ``training_log`` and the gradient norm (exact floats, ``float.hex``), the evaluations'
 losses as ``evaluate_and_print_results`` got them, the lines it printed (Bridge's iteration
-log, ``megatron_pp_ext:`` lines), and the exit status of a refused run.
+log, ``megatron_pp_ext:`` lines), how many times our schedule ran (``schedule_calls``: training
+steps and evaluations), and the exit status of a refused run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _floats(d: dict | None) -> dict:
 def _recording(rec: dict) -> Iterator[None]:
     """Bridge's ``training_log`` and ``evaluate`` (as its printing calls it) record what they get."""
     from .. import compat
+    from ..megatron_lm import state as _st
     train = importlib.import_module("megatron.bridge.training.train")
     ev = importlib.import_module("megatron.bridge.training.eval")
     log0, eval0 = train.training_log, ev.evaluate
@@ -70,6 +72,8 @@ def _recording(rec: dict) -> Iterator[None]:
         yield
     finally:
         train.training_log, ev.evaluate = log0, eval0
+        st = _st.current
+        rec["schedule_calls"] = st.fb.calls if st is not None and st.fb is not None else 0
 
 
 def run_rank(argv: Sequence[str]) -> dict:
@@ -79,7 +83,7 @@ def run_rank(argv: Sequence[str]) -> dict:
 
     from .launch import LaunchError, run
     rec: dict[str, Any] = {"rank": torch.distributed.get_rank(), "train": [], "grad_norm": [], "eval": [],
-                           "exit": 0, "lines": []}
+                           "exit": 0, "lines": [], "schedule_calls": 0}
     buf = io.StringIO()
     t0 = time.perf_counter()
     try:
