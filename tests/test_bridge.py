@@ -125,6 +125,8 @@ def test_data_parallel_size_counts_into_the_microbatches():
      "mppx.schedule=zb-h1 cannot be combined with model.overlap_moe_expert_parallel_comm"),
     (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), {"schedule": "zbv"},
      "mppx.schedule=zbv cannot run inside a full-iteration CUDA graph (model.cuda_graph_scope=full_iteration)"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["full_iteration"]), {"schedule": "zb-h1"},
+     "mppx.schedule=zb-h1 cannot run inside a full-iteration CUDA graph (model.cuda_graph_modules=full_iteration)"),
     (dict(cuda_graph_impl="full_iteration"), {"schedule": "zb-h1"},
      "mppx.schedule=zb-h1 cannot run inside a full-iteration CUDA graph (model.cuda_graph_impl=full_iteration)"),
     (dict(virtual_pipeline_model_parallel_size=2), {"schedule": "zbv"},

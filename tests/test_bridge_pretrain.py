@@ -19,29 +19,25 @@ import re
 
 import pytest
 
+from megatron_pp_ext.bridge.multirun import TINY_GPT
+
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
                                  reason="needs Megatron-Bridge: scripts/test_bridge.sh makes its venv and runs this file"),
               pytest.mark.timeout(900)]
 
-RECIPE = ["--recipe", "vanilla_gpt_pretrain_config"]
-# optimizer.clip_grad=1000: the gradient norm is computed and logged but never clips, so a norm
-# summed in another order (the V placement groups the layers on other ranks) cannot change an update
-TINY = """model.num_layers=8 model.hidden_size=32 model.num_attention_heads=4 model.ffn_hidden_size=128
-model.seq_length=16 dataset.seq_length=16 model.attention_dropout=0.0 model.hidden_dropout=0.0
-model.gradient_accumulation_fusion=false model.masked_softmax_fusion=false model.bias_activation_fusion=false
-model.bias_dropout_fusion=false model.persist_layer_norm=false model.apply_rope_fusion=false
-train.train_iters=3 train.global_batch_size=8 train.micro_batch_size=1 validation.eval_iters=1
-validation.eval_interval=1000 logger.log_interval=1 logger.tensorboard_dir=null checkpoint.save=null
-mixed_precision=null optimizer.bf16=false optimizer.clip_grad=1000.0 tokenizer.vocab_size=200
-optimizer.lr=1e-3 optimizer.min_lr=1e-3 scheduler.lr_warmup_iters=0 dataset.num_workers=0
-mppx.layout_independent_init""".split()
+# (multirun.TINY_GPT: the tiny GPT of the CPU checks) 3 iterations, layout-independent initial weights;
+# optimizer.clip_grad=1000: the gradient norm is computed and logged but never clips, so a norm summed
+# in another order (the V placement groups the layers on other ranks) cannot change an update
+TINY = list(TINY_GPT) + ["train.train_iters=3", "optimizer.clip_grad=1000.0", "mppx.layout_independent_init"]
+# the recipe's own mixed precision (bf16 parameters and activations, fp32 gradients and optimizer)
+BF16 = [a for a in TINY if a not in ("mixed_precision=null", "optimizer.bf16=false")] + ["mixed_precision=bf16_mixed"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
 VP2 = ["model.virtual_pipeline_model_parallel_size=2"]
 # the p2p of Megatron-Core's interleaved schedule that Megatron-LM requires at pp=2 (see
 # test_bridge_interleaved_at_pp2_with_batched_p2p_diverges_from_pp1_ours_does_not)
 UNBATCHED = ["model.overlap_p2p_comm=true", "model.batch_p2p_comm=false"]
 
-RUNS = {   # name: (ranks, arguments after the recipe)
+RUNS = {   # name: (ranks, the launcher's arguments)
     "mcore-1f1b": (2, TINY + PP2),
     "zb-h1": (2, TINY + PP2 + ["mppx.schedule=zb-h1"]),
     "zbv": (2, TINY + PP2 + ["mppx.schedule=zbv"]),
@@ -49,6 +45,8 @@ RUNS = {   # name: (ranks, arguments after the recipe)
     "interleaved-zb": (2, TINY + PP2 + VP2 + ["mppx.schedule=interleaved-zb"]),
     "mcore-interleaved-batched": (2, TINY + PP2 + VP2),
     "pp1": (1, TINY),
+    "mcore-1f1b-bf16": (2, BF16 + PP2),
+    "zbv-bf16": (2, BF16 + PP2 + ["mppx.schedule=zbv"]),
 }
 REFUSED = {   # what our schedules cannot run: the launcher's one line, exit status 2
     "mtp": (["mppx.schedule=zbv", "model.mtp_num_layers=1"],
@@ -69,9 +67,10 @@ def runs() -> dict:
     out = {}
     with bridge_pool(2, timeout=600) as pool:
         for name, (n, args) in RUNS.items():
-            out[name] = launch(pool, n, RECIPE + args)
+            out[name] = launch(pool, n, args)
         for name, (args, _) in REFUSED.items():
-            out["refused-" + name] = launch(pool, 1, RECIPE + TINY + PP2 + args)
+            out["refused-" + name] = launch(pool, 1, TINY + PP2 + args)
+        out["bridge-override"] = launch(pool, 1, TINY + PP2 + ["model.pipeline_schedule=zbv"])
     return out
 
 
@@ -94,6 +93,12 @@ def printed_losses(rec: dict) -> list:
     return re.findall(r"\| lm loss: (\S+) \|", "\n".join(rec["lines"]))
 
 
+def norms_within_2_ulps(ours: dict, stock: dict) -> None:
+    """Gradient norms of two layouts: within 2 float32 ulps (the reason: test_zbv_equals_bridges_1f1b)."""
+    for a, b in zip(ours["grad_norm"], stock["grad_norm"], strict=True):
+        assert abs(float.fromhex(a) - float.fromhex(b)) <= 2 * 2.0 ** -23 * abs(float.fromhex(b)), (a, b)
+
+
 def test_zb_h1_equals_bridges_1f1b_bit_for_bit(runs):
     ours, stock = logged(runs["zb-h1"]), logged(runs["mcore-1f1b"])
     assert len(losses(ours)) == 3 and len(evals(ours)) == 2
@@ -107,12 +112,19 @@ def test_zbv_equals_bridges_1f1b(runs):
     other ranks than the loop placement (same reason at any layout change)."""
     ours, stock = logged(runs["zbv"]), logged(runs["mcore-1f1b"])
     assert losses(ours) == losses(stock) and evals(ours) == evals(stock)
-    for a, b in zip(ours["grad_norm"], stock["grad_norm"], strict=True):
-        fa, fb = float.fromhex(a), float.fromhex(b)
-        assert abs(fa - fb) <= 2 * 2.0 ** -23 * abs(fb), (a, b)
+    norms_within_2_ulps(ours, stock)
     plan = [ln for ln in runs["zbv"][0]["lines"] if "megatron_pp_ext: schedule zbv" in ln]
     assert plan == ["megatron_pp_ext: schedule zbv (mppx.schedule=zbv) at pp=2, 2 chunk(s) per rank, 8 microbatches "
                     "per iteration, V placement [0, 1, 1, 0] (loss on pipeline rank 0), layers per stage [2, 2, 2, 2]"]
+
+
+def test_zbv_in_bf16_equals_bridges_1f1b(runs):
+    """The recipe's bf16 mixed precision: each V chunk casts where its own stage begins and ends
+    (the loss chunk is on rank 0). Losses and evaluations bit for bit, the gradient norm within 2
+    float32 ulps (as above)."""
+    ours, stock = logged(runs["zbv-bf16"]), logged(runs["mcore-1f1b-bf16"])
+    assert losses(ours) == losses(stock) and evals(ours) == evals(stock)
+    norms_within_2_ulps(ours, stock)
 
 
 def test_interleaved_zb_equals_bridges_interleaved_bit_for_bit(runs):
@@ -149,6 +161,14 @@ def test_bridge_interleaved_at_pp2_with_batched_p2p_diverges_from_pp1_ours_does_
     assert losses(logged(runs["interleaved-zb"]))[0] == pp1
     assert losses(logged(runs["mcore-interleaved"]))[0] == pp1
     assert losses(logged(runs["mcore-interleaved-batched"]))[0] != pp1
+
+
+def test_a_key_bridge_does_not_have_is_bridges_one_line_error(runs):
+    (rec,) = runs["bridge-override"]
+    assert rec["exit"] == 2 and rec["error"] == (
+        "megatron_pp_ext.bridge: error: Failed to parse Hydra overrides: Could not override 'model.pipeline_schedule'. "
+        "(Bridge's overrides; ours are mppx.schedule, mppx.memory_budget, mppx.costs, mppx.layers_per_stage, "
+        "mppx.allow_padding_num_layers, mppx.layout_independent_init)")
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

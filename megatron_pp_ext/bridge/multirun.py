@@ -24,7 +24,21 @@ import io
 import time
 from typing import Any, Iterator, Sequence
 
-__all__ = ["PRELOAD", "bridge_pool", "launch", "run_rank"]
+__all__ = ["PRELOAD", "TINY_GPT", "bridge_pool", "launch", "run_rank"]
+
+#: the CPU checks' model as Bridge overrides of ``vanilla_gpt_pretrain_config``: a tiny GPT (8
+#: layers, hidden 32, 4 heads, sequence 16, vocabulary 200; the recipe's tied embeddings), batches of
+#: 8 one-sample microbatches from mock data, fp32, no dropout, no fused CUDA kernels, a constant
+#: learning rate, one evaluation iteration, a log line per iteration, nothing written to disk
+TINY_GPT = tuple("""--recipe vanilla_gpt_pretrain_config
+model.num_layers=8 model.hidden_size=32 model.num_attention_heads=4 model.ffn_hidden_size=128
+model.seq_length=16 dataset.seq_length=16 tokenizer.vocab_size=200 model.attention_dropout=0.0
+model.hidden_dropout=0.0 model.gradient_accumulation_fusion=false model.masked_softmax_fusion=false
+model.bias_activation_fusion=false model.bias_dropout_fusion=false model.persist_layer_norm=false
+model.apply_rope_fusion=false train.global_batch_size=8 train.micro_batch_size=1 validation.eval_iters=1
+validation.eval_interval=1000 logger.log_interval=1 logger.tensorboard_dir=null checkpoint.save=null
+mixed_precision=null optimizer.bf16=false optimizer.lr=1e-3 optimizer.min_lr=1e-3 scheduler.lr_warmup_iters=0
+dataset.num_workers=0""".split())
 
 #: imported in the pool's parent before its workers are forked (the launcher's imports)
 PRELOAD = ("megatron_pp_ext.bridge.integration", "megatron.bridge.training.pretrain",
