@@ -20,8 +20,8 @@ pipeline schedule from Megatron-Core once per ``train()``. Two ways in (see docs
 
 Nothing of Bridge is forked or copied: :func:`install` patches, reversibly, the names Bridge's
 loop binds, with the Megatron-LM integration's own pieces. Version-gated
-(:func:`megatron_pp_ext.compat.check_bridge_supported`: megatron-bridge 0.6.x on megatron-core
-0.16.1 through 0.19.x); what our schedules cannot run (multi-token prediction, Megatron's
+(:func:`megatron_pp_ext.compat.check_bridge_supported`: megatron-bridge 0.6.x, run on megatron-core
+0.19.2, the release Bridge 0.6.2 pins); what our schedules cannot run (multi-token prediction, Megatron's
 combined MoE expert-parallel overlap, full-iteration CUDA graphs, ...) is refused in one line.
 
 * :mod:`.options` (torch-free): the ``mppx.*`` keys, Bridge's config under Megatron-LM's names;
