@@ -65,7 +65,17 @@ wrapped by a tracing decorator                            function's parameters 
 ``gtp_remat`` groups                                      where the release has it
 SSM kernel modules ``import triton``          main        :func:`install_import_shims` (the list)
 (``megatron.training.models.hybrid``)
+Megatron-Bridge imports Transformer Engine    Bridge 0.6  :func:`install_import_shims`: a stub of the
+(LoRA layers) and nvidia-resiliency-ext                   missing package while those modules execute
+(``pretrain``) unconditionally                            (``_ABSENT_IMPORT_MODULES``)
+where Megatron-Bridge binds the names its     Bridge 0.6  :func:`bridge_sites`
+training loop calls (schedule getter,
+training step, evaluation, stage checks)
 ============================================  ==========  ============================================
+
+Megatron-Bridge (NVIDIA's training framework on megatron-core): **0.6.x** (:data:`BRIDGE_SUPPORTED`),
+refused otherwise by :func:`check_bridge_supported`, read from its ``package_info.py`` like
+megatron-core's version.
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ __all__ = [
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
     "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
-    "linear_output_gemm",
+    "linear_output_gemm", "BRIDGE_SUPPORTED", "megatron_bridge_version", "check_bridge_supported", "bridge_sites",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -113,6 +123,11 @@ _ALLOW_ENV = "MPPX_ALLOW_UNSUPPORTED_MEGATRON"
 
 class UnsupportedMegatronError(RuntimeError):
     """The installed Megatron-Core is outside :data:`SUPPORTED` (one line, with the fix)."""
+
+
+#: supported Megatron-Bridge releases: (lowest, first unsupported)
+BRIDGE_SUPPORTED = ((0, 6, 0), (0, 7, 0))
+BRIDGE_SUPPORTED_TEXT = "megatron-bridge 0.6.x"
 
 
 # --- which Megatron-Core, without importing it -------------------------------------------------
@@ -140,10 +155,15 @@ def megatron_core_version() -> tuple[int, int, int] | None:
     """(major, minor, patch) of the Megatron-Core that would be imported, read from its
     ``package_info.py`` (None: not installed or unreadable)."""
     where = megatron_core_location()
-    if where is None:
+    return _package_version(os.path.join(where, "package_info.py") if where else None)
+
+
+def _package_version(path: str | None) -> tuple[int, int, int] | None:
+    """(major, minor, patch) from a Megatron ``package_info.py`` (None: unreadable)."""
+    if path is None:
         return None
     try:
-        with open(os.path.join(where, "package_info.py"), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError:
         return None
@@ -154,6 +174,28 @@ def megatron_core_version() -> tuple[int, int, int] | None:
             return None
         parts.append(int(m.group(1)))
     return tuple(parts)  # type: ignore[return-value]
+
+
+def megatron_bridge_location() -> str | None:
+    """Directory of the ``megatron.bridge`` that ``import megatron.bridge`` loads (None: none),
+    found without importing it."""
+    mod = sys.modules.get("megatron.bridge")
+    if mod is not None and getattr(mod, "__file__", None):
+        return os.path.dirname(mod.__file__)
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    for base in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(base, "bridge", "__init__.py")):
+            return os.path.join(base, "bridge")
+    return None
+
+
+def megatron_bridge_version() -> tuple[int, int, int] | None:
+    """(major, minor, patch) of the Megatron-Bridge that would be imported (None: not installed)."""
+    where = megatron_bridge_location()
+    return _package_version(os.path.join(where, "package_info.py") if where else None)
 
 
 def main_checkout(where: str | None = None) -> tuple[bool, str]:
@@ -235,6 +277,26 @@ def check_supported() -> None:
     raise UnsupportedMegatronError(f"{what}: {fix}, or set {_ALLOW_ENV}=1 to try it anyway")
 
 
+def check_bridge_supported() -> None:
+    """Refuse an unsupported Megatron-Bridge (or Megatron-Core: :func:`check_supported`) with one
+    line naming the fix (:class:`UnsupportedMegatronError`); ``MPPX_ALLOW_UNSUPPORTED_MEGATRON=1``
+    turns the Bridge check into a one-line warning too."""
+    check_supported()
+    ver = megatron_bridge_version()
+    fix = "pip install --ignore-requires-python 'megatron-bridge>=0.6,<0.7' (docs/bridge.md)"
+    if ver is None:
+        raise UnsupportedMegatronError(f"megatron-bridge is not installed (or not readable): {fix}")
+    if BRIDGE_SUPPORTED[0] <= ver < BRIDGE_SUPPORTED[1]:
+        return
+    what = (f"megatron_pp_ext supports {BRIDGE_SUPPORTED_TEXT}, but megatron-bridge {'.'.join(map(str, ver))} is "
+            f"installed ({megatron_bridge_location()})")
+    if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
+        if _rank0():
+            print(f"megatron_pp_ext: warning: {what}; trying anyway ({_ALLOW_ENV}=1)", file=sys.stderr)
+        return
+    raise UnsupportedMegatronError(f"{what}: {fix}, or set {_ALLOW_ENV}=1 to try it anyway")
+
+
 # --- import shims: triton (core 0.18+) and typing.override (Megatron-LM 0.18+ on Python 3.11) --
 
 #: modules that ``import triton`` unconditionally only to *define* kernels, on the import path of
@@ -284,6 +346,43 @@ def _triton_stub_modules() -> dict:
     return mods
 
 
+#: Megatron-Bridge (0.6) modules that import a package unconditionally though only a path that
+#: needs it uses it: {module: (package, its submodules the module imports)}. Transformer Engine:
+#: LoRA's fused TE branches (built only when a TE layer is wrapped); nvidia-resiliency-ext:
+#: ``pretrain``'s in-process restart (a type annotation; the restart itself imports it again)
+_ABSENT_IMPORT_MODULES = {
+    "megatron.bridge.peft.lora_layers": ("transformer_engine", ("pytorch",)),
+    "megatron.bridge.training.pretrain": ("nvidia_resiliency_ext", ("inprocess",)),
+}
+
+
+class _Absent(type):
+    """A name of a package that is not installed, in a module that imported its stub: a class
+    nothing is an instance of (``isinstance(m, te.Linear)`` is False), whose attributes are more
+    of the same (``te.ops.Linear``) and whose use says that the package is not installed."""
+
+    def __getattr__(cls, name: str) -> "_Absent":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Absent(f"{cls.__name__}.{name}", (), {})
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        top = cls.__name__.split(".")[0]
+        raise ImportError(f"{cls.__name__} needs {top}, which is not installed")
+
+
+def _absent_modules(package: str, submodules: tuple[str, ...]) -> dict:
+    mods = {}
+    for name in (package,) + tuple(f"{package}.{s}" for s in submodules):
+        m = types.ModuleType(name)
+        m.__getattr__ = _Absent(name, (), {}).__getattr__  # type: ignore[attr-defined]
+        m.__mppx_stub__ = True    # type: ignore[attr-defined]
+        mods[name] = m
+    for s in submodules:
+        setattr(mods[package], s, mods[f"{package}.{s}"])
+    return mods
+
+
 def _override(fn: Any) -> Any:   # typing.override (Python 3.12), as typing_extensions defines it
     try:
         fn.__override__ = True
@@ -318,16 +417,29 @@ _SHIM_LOCK = threading.RLock()
 _OVERRIDE_DEPTH = [0]
 
 
-def _triton_enter() -> dict:
+def _stub_enter(make: Callable[[], dict]) -> dict:
+    """Put the stub modules ``make()`` returns in ``sys.modules`` unless the real package (or the
+    stub of an enclosing window) is there; returns what to restore."""
     with _SHIM_LOCK:
-        saved = {k: sys.modules.get(k) for k in ("triton", "triton.language")}
-        if saved["triton"] is not None or importlib.util.find_spec("triton") is not None:
-            return {}     # a triton is there (a real one, or the stub of an enclosing window)
-        sys.modules.update(_triton_stub_modules())
+        mods = make()
+        top = next(iter(mods))
+        saved = {k: sys.modules.get(k) for k in mods}
+        if saved[top] is not None or importlib.util.find_spec(top) is not None:
+            return {}
+        sys.modules.update(mods)
         return saved
 
 
-def _triton_exit(saved: dict) -> None:
+def _triton_enter() -> dict:
+    return _stub_enter(_triton_stub_modules)
+
+
+def _absent_enter(module: str) -> Callable[[], dict]:
+    package, subs = _ABSENT_IMPORT_MODULES[module]
+    return lambda: _stub_enter(lambda: _absent_modules(package, subs))
+
+
+def _stub_exit(saved: dict) -> None:
     with _SHIM_LOCK:
         for k, v in saved.items():
             if v is None:
@@ -363,16 +475,19 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
     """Finds Megatron's modules with the real finders and wraps their loaders in the windows
     of :func:`install_import_shims`; finds nothing itself."""
 
-    def __init__(self, triton: bool, override: bool) -> None:
+    def __init__(self, triton: bool, override: bool, absent: frozenset = frozenset()) -> None:
         self.triton = triton
         self.override = override
+        self.absent = absent    # the modules of _ABSENT_IMPORT_MODULES whose package is not installed
 
     def find_spec(self, name, path=None, target=None):
         if not name.startswith("megatron."):
             return None
         window = None
         if self.triton and name in _TRITON_KERNEL_MODULES:
-            window = (_triton_enter, _triton_exit)
+            window = (_triton_enter, _stub_exit)
+        elif name in self.absent:
+            window = (_absent_enter(name), _stub_exit)
         elif self.override and name.startswith("megatron.training"):
             window = (_override_enter, _override_exit)
         if window is None:
@@ -405,6 +520,12 @@ def install_import_shims() -> None:
     * On Python < 3.12, while a ``megatron.training`` module executes, ``typing.override``
       exists (Megatron-LM's training code from core_v0.18 imports it; a decorator that only
       marks the method).
+    * Megatron-Bridge's modules that import Transformer Engine or nvidia-resiliency-ext
+      unconditionally but use them only on a path that needs them (LoRA's fused TE branches,
+      in-process restart: ``_ABSENT_IMPORT_MODULES``) see a stub of the missing package while
+      they execute (:class:`_Absent`: isinstance checks against its classes are False, using one
+      says the package is not installed); ``sys.modules`` never keeps it, so Megatron-Core's own
+      probes (``HAVE_TE``, nvrx's version check) still find no such package.
     """
     with _SHIM_LOCK:
         if _FINDER:
@@ -412,9 +533,10 @@ def install_import_shims() -> None:
         import typing
         triton = importlib.util.find_spec("triton") is None
         override = not hasattr(typing, "override")
-        finder = _ShimFinder(triton, override)
+        absent = frozenset(m for m, (pkg, _) in _ABSENT_IMPORT_MODULES.items() if importlib.util.find_spec(pkg) is None)
+        finder = _ShimFinder(triton, override, absent)
         _FINDER.append(finder)
-        if triton or override:
+        if triton or override or absent:
             sys.meta_path.insert(0, finder)
 
 
@@ -770,3 +892,46 @@ def lm_model_builders(pretrain_args: inspect.BoundArguments | None) -> list[type
         return []
     cls = model_cfg.get_builder_cls()
     return [cls] if isinstance(cls, type) else []
+
+
+# --- Megatron-Bridge (megatron.bridge.training) ----------------------------------------------------
+
+def bridge_sites() -> dict[str, list[tuple[Any, str]]]:
+    """Where the loaded Megatron-Bridge binds each name its integration hooks (``{what: [(module,
+    attribute), ...]}``, only the bindings that exist; Bridge 0.6):
+
+    * ``get_forward_backward_func``: the schedule getter, as ``training.train`` (once per
+      ``train()``) and ``training.eval`` (per evaluation) import it;
+    * ``train_step`` (``training.train``), ``evaluate`` (``training.eval``);
+    * ``P2PCommunicator``: the communicator ``train()`` builds and whose ``is_pp_last_stage`` says
+      which rank reduces the loss (``training.train``, ``training.eval``);
+    * ``is_pp_last_stage``: the loss rank in ``evaluate`` and which chunk reads labels in
+      ``gpt_step.get_batch``;
+    * ``compile_helpers``: the dataset helpers (``megatron.core.datasets.utils``, and as
+      ``training.initialize`` imports it);
+    * ``resolve_embedding_ranks``: ``training.setup._resolve_embedding_ranks_fn`` (the word-embedding
+      group of tied embeddings);
+    * ``initialize_megatron``, ``set_jit_fusion_options``: as ``training.setup`` calls them (the CPU
+      layer: ``allow_no_cuda``, no CUDA JIT warm-up).
+    """
+    train = _mod("megatron.bridge.training.train")
+    ev = _mod("megatron.bridge.training.eval")
+    step = _mod("megatron.bridge.training.gpt_step")
+    init = _mod("megatron.bridge.training.initialize")
+    setup = _mod("megatron.bridge.training.setup")
+    dutils = _mod("megatron.core.datasets.utils")
+
+    def where(name: str, *mods) -> list:
+        return [(m, name) for m in mods if m is not None and name in vars(m)]
+
+    return {
+        "get_forward_backward_func": where("get_forward_backward_func", train, ev),
+        "train_step": where("train_step", train),
+        "evaluate": where("evaluate", ev),
+        "P2PCommunicator": where("P2PCommunicator", train, ev),
+        "is_pp_last_stage": where("is_pp_last_stage", ev, step),
+        "compile_helpers": where("compile_helpers", dutils, init),
+        "resolve_embedding_ranks": where("_resolve_embedding_ranks_fn", setup),
+        "initialize_megatron": where("initialize_megatron", setup),
+        "set_jit_fusion_options": where("set_jit_fusion_options", setup),
+    }

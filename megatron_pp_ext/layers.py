@@ -18,7 +18,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime and planner", ("megatron_pp_ext.runtime", "megatron_pp_ext.planner")),
     ("trainer", ("megatron_pp_ext.trainer",)),
     ("features", ("megatron_pp_ext.features",)),
-    ("Megatron-LM integration", ("megatron_pp_ext.megatron_lm", "megatron_pp_ext.launch")),
+    ("Megatron-LM and Megatron-Bridge integration", ("megatron_pp_ext.megatron_lm", "megatron_pp_ext.launch",
+                                                     "megatron_pp_ext.bridge")),
     ("command line", ("megatron_pp_ext.cli",)),
     ("test support", ("megatron_pp_ext.testing",)),
 )

@@ -5,9 +5,11 @@
 # planner's emitted MoE flags through Megatron-LM's own validation, and the
 # Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
 # driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
-# full suite on megatron-core 0.16.1, so CI covers both ends of the supported range.
+# full suite on megatron-core 0.16.1, so CI covers both ends of the supported range. Without
+# arguments it ends with scripts/test_bridge.sh: Megatron-Bridge's pretrain() on our schedules, in
+# a venv layered on this one.
 #
-#   scripts/test_megatron_core_0.19.sh [PYTEST ARGS]     # default: the test files below, -q
+#   scripts/test_megatron_core_0.19.sh [PYTEST ARGS]     # default: the test files below, -q, then Bridge
 #
 # Environment: MPPX_VENV_019 (default .venv-mcore-0.19; re-used when it exists), PYTHON (the
 # interpreter the venv is made from; default python3). On Python 3.11 megatron-core 0.17+ is
@@ -28,7 +30,9 @@ fi
 # Each parametrised test runs a covering subset of its cases here (every schedule, layout, precision
 # and feature row at least once; tests/conftest.py): the full matrix runs on the first venv.
 export MPPX_TEST_COVERING="${MPPX_TEST_COVERING:-1}"
+bridge=0
 if [ $# -eq 0 ]; then
+    bridge=1
     # (not here: what runs the same whatever Megatron-Core is installed -- the worker pool, the
     # point-to-point strategies and their NCCL emulation, emulated compute, op timing, the step
     # wrapper, mppx train's flag checks and process lifetimes, and the parity rows with 2p and 4p
@@ -45,4 +49,7 @@ if [ $# -eq 0 ]; then
         -k "not test_steady_state_matches_pp1_bit_exact"
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"
-exec "$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest "$@"
+if [ "$bridge" = 1 ]; then
+    MPPX_VENV_019="$VENV" exec scripts/test_bridge.sh
+fi

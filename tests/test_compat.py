@@ -8,6 +8,7 @@ importing it).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -185,6 +186,35 @@ def test_import_shims_leave_no_trace():
     had, found, stub = triton.split()[1:]
     assert found == had and stub == "False"
     assert ("override True" in r.stdout) == (sys.version_info >= (3, 12))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None
+                    or importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                    reason="Transformer Engine or nvidia-resiliency-ext is installed (no stub is needed)")
+def test_bridge_modules_see_a_stub_of_an_absent_package_only_while_they_import(tmp_path):
+    """Megatron-Bridge 0.6 imports Transformer Engine (LoRA layers) and nvidia-resiliency-ext
+    (``pretrain``) unconditionally: those modules import without them, isinstance checks against
+    the stub are False, using it says the package is missing, and nothing else finds a stub
+    (Megatron-Core's own ``HAVE_TE`` probes must still see no Transformer Engine)."""
+    mods = tmp_path / "fake" / "megatron" / "bridge"
+    (mods / "peft").mkdir(parents=True)
+    (mods / "training").mkdir()
+    (mods / "peft" / "lora_layers.py").write_text(
+        "import torch\nimport transformer_engine.pytorch as te\n"
+        "IS_TE = isinstance(torch.nn.Linear(1, 1), (te.Linear, te.LayerNormLinear))\n"
+        "try:\n    te.ops.Sequential()\nexcept ImportError as e:\n    USE = str(e)\n")
+    (mods / "training" / "pretrain.py").write_text(
+        "from nvidia_resiliency_ext.inprocess import CallWrapper\n"
+        "def f(w: CallWrapper | None = None):\n    return w\n")
+    code = ("import importlib.util, sys, megatron_pp_ext\n"
+            "import megatron.bridge.peft.lora_layers as l, megatron.bridge.training.pretrain as p\n"
+            "print(l.IS_TE, l.USE)\n"
+            "print([m for m in ('transformer_engine', 'nvidia_resiliency_ext') if m in sys.modules"
+            " or importlib.util.find_spec(m) is not None])\n")
+    r = _run(["-c", code], tmp_path / "fake")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == [
+        "False transformer_engine.pytorch.ops.Sequential needs transformer_engine, which is not installed", "[]"]
 
 
 def test_backward_step_follows_the_signature(monkeypatch):

@@ -206,6 +206,10 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
     (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2,1"], {}, "sums to 7"),
     (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 2}, "--global-batch-size 2"),
     (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
+    (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]},
+     "cannot run inside a full-iteration CUDA graph (--cuda-graph-scope full_iteration)"),
+    (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "full_iteration"},   # megatron-core 0.19's spelling
+     "cannot run inside a full-iteration CUDA graph (--cuda-graph-impl full_iteration)"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
      "--bpipe does not support --pipeline-schedule zbv"),
     (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "2"], {"freeze_all_layers": True},

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from ..features.flags import argument_adder
 
 __all__ = ["MegatronLMFlagError", "PipelineOptions", "add_arguments", "extra_args_provider", "build_parser",
-           "resolve", "check_megatron_args", "layers_per_stage_for", "MCORE", "REFERENCE_NOOP_FLAGS"]
+           "resolve", "check_megatron_args", "layers_per_stage_for", "plan_summary", "MCORE", "REFERENCE_NOOP_FLAGS"]
 
 #: ``--pipeline-schedule mcore``: Megatron-Core's own forward-backward function (the default).
 MCORE = "mcore"
@@ -423,6 +423,15 @@ class MegatronPlan:
         return self.placement[-1]
 
 
+def plan_summary(plan: MegatronPlan) -> str:
+    """The log line that says what runs (schedule, the flag that chose it, sizes, placement)."""
+    o = plan.options
+    where = f", V placement {list(plan.placement)} (loss on pipeline rank {plan.loss_rank})" if plan.v else ""
+    lay = f", layers per stage {list(plan.layers_per_stage)}" if plan.layers_per_stage is not None else ""
+    return (f"megatron_pp_ext: schedule {o.schedule} ({o.flag}) at pp={plan.pp}, {plan.chunks} chunk(s) per rank, "
+            f"{plan.microbatches} microbatches per iteration{where}{lay}")
+
+
 def _given(args: argparse.Namespace, *names: str) -> str | None:
     for n in names:
         v = getattr(args, n, None)
@@ -522,10 +531,10 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if getattr(args, "overlap_moe_expert_parallel_comm", False):
             raise MegatronLMFlagError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
                                       "(Megatron's combined 1F1B schedule); drop one of them")
-        if getattr(args, "cuda_graph_impl", "none") == "local" and "full_iteration" in str(
-                getattr(args, "cuda_graph_scope", "")):
-            raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph "
-                                      "(--cuda-graph-scope full_iteration); drop one of them")
+        graph = _full_iteration_graph(args)
+        if graph is not None:
+            raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph ({graph}); drop "
+                                      "one of them")
         if getattr(args, "mtp_num_layers", None):
             raise MegatronLMFlagError(f"{opts.flag}: multi-token prediction (--mtp-num-layers) is not supported "
                                       "by megatron_pp_ext's runtime yet; drop --mtp-num-layers")
@@ -559,6 +568,12 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                 check(fcfg, schedule=opts.schedule, pp=pp)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e).replace("--schedule", "--pipeline-schedule")) from None
+    if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
+        raise MegatronLMFlagError("--layout-independent-init cannot be combined with --init-model-with-meta-device; "
+                                  "drop one of them")
+    if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        raise MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size > 1 yet "
+                                  "(local expert names are not global); drop one of them")
     if opts.profile_iters and getattr(args, "freeze_all_layers", False):
         # (Megatron-LM main: --freeze-all-layers runs every training iteration forward only)
         raise MegatronLMFlagError("--pipeline-profile-iters measures the F, B and W ops of training iterations, but "
@@ -571,6 +586,20 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                          f"--train-iters {train_iters}: the schedule is never re-generated")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
                         layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes)
+
+
+def _full_iteration_graph(args: argparse.Namespace) -> str | None:
+    """The flag that asks for a full-iteration CUDA graph around the training step, or None: the
+    ``full_iteration`` implementation (megatron-core 0.19+), or the ``local`` one with a
+    ``full_iteration`` scope (older spelling) or module."""
+    impl = str(getattr(args, "cuda_graph_impl", "none") or "none")
+    if impl == "full_iteration":
+        return "--cuda-graph-impl full_iteration"
+    if impl == "local":
+        for flag in ("cuda_graph_scope", "cuda_graph_modules"):
+            if "full_iteration" in str(getattr(args, flag, "") or ""):
+                return f"--{flag.replace('_', '-')} full_iteration"
+    return None
 
 
 def _schedule_options(opts: PipelineOptions) -> dict:

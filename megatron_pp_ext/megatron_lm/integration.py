@@ -22,13 +22,13 @@ import torch
 
 from .. import compat
 from .flags import MegatronLMFlagError, MegatronPlan, check_megatron_args, extra_args_provider, is_our_provider
-from .flags import prevalidate, resolve
+from .flags import plan_summary, prevalidate, resolve
 
 __all__ = ["install", "uninstall", "installed", "current_plan", "megatron_full_param", "ForwardBackward",
            "MegatronLMFeature"]
-from .state import _State, _flag_error, _mod, _print0
-from .placement import _MpuView, _embedding_ranks, _make_build_distributed_models, _make_build_model, _make_first_or_last, _make_get_model, _make_is_pp_last_stage, _make_tp_batch, _stage_float16
-from .step import _make_evaluate, _make_get_fb, _make_profiled, _make_train_step
+from .state import State, flag_error, _mod, print0
+from .placement import _MpuView, embedding_ranks, make_build_distributed_models, _make_build_model, _make_first_or_last, _make_get_model, make_is_pp_last_stage, _make_tp_batch, stage_float16
+from .step import make_evaluate, make_get_fb, _make_profiled, _make_train_step
 from . import state as _st
 from .state import MegatronLMFeature, current_plan, installed  # noqa: F401 (public names)
 from .placement import megatron_full_param  # noqa: F401
@@ -42,39 +42,29 @@ def _make_validate_args(orig: Callable) -> Callable:
             opts = resolve(args)
             lps = prevalidate(args, opts) if opts.needs_install else None
         except MegatronLMFlagError as e:
-            _flag_error(e)
+            flag_error(e)
         _cpu_backend(args)
         out = orig(args, defaults)
         args = out if isinstance(out, argparse.Namespace) else args
         try:
             plan = check_megatron_args(args, opts, lps)
         except MegatronLMFlagError as e:
-            _flag_error(e)
+            flag_error(e)
         if lps is not None:
             from ..runtime.model import StageLayerLayout
             args.pipeline_model_parallel_layout = StageLayerLayout(plan.placement, lps)
             _st.current.layout = args.pipeline_model_parallel_layout
-        if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
-            _flag_error(MegatronLMFlagError("--layout-independent-init cannot be combined with "
-                                            "--init-model-with-meta-device; drop one of them"))
-        if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-            _flag_error(MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size "
-                                            "> 1 yet (local expert names are not global); drop one of them"))
         try:
             _st.current.model_features, _st.current.features = _plan_features(args, plan)
         except MegatronLMFlagError as e:
-            _flag_error(e)
+            flag_error(e)
         _st.current.plan = plan
         for _, _, _, fp in _st.current.features:
             plan.notes.extend(fp.notes)
         if opts.active:
-            where = (f", V placement {list(plan.placement)} (loss on pipeline rank {plan.loss_rank})"
-                     if plan.v else "")
-            lay = f", layers per stage {list(lps)}" if lps is not None else ""
-            _print0(f"megatron_pp_ext: schedule {opts.schedule} ({opts.flag}) at pp={plan.pp}, {plan.chunks} chunk(s) "
-                    f"per rank, {plan.microbatches} microbatches per iteration{where}{lay}")
+            print0(plan_summary(plan))
         for note in plan.notes:
-            _print0(f"megatron_pp_ext: note: {note}")
+            print0(f"megatron_pp_ext: note: {note}")
         return out
     return validate_args
 
@@ -139,10 +129,10 @@ def _cpu_backend(args) -> None:
     if compat is None or not compat.active or getattr(args, "distributed_backend", None) != "nccl":
         return
     if any(a == "--distributed-backend" or a.startswith("--distributed-backend=") for a in sys.argv[1:]):
-        _flag_error(MegatronLMFlagError("--distributed-backend nccl needs CUDA, and this machine has none; use "
-                                        "--distributed-backend gloo (the default without CUDA)"))
+        flag_error(MegatronLMFlagError("--distributed-backend nccl needs CUDA, and this machine has none; use "
+                                       "--distributed-backend gloo (the default without CUDA)"))
     args.distributed_backend = "gloo"
-    _print0("megatron_pp_ext: no CUDA: running on the CPU over gloo (--distributed-backend gloo)")
+    print0("megatron_pp_ext: no CUDA: running on the CPU over gloo (--distributed-backend gloo)")
 
 
 def _make_pretrain(orig: Callable) -> Callable:
@@ -155,14 +145,14 @@ def _make_pretrain(orig: Callable) -> Callable:
         if "extra_args_provider" in params and not is_our_provider(provider):
             bound.arguments["extra_args_provider"] = extra_args_provider(provider)
         if "get_embedding_ranks" in params:
-            bound.arguments["get_embedding_ranks"] = _embedding_ranks(bound.arguments.get("get_embedding_ranks"))
+            bound.arguments["get_embedding_ranks"] = embedding_ranks(bound.arguments.get("get_embedding_ranks"))
         # a model built by cfg_container.model's builder (not get_model): place its chunks too
         for cls in compat.lm_model_builders(bound):
             if not getattr(cls.__dict__.get("build_model"), "_mppx_wrapped", False) and _st.current is not None:
                 _st.current.patch(cls, "build_model", _make_build_model(cls.build_model))
                 if "build_distributed_models" in vars(cls):
                     _st.current.patch(cls, "build_distributed_models",
-                                 _make_build_distributed_models(cls.build_distributed_models))
+                                 make_build_distributed_models(cls.build_distributed_models))
         return orig(*bound.args, **bound.kwargs)
     pretrain.__wrapped__ = orig  # type: ignore[attr-defined]
     return pretrain
@@ -200,7 +190,7 @@ def _make_save_checkpoint(orig: Callable) -> Callable:
     return save_checkpoint
 
 
-def _make_compile_helpers(orig: Callable) -> Callable:
+def make_compile_helpers(orig: Callable) -> Callable:
     """Megatron's dataset helpers (C++): use the build that matches this interpreter when there is
     one (a wheel ships it prebuilt, without the Makefile), else build it for this interpreter
     (``make`` alone builds for whatever ``python3`` is first on PATH)."""
@@ -247,7 +237,7 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
     try:
         compat.check_supported()
     except compat.UnsupportedMegatronError as e:
-        _flag_error(e)
+        flag_error(e)
     cpu = None
     if cpu_compat is None:
         cpu_compat = not torch.cuda.is_available()
@@ -261,17 +251,17 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
         raise ImportError("megatron_pp_ext.megatron_lm.install(): megatron.training is not importable; run from a "
                           "Megatron-LM checkout (scripts/install_megatron.sh --tag TAG) or install megatron-core "
                           "0.17+ (its wheel carries megatron.training); see docs/compatibility.md")
-    st = _State()
+    st = State()
     st.compat = cpu
     _st.current = st
     try:
         sites = compat.lm_sites()
         makers = {"parse_args": _make_parse_args, "validate_args": _make_validate_args, "pretrain": _make_pretrain,
-                  "get_model": _make_get_model, "get_forward_backward_func": _make_get_fb,
-                  "train_step": lambda f: _make_profiled(_make_train_step(f)), "evaluate": _make_evaluate,
-                  "save_checkpoint": _make_save_checkpoint, "mpu": _MpuView, "is_pp_last_stage": _make_is_pp_last_stage,
+                  "get_model": _make_get_model, "get_forward_backward_func": make_get_fb,
+                  "train_step": lambda f: _make_profiled(_make_train_step(f)), "evaluate": make_evaluate,
+                  "save_checkpoint": _make_save_checkpoint, "mpu": _MpuView, "is_pp_last_stage": make_is_pp_last_stage,
                   "is_first_or_last_pipeline_stage": _make_first_or_last,
-                  "get_batch_on_this_tp_rank": _make_tp_batch, "Float16Module": _stage_float16}
+                  "get_batch_on_this_tp_rank": _make_tp_batch, "Float16Module": stage_float16}
         for what, make in makers.items():
             wrapped: dict = {}      # one wrapper per original function, at every site that binds it
             for mod, name in sites[what]:
@@ -282,7 +272,7 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
                 st.patch(mod, name, wrapped[id(orig)])
         dutils = _mod("megatron.core.datasets.utils")
         if dutils is not None and hasattr(dutils, "compile_helpers"):
-            st.patch(dutils, "compile_helpers", _make_compile_helpers(dutils.compile_helpers))
+            st.patch(dutils, "compile_helpers", make_compile_helpers(dutils.compile_helpers))
         if namespace is not None:
             _patch_namespace(namespace)
     except BaseException:

@@ -12,7 +12,7 @@ from .. import compat
 from ..runtime import nccl_rules
 from ..runtime.tied import tied_pairs
 from .flags import MegatronPlan
-from .state import _reads_all_data, _flag_error, _pp_info, _stages_here, current_plan
+from .state import _reads_all_data, flag_error, _pp_info, _stages_here, current_plan
 from . import state as _st
 from ..runtime.full_init import megatron_full_param
 
@@ -27,12 +27,12 @@ def _init_chunk(chunk, args) -> None:
     init_weights([chunk], int(args.seed), spec, full=full)
 
 
-def _embedding_ranks(orig: Callable | None) -> Callable:
+def embedding_ranks(orig: Callable | None) -> Callable:
     """Under the V placement the last stage is on the first pipeline rank: the word-embedding
     group of tied embeddings is that rank alone (its two copies are kept equal locally)."""
-    def get_embedding_ranks(pp_ranks):
+    def get_embedding_ranks(pp_ranks, *rest):   # (rest: the pipeline size some callers pass)
         if orig is not None:
-            ranks = list(orig(pp_ranks))
+            ranks = list(orig(pp_ranks, *rest))
         else:
             from megatron.core.parallel_state import default_embedding_ranks
             ranks = list(default_embedding_ranks(pp_ranks))
@@ -43,15 +43,19 @@ def _embedding_ranks(orig: Callable | None) -> Callable:
     return get_embedding_ranks
 
 
-def _place_chunk(build: Callable, bound) -> Any:
+def place_chunk(build: Callable, bound, args: Any = None) -> Any:
     """Build one model chunk with our stage placement: pre/post-process from the placement (V:
     the embedding and the loss on rank 0), then the layout-independent initial weights and the
-    features' hooks (before DDP wraps the chunk)."""
+    features' hooks (before DDP wraps the chunk). ``args``: the run's arguments under Megatron-LM's
+    names (``seed``, ``init_method_std``, ``num_layers``, ``swiglu``, ``apply_layernorm_1p``);
+    default Megatron-LM's ``get_args()`` (another training loop passes its own view)."""
     plan = current_plan()
     if plan is None or not plan.options.needs_install:
         return build(*bound.args, **bound.kwargs)
-    from megatron.training import get_args
-    margs = get_args()
+    if args is None:
+        from megatron.training import get_args
+        args = get_args()
+    margs = args
     S = plan.num_stages
     vp_stage = bound.arguments.get("vp_stage")
     if plan.pp > 1:
@@ -86,7 +90,7 @@ def _make_get_model(orig: Callable) -> Callable:
             if bound is None:
                 raise TypeError(f"megatron_pp_ext: cannot call the model provider {model_provider_func!r} with "
                                 f"pre_process/post_process/vp_stage ({pargs}, {sorted(pkw)})")
-            return _place_chunk(model_provider_func, bound)
+            return place_chunk(model_provider_func, bound)
 
         model = orig(provider, *args, **kwargs)
         _after_model_built(model, plan)
@@ -102,7 +106,7 @@ def _make_build_model(orig: Callable) -> Callable:
         bound = compat.bind_call(orig, (self,) + args, kwargs)
         if plan is None or not plan.options.needs_install or bound is None:
             return orig(self, *args, **kwargs)
-        return _place_chunk(orig, bound)
+        return place_chunk(orig, bound)
     build_model._mppx_wrapped = True  # type: ignore[attr-defined]
     build_model.__wrapped__ = orig    # type: ignore[attr-defined]
     return build_model
@@ -112,7 +116,7 @@ def _after_model_built(model, plan: MegatronPlan) -> None:
     _st.current.tied_pairs = tied_pairs(model if isinstance(model, list) else [model]) if plan.v else []
 
 
-def _check_model_placed(model) -> None:
+def check_model_placed(model) -> None:
     """Refuse to train a model that did not go through our stage placement (a Megatron-LM
     that builds it another way would otherwise run our schedule on Megatron's own layout)."""
     plan = current_plan()
@@ -121,7 +125,7 @@ def _check_model_placed(model) -> None:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     missing = [i for i, c in enumerate(chunks) if getattr(_core(c), "mppx_stage", None) is None]
     if missing:
-        _flag_error(RuntimeError(
+        flag_error(RuntimeError(
             f"model chunk(s) {missing} were built without megatron_pp_ext's stage placement (and layout-independent "
             f"initialisation): this Megatron-LM builds its model in a way the integration does not hook, so "
             f"{plan.options.flag} cannot run; see docs/compatibility.md for the supported Megatron-LM versions"))
@@ -133,7 +137,7 @@ def _check_model_placed(model) -> None:
 from ..runtime.model import unwrap_model as _core
 
 
-def _make_is_pp_last_stage(orig: Callable) -> Callable:
+def make_is_pp_last_stage(orig: Callable) -> Callable:
     """``is_pp_last_stage(pp_group)`` as training.py asks it (core_v0.19: which rank reduces and
     reports the loss): under the V placement, the pipeline rank that holds the loss."""
     def is_pp_last_stage(pp_group, *args: Any, **kwargs: Any):
@@ -199,14 +203,14 @@ def _make_tp_batch(orig: Callable) -> Callable:
     return get_batch_on_this_tp_rank
 
 
-def _stage_float16(orig: type) -> type:
+def stage_float16(orig: type) -> type:
     """``--bf16`` / ``--fp16``: Float16Module whose casts follow the chunk's own first / last stage
     (the V placement; :mod:`megatron_pp_ext.runtime.precision`)."""
     from ..runtime.precision import stage_float16_module_class
     return stage_float16_module_class()
 
 
-def _make_build_distributed_models(orig: Callable) -> Callable:
+def make_build_distributed_models(orig: Callable) -> Callable:
     """A model builder's ``build_distributed_models`` (core_v0.19): its mixed-precision wrapper
     (a default argument, Megatron-Core's ``Float16Module``) gets the stage-aware casts."""
     def build_distributed_models(self, *args: Any, **kwargs: Any):
@@ -215,7 +219,7 @@ def _make_build_distributed_models(orig: Callable) -> Callable:
             bound.apply_defaults()
             wrapper = bound.arguments.get("mixed_precision_wrapper")
             if isinstance(wrapper, type) and wrapper.__name__ == "Float16Module":
-                bound.arguments["mixed_precision_wrapper"] = _stage_float16(wrapper)
+                bound.arguments["mixed_precision_wrapper"] = stage_float16(wrapper)
             return orig(*bound.args, **bound.kwargs)
         return orig(self, *args, **kwargs)
     build_distributed_models._mppx_wrapped = True  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ class MegatronLMFeature(Protocol):
         """Release what it holds (the run is over; another may follow in the same processes)."""
 
 
-class _State:
+class State:
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, bool]] = []
         self.plan: MegatronPlan | None = None
@@ -67,7 +67,7 @@ class _State:
 
 #: the installed integration's state (None: not installed); the other modules read it as
 #: ``state.current``, install() / uninstall() set it
-current: _State | None = None
+current: State | None = None
 
 
 def installed() -> bool:
@@ -92,7 +92,7 @@ def _rank0() -> bool:
     return not (d.is_available() and d.is_initialized()) or d.get_rank() == 0
 
 
-def _print0(msg: str) -> None:
+def print0(msg: str) -> None:
     import os
     if _rank0() and int(os.environ.get("RANK", "0")) == 0:
         print(msg, flush=True)
@@ -109,8 +109,8 @@ def _stages_here(plan: MegatronPlan) -> list[int]:
     return chunk_stages(plan.placement)[rank]
 
 
-def _flag_error(e: Exception) -> None:
-    _print0(f"megatron_pp_ext: error: {e}")
+def flag_error(e: Exception) -> None:
+    print0(f"megatron_pp_ext: error: {e}")
     raise SystemExit(2)
 
 def _reads_all_data() -> bool:

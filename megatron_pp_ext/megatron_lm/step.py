@@ -12,8 +12,8 @@ import torch
 
 from .flags import MegatronPlan
 from ..runtime.tied import with_tied_sum
-from .state import _flag_error, _pp_info, _print0, current_plan
-from .placement import _check_model_placed
+from .state import flag_error, _pp_info, print0, current_plan
+from .placement import check_model_placed
 from . import state as _st
 
 
@@ -95,7 +95,7 @@ class ForwardBackward:
         return self._call(**kwargs)
 
 
-def _make_get_fb(orig: Callable) -> Callable:
+def make_get_fb(orig: Callable) -> Callable:
     def get_forward_backward_func(*args: Any, **kwargs: Any):
         plan = current_plan()
         if plan is None or not plan.options.active:
@@ -108,7 +108,7 @@ def _make_get_fb(orig: Callable) -> Callable:
     return get_forward_backward_func
 
 
-def _is_ours(fn: Any) -> bool:
+def is_ours(fn: Any) -> bool:
     seen = 0
     while fn is not None and seen < 8:
         if isinstance(fn, ForwardBackward):
@@ -118,7 +118,7 @@ def _is_ours(fn: Any) -> bool:
     return False
 
 
-def _forward_loss_dict(loss: dict, plan: MegatronPlan) -> dict:
+def forward_loss_dict(loss: dict, plan: MegatronPlan) -> dict:
     """Hand the reduced losses from the pipeline rank holding the loss to the last pipeline rank
     (where Megatron-LM prints, and writes TensorBoard / W&B)."""
     from megatron.core import parallel_state as ps
@@ -136,20 +136,41 @@ def _forward_loss_dict(loss: dict, plan: MegatronPlan) -> dict:
     return {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in (payload[0] or {}).items()}
 
 
+def before_step(model: Any, forward_backward_func: Any, loop: str = "Megatron-LM") -> int:
+    """Before a training step of ``loop`` (whose name the errors give): the model went through our
+    stage placement and the forward-backward function the step was handed is ours (never a
+    silent fallback to Megatron's own schedule or layout). Returns the schedule's call count."""
+    plan = current_plan()
+    active = plan is not None and plan.options.active
+    if plan is not None and plan.options.needs_install:
+        check_model_placed(model)
+    if active and not is_ours(forward_backward_func):
+        flag_error(RuntimeError(
+            f"{plan.options.flag} was requested, but {loop}'s training step was about to run "
+            f"{getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
+            f"schedule (this {loop} obtains its forward-backward function in a way the integration does not "
+            "hook); see docs/compatibility.md for the supported versions"))
+    return _st.current.fb.calls if active and _st.current.fb is not None else 0
+
+
+def after_step(out: tuple, calls: int, loop: str = "Megatron-LM") -> tuple:
+    """After the step (``out``: its result, the reduced losses first): our schedule ran, and under
+    the V placement the losses go from the rank that holds the loss to the last pipeline rank,
+    where ``loop`` prints them."""
+    plan = current_plan()
+    if plan is not None and plan.options.active and (_st.current.fb is None or _st.current.fb.calls == calls):
+        flag_error(RuntimeError(f"{plan.options.flag} was requested, but {loop}'s training step ran without "
+                                "calling megatron_pp_ext's schedule; see docs/compatibility.md"))
+    if plan is not None and plan.v:
+        out = (forward_loss_dict(out[0], plan),) + tuple(out[1:])
+    return out
+
+
 def _make_train_step(orig: Callable) -> Callable:
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args: Any, **kwargs: Any):
         plan = current_plan()
-        active = plan is not None and plan.options.active
-        if plan is not None and plan.options.needs_install:
-            _check_model_placed(model)
-        if active and not _is_ours(forward_backward_func):
-            _flag_error(RuntimeError(
-                f"{plan.options.flag} was requested, but Megatron-LM's training step was about to run "
-                f"{getattr(forward_backward_func, '__name__', forward_backward_func)!r} instead of megatron_pp_ext's "
-                "schedule (this Megatron-LM obtains its forward-backward function in a way the integration does not "
-                "hook); see docs/compatibility.md for the supported versions"))
-        calls = _st.current.fb.calls if active and _st.current.fb is not None else 0
+        calls = before_step(model, forward_backward_func)
         prof = _st.current.profiler if _st.current is not None else None
         it = kwargs.get("iteration", args[0] if args else None)
         profiling = (prof is not None and it is not None and isinstance(forward_backward_func, ForwardBackward)
@@ -160,18 +181,13 @@ def _make_train_step(orig: Callable) -> Callable:
             ex.sync_timings = torch.cuda.is_available()
         out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args, **kwargs)
-        if active and (_st.current.fb is None or _st.current.fb.calls == calls):
-            _flag_error(RuntimeError(f"{plan.options.flag} was requested, but Megatron-LM's training step ran without "
-                                     "calling megatron_pp_ext's schedule; see docs/compatibility.md"))
         if profiling:
             ex.record_timings = False
             ex.sync_timings = False
             prof.record(ex.last_timings)
             if prof.last(int(it)):
                 _reschedule(prof, forward_backward_func, plan)
-        if plan is not None and plan.v:
-            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
-        return out
+        return after_step(out, calls)
     return train_step
 
 
@@ -196,14 +212,14 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     try:
         cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
     except ValueError as e:
-        _print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
+        print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
         return
     old = fb.executor.last_schedule
     new = ForwardBackward(plan, costs=cost)
     try:
         sched = new.executor.schedule_for(plan.pp, plan.microbatches)
     except ScheduleError as e:
-        _print0(f"megatron_pp_ext: profiling: the generator refused the measured costs ({e}); keeping the schedule")
+        print0(f"megatron_pp_ext: profiling: the generator refused the measured costs ({e}); keeping the schedule")
         return
     fb.executor = new.executor
     fb._call = None   # re-wrapped at the next call
@@ -212,17 +228,17 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     except ScheduleError:
         before = float("nan")
     after = simulate(sched, cost).makespan
-    _print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
-            f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
-            f"{before:.4g} -> {after:.4g} ms")
+    print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
+          f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
+          f"{before:.4g} -> {after:.4g} ms")
 
 
-def _make_evaluate(orig: Callable) -> Callable:
+def make_evaluate(orig: Callable) -> Callable:
     def evaluate(*args: Any, **kwargs: Any):
         out = orig(*args, **kwargs)
         plan = current_plan()
         if plan is not None and plan.v and isinstance(out, tuple) and out[0] is not None:
-            out = (_forward_loss_dict(out[0], plan),) + tuple(out[1:])
+            out = (forward_loss_dict(out[0], plan),) + tuple(out[1:])
         return out
     return evaluate
 

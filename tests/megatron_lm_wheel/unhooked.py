@@ -29,7 +29,7 @@ if which == "schedule":
             training.get_forward_backward_func = old
 elif which == "model":
     from megatron_pp_ext.megatron_lm import placement
-    placement._place_chunk = lambda build, bound: build(*bound.args, **bound.kwargs)
+    placement.place_chunk = lambda build, bound: build(*bound.args, **bound.kwargs)
 else:
     raise SystemExit(f"unhooked.py: unknown hook {which!r}")
 sys.argv = [script] + prepare_argv(rest, cuda=torch.cuda.is_available())
