@@ -4,47 +4,60 @@
 counters (trainer/devicemem.py: resident memory above the iteration's start, malloc returning
 freed tensors) -- beside ``predicted_peak_bytes`` (trainer/memmodel.py). Shapes where tensors
 dominate (hidden 256, seq 256: a tensor of one microbatch is 256 KiB, over the 64 KiB from which
-malloc gives memory back), two iterations, the second measured. Tolerance: the issue's goal of
-10% (docs/benchmarks/memory.md: every rank of every row there is within it).
+malloc gives memory back), four iterations; the first (set-up, lazy communicators, first-touch) is
+left out and each rank's peak is the median of the other three: the resident peak of one steady-state
+iteration varies by up to ~6% between iterations of one run (the kernel's per-CPU RSS counter slack and
+malloc's small-allocation heap, ~0.5 MiB on a 9 MiB peak, more on a loaded machine), which a single
+iteration would add to the model's own error. Tolerance: the goal of 10% (docs/benchmarks/memory.md).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
 from test_trainer import _mppx
 
 SHAPE = ["--pp", "2", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "256", "--vocab", "512",
-         "--iters", "2", "--reference-iters", "0", "--profile-iters", "0", "--no-progress"]
+         "--iters", "4", "--reference-iters", "0", "--profile-iters", "0", "--no-progress"]
 GOAL = 0.10
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
-def _train(tmp_path, name, *argv) -> tuple[dict, dict]:
+def _train(tmp_path, name, *argv) -> tuple[dict, dict, list[float]]:
     r = _mppx(*SHAPE, "--out", name, *argv, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     recs = [json.loads(ln) for ln in (tmp_path / name / "train.jsonl").read_text().splitlines()]
-    return recs[-1], json.loads((tmp_path / name / "summary.json").read_text())
+    return recs[-1], json.loads((tmp_path / name / "summary.json").read_text()), _steady_peaks(recs)
+
+
+def _steady_peaks(recs: list[dict]) -> list[float]:
+    """Per rank, the median resident peak of the iterations after the first (module docstring)."""
+    runs = [rec["peak_device_bytes"] for rec in recs[1:]]
+    assert len(runs) == 3, len(runs)
+    return [statistics.median(col) for col in zip(*runs)]
 
 
 def test_measured_peak_is_the_predicted_one_and_the_meter_counts_what_w_keeps(tmp_path):
     """zb-h1 (B/W split): per rank, the resident peak is within 10% of the model's prediction;
     our own counter (``peak_activation_bytes``: held tensors) counts more than what autograd saves
     -- W's output gradients and the messages -- and never more than the operating system sees."""
-    rec, summary = _train(tmp_path, "zb", "--schedule", "zb-h1")
+    rec, summary, steady = _train(tmp_path, "zb", "--schedule", "zb-h1")
     meas, pred = rec["peak_device_bytes"], rec["predicted_peak_bytes"]
     assert rec["device_measure"] == "rss_high_water_mark" and len(meas) == len(pred) == 2
-    for r, (m, p) in enumerate(zip(meas, pred)):
+    for r, (m, p) in enumerate(zip(steady, pred)):
         assert abs(m / p - 1) <= GOAL, (r, m, p)
     held, saved = rec["peak_activation_bytes"], rec["peak_saved_activation_bytes"]
     assert rec["activation_measure"] == "held_tensors"
     for r in range(2):
         assert held[r] > saved[r]              # + the output gradients W keeps, the receive buffers
         assert held[r] <= meas[r] * 1.02       # a subset of what is resident (page rounding: 2%)
-    assert summary["measured_over_predicted"] == [pytest.approx(m / p, abs=1e-4) for m, p in zip(meas, pred)]
+    # (summary.json: the largest peak of the iterations after the first)
+    assert summary["measured_over_predicted"] == [pytest.approx(m / p, abs=1e-4) for m, p in
+                                                  zip(summary["peak_device_bytes"], pred)]
 
 
 def test_the_planned_peak_holds_through_mppx_train(tmp_path):
@@ -68,8 +81,8 @@ def test_the_planned_peak_holds_through_mppx_train(tmp_path):
     best = json.loads(plan.stdout)["plans"][0]
     assert (best["tp"], best["pp"], best["dp"], best["schedule"], best["micro_batch_size"]) == (1, 2, 1, "1f1b", 1)
     planned = [m["iteration_peak"] for m in best["memory_per_rank"]]
-    rec, _ = _train(tmp_path, "planned", "--schedule", "1f1b", "--bf16", "--global-batch-size", "4")
-    for r, (m, p) in enumerate(zip(rec["peak_device_bytes"], planned)):
+    _, _, steady = _train(tmp_path, "planned", "--schedule", "1f1b", "--bf16", "--global-batch-size", "4")
+    for r, (m, p) in enumerate(zip(steady, planned)):
         assert abs(m / p - 1) <= GOAL, (r, m, p)
 
 
@@ -81,8 +94,7 @@ def test_an_moe_run_holds_what_the_model_predicts(tmp_path, precision):
     each expert keep its unscaled activation, SwiGLU's copies on k tokens per token, one W item per
     expert linear. bf16: oneDNN's per-shape caches bounded (trainer/devicemem.py; unbounded, the
     experts' new token counts every microbatch read 3.5x)."""
-    rec, _ = _train(tmp_path, "moe", "--model", "llama", "--schedule", "zb-h1", "--num-experts", "4",
-                    "--moe-router-topk", "2", *(["--bf16"] if precision == "bf16" else []))
-    meas, pred = rec["peak_device_bytes"], rec["predicted_peak_bytes"]
-    for r, (m, p) in enumerate(zip(meas, pred)):
+    rec, _, steady = _train(tmp_path, "moe", "--model", "llama", "--schedule", "zb-h1", "--num-experts", "4",
+                            "--moe-router-topk", "2", *(["--bf16"] if precision == "bf16" else []))
+    for r, (m, p) in enumerate(zip(steady, rec["predicted_peak_bytes"])):
         assert abs(m / p - 1) <= GOAL, (r, m, p)
