@@ -157,8 +157,8 @@ def launch(cmd: list, cwd: Path, timeout: float, *, what: str, env: dict | None 
 LAUNCH_TIMEOUT = float(os.environ.get("MPPX_LAUNCH_TIMEOUT", "420"))
 
 
-def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]) -> dict:
-    spec = {"script": str(SCRIPT), "common": COMMON, "out": str(tmp / f"{name}.json"),
+def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]], common: list[str] = COMMON) -> dict:
+    spec = {"script": str(SCRIPT), "common": common, "out": str(tmp / f"{name}.json"),
             "runs": [{"name": n, "args": a} for n, a in runs]}
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
@@ -637,76 +637,79 @@ def test_launch_scripts_run_end_to_end(work, script, model, schedule):
     assert all(math.isfinite(float(v)) for _, v in printed)
 
 
-def _launch_tiny_moe(work: Path, tag: str, schedule: str, *, pp: int = 2, ep: int = 1, extra: str = "") -> list[str]:
-    """scripts/pretrain_torchrun.sh tiny-moe (the scripts' bf16 + distributed optimizer + clipping,
-    4 experts top-2, alltoall) for 3 iterations, with `extra` flags; the printed lm loss,
-    load-balancing loss and grad norm of every iteration and the validation losses, as printed.
-    A launch already made in this module is not repeated (the tests share the plain zbv run)."""
-    key = (work, tag, schedule, pp, ep, extra)
-    if key not in _MOE_RUNS:
-        _MOE_RUNS[key] = _run_tiny_moe(work, tag, schedule, pp, ep, extra)
-    return _MOE_RUNS[key]
+def _tiny_moe(ep: int = 1) -> list[str]:
+    """The launch scripts' tiny-moe preset (bf16, distributed optimizer, --clip-grad 1.0, cosine decay,
+    4 experts top-2, the alltoall dispatcher) at pp=2, as scripts/pretrain_torchrun.sh builds it (its
+    dry run), for 3 iterations: the MoE runs below take these arguments after COMMON's (the last
+    spelling of a flag wins), so they train what the scripts launch, several runs per launch."""
+    env = dict(os.environ, MPPX_DRY_RUN="1", TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="2", PP="2",
+               EP=str(ep), SCHEDULE="mcore")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_torchrun.sh"), "tiny-moe"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
 
 
-_MOE_RUNS: dict[tuple, list[str]] = {}
+EXPERT_BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
 
 
-def _run_tiny_moe(work: Path, tag: str, schedule: str, pp: int, ep: int, extra: str) -> list[str]:
-    world = pp * ep   # dp = ep: the experts split over the data-parallel ranks
-    flags = CPU_FLAGS if ep == 1 else CPU_FLAGS.replace(" --layout-independent-init", "")
-    flags = f"{flags} {extra}".strip()
-    env = dict(_env(), TRAIN_ITERS="3", LOG_INTERVAL="1", MASTER_PORT=str(_port()), SCHEDULE=schedule, PP=str(pp),
-               EP=str(ep), GPUS_PER_NODE=str(world), EXTRA_ARGS=flags,
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
-    if MLM:
-        env["MEGATRON_LM_DIR"] = MLM
-    else:
-        env["MPPX_PRETRAIN_SCRIPT"] = str(WHEEL_SCRIPT)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    cwd = work / f"moe-{tag}"
-    cwd.mkdir(exist_ok=True)
-    rc, out = launch(["bash", str(ROOT / "scripts" / "pretrain_torchrun.sh"), "tiny-moe"], cwd, 300,
-                     what=f"tiny-moe {tag}", env=env)
-    assert rc == 0, _tail(out)
-    if schedule != "mcore":
-        assert f"megatron_pp_ext: schedule {schedule}" in out, _tail(out)
-    got = re.findall(r"(lm loss(?: value)?|load_balancing_loss|grad norm): ([0-9.E+-]+)", out)
-    assert sum(k == "lm loss" for k, _ in got) == 3 and sum(k == "load_balancing_loss" for k, _ in got) == 3, _tail(out)
-    return [f"{k}={v}" for k, v in got]
+@pytest.fixture(scope="module")
+def moe2(work) -> dict:
+    """The tiny-moe preset at pp=2 (ep=1): zbv (V placement; the experts' weight gradients in W) and
+    Megatron-Core's own 1F1B, plain and with the DeepSeek-V3-like router (expert bias, sigmoid
+    scores), and v-half with it."""
+    moe = _tiny_moe()
+    return multirun(work, "moe2", 2, [
+        ("moe-mcore", moe),
+        ("moe-zbv", moe + ["--pipeline-schedule", "zbv"]),
+        ("moe-mcore-bias", moe + EXPERT_BIAS),
+        ("moe-zbv-bias", moe + ["--pipeline-schedule", "zbv"] + EXPERT_BIAS),
+        ("moe-v-half-bias", moe + ["--pipeline-schedule", "v-half"] + EXPERT_BIAS),
+    ])
 
 
-def test_moe_launch_script_matches_megatron(work):
-    """MoE through Megatron-LM's training loop with our schedules (issue 20): the tiny-moe preset of
-    the launch scripts (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall
-    dispatcher). ep=1: zbv (V placement; the experts' weight gradients in W) against Megatron-Core's
-    own 1F1B at pp=2 and against plain Megatron-LM at pp=1, with layout-independent initialisation;
-    ep=2 (dp=2, the experts split): zb-h1 against Megatron-Core's 1F1B at the same layout
-    (layout-independent initialisation does not support ep > 1, so only a loop placement starts
-    from the same weights). Every printed loss, load-balancing loss and gradient norm equal (7
-    significant digits as printed; the dense tests compare the exact bits)."""
-    zbv, own, pp1 = (_launch_tiny_moe(work, "zbv", "zbv"), _launch_tiny_moe(work, "mcore", "mcore"),
-                     _launch_tiny_moe(work, "pp1", "mcore", pp=1))
-    assert zbv == own == pp1, (zbv, own, pp1)
-    zbh1, own2 = _launch_tiny_moe(work, "zbh1-ep2", "zb-h1", ep=2), _launch_tiny_moe(work, "mcore-ep2", "mcore", ep=2)
-    assert zbh1 == own2, (zbh1, own2)
-    assert zbh1 != zbv          # ep=2 really changed the run (other initial experts, other routing)
+@pytest.fixture(scope="module")
+def moe_ref(work) -> dict:
+    """Plain Megatron-LM at pp=1 on the tiny-moe preset (one rank), and ep=2 at pp=2 (dp=2, the experts
+    split): zb-h1 and Megatron-Core's 1F1B, without layout-independent initialisation (only a loop
+    placement starts from the same experts then)."""
+    one = multirun(work, "moe1", 1, [("moe-pp1", _tiny_moe() + ["--pipeline-model-parallel-size", "1"])])
+    common_ep2 = [a for a in COMMON if a != "--layout-independent-init"]
+    four = multirun(work, "moe4", 4, [("moe-mcore-ep2", _tiny_moe(ep=2)),
+                                      ("moe-zb-h1-ep2", _tiny_moe(ep=2) + ["--pipeline-schedule", "zb-h1"])],
+                    common=common_ep2)
+    return {**one, **four}
 
 
-EXPERT_BIAS = "--moe-router-enable-expert-bias --moe-router-score-function sigmoid"
+def _moe_equal(got: dict, ref: dict) -> None:
+    """Every training and validation loss bit for bit; gradient norms within 1e-6 (a sum of squares
+    per rank, added in another order, as for the dense schedules)."""
+    assert losses(got) == losses(ref), (got["name"], losses(got), ref["name"], losses(ref))
+    assert len(losses(got)[0]) == 3 and losses(got)[1]
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], ref["grad_norm"])), (got["grad_norm"],
+                                                                                           ref["grad_norm"])
 
 
-def test_moe_expert_bias_through_megatron_lm_loop(work):
-    """The DeepSeek-V3-like router (issue 30) through Megatron-LM's own training loop: the tiny-moe
-    preset with --moe-router-enable-expert-bias --moe-router-score-function sigmoid (the flags
-    `mppx plan` emits for its DeepSeek-V3 preset). Megatron-LM calls the schedule without a
-    pg_collection, so the executor's default collection must carry tp_dp_cp, which Megatron-Core
-    0.18.2 and later assert in finalize_model_grads when the expert bias is on. zbv and v-half at
-    pp=2 against Megatron-Core's own 1F1B at pp=2: every printed loss, load-balancing loss and
-    gradient norm equal; the expert bias (updated from the token counts every step) really
-    changes the run against the plain router."""
-    zbv = _launch_tiny_moe(work, "zbv-bias", "zbv", extra=EXPERT_BIAS)
-    vhalf = _launch_tiny_moe(work, "vhalf-bias", "v-half", extra=EXPERT_BIAS)
-    own = _launch_tiny_moe(work, "mcore-bias", "mcore", extra=EXPERT_BIAS)
-    assert zbv == vhalf == own, (zbv, vhalf, own)
-    plain = _launch_tiny_moe(work, "zbv", "zbv")
-    assert zbv != plain, "the expert-bias flags did not change the run"
+def test_moe_launch_script_matches_megatron(moe2, moe_ref):
+    """MoE through Megatron-LM's training loop with our schedules: the launch scripts' tiny-moe preset
+    (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall dispatcher). ep=1: zbv
+    (V placement; the experts' weight gradients in W) against Megatron-Core's own 1F1B at pp=2 and
+    against plain Megatron-LM at pp=1, with layout-independent initialisation; ep=2 (dp=2, the
+    experts split): zb-h1 against Megatron-Core's 1F1B at the same layout. Losses bit for bit."""
+    _moe_equal(moe2["moe-zbv"], moe2["moe-mcore"])
+    _moe_equal(moe2["moe-zbv"], moe_ref["moe-pp1"])
+    _moe_equal(moe_ref["moe-zb-h1-ep2"], moe_ref["moe-mcore-ep2"])
+    assert losses(moe_ref["moe-zb-h1-ep2"]) != losses(moe2["moe-zbv"])   # ep=2 really changed the run
+
+
+def test_moe_expert_bias_through_megatron_lm_loop(moe2):
+    """The DeepSeek-V3-like router through Megatron-LM's own training loop: the tiny-moe preset with
+    --moe-router-enable-expert-bias --moe-router-score-function sigmoid (the flags `mppx plan` emits
+    for its DeepSeek-V3 preset). Megatron-LM calls the schedule without a pg_collection, so the
+    executor's default collection must carry tp_dp_cp, which Megatron-Core 0.18.2 and later assert in
+    finalize_model_grads when the expert bias is on. zbv and v-half at pp=2 against Megatron-Core's
+    own 1F1B at pp=2; the expert bias (updated from the token counts every step) really changes the
+    run against the plain router."""
+    _moe_equal(moe2["moe-zbv-bias"], moe2["moe-mcore-bias"])
+    _moe_equal(moe2["moe-v-half-bias"], moe2["moe-mcore-bias"])
+    assert losses(moe2["moe-zbv-bias"]) != losses(moe2["moe-zbv"]), "the expert-bias flags did not change the run"
