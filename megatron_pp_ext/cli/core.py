@@ -234,6 +234,29 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, microbatches: int =
     parser.add_argument("--memory-budget", default=None, metavar="X",
                         help="activation memory per rank, in units (e.g. 3) or as a fraction of 1F1B's "
                              "peak (e.g. 0.5x or 50%%); for schedules that take a budget (v-budget)")
+    add_overlap_arguments(parser)
+
+
+def a2a_time(text: str) -> float:
+    """An argparse type: ``--a2a-time``, a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give e.g. 0.3") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: need a finite number >= 0, e.g. 0.3")
+    return value
+
+
+def add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--overlap-moe-expert-parallel-comm`` and ``--a2a-time`` (the schedule commands and mppx train)."""
+    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                        help="run forwards and backwards of other microbatches as overlapped pairs where that "
+                             "pays, the expert all-to-all of each hidden behind the other's compute (MoE "
+                             "models; needs --a2a-time)")
+    parser.add_argument("--a2a-time", type=a2a_time, default=None, metavar="T",
+                        help="expert all-to-all time (dispatch and combine) of one microbatch's forward on a "
+                             "rank, part of F (its backward's, the same, part of B), in the units of --costs")
 
 
 def add_comm_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -275,9 +298,11 @@ def build_from_args(args: argparse.Namespace, name: str | None = None, *, chunks
         memory_budget = args.memory_budget
     if with_comm is None:
         with_comm = bool(getattr(args, "with_comm", False)) or comm_model_of(args) != "eager"
+    overlap = {"overlap": bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+               "a2a_time": getattr(args, "a2a_time", None)}
     try:
         return build_schedule(name, args.pp, args.microbatches, chunks=chunks, costs=costs,
-                              memory_budget=memory_budget, with_comm=with_comm)
+                              memory_budget=memory_budget, with_comm=with_comm, **overlap)
     except ScheduleError as e:
         if chunks > 1 and info.chunks is None and not _chunks_message(e):
             try:  # does it work with one chunk? then --chunks is what is wrong
