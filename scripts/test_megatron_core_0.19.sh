@@ -34,7 +34,7 @@ if [ $# -eq 0 ]; then
     # wrapper, mppx train's flag checks and process lifetimes, and the parity rows with 2p and 4p
     # microbatches, which test the schedules' steady state, not Megatron: the first venv runs them)
     set -- -q tests/runtime/test_runtime_parity.py tests/runtime/test_runtime_executor.py \
-        tests/runtime/test_runtime_model.py tests/runtime/test_runtime_moe.py \
+        tests/runtime/test_runtime_model.py tests/runtime/test_runtime_moe.py tests/runtime/test_runtime_overlap.py \
         tests/runtime/test_runtime_training_config.py tests/runtime/test_runtime_sync_order.py \
         tests/runtime/test_runtime_cpu_compat.py tests/runtime/test_vocab_runtime.py \
         tests/runtime/test_offload_runtime.py tests/runtime/test_bpipe_runtime.py \

@@ -7,6 +7,8 @@ machine cannot compute side by side, but they can all *wait* side by side. With 
 through the executor's bookkeeping (its op list, the tensors in flight, the comm batches, the
 hooks, the data-parallel sync points), and:
 
+* **overlapped pairs** (``F&B``, ``F&BW``): the executor's bookkeeping of both halves, the
+  pair's time (both halves' compute or both all-to-alls, whichever is longer) waited once;
 * **F, B, BW**: Megatron-Core's ``forward_step`` / ``backward_step`` are replaced, for the
   duration of the call, by stand-ins that wait the op's time (``op_kind(kind).duration(cost,
   op)`` times ``unit_s``, as :func:`~megatron_pp_ext.schedule.simulate` charges it) and return a
@@ -51,6 +53,7 @@ import torch.distributed as dist
 
 from ..schedule import CostModel, Op, Schedule
 from ..schedule.ir import COMM_PAIRS, comm_channel, op_kind
+from ..schedule.pairs import PAIR_KINDS
 
 __all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "realtime_priority", "BUILTIN_KINDS"]
 
@@ -336,6 +339,8 @@ class ComputeEmulation:
         """The wait of the op being run (Megatron-Core's own function: by the stage it runs)."""
         op = self.current
         if op is not None:
+            if op.kind in PAIR_KINDS:   # an overlapped pair: its first half waits for both
+                return 0.0 if self.waited else self.duration(op)
             return self.duration(op)
         if self.mcore_stage is not None:
             return self.mcore_stage(which, vp_stage)
@@ -401,7 +406,7 @@ class ComputeEmulation:
     def end(self, op: Op) -> None:
         """After ``op``'s bookkeeping: wait its time if no stand-in did (W, an identity stage)."""
         kind = op.kind
-        if kind in BUILTIN_KINDS:
+        if kind in BUILTIN_KINDS or kind in PAIR_KINDS:
             if not self.waited:
                 self._sleeper.until(_perf() + self.duration(op))
             self.compute_ops += 1
