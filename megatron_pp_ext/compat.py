@@ -65,6 +65,9 @@ wrapped by a tracing decorator                            function's parameters 
 ``gtp_remat`` groups                                      where the release has it
 SSM kernel modules ``import triton``          main        :func:`install_import_shims` (the list)
 (``megatron.training.models.hybrid``)
+the multi-token prediction layer's            core 0.19   :func:`mtp_inner_layer`
+``transformer_layer`` renamed
+``mtp_model_layer``
 fine-grained schedule plan: ``set_streams``   core 0.19   :func:`fine_grained_plan` calls it without
 lost ``comp_stream`` (reads the current                   arguments; the CPU layer gives both
 stream), streams passed as functions, the                 releases a synchronous stream and event
@@ -93,7 +96,7 @@ __all__ = [
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
     "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
-    "linear_output_gemm", "fine_grained_plan", "plan_loss_stage",
+    "linear_output_gemm", "fine_grained_plan", "plan_loss_stage", "mtp_inner_layer",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -593,6 +596,13 @@ def reset_moe_metrics() -> None:
     else:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def mtp_inner_layer(layer: Any) -> Any:
+    """The transformer layer inside a multi-token prediction layer: ``transformer_layer`` (core
+    0.16), ``mtp_model_layer`` (core 0.19)."""
+    inner = getattr(layer, "transformer_layer", None)
+    return inner if inner is not None else layer.mtp_model_layer
 
 
 def fine_grained_plan() -> Callable | None:

@@ -159,13 +159,15 @@ def forward_step(data_iterator, model, *, loss: str = "per_token", return_schedu
     fine-grained schedule plan of the forward instead of running it, as Megatron-LM's does."""
     core = _core(model)
     batch = next(data_iterator) if (core.pre_process or core.post_process) else None
-    tokens = batch["tokens"] if core.pre_process else None
-    position_ids = batch["position_ids"] if core.pre_process else None
+    mtp = getattr(core, "mtp_process", False)   # (multi-token prediction embeds the next tokens)
+    tokens = batch["tokens"] if core.pre_process or mtp else None
+    position_ids = batch["position_ids"] if core.pre_process or mtp else None
     labels = batch["labels"] if core.post_process else None
+    kw = {"loss_mask": batch["loss_mask"]} if mtp else {}
     if return_schedule_plan:
-        output = core.build_schedule_plan(tokens, position_ids, None, labels=labels)
+        output = core.build_schedule_plan(tokens, position_ids, None, labels=labels, **kw)
     else:
-        output = model(tokens, position_ids, None, labels=labels)
+        output = model(tokens, position_ids, None, labels=labels, **kw)
     fn = _loss_legacy if loss == "legacy" else _loss_per_token
     return output, partial(fn, batch["loss_mask"] if core.post_process else None)
 

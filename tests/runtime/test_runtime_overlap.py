@@ -12,10 +12,13 @@ combined call per pair and step, every layer of the pair interleaved.
 
 Rows: ep 2 (pp=2 x dp=2) with DualPipeV (F&BW pairs, V placement: the loss on rank 0's second
 chunk), ZB-V (F&B pairs: the backward's weight gradients queued for their W op) without a shared
-expert, interleaved 1F1B (loop placement, two chunks) and DualPipeV in bf16 with the distributed
-optimizer and both overlaps; ep 4 (pp=1 x dp=4, 8 experts: two per rank) with 1F1B, whose
-backwards pair with the next forward (Megatron-Core's combined 1F1B without pipelining). Top-2
-routing, the all-to-all dispatcher and the load-balancing aux loss throughout.
+expert and DualPipeV in bf16 with the distributed optimizer and both overlaps; ep 4 (pp=1 x dp=4,
+8 experts: two per rank) with 1F1B, whose backwards pair with the next forward (Megatron-Core's
+combined 1F1B without pipelining); and with multi-token prediction (one MTP layer, in the plan of
+the last stage: rank 0's second chunk under DualPipeV, rank 1's under interleaved 1F1B, the loop
+placement with two chunks), within a stated tolerance of pp=1 (MTP_TOLERANCE) and bit-exact
+against unpaired. Top-2 routing, the all-to-all dispatcher and the load-balancing aux loss
+throughout; a last test runs MTP on a dense model under our schedules without pairs.
 """
 
 from __future__ import annotations
@@ -35,10 +38,19 @@ A2A = 0.3   # all-to-all time per microbatch and rank (units of the default cost
 ROWS = {
     "dualpipev-ep2": dict(schedule="dualpipev", pp=2, dp=2, ep=2, m=4),
     "zbv-ep2-no-shared-expert": dict(schedule="zbv", pp=2, dp=2, ep=2, m=4, shared=False),
-    "interleaved-1f1b-ep2": dict(schedule="interleaved-1f1b", pp=2, dp=2, ep=2, m=4),
     "dualpipev-ep2-bf16-distopt": dict(schedule="dualpipev", pp=2, dp=2, ep=2, m=4, **BF16_DISTOPT),
     "1f1b-ep4-pp1": dict(schedule="1f1b", pp=1, dp=4, ep=4, m=4, experts=8),
+    "dualpipev-ep2-mtp": dict(schedule="dualpipev", pp=2, dp=2, ep=2, m=4, mtp=1),
+    "interleaved-1f1b-ep2-mtp-no-shared-expert": dict(schedule="interleaved-1f1b", pp=2, dp=2, ep=2, m=4, mtp=1,
+                                                      shared=False),
 }
+#: multi-token prediction keeps a copy of the word embedding on the last stage, whose gradient is
+#: added to the first stage's after the data-parallel reduction (on rank 0 under V, by the embedding
+#: all-reduce under the loop placement), where pp=1 accumulates both uses into one tensor: the same
+#: terms in another float32 order, as for tied embeddings (test_runtime_executor.py), so these rows
+#: train with SGD (no per-element normalisation) and are compared with pp=1 within these bounds;
+#: against the same schedule unpaired (the same sums) they stay bit-exact
+MTP_TOLERANCE = dict(rtol=1e-6, tensor_rtol=1e-5)
 
 
 def _config(row: str):
@@ -46,8 +58,17 @@ def _config(row: str):
     spec = MOE_SPECS["llama"]
     if not kw.pop("shared", True):
         spec = dataclasses.replace(spec, moe_shared_expert_intermediate_size=None)
-    spec = dataclasses.replace(spec, num_experts=kw.pop("experts", spec.num_experts), moe_token_dispatcher_type="alltoall")
+    spec = dataclasses.replace(spec, num_experts=kw.pop("experts", spec.num_experts), moe_token_dispatcher_type="alltoall",
+                               mtp_num_layers=kw.pop("mtp", None))
+    if spec.mtp_num_layers:
+        kw.update(optimizer="sgd", lr=0.05)
     return moe_config("llama", overlap_moe=True, a2a_time=A2A, **kw).replace(spec=spec)
+
+
+def _layers(cfg, sched, stage: int) -> int:
+    """Transformer layers the plan of ``stage`` holds (the last stage's MTP layers included)."""
+    n = cfg.spec.num_layers // sched.num_stages
+    return n + (cfg.spec.mtp_num_layers or 0) * (stage == sched.num_stages - 1)
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -55,14 +76,29 @@ def test_paired_schedule_matches_pp1_and_unpaired(pool, runs, row):
     cfg = _config(row)
     results = pool.run(run_training, cfg.world_size, cfg=cfg, prepare=count_plan_pairs)
     got = merge_results(results, cfg)
-    compare_records(got, runs.reference(cfg), norm_rtol=1e-6, what=f"{row} vs pp=1")
+    tol = MTP_TOLERANCE if cfg.spec.mtp_num_layers else {}
+    compare_records(got, runs.reference(cfg), norm_rtol=1e-6, what=f"{row} vs pp=1", **tol)
     compare_records(got, runs(cfg.replace(overlap_moe=False), cache=True), norm_rtol=1e-6,
                     what=f"{row} vs the same schedule unpaired")
     sched, _ = build_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, chunks=cfg.chunks, a2a_time=A2A,
                               overlap=True)
-    layers_per_stage = cfg.spec.num_layers // sched.num_stages
     for res in results:
-        pairs = sum(op.kind in PAIR_KINDS for op in sched.ops[res["pp_rank"]])
+        pairs = [op for op in sched.ops[res["pp_rank"]] if op.kind in PAIR_KINDS]
         counts = res["prepared"]
-        assert pairs > 0 and counts["pairs"] == cfg.steps * pairs, (row, res["pp_rank"], counts)
-        assert counts["layers"] == counts["pairs"] * layers_per_stage
+        assert pairs and counts["pairs"] == cfg.steps * len(pairs), (row, res["pp_rank"], counts)
+        assert counts["layers"] == cfg.steps * sum(min(_layers(cfg, sched, op.stage), _layers(cfg, sched, op.pair[0]))
+                                                   for op in pairs)
+    if cfg.spec.mtp_num_layers:   # the MTP layer is on the last stage: rank 0's second chunk under V
+        assert any(n.startswith("mtp.layers.0.") for n in got["params"])
+
+
+def test_mtp_without_pairs_matches_pp1(runs):
+    """Multi-token prediction under our schedules without pairing, on a dense model: its layer and
+    loss on the last stage (rank 0's last chunk under V), the gradients within MTP_TOLERANCE."""
+    spec = dataclasses.replace(MOE_SPECS["llama"], num_experts=None, moe_shared_expert_intermediate_size=None,
+                               mtp_num_layers=1)
+    for schedule in ("zbv", "1f1b"):
+        cfg = moe_config("llama", schedule=schedule, pp=2, dp=2, m=4, optimizer="sgd", lr=0.05).replace(spec=spec)
+        got = runs(cfg)
+        compare_records(got, runs.reference(cfg), norm_rtol=1e-6, what=f"{schedule} with MTP vs pp=1", **MTP_TOLERANCE)
+        assert any(n.startswith("mtp.layers.0.") for n in got["params"])
