@@ -96,7 +96,7 @@ __all__ = [
     "backward_step", "bind_linear_call", "moe_without_te", "moe_metric_values", "clear_moe_metrics",
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
     "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
-    "linear_output_gemm", "fine_grained_plan", "plan_loss_stage", "mtp_inner_layer",
+    "linear_output_gemm", "fine_grained_plan", "plan_loss_stage", "mtp_inner_layer", "has_fine_grained_plan",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -142,6 +142,16 @@ def megatron_core_location() -> str | None:
         if os.path.isfile(os.path.join(base, "core", "__init__.py")):
             return os.path.join(base, "core")
     return None
+
+
+def has_fine_grained_plan() -> bool:
+    """Whether the megatron-core that would be imported carries the fine-grained schedule plan that
+    overlapped pairs run through (``pipeline_parallel/combined_1f1b.py`` and
+    ``models/common/model_chunk_schedule_plan.py``); read without importing it (flag checks run
+    before any process starts). :func:`fine_grained_plan` is the import-time probe."""
+    where = megatron_core_location()
+    return where is not None and all(os.path.isfile(os.path.join(where, *rel)) for rel in (
+        ("pipeline_parallel", "combined_1f1b.py"), ("models", "common", "model_chunk_schedule_plan.py")))
 
 
 def megatron_core_version() -> tuple[int, int, int] | None:

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..clibase import CLIError, format_table, int_at_least  # noqa: F401 - the CLI's own names
+from ..clibase import CLIError, add_overlap_arguments, format_table, int_at_least  # noqa: F401 - the CLI's own names
 from ..schedule import ScheduleError
 
 PROG = "mppx"
@@ -235,28 +235,6 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, microbatches: int =
                         help="activation memory per rank, in units (e.g. 3) or as a fraction of 1F1B's "
                              "peak (e.g. 0.5x or 50%%); for schedules that take a budget (v-budget)")
     add_overlap_arguments(parser)
-
-
-def a2a_time(text: str) -> float:
-    """An argparse type: ``--a2a-time``, a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give e.g. 0.3") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: need a finite number >= 0, e.g. 0.3")
-    return value
-
-
-def add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--overlap-moe-expert-parallel-comm`` and ``--a2a-time`` (the schedule commands and mppx train)."""
-    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
-                        help="run forwards and backwards of other microbatches as overlapped pairs where that "
-                             "pays, the expert all-to-all of each hidden behind the other's compute (MoE "
-                             "models; needs --a2a-time)")
-    parser.add_argument("--a2a-time", type=a2a_time, default=None, metavar="T",
-                        help="expert all-to-all time (dispatch and combine) of one microbatch's forward on a "
-                             "rank, part of F (its backward's, the same, part of B), in the units of --costs")
 
 
 def add_comm_model_argument(parser: argparse.ArgumentParser) -> None:
