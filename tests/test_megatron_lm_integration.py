@@ -680,10 +680,10 @@ def test_moe_launch_script_matches_megatron(work):
     the launch scripts (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall
     dispatcher). ep=1: zbv (V placement; the experts' weight gradients in W) against Megatron-Core's
     own 1F1B at pp=2 and against plain Megatron-LM at pp=1, with layout-independent initialisation;
-    ep=2 (dp=2, the experts split): zb-h1 against Megatron-Core's 1F1B at the same layout
-    (layout-independent initialisation does not support ep > 1, so only a loop placement starts
-    from the same weights). Every printed loss, load-balancing loss and gradient norm equal (7
-    significant digits as printed; the dense tests compare the exact bits)."""
+    ep=2 (dp=2, the experts split): zb-h1 against Megatron-Core's 1F1B at the same layout (the V
+    placement at ep=2, with layout-independent initialisation: test_pairs_through_megatron_lm_loop_*).
+    Every printed loss, load-balancing loss and gradient norm equal (7 significant digits as printed;
+    the dense tests compare the exact bits)."""
     zbv, own, pp1 = (_launch_tiny_moe(work, "zbv", "zbv"), _launch_tiny_moe(work, "mcore", "mcore"),
                      _launch_tiny_moe(work, "pp1", "mcore", pp=1))
     assert zbv == own == pp1, (zbv, own, pp1)
@@ -710,3 +710,50 @@ def test_moe_expert_bias_through_megatron_lm_loop(work):
     assert zbv == vhalf == own, (zbv, vhalf, own)
     plain = _launch_tiny_moe(work, "zbv", "zbv")
     assert zbv != plain, "the expert-bias flags did not change the run"
+
+
+# --- overlapped pairs and multi-token prediction -------------------------------------------------
+
+#: LLaMA shapes with 4 experts (top-2, the all-to-all dispatcher, the aux loss) split over the 2
+#: data-parallel ranks of each stage (ep=2), bf16 (Megatron-Core's rule for the pairs), pp=2
+PAIR_MOE = LLAMA + ["--pipeline-model-parallel-size", "2", "--bf16", "--num-experts", "4", "--moe-router-topk", "2",
+                    "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type",
+                    "alltoall", "--expert-model-parallel-size", "2"]
+PAIRS = ["--overlap-moe-expert-parallel-comm", "--pipeline-a2a-time", "0.3"]
+MTP = ["--mtp-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def pairs4(work) -> dict:
+    """dualpipev and zbv with their overlapped pairs (Megatron-LM's --overlap-moe-expert-parallel-comm)
+    through Megatron-LM's loop, zbv also with multi-token prediction; Megatron-Core's own 1F1B
+    (unpaired) on the same model as the reference."""
+    return multirun(work, "pairs4", 4, [
+        ("mcore-moe", PAIR_MOE),
+        ("dualpipev-pairs", PAIR_MOE + ["--pipeline-schedule", "dualpipev"] + PAIRS),
+        ("zbv-pairs", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS),
+        ("zbv-pairs-mtp", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS + MTP),
+    ])
+
+
+@pytest.mark.parametrize("run", ["dualpipev-pairs", "zbv-pairs"])
+def test_pairs_through_megatron_lm_loop_match_megatron(pairs4, run):
+    """dualpipev's pairs (F&BW) and zbv's (F&B, their W later), V placement, run through Megatron-Core's
+    fine-grained plan inside Megatron-LM's loop, with layout-independent initial weights (experts by
+    global index): every training and validation loss equals Megatron-Core's own 1F1B at pp=2
+    (unpaired) on the same model bit for bit, the gradient norms within 1e-6 (a sum of squares per
+    rank, added in another order, as for the dense schedules)."""
+    got, own = pairs4[run], pairs4["mcore-moe"]
+    assert losses(got) == losses(own), (run, losses(got), losses(own))
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"])), run
+    assert len(losses(got)[0]) == 4
+
+
+def test_pairs_with_mtp_through_megatron_lm_loop(pairs4):
+    """zbv's pairs with one MTP layer (built on rank 0's last chunk, where the V placement's last stage
+    is) through Megatron-LM's loop: the MTP layer and loss join the run -- the first iteration's token
+    loss is the run without MTP's, bit for bit (the same model and forward), the later ones differ (its
+    gradients trained the shared layers); its numerics against pp=1 and against unpaired are
+    tests/runtime/test_runtime_overlap.py's."""
+    got, plain = losses(pairs4["zbv-pairs-mtp"]), losses(pairs4["zbv-pairs"])
+    assert len(got[0]) == 4 and got[0][0] == plain[0][0] and got[0][1:] != plain[0][1:], (got, plain)

@@ -52,14 +52,12 @@ def _make_validate_args(orig: Callable) -> Callable:
             _flag_error(e)
         if lps is not None:
             from ..runtime.model import StageLayerLayout
-            args.pipeline_model_parallel_layout = StageLayerLayout(plan.placement, lps)
+            args.pipeline_model_parallel_layout = StageLayerLayout(plan.placement, lps,
+                                                                   int(getattr(args, "mtp_num_layers", None) or 0))
             _st.current.layout = args.pipeline_model_parallel_layout
         if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
             _flag_error(MegatronLMFlagError("--layout-independent-init cannot be combined with "
                                             "--init-model-with-meta-device; drop one of them"))
-        if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-            _flag_error(MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size "
-                                            "> 1 yet (local expert names are not global); drop one of them"))
         try:
             _st.current.model_features, _st.current.features = _plan_features(args, plan)
         except MegatronLMFlagError as e:

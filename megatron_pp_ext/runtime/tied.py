@@ -33,13 +33,13 @@ def tied_pairs(model: Sequence[Any]) -> list[tuple[torch.nn.Parameter, torch.nn.
     last = next((c for c in cores if getattr(c, "post_process", False)), None)
     if first is None or last is None or first is last:
         return []
-    emb = first.embedding.word_embeddings.weight
     if getattr(last, "mtp_process", False):   # multi-token prediction: the last stage's own embedding
         out = last.embedding.word_embeddings.weight   # (its output layer, when tied, reads this one)
     elif not getattr(last, "share_embeddings_and_output_weights", False):
         return []
     else:
         out = last.output_layer.weight
+    emb = first.embedding.word_embeddings.weight
     if out is None or emb is out:
         return []
     out.copy_(emb)
