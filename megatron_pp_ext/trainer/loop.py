@@ -206,7 +206,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                     stepped["loss_scale"], float(stepped["skipped"]),
                                     emu.last.makespan_s if emu is not None else float("nan"),
                                     float(emu.last.realtime) if emu is not None else 0.0, aux,
-                                    float(stepped["grad_norm_known"]), float(device_peak)],
+                                    float(stepped["grad_norm_known"]), float(device_peak), _a2a_of(emu)],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
@@ -394,7 +394,15 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}
            if rows[0][14] == rows[0][14] else {}),
         **({"load_balancing_loss": _load_balancing_loss(rows, plan)} if rows[0][16] == rows[0][16] else {}),
+        # --emulate-compute with --a2a-time: the time one real all-to-all reached (slowest rank)
+        **({"emulated_a2a_s": max(r[19] for r in rows)} if any(r[19] == r[19] for r in rows) else {}),
     }
+
+
+def _a2a_of(emu) -> float:
+    """The calibrated time of the emulation's real all-to-all (NaN: none)."""
+    a2a = getattr(emu, "a2a", None) if emu is not None else None
+    return a2a.measured_s if a2a is not None and a2a.ready and a2a.measured_s is not None else float("nan")
 
 
 def reference_worker(plan) -> dict:
