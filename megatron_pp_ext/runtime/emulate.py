@@ -596,6 +596,8 @@ class AllToAllEmulation:
         self.ready = False
         self._bufs = None
         self._error: BaseException | None = None
+        #: the time of every all-to-all run since :meth:`take_run_median` (the pairs' thread appends too)
+        self.run_s: list[float] = []
 
     def prepare(self, target_s: float, device) -> None:
         if self.ready or target_s <= 0:
@@ -631,7 +633,16 @@ class AllToAllEmulation:
     def run(self, calls: int = 1) -> None:
         out, inp = self._bufs[1], self._bufs[0]
         for _ in range(calls):
+            t0 = _perf()
             dist.all_to_all_single(out, inp, group=self.group)
+            self.run_s.append(_perf() - t0)
+
+    def take_run_median(self) -> float | None:
+        """The median time of the all-to-alls run since the last call (None: none ran): in a run,
+        one waits for its peers' arrival and for cores the calibration had to itself."""
+        import statistics
+        times, self.run_s = self.run_s, []
+        return statistics.median(times) if times else None
 
     def start(self, calls: int):
         import threading
