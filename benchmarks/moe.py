@@ -134,11 +134,11 @@ def train(flags: list[str], timeout: float) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
-def emulated(quick: bool, iters: int, work: Path, timeout: float, done: dict) -> list[dict]:
+def emulated(quick: bool, iters: int, work: Path, timeout: float, done: dict, max_p: int = 8) -> list[dict]:
     """``done``: runs of an earlier --json by tag, not run again (filled in as runs end)."""
     rows = []
     for p, m, name in EMULATED:
-        if quick and p > 2:
+        if (quick and p > 2) or p > max_p:
             continue
         for share in SHARES:
             if not pairs_at(name, p, m, share):
@@ -243,7 +243,7 @@ def memory_md(rows: list[dict]) -> list[str]:
            "iteration against `predicted_peak_bytes`, MiB per pipeline rank, the larger of its two data-parallel "
            "ranks). The paired row of dualpipev:", "",
            "```", "python -m megatron_pp_ext.cli train " + " ".join(command("llama", 2, flags, "OUT")[4:]), "```", "",
-           "| row | measured (MiB) | predicted (MiB) | measured / predicted | paired − unpaired: measured / predicted (MiB) "
+           "| row | measured (MiB) | predicted (MiB) | measured / predicted | paired − unpaired per rank: measured vs predicted (MiB) "
            "| within 10% |", "|---|---|---|---|---|---|"]
     by = {r["id"]: r for r in rows}
     worst = []
@@ -255,7 +255,7 @@ def memory_md(rows: list[dict]) -> list[str]:
         if r["id"].endswith("-paired"):
             u = by.get(r["id"][:-len("-paired")] + "-unpaired")
             if u and "error" not in u:
-                diff = " / ".join(f"{(a - b) / MiB:+.0f} / {(c - d) / MiB:+.0f}" for a, b, c, d in
+                diff = " / ".join(f"{(a - b) / MiB:+.0f} vs {(c - d) / MiB:+.0f}" for a, b, c, d in
                                   zip(r["measured"], u["measured"], r["predicted"], u["predicted"]))
         w = max(abs(x - 1) for x in r["ratio"])
         worst.append(w)
@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="simulated p=4 subset, emulated p=2 rows, no memory rows")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (real compute)")
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--max-p", type=int, default=8, help="emulated rows up to this pipeline size")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "moe.md"))
     ap.add_argument("--json", default=None, help="raw results by run: runs already in it are not run again")
     ap.add_argument("--work", default="/tmp/mppx-moe-bench")
@@ -286,16 +287,21 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()[0]
     done = json.loads(Path(args.json).read_text()) if args.json and os.path.exists(args.json) else {}
+    meta = done.pop("_meta", None)   # (the load and time of the runs, when every run comes from --json)
+    before = len(done)
     try:
         mem = [] if args.quick or args.no_memory else memory_rows(work, args.timeout, done)
-        emu = emulated(args.quick, args.iters, work, args.timeout, done)
+        emu = emulated(args.quick, args.iters, work, args.timeout, done, args.max_p)
     finally:
+        if len(done) > before or meta is None:
+            meta = {"load_start": load0, "load_end": os.getloadavg()[0], "wall_s": time.time() - t0}
         if args.json:
-            Path(args.json).write_text(json.dumps(done))
-    load1 = os.getloadavg()[0]
+            Path(args.json).write_text(json.dumps({**done, "_meta": meta}))
+    load0, load1 = meta["load_start"], meta["load_end"]
     lines = ["# Overlapped forward-backward pairs on MoE models: benchmark", "",
-             f"Produced by `python benchmarks/moe.py{' --quick' if args.quick else ''}` "
-             f"({(time.time() - t0) / 60:.0f} min wall time). Design, flags and how it was checked: "
+             f"Produced by `python benchmarks/moe.py{' --quick' if args.quick else ''}"
+             f"{f' --max-p {args.max_p}' if args.max_p < 8 else ''} --iters {args.iters}` "
+             f"({meta['wall_s'] / 60:.0f} min wall time). Design, flags and how it was checked: "
              "[docs/moe.md](../moe.md#overlapped-forward-and-backward).", "",
              f"- **Machine**: {os.cpu_count()}-core CPU ({platform.machine()}), {platform.system()}, no GPU, shared "
              f"with other jobs (load average {load0:.1f} at the start, {load1:.1f} at the end, 1-minute). torch "
