@@ -6,9 +6,10 @@ here, so that no lower layer imports the command line."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Sequence
 
-__all__ = ["CLIError", "int_at_least", "format_table"]
+__all__ = ["CLIError", "int_at_least", "format_table", "a2a_time", "add_overlap_arguments"]
 
 
 class CLIError(Exception):
@@ -41,3 +42,26 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def a2a_time(text: str) -> float:
+    """An argparse type: ``--a2a-time``, a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give e.g. 0.3") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: need a finite number >= 0, e.g. 0.3")
+    return value
+
+
+def add_overlap_arguments(parser) -> None:
+    """``--overlap-moe-expert-parallel-comm`` and ``--a2a-time`` on ``parser`` (or an argument group):
+    the schedule commands and ``mppx train`` take them with the same meaning."""
+    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                        help="run forwards and backwards of other microbatches as overlapped pairs where that "
+                             "pays, the expert all-to-all of each hidden behind the other's compute (MoE "
+                             "models; needs --a2a-time)")
+    parser.add_argument("--a2a-time", type=a2a_time, default=None, metavar="T",
+                        help="expert all-to-all time (dispatch and combine) of one microbatch's forward on a "
+                             "rank, part of F (its backward's, the same, part of B), in the units of --costs")

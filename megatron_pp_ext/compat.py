@@ -71,6 +71,14 @@ Megatron-Bridge imports Transformer Engine    Bridge 0.6  :func:`install_import_
 where Megatron-Bridge binds the names its     Bridge 0.6  :func:`bridge_sites`
 training loop calls (schedule getter,
 training step, evaluation, stage checks)
+the multi-token prediction layer's            core 0.19   :func:`mtp_inner_layer`
+``transformer_layer`` renamed
+``mtp_model_layer``
+fine-grained schedule plan: ``set_streams``   core 0.19   :func:`fine_grained_plan` calls it without
+lost ``comp_stream`` (reads the current                   arguments; the CPU layer gives both
+stream), streams passed as functions, the                 releases a synchronous stream and event
+``attn`` node renamed                                     (the runtime names no node)
+``pre_dispatch_computation``
 ============================================  ==========  ============================================
 
 Megatron-Bridge (NVIDIA's training framework on megatron-core): **0.6.x** (:data:`BRIDGE_SUPPORTED`),
@@ -99,6 +107,7 @@ __all__ = [
     "reset_moe_metrics", "LinearCallError", "bind_call", "names_of", "lm_sites", "lm_model_builders",
     "default_pg_collection", "MEGATRON_LM_MAIN", "main_checkout", "signature",
     "linear_output_gemm", "BRIDGE_SUPPORTED", "megatron_bridge_version", "check_bridge_supported", "bridge_sites",
+    "fine_grained_plan", "plan_loss_stage", "mtp_inner_layer", "has_fine_grained_plan",
 ]
 
 #: supported megatron-core releases: (lowest, first unsupported)
@@ -149,6 +158,16 @@ def megatron_core_location() -> str | None:
         if os.path.isfile(os.path.join(base, "core", "__init__.py")):
             return os.path.join(base, "core")
     return None
+
+
+def has_fine_grained_plan() -> bool:
+    """Whether the megatron-core that would be imported carries the fine-grained schedule plan that
+    overlapped pairs run through (``pipeline_parallel/combined_1f1b.py`` and
+    ``models/common/model_chunk_schedule_plan.py``); read without importing it (flag checks run
+    before any process starts). :func:`fine_grained_plan` is the import-time probe."""
+    where = megatron_core_location()
+    return where is not None and all(os.path.isfile(os.path.join(where, *rel)) for rel in (
+        ("pipeline_parallel", "combined_1f1b.py"), ("models", "common", "model_chunk_schedule_plan.py")))
 
 
 def megatron_core_version() -> tuple[int, int, int] | None:
@@ -710,6 +729,55 @@ def reset_moe_metrics() -> None:
     else:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def mtp_inner_layer(layer: Any) -> Any:
+    """The transformer layer inside a multi-token prediction layer: ``transformer_layer`` (core
+    0.16), ``mtp_model_layer`` (core 0.19)."""
+    inner = getattr(layer, "transformer_layer", None)
+    return inner if inner is not None else layer.mtp_model_layer
+
+
+def fine_grained_plan() -> Callable | None:
+    """Megatron-Core's combined forward-backward step over its fine-grained schedule plan
+    (``combined_1f1b.combined_forward_backward_step``: ``GPTModel.build_schedule_plan`` and
+    ``TransformerModelChunkSchedulePlan.run``, what ``--overlap-moe-expert-parallel-comm`` runs),
+    or None where this megatron-core lacks it. Its streams are set up first: the communication
+    stream (core 0.16 also keeps the compute stream; core 0.19 reads the current one)."""
+    try:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.pipeline_parallel import combined_1f1b, utils as pp_utils
+    except ImportError:
+        return None
+    step = getattr(combined_1f1b, "combined_forward_backward_step", None)
+    if step is None or not hasattr(GPTModel, "build_schedule_plan") or not hasattr(pp_utils, "set_streams"):
+        return None
+    pp_utils.set_streams()   # (idempotent; the arguments differ between releases, the defaults do not)
+    return step
+
+
+def plan_loss_stage(is_last_stage: bool, cp_group_size: int):
+    """A context in which Megatron-Core's ``forward_step_calc_loss`` -- which the combined step
+    calls without saying which stage it runs, so that the function asks the parallel state (the
+    last pipeline rank's last virtual stage) -- is told: the loss of the V placement is on rank
+    0's last chunk. Both releases take ``cp_group_size`` and ``is_last_stage``."""
+    import contextlib
+    from megatron.core.pipeline_parallel import schedules
+
+    orig = schedules.forward_step_calc_loss
+
+    def calc(model, output_tensor, loss_func, config, vp_stage, *args, **kwargs):
+        kwargs.update(cp_group_size=cp_group_size, is_last_stage=is_last_stage)
+        return orig(model, output_tensor, loss_func, config, None, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def scoped():
+        schedules.forward_step_calc_loss = calc
+        try:
+            yield
+        finally:
+            schedules.forward_step_calc_loss = orig
+    return scoped()
 
 
 class LinearCallError(RuntimeError):

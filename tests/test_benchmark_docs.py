@@ -69,3 +69,11 @@ def test_update_rewrites_only_the_generated_tables():
     assert "| 7 | 7 |" in new and "| 1 | 2 |" not in new
     _, missing = doccheck.update(md, gen.replace("## A", "## C"))
     assert missing == ["## C / | x | y |"]
+
+
+def test_moe_doc_shows_the_benchmark_table():
+    """docs/moe.md's when-it-pays table has the rows ``python benchmarks/moe.py --simulated`` prints."""
+    rows = [r for t in doccheck.tables(generated("moe")) for r in t.rows]
+    shown = [r for t in doccheck.tables((ROOT / "docs" / "moe.md").read_text(encoding="utf-8")) for r in t.rows]
+    missing = [r for r in rows if r not in shown]
+    assert rows and not missing, missing

@@ -205,11 +205,12 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
     (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2"], {}, "has 3 entries"),
     (["--pipeline-schedule", "zbv", "--pipeline-layers-per-stage", "2,2,2,1"], {}, "sums to 7"),
     (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 2}, "--global-batch-size 2"),
-    (["--pipeline-schedule", "1f1b"], {"mtp_num_layers": 1}, "--mtp-num-layers"),
     (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]},
      "cannot run inside a full-iteration CUDA graph (--cuda-graph-scope full_iteration)"),
     (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "full_iteration"},   # megatron-core 0.19's spelling
      "cannot run inside a full-iteration CUDA graph (--cuda-graph-impl full_iteration)"),
+    (["--pipeline-schedule", "1f1b", "--bpipe"], {"mtp_num_layers": 1, "pipeline_model_parallel_size": 4},
+     "--mtp-num-layers with bpipe: not supported together yet"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
      "--bpipe does not support --pipeline-schedule zbv"),
     (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "2"], {"freeze_all_layers": True},
@@ -219,6 +220,51 @@ def test_megatron_combination_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
         plan_for(opts(*argv), **kw)
     assert needle in str(e.value)
+
+
+def _pairs(*argv: str, **kw):
+    """Megatron-LM's --overlap-moe-expert-parallel-comm (its own flag: set on the namespace as its
+    parser would) with our schedule flags, on a 4-expert model at ep=2 x dp=2, pp=2."""
+    ns = build_parser().parse_args(list(argv))
+    ns.overlap_moe_expert_parallel_comm = True
+    base = dict(overlap_moe_expert_parallel_comm=True, num_experts=4, expert_model_parallel_size=2,
+                data_parallel_size=2, global_batch_size=8)
+    return plan_for(resolve(ns), **{**base, **kw})
+
+
+def test_megatron_lm_overlap_flag_pairs_our_schedule():
+    _, plan = _pairs("--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3")
+    assert plan.overlap and plan.options.a2a_time == 0.3
+    assert any("overlapped pairs" in n for n in plan.notes)
+    from megatron_pp_ext.megatron_lm.step import _overlap
+    assert _overlap(plan) == {"overlap_moe": True, "a2a_time": 0.3}
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv"), mtp_num_layers=1)   # MTP with our schedules
+    assert not plan.overlap
+
+
+@pytest.mark.parametrize("argv, kw, needle", [
+    (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3"], {"num_experts": None},
+     "--overlap-moe-expert-parallel-comm hides the expert all-to-all of a mixture-of-experts model"),
+    (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3"], {"expert_model_parallel_size": 1},
+     "needs --expert-model-parallel-size >= 2"),
+    (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3"], {"num_experts": 2},
+     "one expert per expert-parallel rank"),
+    (["--pipeline-schedule", "dualpipev"], {}, "give the all-to-all time the pairs hide with --pipeline-a2a-time"),
+    (["--pipeline-schedule", "1f1b", "--pipeline-a2a-time", "0.1"], {"global_batch_size": 16},
+     "schedule '1f1b' cannot pair"),
+    (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3", "--pipeline-profile-iters", "2"], {},
+     "--pipeline-profile-iters with --overlap-moe-expert-parallel-comm"),
+])
+def test_megatron_lm_overlap_errors(argv, kw, needle):
+    with pytest.raises(MegatronLMFlagError) as e:
+        _pairs(*argv, **kw)
+    assert needle in str(e.value)
+
+
+def test_pipeline_a2a_time_needs_the_overlap_flag():
+    assert "it needs --overlap-moe-expert-parallel-comm" in error_of("--pipeline-schedule", "zbv",
+                                                                     "--pipeline-a2a-time", "0.3")
+    assert "--pipeline-a2a-time nan" in error_of("--pipeline-schedule", "zbv", "--pipeline-a2a-time", "nan")
 
 
 def test_loop_schedules_keep_megatron_layers():

@@ -250,12 +250,14 @@ def world4(sched4, layout4) -> dict:
 
 @pytest.fixture(scope="module")
 def world1(work, ckpt4) -> dict:
-    """Plain Megatron-LM at pp=1 (the references), and the V checkpoint resumed at pp=1."""
+    """Plain Megatron-LM at pp=1 (the references, the tiny-moe preset's too), and the V checkpoint
+    resumed at pp=1."""
     return multirun(work, "world1", 1, [
         ("pp1", UNTIE),
         ("pp1-tied", []),
         ("pp1-llama", LLAMA),
         ("pp1-load", UNTIE + ["--load", str(work / "ckpt_zbv")]),
+        ("moe-pp1", _tiny_moe() + ["--pipeline-model-parallel-size", "1"]),   # (tests of the MoE rows)
     ])
 
 
@@ -668,17 +670,6 @@ def moe2(work) -> dict:
     ])
 
 
-@pytest.fixture(scope="module")
-def moe_ref(work) -> dict:
-    """Plain Megatron-LM at pp=1 on the tiny-moe preset (one rank), and ep=2 at pp=2 (dp=2, the experts
-    split): zb-h1 and Megatron-Core's 1F1B, without layout-independent initialisation (only a loop
-    placement starts from the same experts then)."""
-    one = multirun(work, "moe1", 1, [("moe-pp1", _tiny_moe() + ["--pipeline-model-parallel-size", "1"])])
-    common_ep2 = [a for a in COMMON if a != "--layout-independent-init"]
-    four = multirun(work, "moe4", 4, [("moe-mcore-ep2", _tiny_moe(ep=2)),
-                                      ("moe-zb-h1-ep2", _tiny_moe(ep=2) + ["--pipeline-schedule", "zb-h1"])],
-                    common=common_ep2)
-    return {**one, **four}
 
 
 def _moe_equal(got: dict, ref: dict) -> None:
@@ -690,16 +681,19 @@ def _moe_equal(got: dict, ref: dict) -> None:
                                                                                            ref["grad_norm"])
 
 
-def test_moe_launch_script_matches_megatron(moe2, moe_ref):
+def test_moe_launch_script_matches_megatron(moe2, world1, pairs4):
     """MoE through Megatron-LM's training loop with our schedules: the launch scripts' tiny-moe preset
-    (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall dispatcher). ep=1: zbv
+    (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall dispatcher) at ep=1: zbv
     (V placement; the experts' weight gradients in W) against Megatron-Core's own 1F1B at pp=2 and
-    against plain Megatron-LM at pp=1, with layout-independent initialisation; ep=2 (dp=2, the
-    experts split): zb-h1 against Megatron-Core's 1F1B at the same layout. Losses bit for bit."""
+    against plain Megatron-LM at pp=1, with layout-independent initialisation; ep=2 (dp=2, the experts
+    split, experts initialised by their global index): zb-h1 against Megatron-Core's 1F1B at the same
+    layout (the V placement at ep=2: test_pairs_through_megatron_lm_loop_*). Losses bit for bit."""
     _moe_equal(moe2["moe-zbv"], moe2["moe-mcore"])
-    _moe_equal(moe2["moe-zbv"], moe_ref["moe-pp1"])
-    _moe_equal(moe_ref["moe-zb-h1-ep2"], moe_ref["moe-mcore-ep2"])
-    assert losses(moe_ref["moe-zb-h1-ep2"]) != losses(moe2["moe-zbv"])   # ep=2 really changed the run
+    _moe_equal(moe2["moe-zbv"], world1["moe-pp1"])
+    got, own = pairs4["zb-h1-moe"], pairs4["mcore-moe"]
+    assert losses(got) == losses(own), (losses(got), losses(own))
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"]))
+    assert losses(got) != losses(moe2["moe-zbv"])   # ep=2 really changed the run
 
 
 def test_moe_expert_bias_through_megatron_lm_loop(moe2):
@@ -713,3 +707,51 @@ def test_moe_expert_bias_through_megatron_lm_loop(moe2):
     _moe_equal(moe2["moe-zbv-bias"], moe2["moe-mcore-bias"])
     _moe_equal(moe2["moe-v-half-bias"], moe2["moe-mcore-bias"])
     assert losses(moe2["moe-zbv-bias"]) != losses(moe2["moe-zbv"]), "the expert-bias flags did not change the run"
+
+
+# --- overlapped pairs and multi-token prediction -------------------------------------------------
+
+#: LLaMA shapes with 4 experts (top-2, the all-to-all dispatcher, the aux loss) split over the 2
+#: data-parallel ranks of each stage (ep=2), bf16 (Megatron-Core's rule for the pairs), pp=2
+PAIR_MOE = LLAMA + ["--pipeline-model-parallel-size", "2", "--bf16", "--num-experts", "4", "--moe-router-topk", "2",
+                    "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type",
+                    "alltoall", "--expert-model-parallel-size", "2"]
+PAIRS = ["--overlap-moe-expert-parallel-comm", "--pipeline-a2a-time", "0.3"]
+MTP = ["--mtp-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def pairs4(work) -> dict:
+    """dualpipev and zbv with their overlapped pairs (Megatron-LM's --overlap-moe-expert-parallel-comm)
+    through Megatron-LM's loop, zbv also with multi-token prediction; Megatron-Core's own 1F1B
+    (unpaired) on the same model as the reference."""
+    return multirun(work, "pairs4", 4, [
+        ("mcore-moe", PAIR_MOE),
+        ("zb-h1-moe", PAIR_MOE + ["--pipeline-schedule", "zb-h1"]),   # (test_moe_launch_script_matches_megatron)
+        ("dualpipev-pairs", PAIR_MOE + ["--pipeline-schedule", "dualpipev"] + PAIRS),
+        ("zbv-pairs", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS),
+        ("zbv-pairs-mtp", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS + MTP),
+    ])
+
+
+@pytest.mark.parametrize("run", ["dualpipev-pairs", "zbv-pairs"])
+def test_pairs_through_megatron_lm_loop_match_megatron(pairs4, run):
+    """dualpipev's pairs (F&BW) and zbv's (F&B, their W later), V placement, run through Megatron-Core's
+    fine-grained plan inside Megatron-LM's loop, with layout-independent initial weights (experts by
+    global index): every training and validation loss equals Megatron-Core's own 1F1B at pp=2
+    (unpaired) on the same model bit for bit, the gradient norms within 1e-6 (a sum of squares per
+    rank, added in another order, as for the dense schedules)."""
+    got, own = pairs4[run], pairs4["mcore-moe"]
+    assert losses(got) == losses(own), (run, losses(got), losses(own))
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"])), run
+    assert len(losses(got)[0]) == 4
+
+
+def test_pairs_with_mtp_through_megatron_lm_loop(pairs4):
+    """zbv's pairs with one MTP layer (built on rank 0's last chunk, where the V placement's last stage
+    is) through Megatron-LM's loop: the MTP layer and loss join the run -- the first iteration's token
+    loss is the run without MTP's, bit for bit (the same model and forward), the later ones differ (its
+    gradients trained the shared layers); its numerics against pp=1 and against unpaired are
+    tests/runtime/test_runtime_overlap.py's."""
+    got, plain = losses(pairs4["zbv-pairs-mtp"]), losses(pairs4["zbv-pairs"])
+    assert len(got[0]) == 4 and got[0][0] == plain[0][0] and got[0][1:] != plain[0][1:], (got, plain)

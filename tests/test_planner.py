@@ -318,6 +318,7 @@ def test_emitted_vocab_plans_parse_with_the_megatron_flags_they_sit_beside():
 #: fields); test_emitted_moe_flags_pass_megatron_lm_validation re-checks them whenever Megatron-LM
 #: is importable.
 MEGATRON_LM_FLAGS = frozenset("""
+--overlap-moe-expert-parallel-comm
 --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length --max-position-embeddings
 --make-vocab-size-divisible-by --group-query-attention --num-query-groups --swiglu --normalization
 --position-embedding-type --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout
@@ -539,10 +540,42 @@ def _emitted_moe_plans() -> list:
             # the shared expert's linears, 1.5 GB per MoE layer and microbatch -- is held from B to W, docs/planner.md)
             *(("deepseek-v3-like", 1024, 4096, dict(pp=(16,), tp=(8,), schedules=(s,), recompute=("full",),
                                                      mbs=(1,), ep=(64,), etp=(1,), max_vp=2))
-              for s in ("1f1b", "interleaved-1f1b", "v-half"))):
+              for s in ("1f1b", "interleaved-1f1b", "v-half")),
+            # overlapped pairs (the all-to-all hidden): Megatron-LM's own flag plus our costs for the pairing
+            ("mixtral-8x7b", 64, 256, dict(pp=(4,), schedules=("dualpipev",), recompute=("none",), mbs=(1,),
+                                           ep=(8,), etp=(1,), overlap=True))):
         res = _moe_plan(name, gpus, batch, top=2, **kw)
         out += [(res.request, e) for e in res.plans]
     return out
+
+
+def _paired_plans(net_gbps: float) -> tuple:
+    """(best plan with overlapped pairs allowed, best plan without) of Mixtral-8x7B on 16 nodes of 4
+    GPUs at pp=4 x ep=8 (each expert-parallel group over two nodes' network), dualpipev and
+    interleaved 1F1B."""
+    kw = dict(pp=(4,), tp=(1,), schedules=("dualpipev", "interleaved-1f1b"), recompute=("none",), mbs=(1,),
+              ep=(8,), etp=(1,), max_vp=2, features=(), top=1)
+    cl = make_cluster("h100", 64, gpus_per_node=4, net_gbps=net_gbps)
+    with_pairs = plan(PlanRequest(get_model("mixtral-8x7b"), cl, 256, overlap=True, **kw)).best
+    without = plan(PlanRequest(get_model("mixtral-8x7b"), cl, 256, **kw)).best
+    return with_pairs, without
+
+
+def test_planner_derives_the_all_to_all_and_picks_paired_schedules_when_they_pay():
+    """--overlap-moe-expert-parallel-comm in mppx plan: the all-to-all time per stage comes from the model
+    (tokens x top-k x hidden over the expert-parallel group, the share that leaves a node on the network)
+    and grows as the network slows; paired schedules compete with unpaired ones and win where the hidden
+    all-to-all pays, and their flags carry the costs the run pairs its schedule with."""
+    fast, fast_plain = _paired_plans(50.0)
+    slow, slow_plain = _paired_plans(6.25)
+    share = lambda e: sum(e.costs.a2a) / sum(e.costs.t_f)   # noqa: E731 - the all-to-all's share of F
+    assert share(slow) > 2 * share(fast) > 0
+    assert slow.candidate.overlap and slow.iteration_time < slow_plain.iteration_time
+    assert not slow_plain.candidate.overlap and fast.iteration_time <= fast_plain.iteration_time
+    from megatron_pp_ext.planner.emit import pair_cost_flags
+    emitted = pair_cost_flags(slow)
+    assert emitted[0] == "--pipeline-costs" and emitted[2] == "--pipeline-a2a-time"
+    assert float(emitted[3]) == pytest.approx(share(slow), rel=1e-3)
 
 
 def test_emitted_moe_flags_use_megatron_lm_names_and_our_flags():

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..clibase import CLIError, format_table, int_at_least  # noqa: F401 - the CLI's own names
+from ..clibase import CLIError, add_overlap_arguments, format_table, int_at_least  # noqa: F401 - the CLI's own names
 from ..schedule import ScheduleError
 
 PROG = "mppx"
@@ -234,6 +234,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, microbatches: int =
     parser.add_argument("--memory-budget", default=None, metavar="X",
                         help="activation memory per rank, in units (e.g. 3) or as a fraction of 1F1B's "
                              "peak (e.g. 0.5x or 50%%); for schedules that take a budget (v-budget)")
+    add_overlap_arguments(parser)
 
 
 def add_comm_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -296,9 +297,11 @@ def build_from_args(args: argparse.Namespace, name: str | None = None, *, chunks
         memory_budget = args.memory_budget
     if with_comm is None:
         with_comm = bool(getattr(args, "with_comm", False)) or comm_model_of(args) != "eager"
+    overlap = {"overlap": bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+               "a2a_time": getattr(args, "a2a_time", None)}
     try:
         return build_schedule(name, args.pp, args.microbatches, chunks=chunks, costs=costs,
-                              memory_budget=memory_budget, with_comm=with_comm)
+                              memory_budget=memory_budget, with_comm=with_comm, **overlap)
     except ScheduleError as e:
         if chunks > 1 and info.chunks is None and not _chunks_message(e):
             try:  # does it work with one chunk? then --chunks is what is wrong

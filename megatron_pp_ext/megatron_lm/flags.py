@@ -34,6 +34,7 @@ run at these sizes is refused before the model is built.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--allow-padding-num-layers", action="store_true", default=False,
         help="(reference alias) allow --num-layers that does not divide into the stages: the extra layers go "
              "to the middle stages (the first and last also hold the embedding and the loss)")
+    add("--pipeline-a2a-time", type=float, default=None, metavar="T",
+        help="with --overlap-moe-expert-parallel-comm: the expert all-to-all time of one microbatch's forward on a "
+             "rank (part of F, and the same within B), in --pipeline-costs units: what the pairing decides with")
     add("--layout-independent-init", action="store_true", default=False,
         help="initial weights as a function of --seed and each parameter's global name, so that any "
              "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
@@ -176,6 +180,7 @@ class PipelineOptions:
     allow_padding: bool = False
     layout_independent_init: bool = False
     features: tuple[tuple[str, Any], ...] = ()  # (name, config) of the feature plug-ins the flags turn on
+    a2a_time: float | None = None        # --pipeline-a2a-time (overlapped pairs)
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -350,7 +355,13 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
         features = features_from_args(args)
     except ValueError as e:  # the features' flag errors are ValueErrors naming the flag
         raise MegatronLMFlagError(str(e)) from None
-    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs,
+    a2a = get("pipeline_a2a_time")
+    if a2a is not None and not (math.isfinite(a2a) and a2a >= 0):
+        raise MegatronLMFlagError(f"--pipeline-a2a-time {a2a}: must be a finite number >= 0, e.g. 0.3")
+    if a2a is not None and not get("overlap_moe_expert_parallel_comm", False):
+        raise MegatronLMFlagError("--pipeline-a2a-time is the all-to-all time overlapped pairs hide: it needs "
+                                  "--overlap-moe-expert-parallel-comm")
+    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs, a2a_time=a2a,
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
@@ -408,6 +419,8 @@ class MegatronPlan:
     microbatches: int
     v: bool = False
     notes: list[str] = field(default_factory=list)
+    #: overlapped pairs (--overlap-moe-expert-parallel-comm with one of our schedules)
+    overlap: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -528,16 +541,16 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if getattr(args, "variable_seq_lengths", False):
             raise MegatronLMFlagError(f"{opts.flag}: variable sequence lengths (--variable-seq-lengths) are not "
                                       "supported by megatron_pp_ext's runtime yet; drop the flag")
-        if getattr(args, "overlap_moe_expert_parallel_comm", False):
-            raise MegatronLMFlagError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
-                                      "(Megatron's combined 1F1B schedule); drop one of them")
+        overlap_error = _check_overlap(args, opts)
+        if overlap_error:
+            raise MegatronLMFlagError(overlap_error)
         graph = _full_iteration_graph(args)
         if graph is not None:
             raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph ({graph}); drop "
                                       "one of them")
-        if getattr(args, "mtp_num_layers", None):
-            raise MegatronLMFlagError(f"{opts.flag}: multi-token prediction (--mtp-num-layers) is not supported "
-                                      "by megatron_pp_ext's runtime yet; drop --mtp-num-layers")
+        if getattr(args, "mtp_num_layers", None) and opts.features:
+            raise MegatronLMFlagError(f"--mtp-num-layers with {', '.join(n for n, _ in opts.features)}: not supported "
+                                      "together yet; drop one of them")
     placement = tuple(v_placement(pp)) if v else tuple(loop_placement(pp, chunks))
     if pp == 1:
         placement = (0,)
@@ -548,7 +561,7 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         try:
             budget = opts.memory_budget
             build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
-                           with_comm=True, options=_schedule_options(opts))
+                           with_comm=True, options=_schedule_options(opts), **overlap_of(args, opts))
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
             msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
@@ -584,8 +597,53 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if train_iters is not None and end >= int(train_iters):
             notes.append(f"the profiling window (iterations {opts.profile_start}..{end - 1}) does not end before "
                          f"--train-iters {train_iters}: the schedule is never re-generated")
+    overlap = bool(overlap_of(args, opts))
+    if overlap:
+        notes.append(f"{OVERLAP}: forwards and backwards of other microbatches run as overlapped pairs where that "
+                     "pays, through Megatron-Core's fine-grained schedule plan (--pipeline-a2a-time "
+                     f"{opts.a2a_time:g})")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
-                        layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes)
+                        layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes, overlap=overlap)
+
+
+OVERLAP = "--overlap-moe-expert-parallel-comm"
+
+
+def overlap_of(args: argparse.Namespace, opts: PipelineOptions) -> dict:
+    """``build_schedule``'s ``overlap`` / ``a2a_time`` for Megatron-LM's flags (empty without pairs)."""
+    if opts.schedule is None or not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return {}
+    return {"overlap": True, "a2a_time": opts.a2a_time}
+
+
+def _check_overlap(args: argparse.Namespace, opts: PipelineOptions) -> str | None:
+    """Megatron-LM's ``--overlap-moe-expert-parallel-comm`` with one of our schedules: its pairs run
+    through Megatron-Core's fine-grained plan (runtime/overlap.py); what cannot, one line."""
+    get = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    if not get("overlap_moe_expert_parallel_comm", False):
+        return None
+    if not get("num_experts"):
+        return f"{OVERLAP} hides the expert all-to-all of a mixture-of-experts model: add --num-experts (or drop it)"
+    ep = int(get("expert_model_parallel_size", 1) or 1)
+    if ep < 2:
+        return f"{OVERLAP} needs --expert-model-parallel-size >= 2 (no all-to-all to hide at 1)"
+    if int(get("num_experts")) == ep:
+        return (f"{OVERLAP} with one expert per expert-parallel rank (--num-experts = --expert-model-parallel-size "
+                f"{ep}): Megatron-Core's plan frees the tokens the single local expert keeps for its backward; use at "
+                f"least two experts per rank")
+    if opts.a2a_time is None:
+        return (f"{OVERLAP} with {opts.flag}: give the all-to-all time the pairs hide with --pipeline-a2a-time T "
+                "(per microbatch and rank, in --pipeline-costs units; e.g. 0.3)")
+    if opts.features:
+        return f"{OVERLAP} with {', '.join(n for n, _ in opts.features)}: not supported together yet; drop one of them"
+    if opts.profile_iters:
+        return (f"--pipeline-profile-iters with {OVERLAP}: the measured F and B cannot tell the hidden all-to-all "
+                "apart; drop --pipeline-profile-iters")
+    from .. import compat
+    if not compat.has_fine_grained_plan():
+        return (f"{OVERLAP} with {opts.flag} runs through Megatron-Core's fine-grained schedule plan, which this "
+                "megatron-core lacks; install megatron-core 0.16.1 or later")
+    return None
 
 
 def _full_iteration_graph(args: argparse.Namespace) -> str | None:

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _reset() -> None:
     """Megatron-LM's global state (arguments, timers, parallel state, microbatch calculator,
-    rerun state machine) and ours, so the next run starts fresh in the same processes."""
+    rerun state machine, the MoE metrics) and ours, so the next run starts fresh in the same processes."""
     import torch
 
     from megatron.training.training import destroy_global_state
@@ -123,6 +123,8 @@ def _reset() -> None:
     from . import integration
     torch.distributed.barrier()
     destroy_global_state()
+    from .. import compat
+    compat.reset_moe_metrics()   # (sized by the last model's layers: MTP adds some)
     st = integration._STATE
     if st is not None:
         st.plan = None

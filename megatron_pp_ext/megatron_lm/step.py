@@ -17,6 +17,11 @@ from .placement import check_model_placed
 from . import state as _st
 
 
+def _overlap(plan: MegatronPlan) -> dict:
+    """The executor's overlapped pairs (--overlap-moe-expert-parallel-comm, --pipeline-a2a-time)."""
+    return {"overlap_moe": True, "a2a_time": plan.options.a2a_time} if plan.overlap else {}
+
+
 class ForwardBackward:
     """What ``get_forward_backward_func()`` returns under our flags: a
     :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` for the run's schedule, plus
@@ -41,7 +46,8 @@ class ForwardBackward:
             self.executor = ScheduleExecutor(factory)
         else:
             self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks, costs=costs,
-                                             memory_budget=o.memory_budget, options=_schedule_options(o))
+                                             memory_budget=o.memory_budget, options=_schedule_options(o),
+                                             **_overlap(plan))
         if not own:
             self.executor.allow_tied_v = True
         self._call: Callable | None = None

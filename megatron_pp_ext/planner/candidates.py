@@ -39,6 +39,9 @@ class PlanRequest:
     #: softmax kernel, apex's fused weight-gradient accumulation); "cpu" -- ``mppx train`` on CPU
     #: processes (torch's softmax, weight gradients delivered through autograd), to check a plan there
     runtime: str = "gpu"
+    #: also try overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm) on MoE models at
+    #: expert parallel size >= 2: the paired schedules compete with the unpaired ones, the faster wins
+    overlap: bool = False
     top: int = 10
     time_limit: float = 120.0                         # CPU seconds of search before it stops
 
@@ -117,6 +120,7 @@ class Candidate:
     features: tuple[tuple[str, str], ...] = ()
     ep: int = 1                   # expert parallel size (MoE)
     etp: int | None = None        # expert tensor-parallel size (None: tp, Megatron's default)
+    overlap: bool = False         # overlapped forward-backward pairs hide the expert all-to-all
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -148,7 +152,7 @@ class Candidate:
         s = self.schedule + (f"(v={self.vp})" if self.vp > 1 and self.schedule_placement() == "loop" else "")
         if self.budget is not None:
             s += f"@{self.budget:g}" if isinstance(self.budget, (int, float)) else f"@{self.budget}"
-        return s
+        return s + ("+pairs" if self.overlap else "")
 
     def features_label(self) -> str:
         return ",".join(f"{n}={o}" if o not in ("on", "") else n for n, o in self.features) or "-"
@@ -158,7 +162,7 @@ class Candidate:
                 "expert_data_parallel": self.edp, "schedule": self.schedule,
                 "memory_budget_units": self.budget, "micro_batch_size": self.mbs, "microbatches": self.m,
                 "recompute": self.recompute, "distributed_optimizer": self.distributed_optimizer,
-                "sequence_parallel": self.tp > 1, "features": dict(self.features)}
+                "sequence_parallel": self.tp > 1, "features": dict(self.features), "overlap": self.overlap}
 
 
 @dataclass
@@ -179,6 +183,8 @@ class StageCosts:
     #: per stage: the share of an F's activation only its W frees (planner/stagemem.py: what the B/W
     #: split keeps, inputs and output gradients); None: all of it (the schedule core's default)
     w_share: list[float] | None = None
+    #: per stage: seconds of expert all-to-all in one microbatch's F (the same within B); () = none
+    a2a: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         by_rank: dict[int, list[int]] = {}
@@ -189,7 +195,7 @@ class StageCosts:
     def copy(self) -> "StageCosts":
         return StageCosts(self.placement, self.parts, list(self.t_f), list(self.t_b), list(self.t_w),
                           self.comm, list(self.act), self.unit_bytes, list(self.transient), dict(self.detail),
-                          None if self.w_share is None else list(self.w_share))
+                          None if self.w_share is None else list(self.w_share), list(self.a2a))
 
     def stages_of(self, rank: int) -> list[int]:
         return self._by_rank.get(rank, [])
@@ -202,6 +208,15 @@ class StageCosts:
     def rank_units(self, rank: int) -> float:
         """Activation units one microbatch leaves on ``rank`` (all its chunks)."""
         return sum(self.act[s] for s in self._by_rank.get(rank, ()))
+
+    def without_a2a(self) -> "StageCosts":
+        """These costs with the all-to-all taken out of F and B (what an overlapped pair can hide at
+        best: a lower bound of a paired schedule's makespan)."""
+        c = self.copy()
+        if self.a2a:
+            c.t_f = [f - a for f, a in zip(self.t_f, self.a2a)]
+            c.t_b = [b - a for b, a in zip(self.t_b, self.a2a)]
+        return c
 
     def lower_bound(self, m: int) -> float:
         """No schedule can beat this makespan: a rank's work for m microbatches plus the

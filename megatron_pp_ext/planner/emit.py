@@ -121,8 +121,12 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f += ["--recompute-granularity", "selective"]
     elif c.recompute == "full":
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if c.overlap:   # Megatron-LM's own flag; with our schedules the pairs are chosen from these costs
+        f.append("--overlap-moe-expert-parallel-comm")
     if needs_plugin(est, req):
         f += ["--pipeline-schedule", c.schedule]
+        if c.overlap:
+            f += pair_cost_flags(est)
     if uneven and c.schedule_placement() != "loop":  # the V placement refuses Megatron's layout flags
         f += ["--pipeline-layers-per-stage", ",".join(str(n) for n in split_layers(req.model.num_layers, c.stages))]
     if isinstance(c.budget, (int, float)):
@@ -130,6 +134,22 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     for name, opt in c.features:
         f += get_feature(name).flags(opt)
     return f
+
+
+def pair_cost_flags(est: Estimate) -> list[str]:
+    """``--pipeline-costs F,B,W,COMM`` and ``--pipeline-a2a-time T`` of a paired plan: the predicted
+    per-rank times (mean over ranks) relative to F, so that the run pairs its schedule as the plan
+    did (schedule/passes/pairing.py decides from them)."""
+    c = est.costs
+    ranks = sorted(set(c.placement))
+
+    def per_rank(values) -> float:
+        return sum(sum(values[s] for s in c.stages_of(r)) for r in ranks) / len(ranks)
+
+    f = per_rank(c.t_f)
+    rel = [per_rank(c.t_b) / f, per_rank(c.t_w) / f, c.comm / f]
+    return ["--pipeline-costs", ",".join(f"{x:.4g}" for x in [1.0] + rel),
+            "--pipeline-a2a-time", f"{per_rank(c.a2a) / f:.4g}"]
 
 
 def megatron_flags(est: Estimate, req: PlanRequest) -> list[str]:

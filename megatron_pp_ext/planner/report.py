@@ -84,7 +84,8 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
         a2a = best.costs.detail.get("alltoall", [0.0])
         out.append(f"  experts: {m.num_experts // c.ep} of {m.num_experts} per rank (ep={c.ep}, etp={c.etp}), expert "
                    f"data parallel {c.edp}; all-to-all {max(a2a) * 1e3:.1f} ms per microbatch (F+B, busiest rank, "
-                   "inside the pipeline time)")
+                   + ("hidden behind the other half's compute in the overlapped pairs, "
+                      "--overlap-moe-expert-parallel-comm)" if c.overlap else "inside the pipeline time)"))
     out.append(f"  memory on rank {best.peak_rank} (of {c.pp}): params {fmt_bytes(st.params)}, grads "
                f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}, activations "
                f"{fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"

@@ -222,7 +222,18 @@ class Planner:
                                              "selective recomputation drops nothing with flash attention")
                                 continue
                             for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven):
-                                yield replace(cand, ep=ep, etp=etp)
+                                cand = replace(cand, ep=ep, etp=etp)
+                                yield cand
+                                if self._pairs(cand):
+                                    yield replace(cand, overlap=True)
+
+    def _pairs(self, cand: Candidate) -> bool:
+        """Whether ``cand`` also runs as overlapped pairs (``--overlap``): an MoE model at ep >= 2
+        with its all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no
+        full recomputation, and several model chunks per rank at pp > 1 (interleaved or V)."""
+        req = self.req
+        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.precision == "bf16"
+                and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
 
     def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False):
         L = self.req.model.num_layers
@@ -313,6 +324,7 @@ class Planner:
             a2a = 2 * lt[True].detail["alltoall_f"]
             sc.detail["alltoall"] = [sum(parts[s].moe_layers(model) for s in range(S) if placement[s] == r) * a2a
                                      for r in range(cand.pp)]
+            sc.a2a = [parts[s].moe_layers(model) * lt[True].detail["alltoall_f"] for s in range(S)]
         self._costs[key] = sc
         return sc
 
@@ -352,6 +364,8 @@ class Planner:
         """``base`` and its memory-only feature variants that should be tried."""
         req = self.req
         out = [base]
+        if base.candidate.overlap:   # (overlapped pairs run without the features)
+            return out
         need = set(req.require_features)
         for fname in self.features:
             f = get_feature(fname)
@@ -397,7 +411,7 @@ class Planner:
 
     def _group(self, cand: Candidate) -> tuple:
         """Candidates whose schedules hold the same number of microbatches per rank."""
-        return (cand.schedule, cand.pp, cand.vp, cand.budget, min(cand.m, 2 * cand.pp))
+        return (cand.schedule, cand.pp, cand.vp, cand.budget, min(cand.m, 2 * cand.pp), cand.overlap)
 
     def _clearly_oom(self, cand: Candidate, costs: StageCosts, feats, pipe: PipeResult) -> Estimate | None:
         """The least-overflowing variant when every variant is > 5 % over memory with these
@@ -419,9 +433,13 @@ class Planner:
         return units if units > 0 else None
 
     def _sim_variants(self, base: Candidate):
-        """(candidate with cost-changing features, their stage costs) pairs."""
+        """(candidate with cost-changing features, their stage costs) pairs (none with overlapped
+        pairs: the runtime does not combine them with the features yet)."""
         req = self.req
         costs = self.stage_costs(base)
+        if base.overlap:
+            yield base, costs, ()
+            return
         axes = []
         for fname in self.features:
             f = get_feature(fname)
@@ -503,7 +521,7 @@ class Planner:
                     fitting = [v.iteration_time - fixed for v in self._variants(est) if self._keep(v) and v.fits]
                     if fitting:  # the cheapest way to fit adds at least this (offload/BPipe transfers)
                         extra = min(fitting)
-                lb = costs.lower_bound(cand.m) + fixed + extra
+                lb = (costs.without_a2a() if cand.overlap else costs).lower_bound(cand.m) + fixed + extra
                 heapq.heappush(heap, (lb, next(seq), cand, costs, feats))
         self.stats["points"] = n_points
         plans: list[Estimate] = []
@@ -534,7 +552,7 @@ class Planner:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
                                            costs.comm, costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
-                                           w_share=costs.w_share)
+                                           w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None)
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue
@@ -586,7 +604,7 @@ class Planner:
 
 def _signature(c: Candidate) -> tuple:
     return (c.tp, c.pp, c.dp, c.ep, c.etp, c.vp, c.schedule, c.budget, c.mbs, c.recompute,
-            tuple(n for n, _ in c.features))
+            tuple(n for n, _ in c.features), c.overlap)
 
 
 def _dedupe(plans: list[Estimate]) -> list[Estimate]:

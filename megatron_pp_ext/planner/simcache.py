@@ -220,14 +220,41 @@ class SimCache:
             raise ScheduleError(out)
         return out
 
+    def _evaluate_paired(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+        """The order paired where that pays, simulated (memoised like :meth:`_evaluate`)."""
+        got = self._results.get(key)
+        if got is not None:
+            self.stats["hits"] += 1
+            if isinstance(got, str):
+                raise ScheduleError(got)
+            return got
+        from ..schedule.passes.pairing import pair_overlapped
+        t0 = time.process_time()
+        try:
+            res = simulate(pair_overlapped(sched, cost), cost)
+            out: dict | str = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+        except ScheduleError as e:
+            out = " ".join(str(e).split())[:300]
+        finally:
+            self.stats["evaluations"] += 1
+            self.stats["eval_seconds"] += time.process_time() - t0
+        self._results[key] = out
+        self._dirty["results"] = True
+        if isinstance(out, str):
+            raise ScheduleError(out)
+        return out
+
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
-                 budget: float | None = None, w_share: Sequence[float] | None = None) -> PipeResult:
+                 budget: float | None = None, w_share: Sequence[float] | None = None,
+                 a2a: Sequence[float] | None = None) -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
         per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
         frees; the orders are built with all of it, the generators' conservative default, and
-        evaluated with it on a 1/64 grid). Raises ScheduleError when the schedule cannot be built
-        for them (the generator's message)."""
+        evaluated with it on a 1/64 grid). ``a2a``: per stage, the all-to-all seconds within F (and
+        B) that overlapped pairs hide: the order is then paired where that pays
+        (schedule/passes/pairing.py) and simulated. Raises ScheduleError when the schedule cannot be
+        built (or paired) for them (the generator's or the pairing pass's message)."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -252,9 +279,18 @@ class SimCache:
             fkey = fkey + (_compact(qw_share),)
         qbudget = None if budget is None else round(budget, 2)
         head = (name, pp, chunks, qbudget)
+        paired = None
+        if a2a is not None and any(a2a):
+            # the all-to-all on the fine grid, at most what F and B hold (the pairing pass's rule)
+            qa2a = tuple(_q(min(a, f, b), ref, _FINE) for a, f, b in zip(a2a, t_f, t_b))
+            fine = fine.with_(a2a=tuple(min(_dq(k, _FINE), f, b) for k, f, b in zip(qa2a, fine.t_f, fine.t_b)))
+            fkey = fkey + ("pairs", _compact(qa2a))
+            paired = fine
 
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
+            if paired is not None:
+                return self._evaluate_paired(sched, paired, repr(head + ckey + fkey + (mm,)))
             return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
 
         if m <= max(2 * pp, 8):

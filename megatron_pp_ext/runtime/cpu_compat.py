@@ -26,7 +26,10 @@ the CPU, as scoped and reversible patches:
   ``torch.cuda.Stream()`` are synchronous stand-ins whose waits are no-ops and whose recorded
   events are complete, ``torch.cuda.stream(s)`` switches nothing (megatron-core 0.19's
   ``start_grad_sync`` asks for the current stream unconditionally; the MoE all-to-all token
-  dispatcher copies its split sizes to the host on a side stream);
+  dispatcher copies its split sizes to the host on a side stream); ``torch.cuda.Event()`` is a
+  complete event, ``t.record_stream(s)`` of a CPU tensor and the NVTX ranges do nothing: with them
+  Megatron-Core's fine-grained schedule plan (the compute and communication streams of
+  ``--overlap-moe-expert-parallel-comm``) runs its nodes in its own order on this thread;
 * the "CUDA" RNG (``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``) is the CPU default
   generator, so forking the model-parallel RNG tracker really changes the RNG that CPU
@@ -128,6 +131,9 @@ class CpuStream:
 class CpuEvent:
     """Stands in for a ``torch.cuda.Event`` recorded on a :class:`CpuStream`: already complete."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -136,6 +142,19 @@ class CpuEvent:
 
     def wait(self, stream: Any = None) -> None:
         pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    """``t.record_stream(s)``: nothing to record for a CPU tensor (synchronous streams)."""
+    if self.device.type == "cpu":
+        return None
+    return _RECORD_STREAM(self, stream)
 
 
 def _cpu_stream_context(stream: Any = None):
@@ -240,6 +259,13 @@ class CpuCompat:
         # copies of the split sizes and synchronises on an event recorded there
         self._patch(cuda, "Stream", CpuStream)
         self._patch(cuda, "stream", _cpu_stream_context)
+        # Megatron-Core's fine-grained schedule plan (--overlap-moe-expert-parallel-comm) orders its
+        # compute and communication streams with an event and marks tensors used on both; on a CPU
+        # the two streams are this one thread, in the plan's own order
+        self._patch(cuda, "Event", CpuEvent)
+        self._patch(torch.Tensor, "record_stream", _record_stream)
+        self._patch(cuda.nvtx, "range_push", lambda *a, **k: None)
+        self._patch(cuda.nvtx, "range_pop", lambda *a, **k: None)
         self._patch(cuda, "get_rng_state", _cpu_get_rng_state)
         self._patch(cuda, "set_rng_state", _cpu_set_rng_state)
         self._patch(cuda, "manual_seed", _cpu_manual_seed)

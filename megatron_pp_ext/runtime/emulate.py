@@ -7,12 +7,18 @@ machine cannot compute side by side, but they can all *wait* side by side. With 
 through the executor's bookkeeping (its op list, the tensors in flight, the comm batches, the
 hooks, the data-parallel sync points), and:
 
+* **overlapped pairs** (``F&B``, ``F&BW``): the executor's bookkeeping of both halves, the
+  pair's time (both halves' compute or both all-to-alls, whichever is longer) waited once;
 * **F, B, BW**: Megatron-Core's ``forward_step`` / ``backward_step`` are replaced, for the
   duration of the call, by stand-ins that wait the op's time (``op_kind(kind).duration(cost,
   op)`` times ``unit_s``, as :func:`~megatron_pp_ext.schedule.simulate` charges it) and return a
   tensor of the real shape and dtype (the activation message, the input gradient; the last stage
   a stand-in loss that nobody reports). **W** waits its time after the executor's W bookkeeping.
   The waits are ``time.sleep`` to a deadline: no CPU is used while an op "computes".
+* **the expert all-to-all** (with an :class:`AllToAllEmulation`, when the cost model has an
+  all-to-all share, ``CostModel.a2a``): that share of F and B is a real ``all_to_all_single`` over
+  the expert-parallel group of a message sized to take that time, the rest waited; an overlapped
+  pair runs its two halves' all-to-alls on a second thread while it waits for their compute;
 * **point-to-point messages** are the executor's own: real tensors of the real shapes over the
   real process group. With a latency in the cost model (``--costs F,B,W,COMM``) a message's data
   counts as arrived ``COMM`` after both its send and its receive were posted (the simulator's
@@ -51,8 +57,10 @@ import torch.distributed as dist
 
 from ..schedule import CostModel, Op, Schedule
 from ..schedule.ir import COMM_PAIRS, comm_channel, op_kind
+from ..schedule.pairs import PAIR_KINDS
 
-__all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "realtime_priority", "BUILTIN_KINDS"]
+__all__ = ["ComputeEmulation", "EmulatedCall", "emulate_megatron", "realtime_priority", "BUILTIN_KINDS",
+           "AllToAllEmulation"]
 
 BUILTIN_KINDS = frozenset({"F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 _P2P = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
@@ -191,7 +199,7 @@ class ComputeEmulation:
 
     def __init__(self, unit_s: float, cost: CostModel | Sequence[float] | str | None = None, *,
                  barrier: bool = True, record: bool = True, overlay: Schedule | None = None,
-                 realtime: bool | None = None):
+                 realtime: bool | None = None, a2a: "AllToAllEmulation | None" = None):
         if not (unit_s > 0):
             raise ValueError(f"unit_s must be > 0, got {unit_s}")
         self.unit_s = float(unit_s)
@@ -200,6 +208,8 @@ class ComputeEmulation:
         self.record = record
         self.overlay = overlay
         self.realtime = (os.environ.get("MPPX_EMULATE_REALTIME", "1") != "0") if realtime is None else realtime
+        #: real all-to-alls for the cost model's all-to-all share of F and B (CostModel.a2a; None: waited)
+        self.a2a = a2a
         self.calls: list[EmulatedCall] = []
         self.last: EmulatedCall | None = None
         self._active = False
@@ -301,6 +311,8 @@ class ComputeEmulation:
         rt_ctx = realtime_priority(self.realtime)
         try:
             rt = rt_ctx.__enter__()
+            if self.a2a is not None and self.cost is not None and self.cost.a2a:
+                self.a2a.prepare(max(self.cost.a2a) * self.unit_s, device)   # (once: sized to that time)
             if self.barrier and pp_group is not None and pp_group.size() > 1:
                 dist.barrier(group=pp_group)
             msched.forward_step, msched.backward_step = self._forward_step, self._backward_step
@@ -336,17 +348,43 @@ class ComputeEmulation:
         """The wait of the op being run (Megatron-Core's own function: by the stage it runs)."""
         op = self.current
         if op is not None:
+            if op.kind in PAIR_KINDS:   # an overlapped pair: its first half waits for both
+                return 0.0 if self.waited else self.duration(op)
             return self.duration(op)
         if self.mcore_stage is not None:
             return self.mcore_stage(which, vp_stage)
         raise RuntimeError("emulated compute outside an op")
+
+    def _a2a_split(self, which: str, vp_stage=None) -> tuple[float, int, bool]:
+        """(seconds to wait, real all-to-alls to run, on a second thread) of the op being run: with
+        an all-to-all emulation the cost model's all-to-all share of F and B is real
+        (:class:`AllToAllEmulation`), the rest waited; a pair runs its two halves' all-to-alls on a
+        second thread while it waits for both halves' compute (the pair's time, max of the two)."""
+        op = self.current
+        a2a = self.a2a
+        if op is None or a2a is None or not a2a.ready or self.cost is None or not self.cost.a2a:
+            return self._compute_time(which, vp_stage), 0, False
+        c, u = self.cost, self.unit_s
+        if op.kind in PAIR_KINDS:
+            if self.waited:
+                return 0.0, 0, False
+            from ..schedule.pairs import halves
+            f, b = halves(op)
+            af, ab = c.a2a_time(f.stage), c.a2a_time(b.stage)
+            compute = c.t_f[f.stage] - af + c.t_b[b.stage] - ab + (c.t_w[b.stage] if b.kind == "BW" else 0.0)
+            return compute * u, (af > 0) + (ab > 0), True
+        a = c.a2a_time(op.stage)
+        full = self._compute_time(which, vp_stage)
+        return (max(0.0, full - a * u), 1, False) if a > 0 else (full, 0, False)
 
     # -- Megatron-Core's forward_step / backward_step, emulated --------------------------------
     def _forward_step(self, forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                       forward_data_store, config, cp_group_size=None, collect_non_loss_data=False,
                       checkpoint_activations_microbatch=None, is_first_microbatch=False,
                       current_microbatch=None, vp_stage=None, is_last_stage=True, *args, **kwargs):
-        deadline = _perf() + self._compute_time("F", vp_stage)
+        wait, calls, aside = self._a2a_split("F", vp_stage)
+        deadline = _perf() + wait
+        thread = self.a2a.start(calls) if aside and calls else None
         self.waited = True
         if self.current is None:
             self.compute_ops += 1
@@ -357,10 +395,20 @@ class ComputeEmulation:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         num_tokens = torch.zeros((), dtype=torch.int, device=self.device)
         self._sleeper.until(deadline)   # (making the outputs is part of the op's time, as computing them is)
+        self._finish_a2a(thread, calls, aside)
         return (out if unwrap else [out]), num_tokens
 
+    def _finish_a2a(self, thread, calls: int, aside: bool) -> None:
+        if thread is not None:
+            thread.join()
+            self.a2a.check()
+        elif calls and not aside:
+            self.a2a.run(calls)
+
     def _backward_step(self, input_tensor, output_tensor, output_tensor_grad, *args, **kwargs):
-        deadline = _perf() + self._compute_time("BW")
+        wait, calls, aside = self._a2a_split("BW")
+        deadline = _perf() + wait
+        thread = self.a2a.start(calls) if aside and calls else None
         self.waited = True
         if self.current is None:
             self.compute_ops += 1
@@ -368,6 +416,7 @@ class ComputeEmulation:
         ins = [input_tensor] if unwrap else input_tensor
         grads = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in ins]
         self._sleeper.until(deadline)
+        self._finish_a2a(thread, calls, aside)
         return grads[0] if unwrap else grads
 
     # -- the executor's op loop ---------------------------------------------------------------
@@ -401,7 +450,7 @@ class ComputeEmulation:
     def end(self, op: Op) -> None:
         """After ``op``'s bookkeeping: wait its time if no stand-in did (W, an identity stage)."""
         kind = op.kind
-        if kind in BUILTIN_KINDS:
+        if kind in BUILTIN_KINDS or kind in PAIR_KINDS:
             if not self.waited:
                 self._sleeper.until(_perf() + self.duration(op))
             self.compute_ops += 1
@@ -527,6 +576,91 @@ class ComputeEmulation:
         # what is still running on another stream ends the call
         if self.stream_free:
             _sleep_until(max(self.stream_free.values()))
+
+
+class AllToAllEmulation:
+    """Real all-to-alls over the expert-parallel group for the all-to-all share of the emulated F
+    and B (``CostModel.a2a``): one ``all_to_all_single`` per half of an op, of a message sized once,
+    collectively, so that one takes the cost model's all-to-all time (:meth:`prepare`: a few
+    timed rounds, the slowest rank's median; ``measured_s`` is what it reached). An overlapped pair
+    runs its two on a second thread while it waits for its compute (:meth:`start`), as Megatron-Core's
+    plan runs them on its communication stream."""
+
+    ROUNDS = 8
+    TOLERANCE = 0.03
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.measured_s: float | None = None
+        self.target_s: float | None = None
+        self.ready = False
+        self._bufs = None
+        self._error: BaseException | None = None
+        #: the time of every all-to-all run since :meth:`take_run_median` (the pairs' thread appends too)
+        self.run_s: list[float] = []
+
+    def prepare(self, target_s: float, device) -> None:
+        if self.ready or target_s <= 0:
+            return
+        import statistics
+        if self.group is None:
+            from megatron.core import parallel_state
+            self.group = parallel_state.get_expert_model_parallel_group()
+        g = self.group
+        n = g.size()
+        if n < 2:
+            return   # (no expert-parallel group: the all-to-all share is waited like the rest)
+        size = max(n, int(target_s * 2e8) // n * n)   # float32 elements, a first guess of ~0.8 GB/s
+        med = 0.0
+        for _ in range(self.ROUNDS):
+            bufs = (torch.zeros(size, device=device), torch.zeros(size, device=device))
+            times = []
+            for _ in range(5):
+                dist.barrier(group=g)
+                t0 = _perf()
+                dist.all_to_all_single(bufs[1], bufs[0], group=g)
+                times.append(_perf() - t0)
+            got = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=g)
+            med = float(got)
+            self._bufs = bufs
+            if abs(med - target_s) <= self.TOLERANCE * target_s:
+                break
+            scale = min(4.0, max(0.25, target_s / med)) if med > 0 else 4.0
+            size = max(n, int(size * scale) // n * n)
+        self.measured_s, self.target_s, self.ready = med, target_s, True
+
+    def run(self, calls: int = 1) -> None:
+        out, inp = self._bufs[1], self._bufs[0]
+        for _ in range(calls):
+            t0 = _perf()
+            dist.all_to_all_single(out, inp, group=self.group)
+            self.run_s.append(_perf() - t0)
+
+    def take_run_median(self) -> float | None:
+        """The median time of the all-to-alls run since the last call (None: none ran): in a run,
+        one waits for its peers' arrival and for cores the calibration had to itself."""
+        import statistics
+        times, self.run_s = self.run_s, []
+        return statistics.median(times) if times else None
+
+    def start(self, calls: int):
+        import threading
+
+        def go():
+            try:
+                self.run(calls)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the op's thread (check)
+                self._error = e
+
+        t = threading.Thread(target=go, name="mppx-emulated-a2a", daemon=True)
+        t.start()
+        return t
+
+    def check(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
 
 
 def emulate_megatron(forward_backward: Callable, emulation: ComputeEmulation) -> Callable:

@@ -66,6 +66,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, insert_comm, validate
+from ..schedule.ir import op_parts
+from ..schedule.pairs import PAIR_KINDS
 from ..schedule.validate import validate_comm_model
 from .iteration import COMM_KINDS as _COMM, COMPUTE_KINDS as _COMPUTE, Iteration, OpTiming, Shapes
 from . import nccl_rules
@@ -156,6 +158,10 @@ class ScheduleExecutor:
         op_handlers: ``{kind: handler(executor, op, context)}`` for extra op kinds.
         check_ranks_agree: all-gather a digest of the schedule over the pipeline group the
             first time a schedule is used, and refuse to run if the ranks disagree.
+        overlap_moe: run forwards and backwards as overlapped pairs where that pays
+            (``--overlap-moe-expert-parallel-comm``; :mod:`.overlap`: through Megatron-Core's
+            fine-grained schedule plan); ``a2a_time``: the expert all-to-all time of one
+            microbatch's forward on a rank, in the units of ``costs`` (what a pair hides).
         emulate: a :class:`~megatron_pp_ext.runtime.emulate.ComputeEmulation`: every compute op
             (F, B, W, BW, feature ops) waits its cost-model time instead of computing; the
             bookkeeping and the messages are real (None: compute).
@@ -175,7 +181,8 @@ class ScheduleExecutor:
                  op_hook: Callable[[Op, str], None] | None = None,
                  op_handlers: dict[str, Callable] | None = None, check_ranks_agree: bool = True,
                  emulate=None, defer_receives: bool = True, p2p: str | None = None,
-                 emulate_nccl: bool | None = None, nccl_timeout: float | None = None):
+                 emulate_nccl: bool | None = None, nccl_timeout: float | None = None,
+                 overlap_moe: bool = False, a2a_time: float | None = None):
         if not (isinstance(schedule, (str, Schedule)) or callable(schedule)):
             raise TypeError("schedule must be a name, a Schedule or a factory (pp, num_microbatches) -> Schedule")
         self.schedule = schedule
@@ -183,6 +190,8 @@ class ScheduleExecutor:
         self.costs = costs
         self.memory_budget = memory_budget
         self.options = dict(options or {})
+        self.overlap_moe = bool(overlap_moe)
+        self.a2a_time = a2a_time
         self.split_backward = split_backward
         self.batch_p2p = batch_p2p
         self.record_timings = record_timings
@@ -232,7 +241,8 @@ class ScheduleExecutor:
     def _compute_schedule(self, pp: int, m: int) -> tuple[Schedule, CostModel, float | None]:
         if isinstance(self.schedule, str):
             sched, cost = build_schedule(self.schedule, pp, m, chunks=self.chunks, costs=self.costs,
-                                         memory_budget=self.memory_budget, with_comm=True, options=self.options)
+                                         memory_budget=self.memory_budget, with_comm=True, options=self.options,
+                                         overlap=self.overlap_moe, a2a_time=self.a2a_time)
             return sched, cost, sched.meta.get("memory_budget")
         sched = self.schedule if isinstance(self.schedule, Schedule) else self.schedule(pp, m)
         cost = None
@@ -257,7 +267,7 @@ class ScheduleExecutor:
         costs = self.costs if isinstance(self.costs, CostModel) else tuple(float(c) for c in self.costs)
         try:
             key = (self.schedule, pp, m, forward_only, self.chunks, costs, self.memory_budget,
-                   tuple(sorted(self.options.items())))
+                   tuple(sorted(self.options.items())), self.overlap_moe, self.a2a_time)
             hash(key)
         except TypeError:
             return None
@@ -290,7 +300,7 @@ class ScheduleExecutor:
             sched = train
         else:
             compute = train.without(["comm"])
-            fwd = [[op for op in ops if op.kind == "F"] for ops in compute.ops]
+            fwd = [[part for op in ops for part in op_parts(op) if part.kind == "F"] for ops in compute.ops]
             sched = Schedule(train.name, train.num_microbatches, train.placement, fwd,
                              dict(train.meta, forward_only=True))
             sched.meta.pop("comm_inserted", None)
@@ -307,17 +317,20 @@ class ScheduleExecutor:
         for r, ops in enumerate(sched.ops):
             last_f: dict[int, int] = {}
             for op in ops:
-                if (op.kind not in _COMPUTE and op.kind not in _COMM and op.kind not in self.op_handlers
+                if (op.kind not in _COMPUTE and op.kind not in _COMM and op.kind not in PAIR_KINDS
+                        and op.kind not in self.op_handlers
                         and not (self.emulate is not None and self.emulate.handles(op.kind))):
                     problems.append(f"rank {r}: op kind {op.kind!r} has no handler in the executor "
                                     "(pass op_handlers={kind: handler})")
-                if op.kind == "F":
+                for f in op_parts(op) if op.kind in PAIR_KINDS else (op,):
+                    if f.kind != "F":
+                        continue
                     # data iterators are consumed in F order: it must be microbatch order per stage
-                    if op.microbatch <= last_f.get(op.stage, -1):
-                        problems.append(f"rank {r}: F ops of stage {op.stage} are not in microbatch order "
-                                        f"({op} after microbatch {last_f[op.stage]}); data iterators "
+                    if f.microbatch <= last_f.get(f.stage, -1):
+                        problems.append(f"rank {r}: F ops of stage {f.stage} are not in microbatch order "
+                                        f"({op} after microbatch {last_f[f.stage]}); data iterators "
                                         "would hand out the wrong microbatches")
-                    last_f[op.stage] = op.microbatch
+                    last_f[f.stage] = f.microbatch
         if problems:
             more = f"\n  ... and {len(problems) - 6} more" if len(problems) > 6 else ""
             raise ScheduleMismatchError(f"schedule {sched.name!r} cannot be executed:\n  "
@@ -574,12 +587,13 @@ def sync_points(ops: Sequence[Op], chunk_of: dict, grad_kinds: frozenset = GRAD_
     feature_last = -1
     first_f: dict[int, int] = {}
     for i, op in enumerate(ops):
-        if op.kind in GRAD_OP_KINDS:
-            last[chunk_of[op.stage]] = i
-        elif op.kind in grad_kinds:
-            feature_last = i
-        if op.kind == "F":
-            first_f.setdefault(chunk_of[op.stage], i)
+        for part in op_parts(op) if op.kind in PAIR_KINDS else (op,):   # (an overlapped pair: its halves)
+            if part.kind in GRAD_OP_KINDS:
+                last[chunk_of[part.stage]] = i
+            elif part.kind in grad_kinds:
+                feature_last = i
+            if part.kind == "F":
+                first_f.setdefault(chunk_of[part.stage], i)
     grad_after: dict[int, list] = {}
     for c in sorted(set(last) | (set(chunk_of.values()) if feature_last >= 0 else set())):
         grad_after.setdefault(max(last.get(c, -1), feature_last), []).append(c)

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..schedule import Op, Schedule
+from ..schedule.ir import op_parts
+from ..schedule.pairs import PAIR_KINDS
 from . import nccl_rules
 from .p2p import P2P, Transfer, message_key
 
@@ -92,8 +94,9 @@ class Iteration:
         self.chunk_of = {s: c for c, s in enumerate(self.stages)}
         self.first_mb: dict[int, int] = {}
         for op in self.ops:
-            if op.kind == "F":
-                self.first_mb.setdefault(op.stage, op.microbatch)
+            for part in op_parts(op):
+                if part.kind == "F":
+                    self.first_mb.setdefault(part.stage, part.microbatch)
         # Megatron's partial activation checkpointing counts microbatches in flight: the warm-up forwards
         self.partial_ckpt = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
         self.max_outstanding = None
@@ -125,6 +128,13 @@ class Iteration:
         #: op kind -> handler(op); features' kinds are looked up in ``executor.op_handlers``
         self.handlers: dict[str, Callable[[Op], None]] = {
             "F": self.forward, "B": self.backward_input, "BW": self.backward_full, "W": self.weight}
+        #: overlapped pairs (runtime/overlap.py): with pairs in a training call every F and backward
+        #: goes through Megatron-Core's fine-grained schedule plan, the pairs together
+        self.plan = None
+        if self.train and any(op.kind in PAIR_KINDS for op in self.ops):
+            from .overlap import PlanSteps
+            self.plan = PlanSteps(self)
+            self.handlers.update(self.plan.handlers())
 
     # -- timing ------------------------------------------------------------------------------------
     def _init_clock(self, record: bool, sync_timings: bool) -> None:
@@ -158,12 +168,21 @@ class Iteration:
             self.ex.op_hook(op, phase)
 
     # -- compute ops -------------------------------------------------------------------------------
+    def forward_input(self, op: Op):
+        """The input of F ``op`` (None on the first stage), taken from the tensors in flight."""
+        inp = self.st.inputs.pop((op.stage, op.microbatch), None)
+        if op.stage > 0 and inp is None:
+            raise RuntimeError(f"rank {self.rank}: {op} has no input (missing receive or hand-over)")
+        return inp
+
+    def is_first_microbatch(self, op: Op) -> bool:
+        return self.msched.check_first_val_step(self.first_val_step, self.forward_only,
+                                                op.microbatch == self.first_mb[op.stage])
+
     def forward(self, op: Op) -> None:
         st, s, mb = self.st, op.stage, op.microbatch
         c = self.chunk_of[s]
-        inp = st.inputs.pop((s, mb), None)
-        if s > 0 and inp is None:
-            raise RuntimeError(f"rank {self.rank}: {op} has no input (missing receive or hand-over)")
+        inp = self.forward_input(op)
         ckpt = None
         if self.max_outstanding is not None:
             ckpt = (mb % self.max_outstanding) >= self.partial_ckpt
@@ -171,10 +190,14 @@ class Iteration:
         out, num_tokens = msched.forward_step(
             self.forward_step_func, self.iters[c], self.models[c], self.num_microbatches, inp,
             self.forward_data_store, config, self.cp_size, self.collect_non_loss_data,
-            checkpoint_activations_microbatch=ckpt,
-            is_first_microbatch=msched.check_first_val_step(self.first_val_step, self.forward_only,
-                                                            mb == self.first_mb[s]),
+            checkpoint_activations_microbatch=ckpt, is_first_microbatch=self.is_first_microbatch(op),
             current_microbatch=mb, vp_stage=c if len(self.stages) > 1 else None, is_last_stage=(s == self.last))
+        self.forward_done(op, inp, out, num_tokens)
+
+    def forward_done(self, op: Op, inp, out, num_tokens) -> None:
+        """Hand F ``op``'s output on (to the next stage on this rank, or to its SEND_F) and keep what
+        its backward needs."""
+        st, s, mb = self.st, op.stage, op.microbatch
         self.total_num_tokens += num_tokens  # (a 0-dim CPU tensor acts as a scalar, as in Megatron)
         if s != self.last:
             alias = out.detach()
@@ -191,7 +214,7 @@ class Iteration:
             st.saved_inputs[(s, mb)] = inp
             st.outputs[(s, mb)] = out
             if s != self.last:
-                msched.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+                self.msched.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
 
     def backward_input(self, op: Op) -> None:
         """B: the input gradient; with the B/W split, the weight gradients queued for W(s, m)."""
@@ -200,22 +223,36 @@ class Iteration:
     def backward_full(self, op: Op) -> None:
         self._backward(op, collect=False)
 
+    def output_grad(self, op: Op):
+        """The gradient of the output of backward ``op``'s stage (None on the last stage)."""
+        if op.stage == self.last:
+            return None
+        grad = self.st.out_grads.pop((op.stage, op.microbatch), None)
+        if grad is None:
+            raise RuntimeError(f"rank {self.rank}: {op} has no output gradient (missing receive or hand-over)")
+        return grad
+
+    def weight_grads(self, op: Op, collect: bool):
+        """Where the weight gradients of backward ``op`` go: queued for its W (``collect``, the B/W
+        split), or computed at once."""
+        return self.store.collect((op.stage, op.microbatch)) if collect else contextlib.nullcontext()
+
     def _backward(self, op: Op, collect: bool) -> None:
         st, s, mb = self.st, op.stage, op.microbatch
-        grad = None
-        if s != self.last:
-            grad = st.out_grads.pop((s, mb), None)
-            if grad is None:
-                raise RuntimeError(f"rank {self.rank}: {op} has no output gradient (missing receive or hand-over)")
+        grad = self.output_grad(op)
         if (s, mb) in st.identity:
             st.identity.discard((s, mb))
             in_grad = grad
         else:
             inp = st.saved_inputs.pop((s, mb))
             out = st.outputs.pop((s, mb))
-            ctx = self.store.collect((s, mb)) if collect else contextlib.nullcontext()
-            with ctx:
+            with self.weight_grads(op, collect):
                 in_grad = self.backward_step(inp, out, grad, self.model_type, self.config)
+        self.backward_done(op, in_grad)
+
+    def backward_done(self, op: Op, in_grad) -> None:
+        """Hand backward ``op``'s input gradient on (to the stage before on this rank, or to its SEND_B)."""
+        st, s, mb = self.st, op.stage, op.microbatch
         if s > 0:
             if self.placement[s - 1] == self.rank:
                 st.out_grads[(s - 1, mb)] = in_grad
@@ -290,15 +327,16 @@ class Iteration:
         self._deliver(rop, buf)
 
     def _await_input(self, op: Op) -> None:
-        """The message ``op`` reads, if it is still in flight."""
-        if op.kind == "F" and op.stage > 0:
-            key = ("act", op.stage - 1, op.microbatch)
-        elif op.kind in ("B", "BW"):
-            key = ("grad", op.stage + 1, op.microbatch)
-        else:
-            return
-        if key in self.in_flight:
-            self.take_recv(key)
+        """The messages ``op`` reads (both halves' of an overlapped pair), if still in flight."""
+        for part in op_parts(op) if op.kind in PAIR_KINDS else (op,):
+            if part.kind == "F" and part.stage > 0:
+                key = ("act", part.stage - 1, part.microbatch)
+            elif part.kind in ("B", "BW"):
+                key = ("grad", part.stage + 1, part.microbatch)
+            else:
+                continue
+            if key in self.in_flight:
+                self.take_recv(key)
 
     # -- data-parallel hooks -----------------------------------------------------------------------
     def start_param_syncs(self) -> None:
@@ -394,7 +432,7 @@ class Iteration:
         self._hook(op, "before")
         nccl_rules.compute(str(op))   # (under one emulated hardware queue: after every op issued before)
         ts = self.now()
-        if emu is not None and op.kind not in COMPUTE_KINDS:
+        if emu is not None and op.kind not in COMPUTE_KINDS and op.kind not in PAIR_KINDS:
             emu.feature_op(op)  # (its cost-model time, on its stream; the handler is not run)
         else:
             self.handlers.get(op.kind, self.feature)(op)

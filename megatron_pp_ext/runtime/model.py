@@ -81,12 +81,19 @@ class ModelSpec:
     moe_router_enable_expert_bias: bool = False
     #: softmax over all experts before the top-k (Megatron-Core requires it for top-1 softmax routing)
     moe_router_pre_softmax: bool = False
+    #: multi-token prediction (Megatron-LM's --mtp-num-layers): that many MTP layers, each the last
+    #: decoder layer's kind, on the last stage (Megatron-Core's placement; with V, rank 0's last chunk),
+    #: their loss scaled by ``mtp_loss_scaling_factor`` (--mtp-loss-scaling-factor)
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.variant not in ("gpt", "llama"):
             raise ValueError(f"model variant {self.variant!r}: use 'gpt' or 'llama'")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"transformer_impl {self.transformer_impl!r}: use 'local' or 'transformer_engine'")
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"mtp_num_layers {self.mtp_num_layers}: must be >= 1 (or None: no multi-token prediction)")
         if self.num_experts is None:
             return
         if self.num_experts < 1:
@@ -156,11 +163,13 @@ def _layout_base():
     return PipelineParallelLayerLayout
 
 
-def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
+def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int], mtp_layers: int = 0):
     """A Megatron ``PipelineParallelLayerLayout`` for ``placement`` (stage -> rank).
 
     ``layout[pp_rank][vp_stage]`` is the layer list of the stage that rank holds as chunk
     ``vp_stage``; offsets and layer ids follow the *stage* order, so layer numbers are global.
+    ``mtp_layers`` multi-token prediction layers go on the last stage, before the loss (where
+    Megatron-Core puts them: the V placement's last stage is rank 0's last chunk).
     """
     from megatron.core.transformer.enums import LayerType
     from megatron.core import parallel_state
@@ -180,7 +189,7 @@ def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
         if s == 0:
             t = [LayerType.embedding] + t
         if s == S - 1:
-            t = t + [LayerType.loss]
+            t = t + [LayerType.mtp] * int(mtp_layers) + [LayerType.loss]
         return t
 
     offsets = [sum(layers_per_stage[:s]) for s in range(S)]
@@ -199,7 +208,7 @@ def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
             return f"StageLayerLayout(placement={placement}, layers_per_stage={tuple(layers_per_stage)})"
 
         def __reduce__(self):  # picklable (Megatron-LM saves its arguments in checkpoints)
-            return (StageLayerLayout, (placement, tuple(int(n) for n in layers_per_stage)))
+            return (StageLayerLayout, (placement, tuple(int(n) for n in layers_per_stage), int(mtp_layers)))
 
         def _stage(self, vp_stage, pp_rank) -> int:
             if pp_rank is None:
@@ -217,6 +226,8 @@ def StageLayerLayout(placement: Sequence[int], layers_per_stage: Sequence[int]):
             return types(self._stage(vp_stage, pp_rank)).count(layer_type)
 
         def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+            if layer_type == LayerType.mtp:   # (all of them on the last stage)
+                return 0
             s = self._stage(vp_stage, pp_rank)
             if layer_type == LayerType.decoder:
                 return offsets[s]
@@ -270,6 +281,8 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
     else:
         kw.update(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
                   add_bias_linear=True, layernorm_epsilon=1e-5)
+    if spec.mtp_num_layers:
+        kw.update(mtp_num_layers=spec.mtp_num_layers, mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor)
     if spec.is_moe:
         kw.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
                   moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn,
@@ -290,7 +303,8 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
         placement = tuple(placement)
         if max(placement) + 1 != pp:
             raise ValueError(f"placement {placement} is for {max(placement) + 1} ranks, not pp={pp}")
-        kw["pipeline_model_parallel_layout"] = StageLayerLayout(placement, spec.stage_layers(len(placement)))
+        kw["pipeline_model_parallel_layout"] = StageLayerLayout(placement, spec.stage_layers(len(placement)),
+                                                                spec.mtp_num_layers or 0)
         v = len(placement) // pp
         kw["virtual_pipeline_model_parallel_size"] = v if v > 1 else None
     kw.update(spec.config_overrides)
@@ -337,6 +351,17 @@ def _layer_spec(spec: ModelSpec):
     return get_gpt_layer_local_spec(normalization=norm)
 
 
+def _mtp_block_spec(spec: ModelSpec, config, layer_spec, vp_stage):
+    """The multi-token prediction block of the last stage: Megatron-Core's, its layers of the kind of
+    the model's last decoder layer (an MoE model's: by ``moe_layer_freq``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    if spec.is_moe:
+        last = spec.num_layers - 1
+        layer_spec = _block_spec(spec, [last])
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=spec.transformer_impl != "local",
+                                  vp_stage=vp_stage)
+
+
 def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None = None, *,
                        pp_rank: int | None = None, seed: int = 1234, init: bool = True) -> list:
     """This rank's GPTModel chunks (chunk order), weights set by :func:`init_weights`.
@@ -365,6 +390,9 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
         if spec.is_moe:
             first = sum(counts[:s])
             layer_spec = _block_spec(spec, range(first, first + counts[s]))
+        mtp = {}
+        if spec.mtp_num_layers and s == S - 1:
+            mtp["mtp_block_spec"] = _mtp_block_spec(spec, config, layer_spec, c if v > 1 else None)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -375,6 +403,7 @@ def build_model_chunks(spec: ModelSpec, config, placement: Sequence[int] | None 
             share_embeddings_and_output_weights=spec.tie_embeddings,
             position_embedding_type="rope" if spec.variant == "llama" else "learned_absolute",
             vp_stage=c if v > 1 else None,
+            **mtp,
         )
         model.mppx_stage = s  # the global stage this chunk computes
         chunks.append(model)
@@ -401,6 +430,7 @@ def tag_tensor_parallel(chunks) -> None:
 # --- names, deterministic init, tensor-parallel shards -------------------------------------
 
 _LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
+_MTP_RE = re.compile(r"(^|\.)mtp\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -430,6 +460,13 @@ def global_param_name(chunk, local_name: str) -> str:
         if e:  # expert i of this expert-parallel rank -> its global expert index
             name = name[:e.start(1)] + str(layer.mlp.local_expert_indices[int(e.group(1))]) + name[e.end(1):]
         name = name[:m.start(2)] + str(layer.layer_number - 1) + name[m.end(2):]  # (1-based, global)
+    m = _MTP_RE.search(name)
+    if m:   # (multi-token prediction layers: all on one stage; their experts by global index)
+        from ..compat import mtp_inner_layer
+        layer = mtp_inner_layer(core.mtp.layers[int(m.group(2))])
+        e = _EXPERT_RE.search(name, m.end() - 1)
+        if e:
+            name = name[:e.start(1)] + str(layer.mlp.local_expert_indices[int(e.group(1))]) + name[e.end(1):]
     if name.startswith("output_layer.") and core.share_embeddings_and_output_weights and not core.pre_process:
         name = "embedding.word_embeddings." + name[len("output_layer."):]
     return name

@@ -89,6 +89,10 @@ class RunConfig:
     #: on gloo, NCCL's semantics emulated for it (runtime/nccl_emulation.py)
     p2p: str | None = None
     emulate_nccl: bool = False
+    #: overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm, runtime/overlap.py) and
+    #: the expert all-to-all time per microbatch and rank they hide, in the units of ``costs``
+    overlap_moe: bool = False
+    a2a_time: float | None = None
     config_overrides: dict = field(default_factory=dict, hash=False)
     executor_options: dict = field(default_factory=dict, hash=False)
     #: feature hooks (picklable): ``model_hook(chunks, config, cfg) -> extra`` runs on the bare
@@ -150,14 +154,21 @@ def _loss_legacy(loss_mask, output_tensor):
     return loss, {"lm loss": loss.clone().detach()}
 
 
-def forward_step(data_iterator, model, *, loss: str = "per_token"):
-    """Megatron-style forward step: the first stage reads tokens, the last labels and mask."""
+def forward_step(data_iterator, model, *, loss: str = "per_token", return_schedule_plan: bool = False):
+    """Megatron-style forward step: the first stage reads tokens, the last labels and mask. With
+    ``return_schedule_plan`` (overlapped pairs, runtime/overlap.py) it returns Megatron-Core's
+    fine-grained schedule plan of the forward instead of running it, as Megatron-LM's does."""
     core = _core(model)
     batch = next(data_iterator) if (core.pre_process or core.post_process) else None
-    tokens = batch["tokens"] if core.pre_process else None
-    position_ids = batch["position_ids"] if core.pre_process else None
+    mtp = getattr(core, "mtp_process", False)   # (multi-token prediction embeds the next tokens)
+    tokens = batch["tokens"] if core.pre_process or mtp else None
+    position_ids = batch["position_ids"] if core.pre_process or mtp else None
     labels = batch["labels"] if core.post_process else None
-    output = model(tokens, position_ids, None, labels=labels)
+    kw = {"loss_mask": batch["loss_mask"]} if mtp else {}
+    if return_schedule_plan:
+        output = core.build_schedule_plan(tokens, position_ids, None, labels=labels, **kw)
+    else:
+        output = model(tokens, position_ids, None, labels=labels, **kw)
     fn = _loss_legacy if loss == "legacy" else _loss_per_token
     return output, partial(fn, batch["loss_mask"] if core.post_process else None)
 
@@ -378,7 +389,8 @@ def setup_training(cfg: RunConfig) -> Training:
     else:
         from .executor import ScheduleExecutor
         make = ScheduleExecutor if cfg.executor_factory is None else partial(cfg.executor_factory, cfg, extra)
-        comm = {k: v for k, v in (("p2p", cfg.p2p), ("emulate_nccl", cfg.emulate_nccl)) if v}
+        comm = {k: v for k, v in (("p2p", cfg.p2p), ("emulate_nccl", cfg.emulate_nccl),
+                                  ("overlap_moe", cfg.overlap_moe), ("a2a_time", cfg.a2a_time)) if v}
         executor = make(cfg.schedule, chunks=cfg.chunks, memory_budget=cfg.memory_budget, costs=cfg.costs,
                         record_timings=cfg.record_timings, **comm, **cfg.executor_options)
         if cfg.spec.tie_embeddings and v_shape and hasattr(executor, "allow_tied_v"):

@@ -1,4 +1,6 @@
-"""Tied input/output embeddings when one pipeline rank holds the first and the last stage (V).
+"""Tied input/output embeddings when one pipeline rank holds the first and the last stage (V);
+also the word embedding that multi-token prediction keeps on the last stage (Megatron-Core keeps
+it equal to the first stage's in the same way).
 
 Megatron-Core keeps the two copies of a tied word embedding equal across pipeline ranks: the
 last stage's output layer starts from the first stage's embedding, and ``finalize_model_grads``
@@ -31,10 +33,13 @@ def tied_pairs(model: Sequence[Any]) -> list[tuple[torch.nn.Parameter, torch.nn.
     last = next((c for c in cores if getattr(c, "post_process", False)), None)
     if first is None or last is None or first is last:
         return []
-    if not getattr(last, "share_embeddings_and_output_weights", False):
+    if getattr(last, "mtp_process", False):   # multi-token prediction: the last stage's own embedding
+        out = last.embedding.word_embeddings.weight   # (its output layer, when tied, reads this one)
+    elif not getattr(last, "share_embeddings_and_output_weights", False):
         return []
+    else:
+        out = last.output_layer.weight
     emb = first.embedding.word_embeddings.weight
-    out = last.output_layer.weight
     if out is None or emb is out:
         return []
     out.copy_(emb)

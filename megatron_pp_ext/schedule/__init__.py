@@ -2,8 +2,9 @@
 matplotlib lazily)."""
 
 from .costs import CostModel
-from .ir import (BW, B, F, W, Op, OpKind, Schedule, ScheduleError, loop_placement, op_kind,
+from .ir import (BW, B, F, W, Op, OpKind, PairedOp, Schedule, ScheduleError, loop_placement, op_kind,
                  register_op_kind, split_layers, v_placement)
+from . import pairs  # noqa: F401  (registers the overlapped-pair kinds F&B, F&BW)
 from .passes import insert_comm
 from .registry import (ScheduleInfo, ScheduleRequest, build_schedule, parse_memory_budget,
                        register_schedule, schedule_info, schedule_names)
@@ -11,7 +12,7 @@ from .simulate import DeadlockError, SimResult, simulate
 from .validate import ValidationError, register_check, validate
 
 __all__ = [
-    "BW", "B", "F", "W", "Op", "OpKind", "Schedule", "ScheduleError", "loop_placement", "op_kind",
+    "BW", "B", "F", "W", "Op", "OpKind", "PairedOp", "Schedule", "ScheduleError", "loop_placement", "op_kind",
     "register_op_kind", "split_layers", "v_placement", "insert_comm", "ScheduleInfo", "ScheduleRequest",
     "build_schedule", "parse_memory_budget", "register_schedule", "schedule_info", "schedule_names",
     "DeadlockError", "SimResult", "simulate", "ValidationError", "register_check", "validate",

@@ -6,7 +6,9 @@ free). A rank also holds, for a while, memory no op kind owns (:class:`~.costs.C
 
 * **transients**: an F, B, W or BW op holds ``cost.transient(kind, stage)`` from its start to
   its end on top of the level before it (and of its own allocation) -- the unfused attention
-  backward's score-sized gradients, the weight-gradient GEMM's output;
+  backward's score-sized gradients, the weight-gradient GEMM's output; an overlapped pair
+  (:mod:`.pairs`) holds both halves' transients at once, and both microbatches: what its
+  backward frees stays held until its end, beside the forward's activation counted from its start;
 * **message buffers** (schedules with send/recv ops): what the executor holds
   (runtime/iteration.py, runtime/p2p.py):
 
@@ -37,7 +39,8 @@ from bisect import bisect_left
 from typing import Sequence
 
 from .costs import CostModel
-from .ir import Schedule
+from .ir import Schedule, op_parts
+from .pairs import PAIR_KINDS, pair_memory
 
 __all__ = ["extra_events", "release_triggers", "message_of"]
 
@@ -53,15 +56,25 @@ def extra_events(schedule: Schedule, cost: CostModel, starts: Sequence[Sequence[
     p = schedule.num_ranks
     out: list[list[tuple[float, int, float]]] = [[] for _ in range(p)]
     has_tr = any(any(v) for v in (cost.transient_f, cost.transient_b, cost.transient_w))
-    if has_tr:
-        for r, ops in enumerate(schedule.ops):
-            ev, st, en = out[r], starts[r], ends[r]
-            for i, op in enumerate(ops):
-                if op.kind in _COMPUTE:
+    for r, ops in enumerate(schedule.ops):
+        ev, st, en = out[r], starts[r], ends[r]
+        for i, op in enumerate(ops):
+            if op.kind in _COMPUTE:
+                if has_tr:
                     tr = cost.transient(op.kind, op.stage)
                     if tr > 0:
                         ev.append((st[i], 1, tr))
                         ev.append((en[i], 0, -tr))
+            elif op.kind in PAIR_KINDS:
+                # both microbatches at once: the forward's activation from the start, the backward's
+                # freed at the end (the kind's own effect is their difference), both transients
+                full = op.kind == "F&BW"
+                add, freed = pair_memory(cost, op.stage, op.pair[0], full)
+                tr = min(add, freed) + cost.transient("F", op.stage) + cost.transient(
+                    "BW" if full else "B", op.pair[0])
+                if tr > 0:
+                    ev.append((st[i], 1, tr))
+                    ev.append((en[i], 0, -tr))
     if cost.msg and any(cost.msg) and schedule.has_comm():
         _message_events(schedule, cost, starts, ends, out, sends_until_end)
     return out
@@ -96,7 +109,8 @@ def release_triggers(schedule: Schedule) -> list[dict[tuple, list[tuple]]]:
         idx: dict[tuple, int] = {}
         per: dict[int, list[tuple[int, tuple]]] = {}
         for i, op in enumerate(ops):
-            idx.setdefault((op.kind, op.stage, op.microbatch), i)
+            for part in op_parts(op):
+                idx.setdefault((part.kind, part.stage, part.microbatch), i)
             if op.kind in ("SEND_F", "SEND_B") and op.peer is not None:
                 per.setdefault(op.peer, []).append((i, message_of(op.kind, op.stage, op.microbatch)))
         index.append(idx)
@@ -130,7 +144,8 @@ def _message_events(schedule: Schedule, cost: CostModel, starts, ends, out, send
     for r, ops in enumerate(schedule.ops):
         cs = []
         for i, op in enumerate(ops):
-            where[(op.kind, op.stage, op.microbatch)] = (r, i)
+            for part in op_parts(op):
+                where[(part.kind, part.stage, part.microbatch)] = (r, i)
             if op.kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
                 cs.append(starts[r][i])
         comm_starts.append(sorted(cs))
@@ -166,8 +181,8 @@ def _message_events(schedule: Schedule, cost: CostModel, starts, ends, out, send
 
     for r, ops in enumerate(schedule.ops):
         ev, st, en = out[r], starts[r], ends[r]
-        for i, op in enumerate(ops):
-            k, s, m = op.kind, op.stage, op.microbatch
+        for i, part in ((i, part) for i, op in enumerate(ops) for part in op_parts(op)):
+            k, s, m = part.kind, part.stage, part.microbatch
             if k == "RECV_F" and s > 0 and msg[s - 1] > 0:
                 use = at("F", s, m, starts)
                 if use is not None:

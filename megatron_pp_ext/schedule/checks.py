@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from .costs import CostModel
 from .engine import Prepared, prepare
-from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, ScheduleError, op_kind
+from .ir import COMM_PAIRS, PEER_ROUTED, Schedule, ScheduleError, op_kind, op_parts
 
 __all__ = ["ValidationError", "prepare_checked", "problems", "fail",
            "sizes_problems", "structure_problems", "completeness_problems", "comm_problems"]
@@ -62,8 +62,13 @@ def structure_problems(prep: Prepared) -> list[str]:
         s = tp.stage
         w = (tp.rank != tp.r, type(s) is not int or not 0 <= s < S,
              tp.mb is not None and not (type(tp.mb) is int and 0 <= tp.mb < m), False)
-        if not w[1] and op_kind(tp.kind).category == "compute" and placement[s] != tp.r:
+        spec = op_kind(tp.kind)
+        if not w[1] and spec.category == "compute" and placement[s] != tp.r:
             w = w[:3] + (True,)
+        if spec.parts is not None and not any(w):
+            any_bad = True   # (a unit of several ops: each part is checked below, per op)
+            why.append("parts")
+            continue
         if any(w):
             any_bad = True
             why.append(w)
@@ -75,6 +80,9 @@ def structure_problems(prep: Prepared) -> list[str]:
     for r, (rank_ops, tl) in enumerate(zip(schedule.ops, prep._tids)):
         for op, t in zip(rank_ops, tl):
             w = why[t]
+            if w == "parts":
+                out += _part_problems(op, r, S, m, placement)
+                w = None
             if w is not None:
                 if w[0]:
                     out.append(f"op {op} is listed on rank {r} but says rank {op.rank}")
@@ -91,6 +99,24 @@ def structure_problems(prep: Prepared) -> list[str]:
     return out
 
 
+def _part_problems(op, r: int, S: int, m: int, placement) -> list[str]:
+    """Rule 1 for each op of a unit (an overlapped pair's forward and backward)."""
+    out = []
+    try:
+        parts = op_parts(op)
+    except ScheduleError as e:
+        return [f"op {op}: {e}"]
+    for part in parts:
+        if type(part.stage) is not int or not 0 <= part.stage < S:
+            out.append(f"op {op}: stage {part.stage} of its {part.kind} out of range 0..{S - 1}")
+        elif placement[part.stage] != r:
+            out.append(f"op {op} runs on rank {r} but the stage {part.stage} of its {part.kind} is placed on rank "
+                       f"{placement[part.stage]}")
+        if not (type(part.microbatch) is int and 0 <= part.microbatch < m):
+            out.append(f"op {op}: microbatch {part.microbatch} of its {part.kind} out of range 0..{m - 1}")
+    return out
+
+
 _BACKWARD_OK = frozenset({(1, 0, 0), (0, 1, 1)})   # (BW, B, W) per (stage, microbatch)
 
 
@@ -100,18 +126,30 @@ def completeness_problems(prep: Prepared) -> list[str]:
     schedule = prep.schedule
     S, m = schedule.num_stages, schedule.num_microbatches
     groups: dict = {}
+    units: dict = {}    # (kind, stage) -> microbatches that units (overlapped pairs) run
     for tp in prep._tpls:
         if tp.kind in ("F", "B", "W", "BW") and (tp.mb is not None or tp.seen is not None):
             groups.setdefault((tp.kind, tp.stage), []).append(tp)
+    if prep.units:
+        for r, tl in enumerate(prep._tids):
+            for op, t in zip(schedule.ops[r], tl):
+                if op_kind(op.kind).parts is not None:
+                    for part in op_parts(op):
+                        if 0 <= part.microbatch < m:
+                            units.setdefault((part.kind, part.stage), []).append(part.microbatch)
     zeros = bytes(m)
 
     def count(kind: str, s: int):   # ops per microbatch
         got = groups.get((kind, s))
-        if not got:
+        more = units.get((kind, s))
+        if not got and not more:
             return zeros
-        if len(got) == 1 and got[0].mb is None:
+        if not more and len(got) == 1 and got[0].mb is None:
             return got[0].seen
         c = [0] * m
+        for mb in more or ():
+            c[mb] += 1
+        got = got or ()
         for tp in got:
             if tp.mb is not None:
                 c[tp.mb] += 1

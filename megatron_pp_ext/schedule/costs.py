@@ -93,6 +93,10 @@ class CostModel:
     transient_w: tuple[float, ...] = ()
     #: per stage, units: stage s's output message (the activation sent on, the gradient sent back)
     msg: tuple[float, ...] = ()
+    #: per stage: the expert-parallel all-to-all time (dispatch and combine) of one microbatch's
+    #: forward, part of ``t_f``; its backward moves the same bytes, the same time within ``t_b``.
+    #: An overlapped pair hides it behind the other half's compute (:mod:`.pairs`); () = none
+    a2a: tuple[float, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -116,12 +120,17 @@ class CostModel:
             if len(per) != n or not all(0.0 <= w < math.inf for w in per):
                 raise ScheduleError(f"w_fraction_per_stage: expected {n} finite values >= 0, got {per}")
             object.__setattr__(self, "w_fraction_per_stage", per)
-        for name in ("transient_f", "transient_b", "transient_w", "msg"):
+        for name in ("transient_f", "transient_b", "transient_w", "msg", "a2a"):
             vals = getattr(self, name)
             if vals:
                 object.__setattr__(self, name, _checked(vals, name, n))
             else:
                 object.__setattr__(self, name, ())
+        for s, a in enumerate(self.a2a):
+            if a > self.t_f[s] + 1e-12 or a > self.t_b[s] + 1e-12:
+                raise ScheduleError(f"--a2a-time: the all-to-all time of stage {s} ({a:g}) is part of its forward "
+                                    f"({self.t_f[s]:g}) and of its backward ({self.t_b[s]:g}) and cannot exceed "
+                                    "either; give a smaller --a2a-time or larger --costs")
         for name in ("bytes_per_unit", "bytes_per_message"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -146,6 +155,21 @@ class CostModel:
             raise ScheduleError(f"{flag}: {num_microbatches} microbatches take {total:g} time units in all, too "
                                 "large to simulate; give the costs in a larger unit (e.g. seconds instead of "
                                 "nanoseconds)")
+
+    def a2a_time(self, stage: int) -> float:
+        """The all-to-all time within stage ``stage``'s F (and within its B); 0 without one."""
+        return self.a2a[stage] if self.a2a else 0.0
+
+    def with_a2a(self, per_rank: float, chunks_per_rank: int) -> "CostModel":
+        """This model with an all-to-all time of ``per_rank`` per microbatch on a rank (all its
+        chunks; ``--a2a-time``), spread over the chunks as ``--costs`` spreads F and B."""
+        try:
+            value = float(per_rank)
+        except (TypeError, ValueError):
+            raise ScheduleError(f"--a2a-time {per_rank!r}: expected a number, e.g. --a2a-time 0.3") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise ScheduleError(f"--a2a-time {per_rank!r}: must be a finite number >= 0, e.g. --a2a-time 0.3")
+        return replace(self, a2a=(value / chunks_per_rank,) * self.num_stages if value else ())
 
     def w_share(self, stage: int) -> float:
         """Share of stage ``stage``'s activation that only its W frees."""

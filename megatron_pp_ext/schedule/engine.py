@@ -133,7 +133,7 @@ class Prepared:
     Build with :func:`prepare`."""
 
     __slots__ = ("schedule", "cost", "plans", "n_comm", "n_ids", "n_cids", "n_streams", "results",
-                 "_tpls", "_tids", "_shifts", "_dup", "_ids", "_cblocks")
+                 "_tpls", "_tids", "_shifts", "_dup", "_ids", "_cblocks", "units")
 
     def __init__(self, schedule: Schedule, cost: CostModel, plans: list, n_comm: int, n_ids: int, n_cids: int,
                  n_streams: int, tpls: list, tids: list, shifts: list, dup: bool, ids, cblocks: dict) -> None:
@@ -141,6 +141,8 @@ class Prepared:
         self.plans, self.n_comm, self.n_ids, self.n_cids, self.n_streams = plans, n_comm, n_ids, n_cids, n_streams
         self._tpls, self._tids, self._shifts, self._dup, self._ids = tpls, tids, shifts, dup, ids
         self._cblocks = cblocks
+        #: the schedule has ops that run several ops as one unit (overlapped pairs: ``OpKind.parts``)
+        self.units = False
         self.results: dict = {}   # eager (True) / blocking (False) -> the last SimResult (eventloop.simulate)
 
     def key_id(self, key, rank: int) -> int:
@@ -409,4 +411,6 @@ def prepare(schedule: Schedule, cost: CostModel | None) -> Prepared:
                  f[5], f[6] + mb, f[7] + mb if f[7] >= 0 else -1, f[8], f[9], n0 + mb if n0 >= 0 else n0,
                  k0 + mb if k0 >= 0 else k0))
         plans.append(lst)
-    return Prepared(schedule, cost, plans, n_comm, n_ids, n_cids, len(streams), tpls, tids, shifts, dup, ids, cblocks)
+    prep = Prepared(schedule, cost, plans, n_comm, n_ids, n_cids, len(streams), tpls, tids, shifts, dup, ids, cblocks)
+    prep.units = any(info[1].parts is not None for info in kinds.values())
+    return prep

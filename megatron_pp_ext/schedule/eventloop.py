@@ -449,7 +449,7 @@ def _result(prep: Prepared, model: str, starts, ends, busy, messages, comm_wait,
             x = max(en)
             if x > makespan:
                 makespan = x
-    if cost.holds_extra:  # transients and message buffers (buffers.py)
+    if cost.holds_extra or prep.units:  # transients, message buffers and pairs (buffers.py)
         for r, extra in enumerate(extra_events(schedule, cost, starts, ends, sends_until_end=model == "eager")):
             mem_events[r].extend(extra)
     peaks, timelines = [], []

@@ -15,9 +15,10 @@ Torch CSV (``to_torch_csv`` / ``from_torch_csv``, REFERENCE §9)
     indices. Kinds map as F -> ``F``, B -> ``I`` (backward for inputs), W -> ``W``, BW -> ``B``
     (full backward). Communication ops (and any other non-compute op) are dropped: torch's
     runtime lowers a compute-only schedule by inserting its own send/recv. Overlapped pairs
-    recorded in ``meta["overlap_pairs"]`` (DualPipeV, ``[rank, f_stage, f_mb, b_stage, b_mb]``)
-    are written as torch's ``(7F3;0B1)OVERLAP_F_B`` cells, and read back as a consecutive F and
-    backward plus the pair in ``meta``. On import, empty cells (idle slots) are skipped, and so
+    -- the IR's ``F&B`` / ``F&BW`` ops (pairs.py) and those recorded in ``meta["overlap_pairs"]``
+    (DualPipeV, ``[rank, f_stage, f_mb, b_stage, b_mb]``) -- are written as torch's
+    ``(7F3;0B1)OVERLAP_F_B`` cells, and read back as a consecutive F and backward plus the pair
+    in ``meta`` (which the pairing pass, --overlap-moe-expert-parallel-comm, can pair again). On import, empty cells (idle slots) are skipped, and so
     are torch's own lowering actions (``SEND_F``, ``RECV_B``, ``UNSHARD``, ``RESHARD``,
     ``REDUCE_GRAD``); the stage -> rank map is inferred from which row holds each stage and the
     microbatch count from the largest index, unless given.
@@ -36,7 +37,8 @@ import re
 from typing import Any, Iterable, Sequence
 
 from .costs import CostModel
-from .ir import Op, Schedule, ScheduleError, op_kind
+from .ir import Op, Schedule, ScheduleError, op_kind, op_parts
+from .pairs import PAIR_KINDS, halves
 from .registry import MAX_OPS
 from .validate import validate
 
@@ -120,8 +122,8 @@ def cost_to_dict(cost: CostModel) -> dict:
     }
 
 
-#: the held-memory fields of a CostModel (written only when set)
-_HELD = ("transient_f", "transient_b", "transient_w", "msg")
+#: the optional per-stage fields of a CostModel: held memory and the all-to-all time (written only when set)
+_HELD = ("transient_f", "transient_b", "transient_w", "msg", "a2a")
 
 
 def cost_from_dict(d: dict) -> CostModel:
@@ -248,7 +250,8 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
         raise ScheduleError(f"schedule JSON: the cost model has {cost.num_stages} stages but the placement "
                             f"{sched.num_stages}")
     if check:
-        compute = sum(1 for lst in ops for op in lst if op.kind in KIND_OF_TORCH.values())
+        compute = sum(len(op_parts(op)) for lst in ops for op in lst
+                      if op.kind in KIND_OF_TORCH.values() or op.kind in PAIR_KINDS)
         _check_enough_ops("schedule JSON", len(placement), d["num_microbatches"], compute,
                           per_pair=1 if meta.get("forward_only") else 2)
         validate(sched, cost, want_result=False)
@@ -299,6 +302,11 @@ def to_torch_rows(schedule: Schedule, *, overlap: bool = True) -> list[list[str]
         row, i = [], 0
         while i < len(comp):
             op = comp[i]
+            if op.kind in PAIR_KINDS:   # an overlapped pair of the IR (pairs.py)
+                f, b = halves(op)
+                row.append(f"({_torch_cell(f)};{_torch_cell(b)})OVERLAP_F_B")
+                i += 1
+                continue
             nxt = comp[i + 1] if i + 1 < len(comp) else None
             if (pairs and nxt is not None and op.kind == "F" and nxt.kind in ("B", "BW")
                     and (r, op.stage, op.microbatch, nxt.stage, nxt.microbatch) in pairs):

@@ -49,7 +49,31 @@ class Op:
 
     @staticmethod
     def from_dict(d: dict) -> "Op":
+        if "pair" in d:
+            bs, bm = d["pair"]
+            return PairedOp(d["kind"], int(d["stage"]), int(d["microbatch"]), int(d["rank"]), d.get("peer"),
+                            (int(bs), int(bm)))
         return Op(d["kind"], int(d["stage"]), int(d["microbatch"]), int(d["rank"]), d.get("peer"))
+
+
+@dataclass(frozen=True, slots=True)
+class PairedOp(Op):
+    """Two compute ops of one rank run as one unit (:mod:`.pairs`: the forward of one stage and
+    microbatch with the backward of another, their communication hidden behind each other's
+    compute). ``stage`` / ``microbatch`` are the forward's, ``pair`` = (stage, microbatch) of the
+    backward; ``kind`` names the pair (``F&B``: the backward for inputs, its W later; ``F&BW``:
+    the full backward)."""
+
+    pair: tuple = (0, 0)
+
+    def __str__(self) -> str:  # e.g. "3F7&4B2"
+        back = self.kind.split("&", 1)[-1]
+        return f"{self.stage}F{self.microbatch}&{self.pair[0]}{back}{self.pair[1]}"
+
+    def to_dict(self) -> dict:
+        d = Op.to_dict(self)
+        d["pair"] = [self.pair[0], self.pair[1]]
+        return d
 
 
 def _no_keys(op: Op, sched: "Schedule") -> tuple:
@@ -84,6 +108,10 @@ class OpKind:
     memory: Callable[[object, Op], float] = _zero
     communicators: tuple = ()
     per_stage: bool = False
+    #: an op that runs several ops of the built-in kinds as one unit (an overlapped pair):
+    #: ``parts(op)`` -> those ops; the completeness rule, the message buffers and the runtime
+    #: read them (None: the op is its own part)
+    parts: Callable[[Op], tuple] | None = None
 
 
 _KINDS: dict[str, OpKind] = {}
@@ -140,7 +168,7 @@ def _compose(base: OpKind, extras: dict) -> OpKind:
         return keys
 
     return OpKind(base.name, base.category, base.description, requires, base.produces,
-                  base.duration, base.memory)
+                  base.duration, base.memory, parts=base.parts)
 
 
 def op_kind(name: str) -> OpKind:
@@ -162,6 +190,12 @@ def kind_parts(name: str) -> tuple[OpKind, tuple]:
     :func:`op_kind` is their composition (for compilers that evaluate the parts separately)."""
     op_kind(name)  # unknown kinds raise
     return _KINDS[name], tuple(_EXTRA_REQUIRES.get(name, {}).values())
+
+
+def op_parts(op: Op) -> tuple:
+    """The ops of the built-in kinds ``op`` runs: ``(op,)``, or an overlapped pair's two halves."""
+    fn = op_kind(op.kind).parts
+    return (op,) if fn is None else fn(op)
 
 
 def op_kinds() -> dict[str, OpKind]:

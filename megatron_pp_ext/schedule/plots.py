@@ -23,6 +23,8 @@ KIND_COLORS: dict[str, str] = {
     "B": "#e07b39",   # backward for inputs: orange
     "W": "#3a9a5b",   # backward for weights: green
     "BW": "#8c5aa8",  # full backward: purple
+    "F&B": "#2a9d9d",   # overlapped pair, forward + backward for inputs: teal
+    "F&BW": "#b5476b",  # overlapped pair, forward + full backward: rose
 }
 #: Colours given, in order, to compute kinds registered by features (offload, vocab, ...).
 _EXTRA_COLORS = ["#c8b631", "#c0504d", "#4bacc6", "#7f7f7f", "#b65f9b", "#6b8e23"]
@@ -135,6 +137,12 @@ def _kind_color(kind: str, extra: dict[str, str]) -> str:
     return extra[kind]
 
 
+def _label(op) -> str:
+    """The microbatch written in an op's box; an overlapped pair (one box) shows both: ``7/3``."""
+    pr = getattr(op, "pair", None)
+    return str(op.microbatch) if pr is None else f"{op.microbatch}/{pr[1]}"
+
+
 def _text_color(rgb: tuple[float, float, float]) -> str:
     lum = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
     return "black" if lum > 0.6 else "white"
@@ -190,7 +198,7 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
         y = op.rank
         ax.add_patch(Rectangle((start, y - 0.4), dur, 0.8, facecolor=rgb, edgecolor="white", linewidth=0.6,
                                gid=f"op-r{op.rank}-{op.stage}{op.kind}{op.microbatch}"))
-        label = str(op.microbatch)
+        label = _label(op)
         box_pt = dur / makespan * axes_w_in * 72.0
         size = min(8.0, box_pt / (0.65 * len(label) + 0.3))
         if size >= 4.0:
@@ -281,7 +289,7 @@ def plot_measured_vs_simulated(schedule: Schedule, simulated: Mapping, measured:
             ax.add_patch(Rectangle((start, y), dur, h, facecolor=rgb, edgecolor="white", linewidth=0.4,
                                    gid=f"{label}-r{op.rank}-{op.stage}{op.kind}{op.microbatch}"))
             if cat == "compute" and dur / end * (width - 2.0) * 72 > 9:
-                ax.text(start + dur / 2, op.rank, str(op.microbatch), ha="center", va="center", fontsize=6,
+                ax.text(start + dur / 2, op.rank, _label(op), ha="center", va="center", fontsize=6,
                         color=_text_color(rgb))
         ax.set_ylim(p - 0.5, -0.5)
         ax.set_yticks(range(p))

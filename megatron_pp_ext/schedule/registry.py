@@ -18,6 +18,7 @@ from .catalog import ScheduleInfo, ScheduleRequest, register_schedule, registere
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
 from .passes.comm import PROVEN_EARLY, insert_comm_proven
+from .passes.pairing import pair_overlapped
 from .progress import report
 from .validate import validate
 from . import generators  # noqa: F401  (registers the built-in schedules)
@@ -89,8 +90,13 @@ def _parse_cost_numbers(costs: str | Sequence[float]) -> tuple[float, float, flo
 def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                    costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0),
                    memory_budget: float | str | None = None, with_comm: bool = False,
-                   options: dict | None = None) -> tuple[Schedule, CostModel]:
-    """Generate, (optionally) insert send/recv, validate. Returns the schedule and its cost model."""
+                   options: dict | None = None, overlap: bool = False,
+                   a2a_time: float | None = None) -> tuple[Schedule, CostModel]:
+    """Generate, (optionally) insert send/recv, validate. Returns the schedule and its cost model.
+
+    ``a2a_time``: the expert all-to-all time of one microbatch's forward on a rank (``--a2a-time``,
+    part of F and of B); ``overlap``: run forwards and backwards as overlapped pairs where that
+    pays (``--overlap-moe-expert-parallel-comm``, :mod:`.passes.pairing`)."""
     info = schedule_info(name)
     if pp < 1:
         raise ScheduleError(f"--pp {pp}: need at least one pipeline rank")
@@ -116,11 +122,13 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                               costs_t, budget, dict(options or {}))
     v = request.chunks
     cost = request.cost_model(pp * v, v)
+    if a2a_time is not None:
+        cost = cost.with_a2a(a2a_time, v)
     cost.check_scale(microbatches, "--costs")
     with _cyclic_gc_paused():
         if budget is not None and cost.holds_extra:
-            return _build_within(info, request, name, cost, budget, with_comm)
-        return _build(info, request, name, cost, budget, with_comm)
+            return _build_within(info, request, name, cost, budget, with_comm, overlap)
+        return _build(info, request, name, cost, budget, with_comm, overlap)
 
 
 #: rebuilds of a budgeted schedule whose transients or message buffers went over the budget
@@ -128,7 +136,7 @@ WITHIN_TRIES = 8
 
 
 def _build_within(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float,
-                  with_comm: bool) -> tuple[Schedule, CostModel]:
+                  with_comm: bool, overlap: bool = False) -> tuple[Schedule, CostModel]:
     """A budget over everything a rank holds (``cost`` has transients or message buffers,
     costs.py): the generator, whose trackers count the held activations only, gets the budget
     less the most a transient and one message each way add on a rank (:meth:`CostModel.headroom`);
@@ -151,7 +159,8 @@ def _build_within(info: ScheduleInfo, request: ScheduleRequest, name: str, cost:
         if inner <= 1e-9:
             break
         try:
-            sched, built_cost = _build(info, replace(request, memory_budget=inner), name, cost, None, with_comm)
+            sched, built_cost = _build(info, replace(request, memory_budget=inner), name, cost, None, with_comm,
+                                       overlap, pair_budget=budget)
         except ScheduleError:
             if peak is None:
                 break
@@ -184,12 +193,15 @@ def _cyclic_gc_paused():
 
 
 def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float | None,
-           with_comm: bool) -> tuple[Schedule, CostModel]:
+           with_comm: bool, overlap: bool = False, pair_budget: float | None = None) -> tuple[Schedule, CostModel]:
     report(f"{name}: generating")
     sched = info.generate(request)
     sched.meta.setdefault("schedule", name)
     if budget is not None:
         sched.meta["memory_budget"] = budget
+    if overlap:
+        report(f"{name}: pairing forwards and backwards")
+        sched = pair_overlapped(sched, cost, memory_budget=budget if pair_budget is None else pair_budget)
     proven = False
     prepared = None
     if with_comm and not sched.has_comm():

@@ -22,6 +22,7 @@ from typing import Any
 from ..runtime.ncclenv import check_nccl_environment
 from .errors import TrainConfigError
 from .moe import add_moe_arguments, check_moe, moe_from_args, moe_spec_fields
+from .overlap import add_frontier_arguments, check_frontier, frontier_from_args, mtp_spec_fields
 from .options import add_training_arguments, check_training_options, options_from_args, run_options
 
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
@@ -106,6 +107,12 @@ class TrainConfig:
     moe_router_pre_softmax: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None   # None: --tp
+    # overlapped pairs and multi-token prediction (trainer/overlap.py; Megatron-LM's flags)
+    overlap_moe_expert_parallel_comm: bool = False
+    a2a_time: float | None = None
+    delay_wgrad_compute: bool = False
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     # run
     device: str = "auto"
     out: str = "mppx-train"
@@ -238,7 +245,7 @@ class Plan:
                          num_query_groups=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=c.vocab,
                          max_sequence_length=c.seq, tie_embeddings=c.tie_embeddings,
                          layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None,
-                         transformer_impl=self.transformer_impl, **moe_spec_fields(c))
+                         transformer_impl=self.transformer_impl, **moe_spec_fields(c), **mtp_spec_fields(c))
 
     def _overrides(self) -> dict:
         d = self.cfg.dropout
@@ -259,6 +266,7 @@ class Plan:
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
                          ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
+                         overlap_moe=c.overlap_moe_expert_parallel_comm and pipelined, a2a_time=c.a2a_time,
                          config_overrides=self._overrides(), **run_options(c, tp=c.tp))
         if c.features:
             from .features import feature_run_config
@@ -492,6 +500,12 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     moe_error = check_moe(c, tp=c.tp, dp=dp, layers=sum(lps), ffn=ffn)
     if moe_error:
         _fail(moe_error)
+    from .moe import moe_layer_pattern
+    frontier_error = check_frontier(c, pp=c.pp, mcore=mcore, layers=sum(lps),
+                                    moe_pattern=moe_layer_pattern(c.moe_layer_freq, sum(lps)) if c.num_experts else ())
+    if frontier_error:
+        _fail(frontier_error)
+    overlap = c.overlap_moe_expert_parallel_comm
 
     # -- placement, schedule (validated now, with send/recv, as the workers will build it) -------
     from ..schedule import loop_placement, v_placement
@@ -529,20 +543,34 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                                     chunks=chunks, split=info.split_backward)
         try:
             built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=build_costs, memory_budget=budget,
-                                   with_comm=True)
+                                   with_comm=True, overlap=overlap, a2a_time=c.a2a_time)
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "--global-batch-size (microbatches per iteration)")
             msg = msg.replace("--chunks", "--vp")
             _fail(f"schedule {c.schedule!r} at pp={c.pp}, {m} microbatches per iteration: {msg}")
         if budget is None and built[0].meta.get("memory_budget") is not None and info is not None and info.uses_budget:
             budget = built[0].meta["memory_budget"]
+        if overlap:
+            from ..schedule.pairs import count_pairs
+            meta = built[0].meta
+            notes.append(f"overlapped pairs: {count_pairs(built[0])} forward-backward pairs ({meta['overlap_policy']}) "
+                         f"through Megatron-Core's fine-grained schedule plan, the all-to-all ({c.a2a_time:g} per "
+                         f"microbatch) hidden (the same schedule unpaired: simulated makespan "
+                         f"{meta['overlap_unpaired_makespan']:g} without send/recv)")
+    if c.mtp_num_layers:
+        notes.append(f"multi-token prediction: {c.mtp_num_layers} MTP layer(s) and their loss (x "
+                     f"{c.mtp_loss_scaling_factor:g}) on the last stage, pipeline rank {placement[-1]}")
 
     # -- profiling, reference --------------------------------------------------------------
     ours = pipelined and not mcore
     if c.profile_iters is None:
-        profile = 3 if ours and c.iters >= 3 + 2 else 0
+        profile = 3 if ours and c.iters >= 3 + 2 and not overlap else 0
     else:
         profile = c.profile_iters
+        if profile > 0 and overlap:
+            _fail(f"--profile-iters {profile} re-generates the schedule from measured F, B and W, which cannot tell the "
+                  "all-to-all a pair hides from the compute; with --overlap-moe-expert-parallel-comm use "
+                  "--profile-iters 0 (and --costs / --a2a-time)")
         if profile > 0:
             if not ours:
                 _fail("--profile-iters re-generates one of our schedules from measured costs; it does not apply to "
@@ -782,6 +810,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "Megatron-Core's MockGPTDataset)")
     add_training_arguments(parser)  # precision, distributed optimizer, SP, clipping, recomputation
     add_moe_arguments(parser, _int(1, 4), _float_pos)  # --num-experts, ... (trainer/moe.py)
+    add_frontier_arguments(parser, _int(1, 1), _float_pos)  # --overlap-moe-expert-parallel-comm, --mtp-num-layers
     g = parser.add_argument_group("run and output")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); auto: cuda when there is a GPU "
@@ -841,7 +870,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         profile_iters=args.profile_iters, emulate_compute=args.emulate_compute,
         emulate_nccl=args.emulate_nccl, iters=args.iters, lr=args.lr,
         allow_nonfinite_loss=args.allow_nonfinite_loss, **options_from_args(args),
-        seed=args.seed, data_path=args.data_path, **moe_from_args(args),
+        seed=args.seed, data_path=args.data_path, **moe_from_args(args), **frontier_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,
         threads=args.threads, log_interval=args.log_interval, progress=not args.no_progress,
         timeout=args.timeout, save=args.save, save_interval=args.save_interval, load=args.load,

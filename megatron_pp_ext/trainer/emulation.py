@@ -10,6 +10,10 @@ that schedule through our :class:`~megatron_pp_ext.runtime.executor.ScheduleExec
 :class:`~megatron_pp_ext.runtime.emulate.ComputeEmulation`, or Megatron-Core's own function
 through :func:`~megatron_pp_ext.runtime.emulate.emulate_megatron` (``--schedule mcore``).
 
+With ``--a2a-time`` on an MoE model at expert parallel size >= 2, that share of every F and B is a
+real all-to-all over the expert-parallel group, sized to take that time (the pairs of
+``--overlap-moe-expert-parallel-comm`` run theirs on a second thread while they wait).
+
 Features run as the simulator models them (see runtime/emulate.py): their op handlers and hooks,
 which move real activations, are not attached (there are none); vocabulary parallelism runs its
 schedule with the collectives as the simulator's per-dependency messages
@@ -52,15 +56,18 @@ class EmulationPlan:
     mcore: bool = False
     costs: tuple = (1.0, 1.0, 1.0, 0.0)
     features: tuple[str, ...] = ()   # flags of the features emulated
+    #: the all-to-all share of F and B (--a2a-time) is a real all-to-all over the expert-parallel group
+    #: (runtime/emulate.py's AllToAllEmulation; an MoE model at expert parallel size >= 2)
+    a2a: bool = False
 
     @property
     def unit_s(self) -> float:
         return self.unit_ms / 1e3
 
     def emulation(self, record: bool = False):
-        from ..runtime.emulate import ComputeEmulation
+        from ..runtime.emulate import AllToAllEmulation, ComputeEmulation
         return ComputeEmulation(self.unit_s, self.cost if not self.mcore else self.costs, record=record,
-                                overlay=self.overlay)
+                                overlay=self.overlay, a2a=AllToAllEmulation() if self.a2a else None)
 
     def run_config(self, plan):
         """The RunConfig of the workers: the plain model, the fixed schedule, the emulation."""
@@ -74,7 +81,8 @@ class EmulationPlan:
         return RunConfig(spec=plan.model_spec(), tp=c.tp, pp=c.pp, dp=plan.dp, chunks=plan.chunks,
                          memory_budget=plan.memory_budget, costs=plan.costs, num_microbatches=plan.microbatches,
                          micro_batch_size=c.micro_batch_size, seq_length=c.seq, steps=c.iters, eval_iters=0,
-                         seed=c.seed, lr=c.lr, config_overrides=plan._overrides(), **run_options(c, tp=c.tp), **kw)
+                         seed=c.seed, lr=c.lr, ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
+                         config_overrides=plan._overrides(), **run_options(c, tp=c.tp), **kw)
 
     def note(self) -> str:
         what = "every compute op (F, B, W, BW" + (", " + ", ".join(self.features) + " ops" if self.features else "") + ")"
@@ -132,8 +140,10 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
         fail(f"{flag}: each iteration would wait about {duration(sim)} (the schedule's simulated makespan at {ms:g} ms "
              f"per --costs unit), {c.iters} iterations {duration(total)}, beyond --timeout {c.timeout:g} s; use a "
              "smaller --emulate-compute (e.g. 20) or fewer --iters")
+    a2a = (not mcore and bool(cost.a2a) and c.num_experts is not None
+           and getattr(c, "expert_model_parallel_size", 1) >= 2)
     return EmulationPlan(ms, None if mcore else sched, cost, sim, overlay=overlay, mcore=mcore,
-                         costs=tuple(_costs(c)), features=tuple(feats)), 0
+                         costs=tuple(_costs(c)), features=tuple(feats), a2a=a2a), 0
 
 
 def duration(seconds: float) -> str:

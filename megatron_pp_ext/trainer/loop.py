@@ -206,7 +206,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                     stepped["loss_scale"], float(stepped["skipped"]),
                                     emu.last.makespan_s if emu is not None else float("nan"),
                                     float(emu.last.realtime) if emu is not None else 0.0, aux,
-                                    float(stepped["grad_norm_known"]), float(device_peak)],
+                                    float(stepped["grad_norm_known"]), float(device_peak), *_a2a_of(emu)],
                                    dtype=torch.float64, device=device)
                 rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
                 dist.all_gather(rows, row)
@@ -394,7 +394,21 @@ def _merge_rows(rows: list[list[float]], plan, it: int) -> dict:
         **({"measured_makespan_s": max(r[14] for r in rows), "emulation_realtime": all(r[15] for r in rows)}
            if rows[0][14] == rows[0][14] else {}),
         **({"load_balancing_loss": _load_balancing_loss(rows, plan)} if rows[0][16] == rows[0][16] else {}),
+        # --emulate-compute with --a2a-time: the time one real all-to-all reached (slowest rank)
+        **({"emulated_a2a_s": max(r[19] for r in rows),
+            "emulated_a2a_run_s": max((r[20] for r in rows if r[20] == r[20]), default=None)} if any(r[19] == r[19] for r in rows)
+           else {}),
     }
+
+
+def _a2a_of(emu) -> tuple[float, float]:
+    """The calibrated time of the emulation's real all-to-all and the median of those run in this
+    iteration (NaN: none)."""
+    a2a = getattr(emu, "a2a", None) if emu is not None else None
+    if a2a is None or not a2a.ready or a2a.measured_s is None:
+        return float("nan"), float("nan")
+    run = a2a.take_run_median()
+    return a2a.measured_s, float("nan") if run is None else run
 
 
 def reference_worker(plan) -> dict:

@@ -99,7 +99,7 @@ def moe_from_args(args: argparse.Namespace) -> dict:
             **{field: getattr(args, field) for field in MOE_FLAG_DEFAULTS}}
 
 
-def _layer_pattern(freq: int | tuple[int, ...], layers: int) -> tuple[int, ...]:
+def moe_layer_pattern(freq: int | tuple[int, ...], layers: int) -> tuple[int, ...]:
     if isinstance(freq, int):
         return tuple(1 if i % freq == 0 else 0 for i in range(layers))
     return tuple(freq)
@@ -133,7 +133,7 @@ def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
         if len(freq) != layers or any(v not in (0, 1) for v in freq):
             return (f"--moe-layer-freq {','.join(map(str, freq))}: give {layers} entries of 0 (dense) or 1 (MoE), "
                     "one per layer, or an int N")
-    if not any(_layer_pattern(freq, layers)):
+    if not any(moe_layer_pattern(freq, layers)):
         return "--moe-layer-freq: no layer is MoE; mark at least one layer 1, or drop --num-experts"
     for flag, value in (("--moe-ffn-hidden-size", c.moe_ffn_hidden_size),
                         ("--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size)):

@@ -364,6 +364,9 @@ def rounding_reasons(plan) -> list[str]:
         why.append(f"ep={c.expert_model_parallel_size} sums the experts' gradients on other ranks")
     if c.tie_embeddings and c.pp > 1 and not any(n == "vocab_parallel" for n, _ in c.features):
         why.append("the tied embedding's two copies add their gradients by an all-reduce")
+    if getattr(c, "mtp_num_layers", None) and c.pp > 1:
+        why.append("multi-token prediction's copy of the word embedding adds its gradient to the first stage's "
+                   "after the backward")
     if c.clip_grad > 0 and c.pp > 1:
         why.append("clipping scales by the gradient norm, summed per pipeline rank")
     if plan.device == "cuda":

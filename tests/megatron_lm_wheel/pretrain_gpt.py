@@ -21,6 +21,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
@@ -30,7 +31,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 KEYS = ("attention_mask", "labels", "loss_mask", "position_ids", "tokens")
 
 
-def get_batch(data_iterator, vp_stage=None):
+def get_batch(data_iterator, vp_stage=None, config=None):
     args = get_args()
     if not is_first_or_last_pipeline_stage(vp_stage):
         return {k: None for k in KEYS}
@@ -45,7 +46,10 @@ def get_batch(data_iterator, vp_stage=None):
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        mtp_on_this_rank=config is not None and mtp_on_this_rank(config.pipeline_model_parallel_layout,
+                                                                 config.mtp_num_layers, ignore_virtual=False,
+                                                                 vp_stage=vp_stage),
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
     return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
 
@@ -58,11 +62,15 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def forward_step(data_iterator, model):
-    from megatron.core.utils import get_attr_wrapped_model
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
-    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                loss_mask=batch["loss_mask"])
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"), get_model_config(model))
+    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    if return_schedule_plan:   # --overlap-moe-expert-parallel-comm: the fine-grained plan, as pretrain_gpt.py
+        assert get_args().overlap_moe_expert_parallel_comm, "the schedule plan needs --overlap-moe-expert-parallel-comm"
+        plan = model.build_schedule_plan(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"])
+        return plan, partial(loss_func, batch["loss_mask"])
+    out = model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"])
     return out, partial(loss_func, batch["loss_mask"])
 
 

@@ -128,3 +128,32 @@ def run_without_aux_loss_scale(cfg) -> dict:
     finally:
         MoEAuxLossAutoScaler.set_loss_scale = orig
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+# --- overlapped pairs (test_runtime_overlap.py) --------------------------------------------------
+
+def count_plan_pairs(training):
+    """``run_training``'s ``prepare``: count the calls of Megatron-Core's fine-grained plan that ran
+    a forward and a backward together (``TransformerModelChunkSchedulePlan.run(f, b)``), and the
+    layers it interleaved; the counts land in the result under ``"prepared"``."""
+    from megatron.core.models.common import model_chunk_schedule_plan as mp
+
+    counts = {"pairs": 0, "forwards": 0, "backwards": 0, "layers": 0}
+    chunk_run, layer_run = mp.TransformerModelChunkSchedulePlan.run, mp.TransformerLayerSchedulePlan.run
+
+    def run(f, b, *args, **kwargs):
+        counts["pairs" if f is not None and b is not None else "forwards" if f is not None else "backwards"] += 1
+        return chunk_run(f, b, *args, **kwargs)
+
+    def layer(f, b, *args, **kwargs):
+        counts["layers"] += f is not None and b is not None
+        return layer_run(f, b, *args, **kwargs)
+
+    mp.TransformerModelChunkSchedulePlan.run = staticmethod(run)
+    mp.TransformerLayerSchedulePlan.run = staticmethod(layer)
+
+    def report():
+        mp.TransformerModelChunkSchedulePlan.run = staticmethod(chunk_run)
+        mp.TransformerLayerSchedulePlan.run = staticmethod(layer_run)
+        return dict(counts)
+    return report

@@ -111,6 +111,26 @@ def test_emulated_features(pool, tmp_path, flags):
         assert plan.emulation.overlay is not None
 
 
+def test_emulated_pairs_run_real_all_to_alls(pool, tmp_path):
+    """An MoE model at ep=2 (pp=2 x dp=2) with --a2a-time and --overlap-moe-expert-parallel-comm: the
+    all-to-all share of every F and B is a real all-to-all over the expert-parallel group, sized to
+    the cost model's time (``emulated_a2a_s``), a pair running its two on a second thread while it
+    waits; the paired schedule's measured makespan follows its simulated one (which hides the
+    all-to-alls) as every emulated run's does. benchmarks/moe.py measures it precisely."""
+    plan, res, rows, log = train(pool, tmp_path, "pairs", model="llama", layers=4, num_experts=4, pp=2, nproc=4,
+                                 expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                                 schedule="dualpipev", global_batch_size=16, overlap_moe_expert_parallel_comm=True,
+                                 a2a_time=0.4, emulate_compute=40.0)
+    assert plan.emulation.a2a
+    sched, cost = plan.built
+    assert any(op.kind in ("F&B", "F&BW") for ops in sched.ops for op in ops)
+    target = max(cost.a2a) * 0.04   # one stage's all-to-all (a V rank's two stages share --a2a-time)
+    for r in rows:   # sized within AllToAllEmulation.TOLERANCE when the machine allows; loose here (shared host)
+        assert r["emulated_a2a_s"] == pytest.approx(target, rel=0.3), (r["emulated_a2a_s"], target)
+        assert r["emulated_a2a_run_s"] >= 0.7 * target   # the all-to-alls ran in the iteration, that long
+    check_rows(rows, plan, hi=1.35)
+
+
 def receive_waits_worker(defer: bool, iters: int) -> dict:
     """zbv at pp=4, m=8, costs 1,1.8,0.4,0.1: makespans with the receive waited for at the end of
     its comm batch (defer=False) or right before the op that reads it; the bytes this rank sent

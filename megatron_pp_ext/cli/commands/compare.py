@@ -35,15 +35,29 @@ def _build(name, args, costs, budget_arg):
         tries = [info.chunks]
     else:  # takes a chunk count: --chunks if it can use it, else its own single chunk
         tries = [args.chunks, 1] if args.chunks > 1 else [1]
-    err = None
+    err = unpaired = None
+    overlap = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
     for v in tries:
         try:
             s, c = build_schedule(name, args.pp, args.microbatches, chunks=v, costs=costs, memory_budget=budget,
-                                  with_comm=comm_model_of(args) != "eager")
+                                  with_comm=comm_model_of(args) != "eager", a2a_time=args.a2a_time,
+                                  overlap=overlap)
             return s, c, budget
         except ScheduleError as e:
-            err = err or e
+            if overlap and " cannot pair: " in str(e):
+                unpaired = unpaired or e
+            else:
+                err = err or e
+    if unpaired is not None:   # shown unpaired, with the reason in its note
+        s, c, budget = _build(name, _unpaired(args), costs, budget_arg)
+        s.meta["overlap_refused"] = str(unpaired).split(" cannot pair: ", 1)[-1].split(";")[0]
+        return s, c, budget
     raise err
+
+
+def _unpaired(args):
+    import argparse
+    return argparse.Namespace(**{**vars(args), "overlap_moe_expert_parallel_comm": False})
 
 
 def compare_rows(args) -> tuple[list[dict], list[dict]]:
@@ -106,6 +120,10 @@ def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | N
         note = f"budget {shown}" + ("" if args.memory_budget else " (default)")
     elif budget_units is not None and res.max_peak_memory > budget_units + 1e-9:
         note = f"over the {budget_units:g}-unit budget"
+    pairs = sum(op.kind in ("F&B", "F&BW") for ops in sched.ops for op in ops)
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        why = sched.meta.get("overlap_refused")
+        note = "; ".join(x for x in (note, f"{pairs} pairs" if pairs else f"unpaired: {why}") if x)
     return {
         "schedule": name,
         "placement": info.placement,
@@ -119,6 +137,7 @@ def _build_row(name, args, costs, budget_units, skipped: list[dict]) -> dict | N
         "messages": sum(res.messages),
         "memory_budget": sched.meta.get("memory_budget"),
         "note": note,
+        **({"overlap_pairs": pairs} if getattr(args, "overlap_moe_expert_parallel_comm", False) else {}),
     }
 
 

@@ -46,6 +46,10 @@ def simulate_report(args, bar=None) -> dict:
         "with_comm": sched.has_comm(),
         "comm_model": model,
     }
+    if getattr(args, "a2a_time", None) is not None:
+        doc["costs"]["a2a"] = args.a2a_time
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        doc["overlap"] = overlap_summary(sched)
     doc.update(res.to_dict())
     doc["messages"] = sum(res.messages)
     doc["ops_per_rank"] = [len(ops) for ops in sched.ops]
@@ -54,13 +58,23 @@ def simulate_report(args, bar=None) -> dict:
     return doc
 
 
+def overlap_summary(sched) -> dict:
+    """The ``overlap`` key: how many overlapped pairs, of which kinds, which policy chose them, and the
+    unpaired schedule's (compute-only) makespan."""
+    from ...schedule.pairs import PAIR_KINDS
+    kinds = {k: sum(op.kind == k for ops in sched.ops for op in ops) for k in PAIR_KINDS}
+    return {"pairs": sum(kinds.values()), "pairs_by_kind": kinds, "policy": sched.meta.get("overlap_policy"),
+            "unpaired_makespan": sched.meta.get("overlap_unpaired_makespan")}
+
+
 def _vs_1f1b(args, res, *, with_comm: bool) -> dict | None:
     """1F1B at the same pp, microbatches and costs, with the same send/recv pass and under the
     same ``--comm-model``: the baseline every schedule is judged by (None when 1F1B cannot be
     built there, e.g. fewer microbatches than stages, or cannot run under that model)."""
     from ...schedule import ScheduleError, simulate
 
-    plain = argparse.Namespace(**{**vars(args), "memory_budget": None})  # 1F1B's own memory, not --memory-budget
+    # 1F1B's own memory, not --memory-budget; unpaired: the baseline every schedule is judged by
+    plain = argparse.Namespace(**{**vars(args), "memory_budget": None, "overlap_moe_expert_parallel_comm": False})
     try:
         ref_sched, ref_cost = build_from_args(plain, "1f1b", chunks=1, with_comm=with_comm)
         ref = simulate(ref_sched, ref_cost, comm_model=comm_model_of(args))
@@ -81,10 +95,15 @@ def run(args) -> int:
     c = doc["costs"]
     print(f"schedule  {doc['schedule']}  (pp={doc['pp']}, microbatches={doc['microbatches']}, "
           f"chunks={doc['chunks']}, costs F={c['F']:g} B={c['B']:g} W={c['W']:g} comm={c['comm']:g}"
+          + (f" a2a={c['a2a']:g}" if "a2a" in c else "")
           + (f", budget {doc['memory_budget']:g} units" if doc["memory_budget"] is not None else "")
           + (", with send/recv" if doc["with_comm"] else "")
           + (f", comm model {doc['comm_model']}" if doc["comm_model"] != "eager" else "") + ")")
     print(f"makespan  {doc['makespan']:g}")
+    ov = doc.get("overlap")
+    if ov is not None:
+        print(f"overlap   {ov['pairs']} forward-backward pairs ({ov['policy']}), the all-to-all "
+              f"({c['a2a']:g} per microbatch) hidden; unpaired makespan {ov['unpaired_makespan']:g}")
     print(f"bubble    {doc['bubble_rate']:.2%} (busiest rank)")
     print(f"peak mem  {doc['max_peak_memory']:g} units (busiest rank)"
           + (f" = {_size(max(doc['peak_memory_bytes']))}" if "peak_memory_bytes" in doc else ""))
