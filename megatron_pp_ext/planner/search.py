@@ -437,6 +437,40 @@ class Planner:
         self._apply_sim_features(probe, feats)
         return probe.iteration_time
 
+    def evaluate(self, cand: Candidate) -> Estimate:
+        """The estimate of one pinned candidate, its features given as ``cand.features`` (an
+        option each): what the search computes for it, without searching -- to hold one layout
+        and schedule against a measurement (benchmarks/published.py). A budget of ``"fit"`` is
+        resolved as the search does; memory is reported whether it fits or not."""
+        req = self.req
+        base = replace(cand, features=())
+        costs = self.stage_costs(base)
+        sim_cand, feats = base, []
+        for fname, opt in cand.features:
+            f = get_feature(fname)
+            if getattr(f, "memory_only", False):
+                continue
+            sim_cand = sim_cand.with_feature(fname, opt)
+            costs = f.stage_costs(req, sim_cand, opt, costs)
+            feats.append((fname, opt))
+        if sim_cand.budget == "fit":
+            budget = self._fit_budget(sim_cand, costs, feats)
+            if budget is None:
+                raise PlannerError(f"{_describe(sim_cand)}: no activation budget fits")
+            sim_cand = replace(sim_cand, budget=budget)
+        pipe = self.cache.pipeline(sim_cand.schedule, sim_cand.pp, sim_cand.m, sim_cand.vp, costs.t_f, costs.t_b,
+                                   costs.t_w, costs.comm, costs.act,
+                                   budget=sim_cand.budget if isinstance(sim_cand.budget, float) else None,
+                                   w_share=costs.w_share)
+        est = self.estimate(sim_cand, costs, pipe)
+        self._apply_sim_features(est, feats)
+        for fname, opt in cand.features:
+            f = get_feature(fname)
+            if getattr(f, "memory_only", False):
+                est.candidate = est.candidate.with_feature(fname, opt)
+                f.apply(req, est.candidate, opt, est)
+        return est
+
     # -- the search ---------------------------------------------------------------------------
     def run(self) -> PlanResult:
         req = self.req
