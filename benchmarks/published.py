@@ -339,7 +339,6 @@ def figure(results: list[Result], path: Path) -> None:
 
 
 def render(results: list[Result], command: str, seconds: float) -> str:
-    from megatron_pp_ext.planner.emit import layout_string  # noqa: F401  (the flags below come from emit)
     head = [
         "# The planner held against published GPU runs", "",
         f"**{DISCLAIMER}** This page sets those predictions beside what published GPU runs measured.", "",

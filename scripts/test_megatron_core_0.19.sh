@@ -42,6 +42,7 @@ if [ $# -eq 0 ]; then
         tests/test_trainer_safety.py tests/test_trainer_moe.py tests/test_trainer_features.py \
         tests/test_megatron_lm_integration.py \
         tests/test_planner.py::test_emitted_moe_flags_pass_megatron_lm_validation \
+        tests/test_planner_published.py::test_published_layout_flags_pass_megatron_lm_validation \
         -k "not test_steady_state_matches_pp1_bit_exact"
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"

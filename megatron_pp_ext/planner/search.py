@@ -190,9 +190,10 @@ class Planner:
                 if L % pp and not uneven:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
                     continue
-                if pp > L:
+                if pp > L + 2:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}",
-                                 f"{pp} stages for {L} layers: more stages than layers")
+                                 f"{pp} stages for {L} layers: more than layers + 2 (the embedding and the loss "
+                                 "alone)")
                     continue
                 dp = self.N // (tp * pp)
                 if G % dp:
@@ -232,8 +233,11 @@ class Planner:
                 if L % (pp * vp) and not uneven:
                     self.rej.add("divisibility", what, f"{pp * vp} stages do not divide {L} layers")
                     continue
-                if pp * vp > L:
-                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more stages than layers")
+                if pp * vp > L + 2:
+                    # up to two stages may hold no transformer layer: the first the embedding alone, the
+                    # last the loss alone (split_layers gives the end stages the fewest layers)
+                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more than layers + 2 "
+                                 "(the embedding and the loss alone)")
                     continue
                 if name == INTERLEAVED and m % pp:
                     self.rej.add("divisibility", what, f"interleaving needs microbatches ({m}) % pp == 0")
