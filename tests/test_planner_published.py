@@ -177,3 +177,116 @@ def test_published_layout_flags_pass_megatron_lm_validation(tmp_path):
     r = subprocess.run([sys.executable, "-c", _VALIDATE, str(tmp_path / "cases.json")], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=900)
     assert r.returncode == 0 and f"CASES {len(cases)} BAD 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+# --- the time model's physical terms (docs/planner.md, docs/benchmarks/published.md) --------------
+
+def test_fp32_is_planned_at_the_fp32_peak_not_bf16s():
+    """--precision fp32 runs its GEMMs at the fp32 peak and moves 4-byte activations: the same
+    plan takes several times bf16's time (before: exactly bf16's)."""
+    model = gpt(8, 2048, 16, seq=2048)
+    times = {}
+    for prec in ("bf16", "fp32"):
+        req = PlanRequest(model, make_cluster("a100", 8), global_batch=16, schedules=("1f1b",), features=(),
+                          tp=(1,), pp=(8,), mbs=(1,), recompute=("none",), precision=prec, top=1)
+        times[prec] = plan(req).best
+    ratio = times["fp32"].iteration_time / times["bf16"].iteration_time
+    assert 5 < ratio < 16, ratio                          # 312 vs 19.5 TFLOPS for the GEMMs; bytes x2
+    assert times["fp32"].mfu > times["bf16"].mfu / 16     # MFU against the fp32 peak
+
+
+def test_megatron_interleaved_exchanges_block_and_cannot_deadlock():
+    """Megatron-Core's interleaved exchanges (one batch after each warm-up forward, each
+    forward-backward pair, each cool-down backward): every send matched, no deadlock under the
+    blocking model, and each exchange's time on the critical path: slower than the same order
+    whose receives only delay their consumer."""
+    from megatron_pp_ext.schedule import CostModel, build_schedule, simulate
+    from megatron_pp_ext.schedule.passes.megatron_comm import insert_comm_megatron_interleaved
+    p, v, m = 4, 3, 8
+    cost = CostModel.from_spec([1.0, 1.0, 1.0, 0.1], p * v, v)
+    sched, _ = build_schedule("interleaved-1f1b", p, m, chunks=v, costs=cost)
+    meg = insert_comm_megatron_interleaved(sched)
+    sends = sum(1 for rank in meg.ops for o in rank if o.kind.startswith("SEND"))
+    assert sends == 2 * m * (p * v - 1)                  # every boundary, both directions
+    blocking = simulate(meg, cost, comm_model="blocking").makespan
+    batched = simulate(meg, cost, comm_model="nccl-batched").makespan
+    eager = simulate(sched, cost).makespan
+    assert batched > eager and blocking >= eager
+
+
+def test_planner_simulates_megatrons_own_runs_with_their_exchanges():
+    """A plan that runs on Megatron-Core's own 1F1B (no plugin flags) pays every exchange on its
+    critical path; the same schedule with a feature runs on our executor and does not."""
+    from megatron_pp_ext.planner import Candidate, Planner
+    from megatron_pp_ext.planner.simcache import SimCache
+    model = gpt(22, 2304, 24)
+    req = PlanRequest(model, make_cluster("a100", 8), global_batch=144, schedules=("1f1b",), features=(),
+                      tp=(1,), pp=(8,), mbs=(6,), uneven_layers=True, recompute=("none",), top=1,
+                      distributed_optimizer=False)
+    planner = Planner(req, SimCache(disk=False))
+    cand = Candidate(1, 8, 1, 1, "1f1b", 6, 24, "none", None, False)
+    assert planner.megatron_run(cand) and not planner.megatron_run(cand.with_feature("offload", "half"))
+    costs = planner.stage_costs(cand)
+    args = (cand.schedule, 8, 24, 1, costs.t_f, costs.t_b, costs.t_w, costs.comm, costs.act)
+    ours = planner.cache.pipeline(*args).makespan
+    megatron = planner.cache.pipeline(*args, megatron=True).makespan
+    # the exchanges' waits on the critical path (measured: 1.8% here, 24 microbatches of 1F1B at p = 8)
+    assert megatron > 1.01 * ours
+
+
+@pytest.mark.parametrize("field", ["dropout_rng_ps", "p2p_latency_us"])
+def test_time_model_constants_refuse_nonsense(field):
+    from megatron_pp_ext.planner import PlannerError
+    from megatron_pp_ext.planner.timing import Efficiency
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(PlannerError, match=field):
+            Efficiency(**{field: bad})
+
+
+# --- calibration: gemm_max with points, measured stage times ----------------------------------------
+
+def test_gemm_max_given_with_points_is_used_and_the_points_fit_gemm_half():
+    """"Used or refused, never ignored": efficiency.gemm_max stays what the file says and the
+    points fit gemm_half (before: the points' fit silently replaced it)."""
+    from megatron_pp_ext.planner.timing import Efficiency, calibration_from_dict
+    true = Efficiency(gemm_max=0.6, gemm_half=3e5)
+    doc = {"efficiency": {"gemm_max": 0.6},
+           "gemm_points": [{"x": x, "efficiency": true.gemm(x)} for x in (1e5, 1e6, 1e7)]}
+    cal = calibration_from_dict(doc, Efficiency(gemm_max=0.9, gemm_half=1e4))
+    assert cal.gemm_max == 0.6 and cal.gemm_half == pytest.approx(3e5, rel=1e-9)
+    doc = {"efficiency": {"gemm_half": 3e5}, "gemm_points": [{"x": 1e6, "efficiency": true.gemm(1e6)}]}
+    cal = calibration_from_dict(doc, Efficiency(gemm_max=0.9, gemm_half=1e4))
+    assert cal.gemm_half == 3e5 and cal.gemm_max == pytest.approx(0.6, rel=1e-9)
+
+
+def test_stage_times_are_the_planned_op_times(tmp_path, capsys):
+    """--calibration with table 6's shape (one stage of k layers: F, B, W, p2p at a microbatch
+    size): the plan's per-layer F/B/W are the measured ones over k, its messages the measured
+    p2p time plus the message latency, and `mppx plan` prints the plan for them."""
+    from megatron_pp_ext.cli import main
+    from megatron_pp_ext.planner import Candidate, Planner
+    from megatron_pp_ext.planner.simcache import SimCache
+    from megatron_pp_ext.planner.timing import calibration_from_dict, default_efficiency
+    model = gpt(22, 2304, 24, vocab=32000)
+    doc = {"stage_times": {"micro_batch_size": 6, "layers": 3, "f_ms": 18.522, "b_ms": 18.086, "w_ms": 9.337,
+                           "p2p_ms": 0.601}}
+    cluster = make_cluster("a100", 8)
+    eff = calibration_from_dict(doc, default_efficiency(cluster.gpu), model, cluster)
+    req = PlanRequest(model, cluster, global_batch=144, efficiency=eff, schedules=("zb-h2",), features=(), pp=(8,),
+                      uneven_layers=True, recompute=("none",), distributed_optimizer=False)
+    assert req.mbs == (6,) and req.tp == (1,)          # the measured microbatch size and tp are what is planned
+    costs = Planner(req, SimCache(disk=False)).stage_costs(Candidate(1, 8, 1, 1, "zb-h2", 6, 24, "none", None, False))
+    assert costs.t_f[3] == pytest.approx(18.522e-3) and costs.t_b[3] == pytest.approx(18.086e-3)
+    assert costs.t_w[3] == pytest.approx(9.337e-3)
+    assert costs.t_f[0] > 2 * 18.522e-3 / 3                    # 2 measured layers + the modelled embedding
+    assert costs.comm == pytest.approx(0.601e-3 + eff.p2p_latency_us * 1e-6)
+    path = tmp_path / "t6.json"
+    path.write_text(json.dumps(doc))
+    rc = main(["plan", "--arch", "gpt", "--layers", "22", "--hidden", "2304", "--heads", "24", "--seq", "1024",
+               "--vocab", "32000", "--gpu", "a100", "--gpus", "8", "--tp", "1", "--pp", "8", "--global-batch-size",
+               "144", "--schedules", "1f1b", "--features", "none", "--recompute", "none", "--uneven-layers", "on",
+               "--no-flash-attention", "--dropout", "--calibration", str(path), "--json", "--no-baseline"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["plans"][0]["micro_batch_size"] == 6 and out["efficiency"]["stage_times"]["layers"] == 3
+    # the Zero Bubble paper measured 1F1B at 11.8 samples/GPU/s here: 1.525 s (docs/benchmarks/published.md)
+    assert out["plans"][0]["iteration_time_s"] == pytest.approx(24 * 6 / (11.8 * 8), rel=0.02)

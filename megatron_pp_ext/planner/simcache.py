@@ -220,14 +220,45 @@ class SimCache:
             raise ScheduleError(out)
         return out
 
+    def _evaluate_megatron(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+        """Megatron-Core's own exchanges in ``sched`` (compute-only 1F1B or interleaved 1F1B),
+        simulated with each exchange blocking its rank until it ends (``nccl-batched``)."""
+        got = self._results.get(key)
+        if got is not None:
+            self.stats["hits"] += 1
+            if isinstance(got, str):
+                raise ScheduleError(got)
+            return got
+        from ..schedule.passes.megatron_comm import insert_comm_megatron_any
+        t0 = time.process_time()
+        try:
+            res = simulate(insert_comm_megatron_any(sched), cost, comm_model="nccl-batched", check=False)
+            out: dict | str = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+        except ScheduleError as e:
+            out = " ".join(str(e).split())[:300]
+        finally:
+            self.stats["evaluations"] += 1
+            self.stats["eval_seconds"] += time.process_time() - t0
+        self._results[key] = out
+        self._dirty["results"] = True
+        if isinstance(out, str):
+            raise ScheduleError(out)
+        return out
+
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
-                 budget: float | None = None, w_share: Sequence[float] | None = None) -> PipeResult:
+                 budget: float | None = None, w_share: Sequence[float] | None = None,
+                 megatron: bool = False) -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
         per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
         frees; the orders are built with all of it, the generators' conservative default, and
         evaluated with it on a 1/64 grid). Raises ScheduleError when the schedule cannot be built
-        for them (the generator's message)."""
+        for them (the generator's message).
+
+        ``megatron`` (1F1B and interleaved 1F1B only): the run is Megatron-Core's own schedule,
+        whose ranks block at every p2p exchange of its code (passes/megatron_comm.py): each
+        exchange takes ``comm`` and the next op waits for it. The steady state is then measured,
+        not assumed: the slope between 2p and 3p microbatches."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -253,8 +284,14 @@ class SimCache:
         qbudget = None if budget is None else round(budget, 2)
         head = (name, pp, chunks, qbudget)
 
+        megatron = megatron and pp > 1
+        if megatron:
+            fkey = fkey + ("megatron",)
+
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
+            if megatron:
+                return self._evaluate_megatron(sched, fine, repr(head + ckey + fkey + (mm,)))
             return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
 
         if m <= max(2 * pp, 8):
@@ -268,12 +305,12 @@ class SimCache:
             per_mb[_rank_of(s, pp, chunks, name)] += a
         runs, last = (m1,), r1
         slope = busy_slope
-        if max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
+        if megatron or max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
             # fewer than p microbatches in flight somewhere: the steady state may be slower
             m2 = 3 * pp
             r2 = run(m2)
             two_point = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
-            if two_point > _SLOWER * busy_slope:
+            if megatron or two_point > _SLOWER * busy_slope:
                 slope = two_point
             runs, last = (m1, m2), r2
         m_last = runs[-1]

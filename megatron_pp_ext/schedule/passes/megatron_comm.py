@@ -1,4 +1,5 @@
-"""Pass: Megatron-Core's own communication placement for 1F1B (the baseline of the NCCL models).
+"""Pass: Megatron-Core's own communication placement for 1F1B and interleaved 1F1B (the baselines
+a user compares with: what Megatron-LM runs for a plan without megatron_pp_ext's flags).
 
 Megatron-Core's non-interleaved schedule does not post receives early: each step is a
 blocking helper of ``p2p_communication`` -- ``recv_forward`` before a warm-up forward,
@@ -12,6 +13,9 @@ compares with: what Megatron-Core's 1F1B does on the same cluster.
 from __future__ import annotations
 
 from ..ir import Op, Schedule, ScheduleError
+
+#: the comm placements of Megatron-Core's own schedules, by schedule name
+MEGATRON_PLACEMENTS = ("1f1b", "interleaved-1f1b")
 
 
 def insert_comm_megatron(schedule: Schedule) -> Schedule:
@@ -57,3 +61,69 @@ def insert_comm_megatron(schedule: Schedule) -> Schedule:
         ops.append(lst)
     meta = dict(schedule.meta, comm_inserted=True, comm_placement="megatron-core")
     return Schedule(schedule.name, m, schedule.placement, ops, meta)
+
+
+def insert_comm_megatron_interleaved(schedule: Schedule) -> Schedule:
+    """The compute-only ``interleaved-1f1b`` schedule with Megatron-Core's exchanges, as its
+    ``forward_backward_pipelining_with_interleaving`` issues them with batched p2p: the first
+    forward's input received first; after each warm-up forward one ``send_forward_recv_forward``
+    (the last one also receiving the first backward's gradient); in the steady state, after each
+    forward and backward pair, one ``send_forward_backward_recv_forward_backward``; after each
+    cool-down backward one ``send_backward_recv_backward``. Each call is one batch the next op
+    waits for. (With ``overlap_p2p_comm``, Megatron-LM's default for interleaving, the same
+    exchanges are split into a forward and a backward half, each waited for -- sends included --
+    before the next forward or backward: the same waits, one step finer.)"""
+    if schedule.has_comm():
+        raise ScheduleError("insert_comm_megatron_interleaved takes a compute-only schedule")
+    if schedule.name != "interleaved-1f1b":
+        raise ScheduleError(f"Megatron-Core's interleaved exchanges are defined here for 'interleaved-1f1b', "
+                            f"not {schedule.name!r}")
+    place, S, m = schedule.placement, schedule.num_stages, schedule.num_microbatches
+    ops = []
+    for r, rank_ops in enumerate(schedule.ops):
+        fwd = [o for o in rank_ops if o.kind == "F"]
+        bwd = [o for o in rank_ops if o.kind != "F"]
+        total = len(fwd)
+        warm = 0
+        while warm < len(rank_ops) and rank_ops[warm].kind == "F":
+            warm += 1
+        warm = min(warm - 1, total) if warm < len(rank_ops) else total   # the steady state starts with F
+        if warm < 0:
+            warm = 0
+
+        def recv_f(k: int) -> list[Op]:
+            if k >= total:
+                return []
+            op = fwd[k]
+            return [Op("RECV_F", op.stage, op.microbatch, r, place[op.stage - 1])] if op.stage > 0 else []
+
+        def recv_b(k: int) -> list[Op]:
+            if k >= len(bwd):
+                return []
+            op = bwd[k]
+            return [Op("RECV_B", op.stage, op.microbatch, r, place[op.stage + 1])] if op.stage < S - 1 else []
+
+        def send_f(op: Op) -> list[Op]:
+            return [Op("SEND_F", op.stage, op.microbatch, r, place[op.stage + 1])] if op.stage < S - 1 else []
+
+        def send_b(op: Op) -> list[Op]:
+            return [Op("SEND_B", op.stage, op.microbatch, r, place[op.stage - 1])] if op.stage > 0 else []
+
+        lst: list[Op] = recv_f(0)
+        for k in range(warm):
+            lst += [fwd[k]] + send_f(fwd[k]) + recv_f(k + 1) + (recv_b(0) if k == warm - 1 else [])
+        for j in range(total - warm):
+            f, b = fwd[warm + j], bwd[j]
+            lst += [f, b] + send_f(f) + send_b(b) + recv_f(warm + j + 1) + recv_b(j + 1)
+        for j in range(total - warm, len(bwd)):
+            lst += [bwd[j]] + send_b(bwd[j]) + recv_b(j + 1)
+        ops.append(lst)
+    meta = dict(schedule.meta, comm_inserted=True, comm_placement="megatron-core")
+    return Schedule(schedule.name, m, schedule.placement, ops, meta)
+
+
+def insert_comm_megatron_any(schedule: Schedule) -> Schedule:
+    """Megatron-Core's exchanges for either of its own schedules (:data:`MEGATRON_PLACEMENTS`)."""
+    if schedule.name == "interleaved-1f1b":
+        return insert_comm_megatron_interleaved(schedule)
+    return insert_comm_megatron(schedule)
