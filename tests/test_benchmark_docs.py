@@ -69,3 +69,18 @@ def test_update_rewrites_only_the_generated_tables():
     assert "| 7 | 7 |" in new and "| 1 | 2 |" not in new
     _, missing = doccheck.update(md, gen.replace("## A", "## C"))
     assert missing == ["## C / | x | y |"]
+
+
+def test_published_rows_that_miss_the_goal_name_their_cause():
+    """docs/benchmarks/published.md: every row that misses a part of the goal names a cause (no
+    `?`), and each cause it names is a bullet of the page's *Rows that miss the goal*."""
+    import re
+
+    rows = [r for t in doccheck.tables(generated("published")) if t.header.endswith("goal missed (cause) |")
+            for r in t.rows]
+    assert rows
+    cells = [r.rstrip(" |").rsplit("|", 1)[1].strip() for r in rows]
+    assert all(c == "met" or re.fullmatch(r"(\w+ \([A-Z](, [A-Z])*\)(; )?)+", c) for c in cells), cells
+    page = doc("published")
+    for key in {k for c in cells for k in re.findall(r"[A-Z]", c)}:
+        assert f"- ({key}) " in page, key

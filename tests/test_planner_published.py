@@ -245,18 +245,23 @@ def test_time_model_constants_refuse_nonsense(field):
 
 # --- calibration: gemm_max with points, measured stage times ----------------------------------------
 
-def test_gemm_max_given_with_points_is_used_and_the_points_fit_gemm_half():
-    """"Used or refused, never ignored": efficiency.gemm_max stays what the file says and the
-    points fit gemm_half (before: the points' fit silently replaced it)."""
-    from megatron_pp_ext.planner.timing import Efficiency, calibration_from_dict
-    true = Efficiency(gemm_max=0.6, gemm_half=3e5)
-    doc = {"efficiency": {"gemm_max": 0.6},
-           "gemm_points": [{"x": x, "efficiency": true.gemm(x)} for x in (1e5, 1e6, 1e7)]}
-    cal = calibration_from_dict(doc, Efficiency(gemm_max=0.9, gemm_half=1e4))
-    assert cal.gemm_max == 0.6 and cal.gemm_half == pytest.approx(3e5, rel=1e-9)
-    doc = {"efficiency": {"gemm_half": 3e5}, "gemm_points": [{"x": 1e6, "efficiency": true.gemm(1e6)}]}
-    cal = calibration_from_dict(doc, Efficiency(gemm_max=0.9, gemm_half=1e4))
-    assert cal.gemm_half == 3e5 and cal.gemm_max == pytest.approx(0.6, rel=1e-9)
+def test_gemm_max_given_with_points_is_used_and_the_points_fit_gemm_half(tmp_path):
+    """"Used or refused, never ignored": efficiency.gemm_max (or gemm_half) stays what the file
+    says and the points, measured on another curve, fit the other field (before: the points'
+    free fit silently replaced both)."""
+    from megatron_pp_ext.planner.timing import Efficiency, load_calibration
+    base = Efficiency(gemm_max=0.9, gemm_half=1e4)
+    path = tmp_path / "cal.json"
+    lower = Efficiency(gemm_max=0.55, gemm_half=3e5)          # every point below the given gemm_max 0.6
+    path.write_text(json.dumps({"efficiency": {"gemm_max": 0.6},
+                                "gemm_points": [{"x": x, "efficiency": lower.gemm(x)} for x in (1e5, 1e6, 1e7)]}))
+    cal = load_calibration(str(path), base)
+    assert cal.gemm_max == 0.6 and cal.gemm_half > 3e5       # a lower curve at E = 0.6: a later half point
+    wider = Efficiency(gemm_max=0.6, gemm_half=1e6)
+    path.write_text(json.dumps({"efficiency": {"gemm_half": 3e5},
+                                "gemm_points": [{"x": x, "efficiency": wider.gemm(x)} for x in (1e5, 1e6, 1e7)]}))
+    cal = load_calibration(str(path), base)
+    assert cal.gemm_half == 3e5 and cal.gemm_max < 0.6       # the same points at an earlier half: a lower E
 
 
 def test_stage_times_are_the_planned_op_times(tmp_path, capsys):
@@ -290,3 +295,25 @@ def test_stage_times_are_the_planned_op_times(tmp_path, capsys):
     assert rc == 0 and out["plans"][0]["micro_batch_size"] == 6 and out["efficiency"]["stage_times"]["layers"] == 3
     # the Zero Bubble paper measured 1F1B at 11.8 samples/GPU/s here: 1.525 s (docs/benchmarks/published.md)
     assert out["plans"][0]["iteration_time_s"] == pytest.approx(24 * 6 / (11.8 * 8), rel=0.02)
+
+
+@pytest.mark.parametrize("name,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 8, 1, 24), ("interleaved-1f1b", 4, 2, 8),
+                                        ("interleaved-1f1b", 8, 3, 24), ("interleaved-1f1b", 8, 3, 8),
+                                        ("interleaved-1f1b", 5, 2, 5), ("interleaved-1f1b", 3, 2, 3)])
+def test_blocking_makespan_is_the_simulators(name, p, v, m):
+    """The planner's linear-time evaluation of Megatron's exchanges equals the event simulator's
+    nccl-batched makespan, op costs differing per stage; with m = p the first ranks' warm-up holds
+    every forward (Megatron-Core's "all warm-up": before, its exchanges deadlocked there), and at
+    p = 3 and 5 one rank's warm-up holds all forwards but one, which is not all warm-up."""
+    import random
+
+    from megatron_pp_ext.schedule import CostModel, build_schedule, simulate
+    from megatron_pp_ext.schedule.passes.megatron_comm import blocking_makespan, insert_comm_megatron_any
+    rnd = random.Random(p * 100 + v * 10 + m)
+    S = p * v
+    cost = CostModel(tuple(rnd.uniform(0.5, 1.5) for _ in range(S)), tuple(rnd.uniform(0.5, 1.5) for _ in range(S)),
+                     tuple(rnd.uniform(0.2, 1.0) for _ in range(S)), 0.07, (1.0 / v,) * S)
+    sched, _ = build_schedule(name, p, m, chunks=v, costs=cost)
+    meg = insert_comm_megatron_any(sched)
+    assert blocking_makespan(meg, cost) == pytest.approx(simulate(meg, cost, comm_model="nccl-batched").makespan,
+                                                         abs=1e-6)
