@@ -257,8 +257,14 @@ def fitted_on(x: "Result", calibrated: bool = False) -> str:
     return "dropout, latency" if latency else "dropout"
 
 
-def miss_causes(x: "Result") -> dict[str, list[str]]:
-    """Each part of the goal the row misses -> the keys of CAUSES that explain it (``?``: none)."""
+#: a vocabulary-parallelism baseline further off than this is not the model-specific efficiency (F:
+#: the other baselines are 7-12% fast) but cause H
+UNEXPLAINED_BASELINE = -0.20
+
+
+def miss_causes(x: "Result", unexplained_baselines: frozenset = frozenset()) -> dict[str, list[str]]:
+    """Each part of the goal the row misses -> the keys of CAUSES that explain it (``?``: none);
+    ``unexplained_baselines``: the vocabulary-parallelism groups whose baseline is cause H."""
     r = x.row
     meets = dict(x.meets)
     if r.label == BASELINE[r.source]:
@@ -280,7 +286,7 @@ def miss_causes(x: "Result") -> dict[str, list[str]]:
                 if r.group.startswith("1.5B"):
                     why = why + ["D"]
         else:
-            if r.model.vocab >= 256000 and (r.label == "baseline" or part == "speedup"):
+            if r.group in unexplained_baselines and (r.label == "baseline" or part == "speedup"):
                 why = ["H"]
             elif part == "time":
                 why = ["F"] + (["G"] if r.label != "baseline" else [])
@@ -290,8 +296,14 @@ def miss_causes(x: "Result") -> dict[str, list[str]]:
     return out
 
 
-def goal_cell(x: "Result") -> str:
-    misses = miss_causes(x)
+def unexplained(results: list["Result"]) -> frozenset:
+    """The groups whose vocabulary-parallelism baseline is off by more than UNEXPLAINED_BASELINE."""
+    return frozenset(x.row.group for x in results
+                     if x.row.source == "vocab" and x.row.label == "baseline" and x.time_err < UNEXPLAINED_BASELINE)
+
+
+def goal_cell(x: "Result", unexplained_baselines: frozenset = frozenset()) -> str:
+    misses = miss_causes(x, unexplained_baselines)
     if not misses:
         return "met"
     return "; ".join(f"{part} ({', '.join(why)})" for part, why in misses.items())
@@ -381,11 +393,12 @@ def vocab_table(results: list[Result]) -> list[str]:
              "predicted",
              "memory GiB measured", "predicted", "error", "goal missed (cause)"]
     body = []
+    odd = unexplained(results)
     for x in results:
         r = x.row
         body.append([r.group, r.label, f"{r.time_s:.3f}", f"{x.pred.time_s:.3f}", _pct(x.time_err), _before_err(x, old),
                      f"{x.speedup_meas:.3f}", f"{x.speedup_pred:.3f}", _mem(r.memory_gib), f"{x.pred.memory_gib:.1f}",
-                     _pct(x.memory_err), goal_cell(x)])
+                     _pct(x.memory_err), goal_cell(x, odd)])
     return _md(heads, body)
 
 
@@ -543,9 +556,10 @@ def reading(results: list[Result]) -> list[str]:
     zb1_15 = [key[(g, "ZB-1p")].row.memory_gib - key[(g, "1F1B")].row.memory_gib for g in g15]
     zb1_15p = [key[(g, "ZB-1p")].pred.memory_gib - key[(g, "1F1B")].pred.memory_gib for g in g15]
     odd = [x for x in by["1F1B-I"] if "I" in miss_causes(x).get("speedup", [])]
-    v256 = [x for x in vb if x.row.label == "baseline" and "H" in miss_causes(x).get("time", [])]
     zb2_fit = [x for x in by["ZB-2p"] if x.row.group.split()[0] in FIT_MODELS]
-    vbase = [x for x in vb if x.row.label == "baseline" and x.row.model.vocab < 256000]
+    odd_groups = unexplained(vb)
+    v256 = [x for x in vb if x.row.label == "baseline" and x.row.group in odd_groups]
+    vbase = [x for x in vb if x.row.label == "baseline" and x.row.group not in odd_groups]
     mem = {x.row.key: x for x in vb}
     alg_gap = [x.row.memory_gib - mem[(x.row.group, "vocab-2")].row.memory_gib for x in vb if x.row.label == "vocab-1"]
     alg_gap_pred = [x.pred.memory_gib - mem[(x.row.group, "vocab-2")].pred.memory_gib for x in vb
@@ -569,7 +583,8 @@ def reading(results: list[Result]) -> list[str]:
         "- *Dropout's random numbers*: the forward of a layer without flash attention draws one per attention "
         "score. **Fitted** (7.5 ps each) on table 6's forward times of the 1.5B and 6.2B models (column *fitted on "
         "it*: dropout), **shown** on the 14.6B and 28.3B ones and not in play on the vocabulary-parallelism rows "
-        "(flash attention, no dropout); the summary counts the shown rows apart. Before it the planner's F was 10-18% below table 6's; B and W were within a few "
+        "(flash attention, no dropout); the summary counts the shown rows apart. Before it the planner's F was "
+        "10-18% below table 6's; B and W were within a few "
         "percent and stay so.",
         "- *The first and last stage's embedding and loss*, already modelled, with the published layouts now "
         "planned (the end stages one layer short; one layer per interleaved chunk, the first chunk the "
@@ -613,12 +628,14 @@ def reading(results: list[Result]) -> list[str]:
         f"({_range([x.time_err for x in by['ZB-2p']])}) overlaps the next iteration's warm-up with the end of "
         "this one; the planner models neither that overlap nor the 6-10% the synchronised run loses.",
         f"- (F) The vocabulary-parallelism rows' time: {_range([x.time_err for x in vbase])} for the "
-        "baselines below 256k. This 4B model (h 3072, s 2048-4096, flash attention, micro batch 1) runs its "
+        "baselines but H's. This 4B model (h 3072, s 2048-4096, flash attention, micro batch 1) runs its "
         "layers about 10% slower than the A100 efficiency curve predicts, a curve the Zero Bubble rows confirm "
         "for their GEMMs (table 6's B and W): a model-specific efficiency that only measured times can carry "
         "(`--calibration`).",
         f"- (G) With vocabulary parallelism: {_range([x.time_err for x in vfeat])}, speedups "
-        f"{_range(sp([x for x in vfeat if x.row.model.vocab < 256000]), pct=False)} points below 256k. The "
+        f"{_range(sp([x for x in vfeat if x.row.group not in odd_groups]), pct=False)} points (over every baseline "
+        "but H's). "
+        "The "
         "vocabulary-parallel runs used the authors' runtime (their S and T passes, their buffers: its "
         f"algorithm 1 held {_range(alg_gap, pct=False)} GiB more than its algorithm 2, ours "
         f"{_range(alg_gap_pred, pct=False)} GiB); the planner estimates megatron_pp_ext's.",
