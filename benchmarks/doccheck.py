@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: script name -> its document (every script here has ``doc_tables(quick)``)
 DOCS = {"vocab": "vocab.md", "bpipe": "bpipe.md", "offload": "offload.md", "schedules": "schedules.md",
-        "planner": "planner.md", "comm": "comm.md", "moe": "moe.md"}
+        "planner": "planner.md", "comm": "comm.md", "moe": "moe.md", "published": "published.md"}
 
 
 @dataclass

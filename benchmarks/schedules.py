@@ -11,7 +11,7 @@ simulator under the same per-stage cost model: bubble rate of the busiest rank a
 activation memory in units (REFERENCE §1). Also: the same with send/recv ops inserted (our
 comm pass) and the generation time per schedule, up to p=32, m=256. With ``--zbpp PATH`` (a
 checkout of sail-sg/zero-bubble-pipeline-parallelism) also the side-by-side comparison with the
-published generators themselves (``benchmarks/published.py``).
+published generators themselves (``benchmarks/generators.py``).
 
 Results are deterministic (no randomness anywhere); only the timings vary from run to run.
 Work is spread over ``--jobs`` processes (default: the CPU count, at most 8).
@@ -33,7 +33,7 @@ from megatron_pp_ext.schedule.generators.bounds import schedule_lower_bound
 from megatron_pp_ext.schedule.generators.patterns import clear_pattern_caches
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import published  # noqa: E402  (benchmarks/published.py, beside this file)
+import generators as published  # noqa: E402  (benchmarks/generators.py, beside this file)
 
 PS = (4, 8, 16)
 M_FACTORS = (1, 2, 4, 8)
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(here, "..", "docs", "benchmarks", "schedules.md"))
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8))
     ap.add_argument("--zbpp", help="a checkout of sail-sg/zero-bubble-pipeline-parallelism: adds the comparison "
-                    "with the published generators themselves (benchmarks/published.py)")
+                    "with the published generators themselves (benchmarks/generators.py)")
     args = ap.parse_args(argv)
     if args.zbpp:
         published.load_zbpp(args.zbpp)  # a wrong path fails now, not after the long part
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         section = published.render(pub, command, published.zbpp_commit(args.zbpp))
     else:
         section = ("## Against the published generators themselves\n\nNot run: give `--zbpp PATH` (a checkout of "
-                   "sail-sg/zero-bubble-pipeline-parallelism), see `benchmarks/published.py`.\n")
+                   "sail-sg/zero-bubble-pipeline-parallelism), see `benchmarks/generators.py`.\n")
     head, sep, tail = text.partition("## V schedules against 1F1B")
     text = head + section + "\n" + sep + tail
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -6,6 +6,11 @@ Megatron-LM ``eval``s the text. Here a small parser reads integers, lists, paren
 ``[1]+[0]+...`` works (Python's own parser gives up on it: too deep a syntax tree), and sizes are
 checked before anything is built, so ``[1]*99999999999`` is refused at once instead of filling
 the memory. Used by ``mppx train`` and ``mppx plan``.
+
+Megatron-Core's ``--pipeline-model-parallel-layout`` strings (``E`` the embedding, ``t`` a
+transformer layer, ``L`` the loss, ``|`` between stages, ``x*n`` and ``(...)*n`` repeats, commas
+cosmetic) are written by :func:`layout_string` and read by :func:`parse_layout` with the same
+bounds: ``mppx plan`` prints them, ``mppx train`` and the Megatron-LM integration take them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["evaluate_pattern", "MAX_ENTRIES", "MAX_TEXT"]
+__all__ = ["evaluate_pattern", "MAX_ENTRIES", "MAX_TEXT", "layout_string", "parse_layout"]
 
 #: the longest list a pattern may produce (layers), and the longest text read
 MAX_ENTRIES = 1 << 16
@@ -129,3 +134,52 @@ def evaluate_pattern(text: str) -> Any:
     if pos != len(toks):
         raise ValueError(f"unexpected {toks[pos]!r}")
     return value
+
+
+# --- Megatron-Core's pipeline layout strings ------------------------------------------------------
+
+_LAYOUT_REPEAT = re.compile(r"\(([^()]+)\)\*(\d+)|([^()*])\*(\d+)")
+
+
+def layout_string(counts: tuple[int, ...] | list[int]) -> str:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for these transformer layers per
+    stage (stage order): ``E`` on the first stage, ``L`` on the last, ``t*N`` the layers; a stage
+    of the first or last with no layer holds only the embedding or the loss (``E|t*3|...|L``)."""
+    parts = [f"t*{n}" if n else "" for n in counts]
+    parts[0] = "E" + parts[0]
+    parts[-1] = parts[-1] + "L"
+    return "|".join(parts)
+
+
+def parse_layout(text: str) -> tuple[int, ...]:
+    """Transformer layers per stage of a ``--pipeline-model-parallel-layout`` string, the way
+    Megatron-Core reads it (its ``parse_str_to_list``): the embedding first in the first stage,
+    the loss last in the last, each once; only ``E``, ``t`` and ``L`` (no MTP layers). ValueError
+    says what is wrong; sizes are checked before a repeat is unrolled."""
+    if len(text) > MAX_TEXT:
+        raise ValueError(f"longer than {MAX_TEXT} characters")
+    s = text.replace(",", "").replace(" ", "")
+    if not s:
+        raise ValueError("empty")
+    while True:
+        m = _LAYOUT_REPEAT.search(s)
+        if m is None:
+            break
+        body = m.group(1) if m.group(1) is not None else m.group(3)
+        n = int(m.group(2) if m.group(2) is not None else m.group(4))
+        if len(s) + len(body) * max(n - 1, 0) > MAX_ENTRIES * 4:
+            raise ValueError(f"the layout is longer than {MAX_ENTRIES} layers")
+        s = s[:m.start()] + body * n + s[m.end():]
+    bad = sorted(set(s) - set("EtL|"))
+    if bad:
+        what = "MTP layers ('m') are not built here" if bad == ["m"] else f"unknown characters {bad}"
+        raise ValueError(f"{what}: a layout holds E (the embedding), t (a transformer layer), L (the loss), "
+                         "'|' between stages, x*n and (...)*n repeats")
+    stages = s.split("|")
+    if s.count("E") != 1 or not stages[0].startswith("E"):
+        raise ValueError("the embedding 'E' must open the first stage, once")
+    if s.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ValueError("the loss 'L' must close the last stage, once")
+    if len(stages) > MAX_ENTRIES:
+        raise ValueError(f"more than {MAX_ENTRIES} stages")
+    return tuple(st.count("t") for st in stages)

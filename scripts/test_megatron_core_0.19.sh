@@ -2,7 +2,7 @@
 # The tests that touch Megatron, on the newest supported megatron-core (0.19.2), in a venv of
 # their own: the runtime parity suite and features, the B/W split, the trainer's training,
 # checkpoints and MoE, the version layer, the
-# planner's emitted MoE flags through Megatron-LM's own validation, and the
+# planner's emitted flags (MoE plans, the published layouts) through Megatron-LM's own validation, and the
 # Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
 # driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
 # full suite on megatron-core 0.16.1, so CI covers both ends of the supported range. Without
@@ -46,7 +46,7 @@ if [ $# -eq 0 ]; then
         tests/test_wgrad.py tests/test_compat.py tests/test_trainer.py tests/test_trainer_checkpoint.py \
         tests/test_trainer_safety.py tests/test_trainer_moe.py tests/test_trainer_features.py \
         tests/test_megatron_lm_integration.py \
-        tests/test_planner.py::test_emitted_moe_flags_pass_megatron_lm_validation \
+        tests/test_planner.py::test_emitted_flags_pass_megatron_lm_validation \
         -k "not test_steady_state_matches_pp1_bit_exact and not test_more_paired_schedules"
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"

@@ -357,11 +357,42 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
     ({"layer_points": [{"mbs": 1e300, "tp": 1, "forward_ms": 3}]}, "mbs and tp must be whole numbers (mbs 1 to 4096"),
     ({"layer_points": [{"mbs": 1, "tp": 1, "forward_ms": 3, "seq": 4096}]}, "unknown keys ['seq']"),
     ({"efficiency": {"dp_overlap": 1}}, "dp_overlap=1: must be true or false"),
+    # a fit is never capped: one point far below the curve would need gemm_max 40 (capped to 1 it predicted MFU 78.6%)
+    ({"gemm_points": [{"x": 100, "efficiency": 0.01}]}, "(x=100, efficiency=0.01) need gemm_max=40 with gemm_half=400000: above the GPU's peak"),
+    ({"efficiency": {"gemm_max": 0.6, "gemm_half": 1e5}, "gemm_points": [{"x": 1e6, "efficiency": 0.5}]},
+     "which \"efficiency\" already sets"),
+    ({"efficiency": {"gemm_max": 0.4}, "gemm_points": [{"x": 1e6, "efficiency": 0.5}]}, "at or above gemm_max=0.4"),
+    # measured stage times (the shape of table 6): every time there, finite and > 0
+    ({"stage_times": {"micro_batch_size": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms is missing"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 0, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms=0"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": -2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.b_ms=-2"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": float("nan"), "p2p_ms": 0.1}},
+     "stage_times.w_ms=nan"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1}}, "stage_times.p2p_ms is missing"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": "fast"}},
+     "stage_times.p2p_ms='fast'"),
+    ({"stage_times": {"f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.micro_batch_size is missing"),
+    ({"stage_times": {"micro_batch_size": 1.5, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+     "stage_times.micro_batch_size=1.5: a whole number"),
+    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1, "t_f": 1}},
+     "stage_times: unknown keys ['t_f']"),
+    ({"stage_times": {"micro_batch_size": 1, "layers": 99, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+     "stage_times.layers=99: more than the model's 32 layers"),
 ])
 def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(doc))
     assert needle in one_line_error(capsys, *PLAN, "--calibration", str(path))
+
+
+def test_plan_refuses_stage_times_of_another_microbatch_size(capsys, tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "f_ms": 1, "b_ms": 2, "w_ms": 1,
+                                                "p2p_ms": 0.1}}))
+    line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--mbs", "1")
+    assert "stage_times.micro_batch_size=2: the times were measured at mbs 2, but --mbs 1 is planned" in line
+    line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--tp", "2")
+    assert "stage_times.tp=1" in line
 
 
 def test_planner_library_refuses_the_same_values():

@@ -194,6 +194,12 @@ def sched4(work) -> dict:
         ("v-half", UNTIE + PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half"]),
         ("zbv-bf16", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--bf16"]),
         ("zb-h1-bf16", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1", "--bf16"]),
+        # the published 1F1B-I layout mppx plan prints, 2p - 2 = 6 layers: Megatron-Core's own interleaved 1F1B
+        # with one layer per chunk (the first chunk the embedding alone, the last the loss alone). (ZB-V's end
+        # chunks alone, --pipeline-layers-per-stage 0,1,...,1,0: the same model building, through our executor
+        # in tests/runtime/test_runtime_model.py, and the flags through validate_args in test_planner_published.)
+        ("mcore-interleaved-layout", UNTIE + PP4 + ["--num-layers", "6", "--pipeline-model-parallel-layout",
+                                                    "E|t*1|t*1|t*1|t*1|t*1|t*1|L"]),
     ])
 
 
@@ -257,6 +263,7 @@ def world1(work, ckpt4) -> dict:
         ("pp1-tied", []),
         ("pp1-llama", LLAMA),
         ("pp1-load", UNTIE + ["--load", str(work / "ckpt_zbv")]),
+        ("pp1-6-layers", UNTIE + ["--num-layers", "6"]),
         ("moe-pp1", _tiny_moe() + ["--pipeline-model-parallel-size", "1"]),   # (tests of the MoE rows)
     ])
 
@@ -372,7 +379,8 @@ def ulps(a: str, b: str) -> float:
 
 #: (run, its bit-exact reference: Megatron-LM itself at pp=1 with the same tensor-parallel size)
 SCHEDULE_RUNS = [("mcore-1f1b", "pp1"), ("zb-h1", "pp1"), ("interleaved-zb", "pp1"), ("zbv", "pp1"),
-                 ("v-half", "pp1"), ("zbv-tp2", "pp1-tp2"), ("llama-zbv-tp2", "pp1-llama-tp2")]
+                 ("v-half", "pp1"), ("zbv-tp2", "pp1-tp2"), ("llama-zbv-tp2", "pp1-llama-tp2"),
+                 ("mcore-interleaved-layout", "pp1-6-layers")]
 
 
 @pytest.mark.parametrize("name,ref", SCHEDULE_RUNS, ids=[n for n, _ in SCHEDULE_RUNS])

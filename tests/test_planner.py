@@ -315,7 +315,7 @@ def test_emitted_vocab_plans_parse_with_the_megatron_flags_they_sit_beside():
 
 #: Megatron-LM flags the planner emits, each checked against the parser of megatron/training/
 #: arguments.py at core_v0.16.1 (the MoE ones partly generated there from TransformerConfig's
-#: fields); test_emitted_moe_flags_pass_megatron_lm_validation re-checks them whenever Megatron-LM
+#: fields); test_emitted_flags_pass_megatron_lm_validation re-checks them whenever Megatron-LM
 #: is importable.
 MEGATRON_LM_FLAGS = frozenset("""
 --overlap-moe-expert-parallel-comm
@@ -643,8 +643,11 @@ for case in cases:
                                            str(case["vocab"]), "--train-iters", "10", "--lr", "1e-4"])
         ns.rank, ns.world_size = 0, case["world"]
         validate_args(ns, {})
-        assert ns.num_experts == case["experts"] and ns.expert_model_parallel_size == case["ep"]
-        assert ns.data_parallel_size == case["dp"]
+        for key, want in case["expect"].items():       # what Megatron-LM derived from the flags
+            got = getattr(ns, key)
+            if key == "virtual_pipeline_model_parallel_size":
+                got = got or 1
+            assert got == want, (key, got, want)
     except BaseException as e:
         bad.append((case["flags"], repr(e)[:300]))
 print("CASES", len(cases), "BAD", len(bad))
@@ -653,11 +656,15 @@ for b in bad[:3]:
 """
 
 
-def test_emitted_moe_flags_pass_megatron_lm_validation(tmp_path):
-    """The emitted flags of MoE plans through Megatron-LM's own parser and validate_args (plus
-    megatron_pp_ext's Megatron-LM flags and checks), at the plan's world size. Needs Megatron-LM
-    (MEGATRON_LM_DIR or a megatron-core wheel carrying megatron.training) and its Python
-    requirements."""
+def test_emitted_flags_pass_megatron_lm_validation(tmp_path):
+    """The emitted flags of MoE plans and of the published layouts (tests/test_planner_published.py:
+    Megatron-Core's layout string under its own 1F1B / interleaved, ours under the zero-bubble and V
+    schedules) through Megatron-LM's own parser and validate_args (plus megatron_pp_ext's
+    Megatron-LM flags and checks), at the plan's world size, in one process (one import of
+    Megatron-LM). Needs Megatron-LM (MEGATRON_LM_DIR or a megatron-core wheel carrying
+    megatron.training) and its Python requirements."""
+    from test_planner_published import published_flag_cases
+
     import importlib.util
     import os
 
@@ -671,7 +678,10 @@ def test_emitted_moe_flags_pass_megatron_lm_validation(tmp_path):
     for req, e in _emitted_moe_plans():
         c = e.candidate
         cases.append({"flags": megatron_flags(e, req), "world": req.cluster.num_gpus, "vocab": req.model.vocab,
-                      "experts": req.model.num_experts, "ep": c.ep, "dp": c.dp})
+                      "expect": {"num_experts": req.model.num_experts, "expert_model_parallel_size": c.ep,
+                                 "data_parallel_size": c.dp}})
+    moe = len(cases)
+    cases += published_flag_cases()
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if mlm:
@@ -679,4 +689,4 @@ def test_emitted_moe_flags_pass_megatron_lm_validation(tmp_path):
     r = subprocess.run([sys.executable, "-c", _VALIDATE, str(tmp_path / "cases.json")], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=900)
     assert r.returncode == 0 and f"CASES {len(cases)} BAD 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    assert len(cases) >= 8
+    assert moe >= 8 and len(cases) > moe

@@ -49,9 +49,11 @@ def test_flash_attention_and_llama_do_not_gain(cache, name, flash):
 
 
 def test_selective_recomputation_recovers_the_gpt3_gain(cache):
-    """With selective recomputation available the baseline drops the s^2 activations itself."""
+    """With selective recomputation available the baseline drops the s^2 activations itself: of
+    BPipe's gain (> 5% without it) at most 3% is left -- the p2p exchanges of half as many,
+    twice as large microbatches (each exchange of Megatron's 1F1B waits its latency)."""
     v = _verdict(cache, "gpt3-175b", flash=False, recompute=("none", "selective", "full"))
-    assert not v.pays
+    assert v.gain is None or v.gain < 0.03
 
 
 def test_closed_form_matches_the_simulated_iteration(cache):

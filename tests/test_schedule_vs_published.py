@@ -5,7 +5,7 @@
   simulator: in CI, a comparison with those published generators' orders.
 * sail-sg's generators (zero-bubble-pipeline-parallelism, a Megatron-LM fork) are not here.
   ``SAIL_SG`` holds the makespan and peak memory of their orders as *our simulator* read them
-  (``benchmarks/published.py --zbpp PATH``, each chunk half of a rank's F/B/W), measured once by
+  (``benchmarks/generators.py --zbpp PATH``, each chunk half of a rank's F/B/W), measured once by
   hand from a checkout at commit 39f2c186. ``test_never_behind_stored_sail_sg_figures`` checks our
   schedules against those stored numbers: a regression test of ours, not a comparison with the
   published generators. The tests that re-derive the numbers and check that our implementations
@@ -36,7 +36,7 @@ needs_zbpp = pytest.mark.skipif(not ZBPP, reason="set MPPX_ZBPP to a checkout of
                                 "run by hand)")
 
 #: (generator, p, m, profile) -> (makespan, peak units) of the published order, from
-#: ``python benchmarks/published.py --zbpp PATH`` (sail-sg commit 39f2c186)
+#: ``python benchmarks/generators.py --zbpp PATH`` (sail-sg commit 39f2c186)
 SAIL_SG = {
     # sail-sg V-Half
     ('sail-sg V-Half', 4, 6, 'b-heavy'): (28.2, 3),
@@ -211,7 +211,7 @@ def test_never_behind_torch_at_no_more_memory(p, m, profile):
 @pytest.fixture(scope="module")
 def zbpp():
     sys.path.insert(0, str(ROOT))
-    from benchmarks import published
+    from benchmarks import generators as published
     return published, published.load_zbpp(ZBPP)
 
 

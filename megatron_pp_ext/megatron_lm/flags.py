@@ -505,10 +505,8 @@ def prevalidate(args: argparse.Namespace, opts: PipelineOptions) -> tuple[int, .
                                what=what)
     # Megatron-LM's own checks see an equivalent layout string (stage count -> virtual pipeline size);
     # after its validation the string is replaced by the placement-aware layout object.
-    parts = [f"t*{n}" if n else "" for n in lps]
-    parts[0] = "E" + parts[0]
-    parts[-1] = parts[-1] + "L"
-    args.pipeline_model_parallel_layout = "|".join(parts)
+    from ..layer_pattern import layout_string
+    args.pipeline_model_parallel_layout = layout_string(lps)
     args._mppx_layout_string = args.pipeline_model_parallel_layout
     # the string carries the chunk count; Megatron-LM allows only one of the two
     args.num_virtual_stages_per_pipeline_rank = None

@@ -27,7 +27,7 @@ from .candidates import Estimate, PlanRequest
 from .presets import PlannerError
 from .search import plan
 from .simcache import SimCache
-from .timing import attention_flops, layer_times, linear_flops
+from .timing import attention_flops, layer_times, linear_flops, peak_flops
 
 
 @dataclass
@@ -74,9 +74,9 @@ def mfu_curve(req: PlanRequest, tp: int, mbs_values=(1, 2, 4, 8)) -> list[dict]:
     out = []
     for b in mbs_values:
         moe = model.is_moe and all(model.moe_pattern)  # the layer the model is made of (ep = 1)
-        lt = layer_times(model, cl, eff, b, tp, moe=moe)
+        lt = layer_times(model, cl, eff, b, tp, moe=moe, precision=req.precision)
         flops = 3 * (linear_flops(model, b, moe=moe) + attention_flops(model, b)) / tp
-        out.append({"mbs": b, "layer_mfu": flops / (lt.total * cl.gpu.peak_tflops * 1e12),
+        out.append({"mbs": b, "layer_mfu": flops / (lt.total * peak_flops(cl.gpu, req.precision)),
                     "layer_time_per_sample_ms": lt.total / b * 1e3})
     return out
 

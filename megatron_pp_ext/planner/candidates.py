@@ -64,6 +64,23 @@ class PlanRequest:
             if not (isinstance(v, int) and v >= 1):
                 raise PlannerError(f"{flag} {v!r}: must be a whole number >= 1")
         self._check_experts()
+        self._check_stage_times()
+
+    def _check_stage_times(self) -> None:
+        """Measured stage times (--calibration stage_times) hold for one microbatch size and tp:
+        the plan searches exactly those, and refuses another one (times never stretched)."""
+        st = self.efficiency.stage_times
+        if st is None:
+            return
+        for name, flag, value in (("mbs", "--mbs", st.mbs), ("tp", "--tp", st.tp)):
+            given = getattr(self, name)
+            if given is None:
+                object.__setattr__(self, name, (value,))
+            elif tuple(given) != (value,):
+                key = "micro_batch_size" if name == "mbs" else "tp"
+                raise PlannerError(f"--calibration stage_times.{key}={value}: the times were measured at {name} "
+                                   f"{value}, but {flag} {','.join(map(str, given))} is planned; plan {flag} {value} "
+                                   f"or measure at the {name} you plan")
 
     def _check_experts(self) -> None:
         """--ep / --etp against the model and the cluster, by Megatron-Core's rules: ep divides

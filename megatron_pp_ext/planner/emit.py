@@ -19,6 +19,7 @@ import shlex
 
 from .candidates import Estimate, PlanRequest
 from .features import get_feature
+from ..layer_pattern import layout_string
 from .layout import split_layers
 from .presets import ModelSpec, format_moe_layer_freq
 
@@ -79,16 +80,6 @@ def needs_plugin(est: Estimate, req: PlanRequest) -> bool:
     features."""
     c = est.candidate
     return c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or bool(c.features))
-
-
-def layout_string(counts: tuple[int, ...]) -> str:
-    """Megatron-Core's ``--pipeline-model-parallel-layout`` for these layers per stage (stage
-    order): ``E`` the embedding on the first stage, ``L`` the loss on the last, ``t*N`` N
-    transformer layers, stages separated by ``|``."""
-    parts = [f"t*{n}" if n else "" for n in counts]
-    parts[0] = "E" + parts[0]
-    parts[-1] = parts[-1] + "L"
-    return "|".join(parts)
 
 
 def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:

@@ -200,9 +200,10 @@ class VocabParallelEstimator(BaseFeature):
         model, cl, eff = req.model, req.cluster, req.efficiency
         p = cand.pp
         c = costs.copy()
-        full = output_times(model, cl, eff, cand.mbs, cand.tp)
-        emb = embedding_times(model, cl, eff, cand.mbs, cand.tp)
-        shard = output_times(model, cl, eff, cand.mbs, cand.tp, shards=p)
+        prec = req.precision
+        full = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
+        emb = embedding_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
+        shard = output_times(model, cl, eff, cand.mbs, cand.tp, shards=p, precision=prec)
         last, first = len(c.placement) - 1, 0
         c.t_f[last] -= full.f
         c.t_b[last] -= full.b

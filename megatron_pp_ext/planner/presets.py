@@ -276,8 +276,13 @@ class GPUSpec:
     host_gbps: float
     nvlink_latency_us: float = 8.0
     net_latency_us: float = 20.0
+    #: dense fp32 peak in TFLOPS (no tensor-float-32: torch's default for matmuls); None: 1/16 of
+    #: the bf16 peak, the A100's ratio
+    fp32_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        if self.fp32_tflops is None:
+            object.__setattr__(self, "fp32_tflops", self.peak_tflops / 16)
         for name, (lo, hi, flag, what, example) in _GPU_RANGES.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
@@ -297,16 +302,17 @@ _GPU_RANGES = {
     "host_gbps": (0.01, 1e6, "--host-gbps", "device-to-host bandwidth in GB/s", 21),
     "nvlink_latency_us": (0.0, 1e6, "GPUSpec.nvlink_latency_us", "NVLink latency in us", 8),
     "net_latency_us": (0.0, 1e6, "GPUSpec.net_latency_us", "network latency in us", 20),
+    "fp32_tflops": (0.01, 100000.0, "GPUSpec.fp32_tflops", "the dense fp32 peak in TFLOPS", 67),
 }
 
 
 GPU_PRESETS: dict[str, GPUSpec] = {
     # A100-SXM4-80GB: 312 TF bf16, 2.0 TB/s HBM2e, NVLink3 (~230 GB/s all-reduce busbw),
     # 8x HDR 200 Gb/s per node, PCIe4 ~15 GB/s D2H (REFERENCE §5).
-    "a100": GPUSpec("a100", 80.0, 312.0, 2039.0, 230.0, 23.0, 15.0),
+    "a100": GPUSpec("a100", 80.0, 312.0, 2039.0, 230.0, 23.0, 15.0, fp32_tflops=19.5),
     # H100-SXM5-80GB: 989 TF bf16 dense, 3.35 TB/s HBM3, NVLink4 (~400 GB/s busbw),
     # 8x NDR 400 Gb/s per node, PCIe5 ~21 GB/s D2H (REFERENCE §5).
-    "h100": GPUSpec("h100", 79.6, 989.0, 3350.0, 400.0, 45.0, 21.0),
+    "h100": GPUSpec("h100", 79.6, 989.0, 3350.0, 400.0, 45.0, 21.0, fp32_tflops=67.0),
 }
 
 

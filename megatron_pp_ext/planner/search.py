@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..schedule import ScheduleError, parse_memory_budget, schedule_info, schedule_names
+from .emit import MEGATRON_SCHEDULES
 from .candidates import Candidate, Estimate, PlanRequest, RankMemory, StageCosts, divisors, powers_of_two_upto
 from .features import feature_names, get_feature
 from .layout import placement_for, rank_static, stage_parts, takes_chunks
@@ -36,7 +37,7 @@ from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
 from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
-                     output_times, p2p_time)
+                     output_times, p2p_time, peak_flops)
 
 MAX_MBS = 16
 MAX_PP = 64
@@ -126,7 +127,7 @@ class Planner:
                                    f"and --schedules {','.join(self.schedules)} has none of them; add "
                                    f"{planned_with[0]} to --schedules or drop --require-features {f}")
         self.model_flops = req.global_batch * model_flops_per_sample(model)
-        self.peak_flops = self.N * cl.gpu.peak_tflops * 1e12
+        self.peak_flops = self.N * peak_flops(cl.gpu, req.precision)
 
     # -- enumeration ----------------------------------------------------------------------
     def _tps(self) -> list[int]:
@@ -199,9 +200,10 @@ class Planner:
                 if L % pp and not uneven:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
                     continue
-                if pp > L:
+                if pp > L + 2:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}",
-                                 f"{pp} stages for {L} layers: more stages than layers")
+                                 f"{pp} stages for {L} layers: more than layers + 2 (the embedding and the loss "
+                                 "alone)")
                     continue
                 dp = self.N // (tp * pp)
                 if G % dp:
@@ -252,8 +254,11 @@ class Planner:
                 if L % (pp * vp) and not uneven:
                     self.rej.add("divisibility", what, f"{pp * vp} stages do not divide {L} layers")
                     continue
-                if pp * vp > L:
-                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more stages than layers")
+                if pp * vp > L + 2:
+                    # up to two stages may hold no transformer layer: the first the embedding alone, the
+                    # last the loss alone (split_layers gives the end stages the fewest layers)
+                    self.rej.add("divisibility", what, f"{pp * vp} stages for {L} layers: more than layers + 2 "
+                                 "(the embedding and the loss alone)")
                     continue
                 if name == INTERLEAVED and m % pp:
                     self.rej.add("divisibility", what, f"interleaving needs microbatches ({m}) % pp == 0")
@@ -278,12 +283,13 @@ class Planner:
         S = len(placement)
         parts = stage_parts(model, S)
         kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
+        prec = self.req.precision
         lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
-                               etp=cand.etp) for moe in kinds}
+                               etp=cand.etp, precision=prec) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
-        emb = embedding_times(model, cl, eff, cand.mbs, cand.tp)
-        out = output_times(model, cl, eff, cand.mbs, cand.tp)
+        emb = embedding_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
+        out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         t_f, t_b, t_w = [], [], []
         for part in parts:
             n_moe = part.moe_layers(model)
@@ -318,7 +324,10 @@ class Planner:
             # the MoE dispatcher's send/receive buffers of the layer running its backward (model-based)
             a2a = la[True].transient if (True in la and any(parts[s].moe_layers(model) for s in mine)) else 0.0
             transient.append(rise + (msg if cand.pp > 1 else 0.0) + a2a)
-        comm = p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp) if cand.pp > 1 else 0.0
+        st = eff.stage_times
+        wire = (st.p2p if st is not None and st.applies(cand.mbs, cand.tp) else
+                p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp, precision=prec))
+        comm = wire + eff.p2p_latency_us * 1e-6 if cand.pp > 1 else 0.0
         sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient, w_share=w_share)
         if model.is_moe:  # seconds of all-to-all in one microbatch's F+B on each rank
             a2a = 2 * lt[True].detail["alltoall_f"]
@@ -327,6 +336,14 @@ class Planner:
             sc.a2a = [parts[s].moe_layers(model) * lt[True].detail["alltoall_f"] for s in range(S)]
         self._costs[key] = sc
         return sc
+
+    @staticmethod
+    def megatron_run(cand: Candidate) -> bool:
+        """Whether ``cand`` runs on Megatron-Core's own schedule (1F1B or interleaved without our
+        flags: what Megatron-LM runs for the emitted flags), whose ranks wait at every p2p
+        exchange; otherwise our executor, whose receives are posted early on channels of their
+        own and waited for only by the op that reads them."""
+        return cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features
 
     # -- estimates ------------------------------------------------------------------------
     def estimate(self, cand: Candidate, costs: StageCosts, pipe: PipeResult) -> Estimate:
@@ -341,7 +358,7 @@ class Planner:
         for r in range(cand.pp):
             n, n_exp = statics[r].num_params, statics[r].expert_params
             rs, ag = dp_times(n, cl, cand.tp, cand.dp, distributed_optimizer=cand.distributed_optimizer,
-                              expert_params=n_exp, edp=cand.edp)
+                              expert_params=n_exp, edp=cand.edp, precision=req.precision)
             if eff.dp_overlap:
                 st = costs.stages_of(r)
                 last_bw = sum(costs.t_b[s] + costs.t_w[s] for s in st)
@@ -357,7 +374,11 @@ class Planner:
         if model.tied_embeddings and cand.pp > 1 and costs.placement[0] != costs.placement[S - 1]:
             nbytes = 4.0 * model.padded_vocab(cand.tp) // cand.tp * model.hidden
             g = cl.gpu
-            t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
+            # the first and the last stage are (pp-1)*tp*dp ranks apart: NVLink inside one node
+            if cand.pp * cand.tp * cand.dp <= cl.gpus_per_node:
+                t["embedding_sync"] = nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
+            else:
+                t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
         return Estimate(cand, costs, pipe, memory, t, self.usable, self.model_flops, self.peak_flops)
 
     def _variants(self, base: Estimate) -> list[Estimate]:
@@ -464,6 +485,40 @@ class Planner:
         self._apply_sim_features(probe, feats)
         return probe.iteration_time
 
+    def evaluate(self, cand: Candidate) -> Estimate:
+        """The estimate of one pinned candidate, its features given as ``cand.features`` (an
+        option each): what the search computes for it, without searching -- to hold one layout
+        and schedule against a measurement (benchmarks/published.py). A budget of ``"fit"`` is
+        resolved as the search does; memory is reported whether it fits or not."""
+        req = self.req
+        base = replace(cand, features=())
+        costs = self.stage_costs(base)
+        sim_cand, feats = base, []
+        for fname, opt in cand.features:
+            f = get_feature(fname)
+            if getattr(f, "memory_only", False):
+                continue
+            sim_cand = sim_cand.with_feature(fname, opt)
+            costs = f.stage_costs(req, sim_cand, opt, costs)
+            feats.append((fname, opt))
+        if sim_cand.budget == "fit":
+            budget = self._fit_budget(sim_cand, costs, feats)
+            if budget is None:
+                raise PlannerError(f"{_describe(sim_cand)}: no activation budget fits")
+            sim_cand = replace(sim_cand, budget=budget)
+        pipe = self.cache.pipeline(sim_cand.schedule, sim_cand.pp, sim_cand.m, sim_cand.vp, costs.t_f, costs.t_b,
+                                   costs.t_w, costs.comm, costs.act,
+                                   budget=sim_cand.budget if isinstance(sim_cand.budget, float) else None,
+                                   w_share=costs.w_share, megatron=self.megatron_run(sim_cand))
+        est = self.estimate(sim_cand, costs, pipe)
+        self._apply_sim_features(est, feats)
+        for fname, opt in cand.features:
+            f = get_feature(fname)
+            if getattr(f, "memory_only", False):
+                est.candidate = est.candidate.with_feature(fname, opt)
+                f.apply(req, est.candidate, opt, est)
+        return est
+
     # -- the search ---------------------------------------------------------------------------
     def run(self) -> PlanResult:
         req = self.req
@@ -552,7 +607,8 @@ class Planner:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
                                            costs.comm, costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
-                                           w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None)
+                                           w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None,
+                                           megatron=self.megatron_run(cand))
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue

@@ -193,7 +193,9 @@ class SimCache:
         self._built[key] = sched
         return sched
 
-    def _evaluate(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+    def _memoised(self, key: str, compute) -> dict:
+        """``compute()``'s makespan, busy time and peaks, kept under ``key`` (a ScheduleError's
+        message too: raised again on a hit)."""
         got = self._results.get(key)
         if got is not None:
             self.stats["hits"] += 1
@@ -202,13 +204,7 @@ class SimCache:
             return got
         t0 = time.process_time()
         try:
-            try:
-                from ..schedule.generators.evaluate import evaluate
-                ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
-                out: dict | str = {"makespan": ev.makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
-            except (ImportError, ScheduleError):
-                res = simulate(sched, cost)
-                out = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+            out: dict | str = compute()
         except ScheduleError as e:
             out = " ".join(str(e).split())[:300]
         finally:
@@ -220,41 +216,55 @@ class SimCache:
             raise ScheduleError(out)
         return out
 
+    def _evaluate(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+        """The compute-only order evaluated (the fast evaluator; the simulator where it has no answer)."""
+        def compute() -> dict:
+            try:
+                from ..schedule.generators.evaluate import evaluate
+                ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
+                return {"makespan": ev.makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
+            except (ImportError, ScheduleError):
+                res = simulate(sched, cost)
+                return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+        return self._memoised(key, compute)
+
     def _evaluate_paired(self, sched: Schedule, cost: CostModel, key: str) -> dict:
-        """The order paired where that pays, simulated (memoised like :meth:`_evaluate`)."""
-        got = self._results.get(key)
-        if got is not None:
-            self.stats["hits"] += 1
-            if isinstance(got, str):
-                raise ScheduleError(got)
-            return got
-        from ..schedule.passes.pairing import pair_overlapped
-        t0 = time.process_time()
-        try:
+        """The order paired where that pays, simulated."""
+        def compute() -> dict:
+            from ..schedule.passes.pairing import pair_overlapped
             res = simulate(pair_overlapped(sched, cost), cost)
-            out: dict | str = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
-        except ScheduleError as e:
-            out = " ".join(str(e).split())[:300]
-        finally:
-            self.stats["evaluations"] += 1
-            self.stats["eval_seconds"] += time.process_time() - t0
-        self._results[key] = out
-        self._dirty["results"] = True
-        if isinstance(out, str):
-            raise ScheduleError(out)
-        return out
+            return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+        return self._memoised(key, compute)
+
+    def _evaluate_megatron(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+        """Megatron-Core's own exchanges in ``sched`` (compute-only 1F1B or interleaved 1F1B),
+        each blocking its rank until it ends (``passes.megatron_comm.blocking_makespan``: the
+        ``nccl-batched`` simulation's makespan, in linear time); busy time and peaks from the
+        compute-only evaluator (the order alone fixes them)."""
+        def compute() -> dict:
+            from ..schedule.generators.evaluate import evaluate
+            from ..schedule.passes.megatron_comm import blocking_makespan, insert_comm_megatron_any
+            ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)   # busy time, peaks (order only)
+            makespan = blocking_makespan(insert_comm_megatron_any(sched), cost)
+            return {"makespan": makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
+        return self._memoised(key, compute)
 
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
                  budget: float | None = None, w_share: Sequence[float] | None = None,
-                 a2a: Sequence[float] | None = None) -> PipeResult:
+                 a2a: Sequence[float] | None = None, megatron: bool = False) -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
         per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
         frees; the orders are built with all of it, the generators' conservative default, and
         evaluated with it on a 1/64 grid). ``a2a``: per stage, the all-to-all seconds within F (and
         B) that overlapped pairs hide: the order is then paired where that pays
         (schedule/passes/pairing.py) and simulated. Raises ScheduleError when the schedule cannot be
-        built (or paired) for them (the generator's or the pairing pass's message)."""
+        built (or paired) for them (the generator's or the pairing pass's message).
+
+        ``megatron`` (1F1B and interleaved 1F1B only): the run is Megatron-Core's own schedule,
+        whose ranks block at every p2p exchange of its code (passes/megatron_comm.py): each
+        exchange takes ``comm`` and the next op waits for it. The steady state is then measured,
+        not assumed: the slope between 2p and 3p microbatches."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -287,10 +297,16 @@ class SimCache:
             fkey = fkey + ("pairs", _compact(qa2a))
             paired = fine
 
+        megatron = megatron and pp > 1
+        if megatron:
+            fkey = fkey + ("megatron",)
+
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
             if paired is not None:
                 return self._evaluate_paired(sched, paired, repr(head + ckey + fkey + (mm,)))
+            if megatron:
+                return self._evaluate_megatron(sched, fine, repr(head + ckey + fkey + (mm,)))
             return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
 
         if m <= max(2 * pp, 8):
@@ -304,12 +320,12 @@ class SimCache:
             per_mb[_rank_of(s, pp, chunks, name)] += a
         runs, last = (m1,), r1
         slope = busy_slope
-        if max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
+        if megatron or max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
             # fewer than p microbatches in flight somewhere: the steady state may be slower
             m2 = 3 * pp
             r2 = run(m2)
             two_point = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
-            if two_point > _SLOWER * busy_slope:
+            if megatron or two_point > _SLOWER * busy_slope:
                 slope = two_point
             runs, last = (m1, m2), r2
         m_last = runs[-1]

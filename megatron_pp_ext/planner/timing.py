@@ -44,6 +44,26 @@ from .presets import ClusterSpec, GPUSpec, ModelSpec, PlannerError
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Measured times of one pipeline stage of ``layers`` transformer layers (no embedding, no
+    loss) per microbatch of ``mbs`` sequences at tensor parallelism ``tp`` -- the shape of the
+    Zero Bubble paper's table 6 -- in seconds: forward ``f``, input backward ``b``, weight
+    backward ``w``, and one p2p message ``p2p``. The time model uses them, per layer, for every
+    plan at that microbatch size and tp (the calibration file's ``stage_times``)."""
+
+    mbs: int
+    tp: int
+    layers: int
+    f: float
+    b: float
+    w: float
+    p2p: float
+
+    def applies(self, mbs: int, tp: int) -> bool:
+        return mbs == self.mbs and tp == self.tp
+
+
+@dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak that kernels reach; the MFU(microbatch, hidden) curve of the planner.
 
@@ -61,6 +81,17 @@ class Efficiency:
     layer_overhead_us: float = 30.0     # per layer and pass (F, B or W): launches, syncs
     tp_overlap: float = 0.0             # share of TP communication hidden behind GEMMs
     dp_overlap: bool = True             # --overlap-grad-reduce / --overlap-param-gather
+    #: picoseconds per dropout mask element drawn in a forward (Philox random numbers: compute the
+    #: HBM passes do not count), at full occupancy of the attention kernels
+    dropout_rng_ps: float = 0.0
+    #: fixed time of one pipeline message beyond its bytes, from its issue to its use: the NCCL
+    #: group's launch behind the compute stream, the waits on it, the host issuing the next op
+    #: after it. Every schedule pays it on each cross-rank dependency; Megatron-Core's own 1F1B and
+    #: interleaved block their ranks at each exchange (planner/search.py simulates that)
+    p2p_latency_us: float = 0.0
+    #: measured stage times (``--calibration`` ``stage_times``): used instead of the FLOP model for a
+    #: dense layer at their microbatch size and tp
+    stage_times: StageTimes | None = None
     source: str = "default"
 
     def __post_init__(self) -> None:
@@ -77,9 +108,10 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise bad(name, "a finite number > 0")
-        if not (isinstance(self.layer_overhead_us, (int, float)) and math.isfinite(self.layer_overhead_us)
-                and self.layer_overhead_us >= 0):
-            raise bad("layer_overhead_us", "a finite number >= 0")
+        for name in ("layer_overhead_us", "dropout_rng_ps", "p2p_latency_us"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise bad(name, "a finite number >= 0")
         if not (isinstance(self.tp_overlap, (int, float)) and math.isfinite(self.tp_overlap)
                 and 0 <= self.tp_overlap <= 1):
             raise bad("tp_overlap", "a fraction in [0, 1]")
@@ -97,16 +129,38 @@ class Efficiency:
         return asdict(self)
 
 
+#: dropout_rng_ps and p2p_latency_us of the A100 are fitted to published A100 runs
+#: (docs/benchmarks/published.md: the forward times of table 6 of the Zero Bubble paper for the
+#: 1.5B and 6.2B models, and their 1F1B iteration times; the other rows are held to them); the
+#: H100's dropout cost is the A100's scaled by the fp32 (CUDA-core) throughput, its message latency
+#: the A100's (launch- and host-side): neither measured on an H100.
 DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
-                       attn_half=8.0, hbm=0.75, layer_overhead_us=40.0),
+                       attn_half=8.0, hbm=0.75, layer_overhead_us=40.0, dropout_rng_ps=7.5,
+                       p2p_latency_us=1200.0),
     "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
-                       attn_half=12.0, hbm=0.75, layer_overhead_us=30.0),
+                       attn_half=12.0, hbm=0.75, layer_overhead_us=30.0, dropout_rng_ps=2.2,
+                       p2p_latency_us=1200.0),
 }
 
 
 def default_efficiency(gpu: GPUSpec) -> Efficiency:
     return DEFAULT_EFFICIENCY.get(gpu.name, Efficiency())
+
+
+PRECISIONS = ("bf16", "fp32")
+
+
+def peak_flops(gpu: GPUSpec, precision: str = "bf16") -> float:
+    """FLOP/s the GEMMs of ``precision`` run at, at peak: the bf16 tensor cores, or plain fp32
+    (torch leaves tensor-float-32 off for matmuls; Megatron-LM does not turn it on)."""
+    return (gpu.fp32_tflops if precision == "fp32" else gpu.peak_tflops) * 1e12
+
+
+def act_bytes(precision: str = "bf16") -> float:
+    """Bytes of one activation value: what every element-wise pass, message and collective of
+    the activations moves."""
+    return 4.0 if precision == "fp32" else 2.0
 
 
 # --- FLOPs ---------------------------------------------------------------------------------
@@ -217,11 +271,12 @@ def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> flo
 
 
 def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *, ep: int = 1,
-                  etp: int | None = None) -> dict:
+                  etp: int | None = None, precision: str = "bf16") -> dict:
     """Seconds of the MLP part of one MoE layer on one rank (forward GEMMs, element-wise work,
     all-to-all and expert-tensor-parallel communication per pass) -- see the module doc."""
     g = cluster.gpu
-    peak = g.peak_tflops * 1e12
+    peak = peak_flops(g, precision)
+    eb = act_bytes(precision)
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     etp = tp if etp is None else etp
     s, b, h, k, E = model.seq, mbs, model.hidden, model.moe_topk, model.num_experts
@@ -234,48 +289,50 @@ def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: 
     tokens = b * s * k / tp                                        # token copies this rank dispatches
     glu = 3 if model.gated_mlp else 2
     # activation function over the experts' FFN, permute and unpermute (read + write each), probs
-    ew = 2.0 * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
+    ew = eb * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
     if model.moe_shared_ffn:
-        ew += 2.0 * b * s * glu * model.moe_shared_ffn / tp / hbm
-    a2a = alltoall_time(2.0 * tokens * h, cluster, ep, etp)
+        ew += eb * b * s * glu * model.moe_shared_ffn / tp / hbm
+    a2a = alltoall_time(eb * tokens * h, cluster, ep, etp)
     bw, lat = tp_bandwidth(cluster, etp)
-    etp_comm = 2 * _collective(2.0 * tokens * h * etp, etp, bw, lat, 1.0)   # all-gather + reduce-scatter
+    etp_comm = 2 * _collective(eb * tokens * h * etp, etp, bw, lat, 1.0)   # all-gather + reduce-scatter
     shared_comm = 0.0
     if model.moe_shared_ffn:
         bw, lat = tp_bandwidth(cluster, tp)
-        shared_comm = 2 * _collective(2.0 * b * s * h, tp, bw, lat, 1.0)
+        shared_comm = 2 * _collective(eb * b * s * h, tp, bw, lat, 1.0)
     return {"gemm": dense + experts, "expert_gemm": experts, "elementwise": ew, "alltoall": 2 * a2a,
             "etp_comm": etp_comm, "shared_tp_comm": shared_comm}
 
 
 def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
                 recompute: str = "none", sequence_parallel: bool = True, moe: bool = False, ep: int = 1,
-                etp: int | None = None) -> PassTimes:
+                etp: int | None = None, precision: str = "bf16") -> PassTimes:
     """F, B, W of one transformer layer (an MoE layer with ``moe``) for one microbatch on one
-    rank."""
+    rank, in ``precision`` (bf16: its tensor-core peak, 2-byte activations; fp32: the fp32 peak,
+    4-byte activations)."""
     g = cluster.gpu
-    peak = g.peak_tflops * 1e12
+    peak = peak_flops(g, precision)
+    eb = act_bytes(precision)
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h, a = model.seq, mbs, model.hidden, model.heads
     x = b * s * h / tp
     over = eff.layer_overhead_us * 1e-6
     tokens = b * s / (tp if sequence_parallel else 1)
     bw, lat = tp_bandwidth(cluster, tp)
-    act_bytes = 2.0 * b * s * h
+    msg_bytes = eb * b * s * h
     if moe:
-        mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp)
+        mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp, precision=precision)
         t_lin = attention_linear_flops(model, mbs) / tp / (peak * eff.gemm(x)) + mt["gemm"]
-        ew_f = 2.0 * tokens * (16 * h) / hbm + mt["elementwise"]
+        ew_f = eb * tokens * (16 * h) / hbm + mt["elementwise"]
         # attention's 1 all-gather + 1 reduce-scatter; the shared expert's; the expert-tp ones
-        comm = (_collective(act_bytes, tp, bw, lat, 1.0) * 2 + mt["shared_tp_comm"] + mt["etp_comm"]) \
+        comm = (_collective(msg_bytes, tp, bw, lat, 1.0) * 2 + mt["shared_tp_comm"] + mt["etp_comm"]) \
             * (1.0 - eff.tp_overlap)
         a2a = mt["alltoall"]
     else:
         t_lin = linear_flops(model, mbs) / tp / (peak * eff.gemm(x))
         # element-wise traffic (bf16): norms, residual adds, dropouts, bias adds, activation function
         act_elems = model.ffn * (3 if model.gated_mlp else 2)
-        ew_f = 2.0 * tokens * (16 * h) / hbm + 2.0 * b * s * act_elems / tp / hbm
-        comm = _collective(act_bytes, tp, bw, lat, 1.0) * 4 * (1.0 - eff.tp_overlap)   # 2 AG + 2 RS
+        ew_f = eb * tokens * (16 * h) / hbm + eb * b * s * act_elems / tp / hbm
+        comm = _collective(msg_bytes, tp, bw, lat, 1.0) * 4 * (1.0 - eff.tp_overlap)   # 2 AG + 2 RS
         a2a = 0.0
     ew_b = 2.0 * ew_f
     if model.flash_attention:
@@ -287,23 +344,34 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
         e = eff.attn(y)
         scores = b * a * s * s / tp
         drop = 1 if model.dropout else 0
-        attn_f = attention_flops(model, mbs) / tp / (peak * e) + (4 + 5 * drop) * scores / (hbm * e / eff.attn_bmm)
-        attn_b = 2 * attention_flops(model, mbs) / tp / (peak * e) + (6 + 4 * drop) * scores / (hbm * e / eff.attn_bmm)
+        occupancy = e / eff.attn_bmm
+        passes = eb / 2.0 / (hbm * occupancy)
+        # the forward draws the dropout mask: one random number per score, compute-bound (Philox)
+        rng = drop * scores * eff.dropout_rng_ps * 1e-12 / occupancy
+        attn_f = attention_flops(model, mbs) / tp / (peak * e) + (4 + 5 * drop) * scores * passes + rng
+        attn_b = 2 * attention_flops(model, mbs) / tp / (peak * e) + (6 + 4 * drop) * scores * passes
     f = t_lin + attn_f + ew_f + comm + a2a + over
     recomp = {"none": 0.0, "selective": 0.0 if model.flash_attention else attn_f, "full": f}[recompute]
     bwd = t_lin + attn_b + ew_b + comm + a2a + over + recomp
     w = t_lin + over
+    st = eff.stage_times
+    if st is not None and not moe and st.applies(mbs, tp):   # measured: per layer of the measured stage
+        mf, mb, mw = st.f / st.layers, st.b / st.layers, st.w / st.layers
+        recomp = {"none": 0.0, "selective": recomp, "full": mf}[recompute]
+        return PassTimes(mf, mb + recomp, mw, {"measured": 1.0, "recompute": recomp, "gemm_f": t_lin,
+                                                 "attention_f": attn_f})
     detail = {"gemm_f": t_lin, "attention_f": attn_f, "attention_b": attn_b, "elementwise_f": ew_f,
               "tp_comm_f": comm, "alltoall_f": a2a, "recompute": recomp, "overhead": over}
     return PassTimes(f, bwd, w, detail)
 
 
-def embedding_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int) -> PassTimes:
+def embedding_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
+                    precision: str = "bf16") -> PassTimes:
     """The first stage's extra work: embedding lookup (+ its tp reduction) and the scatter-add
     of its gradient into the fp32 gradient buffer."""
     g = cluster.gpu
     hbm = g.hbm_gbps * 1e9 * eff.hbm
-    nbytes = 2.0 * model.seq * mbs * model.hidden
+    nbytes = act_bytes(precision) * model.seq * mbs * model.hidden
     bw, lat = tp_bandwidth(cluster, tp)
     f = nbytes / hbm + _collective(nbytes, tp, bw, lat, 1.0) + eff.layer_overhead_us * 1e-6
     b = 3.0 * nbytes / hbm + _collective(nbytes, tp, bw, lat, 1.0)
@@ -311,11 +379,11 @@ def embedding_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs
 
 
 def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
-                 shards: int = 1) -> PassTimes:
+                 shards: int = 1, precision: str = "bf16") -> PassTimes:
     """The last stage's extra work: final norm, output layer GEMMs and the vocab-parallel
     cross entropy, for the whole vocabulary (``shards`` = 1) or one of ``shards`` slices."""
     g = cluster.gpu
-    peak = g.peak_tflops * 1e12
+    peak = peak_flops(g, precision)
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h = model.seq, mbs, model.hidden
     vp = model.padded_vocab(tp) / tp / shards
@@ -325,19 +393,20 @@ def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: i
     ce_f = 20.0 * logits / hbm
     ce_b = 12.0 * logits / hbm
     bw, lat = tp_bandwidth(cluster, tp)
-    gather = _collective(2.0 * b * s * h, tp, bw, lat, 1.0)
+    gather = _collective(act_bytes(precision) * b * s * h, tp, bw, lat, 1.0)
     over = eff.layer_overhead_us * 1e-6
     return PassTimes(gemm + ce_f + gather + over, gemm + ce_b + gather + over, gemm + over,
                      {"gemm": gemm, "cross_entropy_f": ce_f})
 
 
 def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int, pp: int, *,
-             sequence_parallel: bool = True) -> float:
+             sequence_parallel: bool = True, precision: str = "bf16") -> float:
     """One pipeline message (activation or gradient of one microbatch), per tp rank. Pipeline
     neighbours are tp*dp ranks apart (Megatron's tp-dp-pp order): NVLink only when the whole
-    model-parallel x data-parallel grid fits in one node."""
+    model-parallel x data-parallel grid fits in one node; otherwise the network, the slowest
+    link, which paces a pipeline whose ranks wait for their neighbours."""
     g = cluster.gpu
-    nbytes = 2.0 * model.seq * mbs * model.hidden / (tp if sequence_parallel else 1)
+    nbytes = act_bytes(precision) * model.seq * mbs * model.hidden / (tp if sequence_parallel else 1)
     if tp * dp * pp <= cluster.gpus_per_node:
         return nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
     return nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
@@ -351,9 +420,10 @@ def _dp_link(cluster: ClusterSpec, tp: int, dp: int) -> tuple[float, float]:
 
 
 def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
-             distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1) -> tuple[float, float]:
+             distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1,
+             precision: str = "bf16") -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds for ``num_params`` parameters of one
-    rank: reduce-scatter of fp32 grads + all-gather of bf16 params with the distributed
+    rank: reduce-scatter of fp32 grads + all-gather of the (``precision``) params with the distributed
     optimizer, one all-reduce of fp32 grads without it. ``expert_params`` of them (the expert
     buffer of ep > 1) go over the expert data-parallel group of ``edp`` ranks instead."""
     bw, lat = _dp_link(cluster, tp, dp)   # a dp or edp group spans the same tp*dp ranks of a stage
@@ -363,7 +433,7 @@ def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
             continue
         if distributed_optimizer:
             out[0] += _collective(4.0 * n, ranks, bw, lat, 1.0)
-            out[1] += _collective(2.0 * n, ranks, bw, lat, 1.0)
+            out[1] += _collective(act_bytes(precision) * n, ranks, bw, lat, 1.0)
         else:
             out[0] += _collective(4.0 * n, ranks, bw, lat, 2.0)
     return out[0], out[1]
@@ -382,11 +452,12 @@ def optimizer_time(num_params: float, cluster: ClusterSpec, eff: Efficiency, dp:
 
 # --- calibration -----------------------------------------------------------------------------
 
-_EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source"}
+_EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
-_TOP_KEYS = ("efficiency", "gemm_points", "layer_points")
+_TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times")
+_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
 _LAYER_KEYS = ("mbs", "tp", "forward_ms")
 #: layer points: microbatch sizes and tp the planner's models describe
@@ -394,10 +465,13 @@ _MAX_MBS, _MAX_TP = 4096, 1024
 _MAX_FILE = 16 << 20
 
 
-def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Efficiency:
-    """Fit ``gemm_max`` and ``gemm_half`` to measured (x, efficiency) points: 1/e is linear in
-    1/x (least squares); with one point only ``gemm_max`` moves. Every point must have x > 0 and
-    0 < efficiency <= 1 (PlannerError otherwise: a point is never dropped)."""
+def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency, *, fixed: tuple[str, ...] = ()) -> Efficiency:
+    """Fit ``gemm_max`` (E) and ``gemm_half`` (X) of e = E*x/(x + X) to measured (x, efficiency)
+    points: 1/e is linear in 1/x (least squares). With one point (or one x) only E moves; a field
+    in ``fixed`` (given by the calibration file's ``efficiency``) keeps its value and the points
+    fit the other. A fit that needs E > 1 (a GEMM faster than the GPU's peak) or a curve that
+    falls with x is refused, never capped: every point is used or the file refused
+    (PlannerError)."""
     pts = [(float(x), float(e)) for x, e in points]
     bad = [(x, e) for x, e in pts if not (math.isfinite(x) and x > 0 and math.isfinite(e) and 0 < e <= 1)]
     if bad:
@@ -405,13 +479,30 @@ def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Effic
                            "x > 0 and 0 < efficiency <= 1)")
     if not pts:
         raise PlannerError("calibration: no (x, efficiency) points")
-    if len(pts) == 1 or len({x for x, _ in pts}) == 1:
-        x, e = pts[0]
-        gmax = e * (x + base.gemm_half) / x
-        return base.with_(gemm_max=min(1.0, gmax))
+    if "gemm_max" in fixed and "gemm_half" in fixed:
+        raise PlannerError("calibration: the GEMM points would fit gemm_max and gemm_half, which \"efficiency\" "
+                           "already sets; drop the points or those two fields")
     us = [1.0 / x for x, _ in pts]
     vs = [1.0 / e for _, e in pts]
     n = len(pts)
+    if "gemm_max" in fixed:
+        inv_e = 1.0 / base.gemm_max                    # 1/e = 1/E + (X/E)/x: fit the slope X/E
+        k = sum(u * (v - inv_e) for u, v in zip(us, vs)) / sum(u * u for u in us)
+        if k <= 0:
+            raise PlannerError(f"calibration: the GEMM points are at or above gemm_max={base.gemm_max:g} (given "
+                               "under \"efficiency\"); no gemm_half > 0 fits them: check the points or gemm_max")
+        return base.with_(gemm_half=k * base.gemm_max)
+    if "gemm_half" in fixed or n == 1 or len({x for x, _ in pts}) == 1:
+        half = base.gemm_half                          # 1/e = (1/E)(1 + X/x): fit 1/E
+        ws = [1.0 + half * u for u in us]
+        inv_e = sum(v * w_ for v, w_ in zip(vs, ws)) / sum(w_ * w_ for w_ in ws)
+        gmax = 1.0 / inv_e
+        if gmax > 1.0:
+            shown = ", ".join(f"(x={x:g}, efficiency={e:g})" for x, e in pts[:3])
+            raise PlannerError(f"calibration: gemm_points {shown} need gemm_max={gmax:.3g} with gemm_half="
+                               f"{half:g}: above the GPU's peak. Give points at two or more sizes x (they fit "
+                               "gemm_half too), or set efficiency.gemm_half")
+        return base.with_(gemm_max=gmax)
     mu, mv = sum(us) / n, sum(vs) / n
     var = sum((u - mu) ** 2 for u in us)
     slope = sum((u - mu) * (v - mv) for u, v in zip(us, vs)) / var
@@ -419,20 +510,17 @@ def fit_gemm_curve(points: list[tuple[float, float]], base: Efficiency) -> Effic
     if icpt <= 0 or slope < 0:
         raise PlannerError("calibration: the GEMM points do not fit e = E*x/(x+X) (efficiency must rise "
                            "with x); check the measurements")
-    gmax = min(1.0, 1.0 / icpt)
+    gmax = 1.0 / icpt
+    if gmax > 1.0:
+        raise PlannerError(f"calibration: the GEMM points fit gemm_max={gmax:.3g}, above the GPU's peak (1): "
+                           "check the measurements, or set efficiency.gemm_max and let the points fit gemm_half")
     return base.with_(gemm_max=gmax, gemm_half=slope * gmax)
 
 
 def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None,
-                     cluster: ClusterSpec | None = None) -> Efficiency:
-    """Read a calibration JSON (format in docs/planner.md):
-
-    ``{"efficiency": {field: value}}`` overrides fields directly; ``"gemm_points": [{"x" |
-    "tokens" + "hidden_per_tp", "efficiency"}]`` fits the GEMM curve; ``"layer_points":
-    [{"mbs", "tp", "forward_ms"}]`` (measured forward time of one transformer layer of the
-    planned model) are turned into GEMM points by subtracting the modelled non-GEMM time.
-    Everything in the file is used or refused: unknown keys (a field at the wrong level), a file
-    with nothing to calibrate, out-of-range points and non-integer sizes are PlannerErrors."""
+                     cluster: ClusterSpec | None = None, precision: str = "bf16") -> Efficiency:
+    """Read a calibration JSON file (format in docs/planner.md) into an :class:`Efficiency`:
+    :func:`calibration_from_dict` of its contents. Errors name the file and the field."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(_MAX_FILE + 1)   # (a device such as /dev/zero has no end)
@@ -443,6 +531,23 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
         raise PlannerError(f"--calibration {path}: cannot read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PlannerError(f"--calibration {path}: not valid JSON ({e})") from None
+    return calibration_from_dict(doc, base, model, cluster, where=path, precision=precision)
+
+
+def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None, cluster: ClusterSpec | None = None,
+                          *, where: str = "<dict>", precision: str = "bf16") -> Efficiency:
+    """A calibration document:
+
+    ``{"efficiency": {field: value}}`` overrides fields directly; ``"gemm_points": [{"x" |
+    "tokens" + "hidden_per_tp", "efficiency"}]`` fits the GEMM curve (the fields ``efficiency``
+    sets stay, the points fit the others); ``"layer_points": [{"mbs", "tp", "forward_ms"}]``
+    (measured forward time of one transformer layer of the planned model) are turned into GEMM
+    points by subtracting the modelled non-GEMM time; ``"stage_times": {"micro_batch_size", "tp",
+    "layers", "f_ms", "b_ms", "w_ms", "p2p_ms"}`` are measured times of one stage of ``layers``
+    layers, used as they are (:class:`StageTimes`). Everything is used or refused: unknown keys
+    (a field at the wrong level), nothing to calibrate, out-of-range points, non-integer sizes,
+    missing, zero, negative or non-finite times are PlannerErrors naming the field."""
+    path = where
     if not isinstance(doc, dict):
         raise PlannerError(f"--calibration {path}: expected a JSON object")
     unknown = sorted(set(doc) - set(_TOP_KEYS))
@@ -452,8 +557,8 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
         raise PlannerError(f"--calibration {path}: unknown keys {unknown}{hint}; the file holds {', '.join(_TOP_KEYS)} "
                            "(docs/planner.md)")
     if not any(doc.get(k) for k in _TOP_KEYS):
-        raise PlannerError(f"--calibration {path}: nothing to calibrate (no efficiency fields, gemm_points or "
-                           "layer_points); see docs/planner.md")
+        raise PlannerError(f"--calibration {path}: nothing to calibrate (no efficiency fields, gemm_points, "
+                           "layer_points or stage_times); see docs/planner.md")
     eff = base
     over = doc.get("efficiency", {})
     if not isinstance(over, dict):
@@ -489,19 +594,62 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
             raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be whole numbers (mbs 1 to "
                                f"{_MAX_MBS}, tp 1 to {_MAX_TP}) and forward_ms > 0")
         mbs, tp = int(mbs), int(tp)
-        lt = layer_times(model, cluster, eff, mbs, tp)
+        lt = layer_times(model, cluster, eff, mbs, tp, precision=precision)
         other = lt.f - lt.detail["gemm_f"]
         t_gemm = ms * 1e-3 - other
         if t_gemm <= 0:
             raise PlannerError(f"--calibration: layer point {p} is faster than the modelled non-GEMM work")
-        e = linear_flops(model, mbs) / tp / (cluster.gpu.peak_tflops * 1e12 * t_gemm)
+        e = linear_flops(model, mbs) / tp / (peak_flops(cluster.gpu, precision) * t_gemm)
         if not 0 < e <= 1:
             raise PlannerError(f"--calibration {path}: layer point {p} implies a GEMM efficiency of {e:.3g}, above "
-                               f"the GPU's peak ({cluster.gpu.peak_tflops:g} TFLOPS); check forward_ms and the model")
+                               f"the GPU's peak ({peak_flops(cluster.gpu, precision) / 1e12:g} TFLOPS); check "
+                               "forward_ms and the model")
         points.append((mbs * model.seq * model.hidden / tp, e))
     if points:
-        eff = fit_gemm_curve(points, eff)
+        try:
+            eff = fit_gemm_curve(points, eff, fixed=tuple(k for k in ("gemm_max", "gemm_half") if k in over))
+        except PlannerError as e:
+            raise PlannerError(f"--calibration {path}: {str(e).removeprefix('calibration: ')}") from None
+    if "stage_times" in doc:
+        eff = eff.with_(stage_times=_stage_times(doc["stage_times"], path, model))
     return eff.with_(source=f"calibrated from {path}")
+
+
+def _stage_times(st, path: str, model: ModelSpec | None) -> StageTimes:
+    """``stage_times`` of a calibration document, every field checked (one line naming it)."""
+    if not isinstance(st, dict):
+        raise PlannerError(f"--calibration {path}: stage_times must be an object with {', '.join(_STAGE_KEYS)}")
+    unknown = sorted(set(st) - set(_STAGE_KEYS))
+    if unknown:
+        raise PlannerError(f"--calibration {path}: stage_times: unknown keys {unknown}; known: "
+                           f"{', '.join(_STAGE_KEYS)}")
+    for key in ("micro_batch_size", "f_ms", "b_ms", "w_ms", "p2p_ms"):
+        if key not in st:
+            raise PlannerError(f"--calibration {path}: stage_times.{key} is missing: give the measured "
+                               + ("microbatch size" if key == "micro_batch_size" else "time in milliseconds, > 0"))
+    sizes = {}
+    for key, default, hi in (("micro_batch_size", None, _MAX_MBS), ("tp", 1, _MAX_TP), ("layers", 1, 1 << 16)):
+        v = st.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) \
+                or not 1 <= v <= hi:
+            raise PlannerError(f"--calibration {path}: stage_times.{key}={v!r}: a whole number from 1 to {hi}")
+        sizes[key] = int(v)
+    times = {}
+    for key in ("f_ms", "b_ms", "w_ms", "p2p_ms"):
+        v = st[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or v > 1e7:
+            raise PlannerError(f"--calibration {path}: stage_times.{key}={v!r}: a measured time in milliseconds, "
+                               "finite and > 0")
+        times[key] = float(v) * 1e-3
+    if model is not None:
+        if model.is_moe:
+            raise PlannerError(f"--calibration {path}: stage_times hold a dense model's layers; an MoE model's "
+                               "layers differ (calibrate it with efficiency fields)")
+        if sizes["layers"] > model.num_layers:
+            raise PlannerError(f"--calibration {path}: stage_times.layers={sizes['layers']}: more than the model's "
+                               f"{model.num_layers} layers")
+    return StageTimes(sizes["micro_batch_size"], sizes["tp"], sizes["layers"], times["f_ms"], times["b_ms"],
+                      times["w_ms"], times["p2p_ms"])
 
 
 def _known(entry: dict, keys: tuple[str, ...], path: str) -> None:
@@ -533,6 +681,7 @@ def _num(entry: dict, name: str, path: str, default: float | None = None) -> flo
 
 __all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_linear_flops",
            "mlp_flops", "router_flops", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
-           "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times",
+           "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times", "peak_flops",
+           "act_bytes", "PRECISIONS",
            "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
-           "load_calibration"]
+           "load_calibration", "calibration_from_dict", "StageTimes"]

@@ -46,6 +46,7 @@ class TrainConfig:
     model: str = "gpt"
     layers: int | None = None            # default 8 (or the sum of --layers-per-stage)
     layers_per_stage: tuple[int, ...] | None = None
+    pipeline_layout: str | None = None   # Megatron-Core's --pipeline-model-parallel-layout (loop placement)
     hidden: int = 64
     heads: int = 4
     kv_heads: int | None = None          # gpt: heads; llama: heads // 2
@@ -383,6 +384,37 @@ def _resolve_device(requested: str, launch: Launch, world: int | None) -> str:
     return "cuda"
 
 
+def _layout_layers(c: TrainConfig, info, pipelined: bool) -> tuple[int, ...]:
+    """Layers per stage of ``--pipeline-model-parallel-layout`` (Megatron-Core's string, stage s
+    on rank s mod pp): its stage count fixes the chunks per rank; refused with
+    ``--layers-per-stage``, with a V placement, or with another chunk count."""
+    from ..layer_pattern import parse_layout
+    flag = "--pipeline-model-parallel-layout"
+    if c.layers_per_stage is not None:
+        _fail(f"{flag} and --layers-per-stage both give the layer split; drop one of them")
+    try:
+        lps = parse_layout(c.pipeline_layout)
+    except ValueError as e:
+        _fail(f"{flag} {c.pipeline_layout[:60]!r}: {e}")
+    S = len(lps)
+    if not pipelined:
+        if S != 1:
+            _fail(f"{flag} has {S} stages but --pp is 1; give --pp P with P dividing {S}, or one stage")
+        return lps
+    if S % c.pp:
+        _fail(f"{flag} has {S} stages, not a multiple of --pp {c.pp}; give pp x chunks stages")
+    chunks = S // c.pp
+    if info is not None and info.placement == "v":
+        _fail(f"{flag} places stage s on rank s mod pp; schedule {c.schedule!r} uses the V placement: give its "
+              "split with --layers-per-stage (the form mppx plan prints for V schedules)")
+    fixed = info.chunks if info is not None else None
+    if fixed is not None and chunks != fixed:
+        _fail(f"{flag} has {S} stages = {chunks} chunk(s) per rank, but schedule {c.schedule!r} uses {fixed}")
+    if c.vp is not None and c.vp != chunks:
+        _fail(f"{flag} has {S} stages = {chunks} chunk(s) per rank at --pp {c.pp}, but --vp is {c.vp}; drop --vp")
+    return lps
+
+
 def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     """Validate ``cfg`` and derive the run (layout, schedule, files). Raises TrainConfigError."""
     from ..schedule import ScheduleError, build_schedule, parse_memory_budget, schedule_info
@@ -477,16 +509,22 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
               f"{MAX_OPS // 3 * c.micro_batch_size * dp} (or a larger --micro-batch-size)")
 
     # -- layers on stages ----------------------------------------------------------------
+    given_lps, lps_flag = c.layers_per_stage, "--layers-per-stage"
+    if c.pipeline_layout is not None:
+        given_lps, lps_flag = _layout_layers(c, info, pipelined), "--pipeline-model-parallel-layout"
+        chunks = len(given_lps) // c.pp if pipelined else 1
     S = c.pp * chunks if pipelined else 1
-    if c.layers_per_stage is not None:
-        lps = tuple(int(x) for x in c.layers_per_stage)
+    if given_lps is not None:
+        lps = tuple(int(x) for x in given_lps)
         if len(lps) != S:
             _fail(f"--layers-per-stage has {len(lps)} entries, but there are {S} stages (pp {c.pp} x "
                   f"{chunks} chunk(s) per rank); give {S} counts")
-        if any(x < 1 for x in lps):
-            _fail(f"--layers-per-stage {','.join(map(str, lps))}: every stage needs at least one layer")
+        if any(x < 0 for x in lps) or any(x < 1 for x in lps[1:-1]) or sum(lps) < 1:
+            _fail(f"{lps_flag} {c.pipeline_layout or ','.join(map(str, lps))}: every stage but the first and "
+                  "the last needs at least one layer (the first may hold the embedding alone, the last the "
+                  "loss alone)")
         if c.layers is not None and c.layers != sum(lps):
-            _fail(f"--layers {c.layers} but --layers-per-stage sums to {sum(lps)}; drop one of them")
+            _fail(f"--layers {c.layers} but {lps_flag} holds {sum(lps)}; drop one of them")
     else:
         layers = c.layers if c.layers is not None else 8
         if layers % S:
@@ -740,8 +778,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "grouped-query attention, no biases (default: gpt)")
     g.add_argument("--layers", type=_int(1, 8), default=None, metavar="N",
                    help="transformer layers, split evenly over the pp x vp stages (default: 8)")
-    g.add_argument("--layers-per-stage", type=_int_list, default=None, metavar="A,B,...",
-                   help="an uneven split: layers of each pipeline stage, in stage order")
+    g.add_argument("--layers-per-stage", "--pipeline-layers-per-stage", type=_int_list, default=None, metavar="A,B,...",
+                   help="an uneven split: layers of each pipeline stage, in stage order (the first and the last "
+                        "may be 0: the embedding or the loss alone)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="Megatron-Core's layout string, e.g. 'E|t*3|t*3|t*2L' or 'E|(t|)*22L' (stage s on rank "
+                        "s mod pp; the stage count sets the chunks per rank): what mppx plan prints for loop "
+                        "schedules")
     g.add_argument("--hidden", type=_int(1, 64), default=d.hidden, metavar="H", help="hidden size (default: 64)")
     g.add_argument("--heads", type=_int(1, 4), default=d.heads, metavar="A", help="attention heads (default: 4)")
     g.add_argument("--kv-heads", type=_int(1, 2), default=None, metavar="G",
@@ -862,7 +905,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        model=args.model, layers=args.layers, layers_per_stage=args.layers_per_stage, hidden=args.hidden,
+        model=args.model, layers=args.layers, layers_per_stage=args.layers_per_stage,
+        pipeline_layout=args.pipeline_model_parallel_layout, hidden=args.hidden,
         heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,

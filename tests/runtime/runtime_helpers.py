@@ -123,13 +123,21 @@ def refused_before_any_step(cfg) -> dict:
                 "grads_zero": grads_zero, "params_unchanged": same}
 
 
-def op_trace(cfg) -> dict:
-    """Run one iteration with timings and an op hook; return what they saw."""
+def op_trace(cfg, hook_sleep: float = 0.0) -> dict:
+    """Run one iteration with timings and an op hook (sleeping ``hook_sleep`` seconds at every
+    compute op's boundaries, as an instrument such as the trainer's memory probe costs time
+    there); return what they saw."""
+    import time
     from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg)
     seen = []
-    tr.executor.op_hook = lambda op, phase: seen.append((str(op), phase))
+
+    def hook(op, phase):
+        seen.append((str(op), phase))
+        if hook_sleep and op.kind in ("F", "B", "W", "BW"):
+            time.sleep(hook_sleep)
+    tr.executor.op_hook = hook
     tr.step(0)
     sched = tr.executor.last_schedule
     import torch.distributed as dist

@@ -286,3 +286,17 @@ def test_timings_and_op_hook(pool):
         assert all(0 <= t[2] <= t[3] for t in r["timings"])
         assert {t[1] for t in r["timings"]} >= {"F", "B", "W"}
         assert r["bytes"][0] > 0 and r["bytes"][1] > 0
+
+
+def test_op_timings_exclude_what_the_op_hooks_cost(pool):
+    """The op intervals --profile-iters feeds back are the ops' own: an instrument in the op hook
+    (the trainer's per-op memory probe reads /proc twice and writes clear_refs at each boundary)
+    is outside them. Here the hook sleeps 0.1 s at every compute op's two boundaries; no F, B or
+    W of this tiny model takes 0.1 s itself (a few ms)."""
+    cfg = config("gpt", schedule="zb-h1", pp=2, m=4, record_timings=True, steps=1)
+    for r in pool.run(op_trace, 2, cfg=cfg, hook_sleep=0.1):
+        compute = [t for t in r["timings"] if t[1] in ("F", "B", "W")]
+        assert len(compute) == 3 * 4
+        assert all(t[3] - t[2] < 0.1 for t in compute), compute
+        span = r["timings"][-1][3] - r["timings"][0][2]
+        assert span > 2 * 0.1 * (len(compute) - 1)     # the sleeps did happen, between the ops

@@ -137,3 +137,18 @@ def test_explicit_uneven_layers_with_an_empty_stage(runs, schedule, layers):
     pp = 4 if schedule == "zb-h1" else 2
     cfg = config("gpt", schedule=schedule, pp=pp, m=4).replace(spec=spec)
     compare_records(runs(cfg), runs.reference(cfg), what=f"{schedule} layers {layers}")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_published_layouts_with_end_stages_alone_match_pp1_bit_exact(runs, schedule):
+    """The published layouts mppx plan prints (docs/benchmarks/published.md), scaled down: 2p - 2
+    = 6 layers at pp 4 in 8 stages of one layer each, the first stage the embedding alone and the
+    last the loss alone -- interleaved 1F1B with one layer per chunk (layers = k*p - 2) and ZB-V
+    whose two end chunks on rank 0 hold only the embedding and the loss -- give the pp=1 run's
+    losses, gradients and parameters bit for bit (the reference: the plain 6-layer model's, shared
+    with the parity matrix)."""
+    import dataclasses
+    from runtime_helpers import SPECS
+    spec = dataclasses.replace(SPECS["llama"], layers_per_stage=(0, 1, 1, 1, 1, 1, 1, 0))
+    cfg = config("llama", schedule=schedule, pp=4, m=4).replace(spec=spec)
+    compare_records(runs(cfg), runs.reference(cfg.replace(spec=SPECS["llama"])), what=f"{schedule} end stages alone")

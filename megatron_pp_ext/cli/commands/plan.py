@@ -193,7 +193,7 @@ def build_request(args):
                                net_gbps=args.net_gbps, host_gbps=args.host_gbps)
         eff = default_efficiency(cluster.gpu)
         if args.calibration:
-            eff = load_calibration(args.calibration, eff, model, cluster)
+            eff = load_calibration(args.calibration, eff, model, cluster, precision=args.precision)
         features = None
         if args.features is not None:
             features = () if args.features == ("none",) else args.features
