@@ -93,3 +93,30 @@ def test_the_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
     assert any("_layer_probe_tmp" in p and "a higher layer" in p for p in found), found
     assert any("_layer_probe_tmp" in p and "private name" in p for p in found), found
     assert layers.layer_of("megatron_pp_ext.schedule.ir") < layers.layer_of("megatron_pp_ext.runtime.executor")
+
+
+def _typing_only_lines(path: Path) -> set[int]:
+    """Lines of ``if TYPE_CHECKING:`` blocks (imports for annotations, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return out
+
+
+def mutual_imports() -> list[str]:
+    """Pairs of modules of the package that import each other (at module level or in a function;
+    not for annotations only)."""
+    deps: dict[str, set] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        typing_only = _typing_only_lines(path)
+        deps[_module(path)] = {t for t, _, line in imports(path)
+                               if t.startswith("megatron_pp_ext") and line not in typing_only}
+    return sorted(f"{a} <-> {b}" for a in deps for b in deps[a] if a < b and a in deps.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+    """A module and the module it builds on do not call back into each other (e.g. the executor's
+    point-to-point strategies and their NCCL emulation: the factory that picks one sits above both)."""
+    found = mutual_imports()
+    assert not found, "\n".join(found)

@@ -69,7 +69,8 @@ from ..schedule import CostModel, Op, Schedule, ScheduleError, build_schedule, i
 from ..schedule.validate import validate_comm_model
 from .iteration import COMM_KINDS as _COMM, COMPUTE_KINDS as _COMPUTE, Iteration, OpTiming, Shapes
 from . import nccl_rules
-from .p2p import P2P, make_p2p
+from .p2p import P2P
+from .p2pfactory import make_p2p
 
 __all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook",
            "SyncPoints", "sync_points", "GRAD_OP_KINDS"]

@@ -17,11 +17,12 @@ import math
 import os
 from typing import Mapping
 
+from .p2pstrategy import NCCL_STRATEGIES as _STRATEGIES
+
 __all__ = ["DEFAULT_TIMEOUT", "hang_timeout", "emulated_strategy", "one_hardware_queue", "check_nccl_environment"]
 
 #: seconds a wait may take before the emulation calls it a hang (MPPX_NCCL_TIMEOUT overrides)
 DEFAULT_TIMEOUT = 60.0
-_STRATEGIES = ("channels", "batched", "pairwise")
 
 
 def hang_timeout(value: str | float | None = None, env: Mapping[str, str] | None = None) -> float:
