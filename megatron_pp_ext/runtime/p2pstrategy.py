@@ -66,7 +66,8 @@ def check_strategy(strategy: str, schedule=None, cost=None, *, gpu: bool, emulat
     try:
         validate_comm_model(schedule, cost, comm_model_of(strategy))
     except ScheduleError as e:
-        first = " ".join(str(e).split())[:300]
+        brief = getattr(e, "brief", None)
+        first = " ".join((brief() if callable(brief) else str(e)).split())[:300]
         fix = ("use --p2p-strategy channels (the default)" if strategy != "channels" else
                "use another schedule")
         raise StrategyError(f"{flag} {strategy}: schedule {schedule.name!r} at pp={schedule.num_ranks} with "

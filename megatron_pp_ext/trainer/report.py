@@ -87,10 +87,15 @@ def write_schedule_figure(plan) -> dict:
 
 
 def _comm_model_of_run(plan) -> str:
+    """The communication model of the run's point-to-point path: its NCCL strategy's on a GPU and
+    with --emulate-nccl, the eager model of gloo's tagged path otherwise."""
+    from ..runtime.p2pstrategy import DEFAULT_STRATEGY, comm_model_of
     c = plan.cfg
     if getattr(c, "emulate_nccl", None):
-        return f"nccl-{c.emulate_nccl}"
-    return "nccl" if getattr(plan, "device", "cpu") == "cuda" else "eager"
+        return comm_model_of(c.emulate_nccl)
+    if getattr(plan, "device", "cpu") == "cuda":
+        return comm_model_of(getattr(c, "p2p_strategy", None) or DEFAULT_STRATEGY)
+    return "eager"
 
 
 def _append(f, text: str, flag: str) -> None:
