@@ -10,7 +10,8 @@ Our flags: ``--pipeline-schedule NAME`` (any registered schedule, or ``mcore`` f
 Megatron-Core's own function), ``--pipeline-memory-budget B``, ``--pipeline-costs F,B,W[,COMM]``,
 ``--pipeline-profile-iters K`` / ``--pipeline-profile-start-iter N`` (re-generate the schedule
 from the F/B/W/comm times measured over a window of iterations), ``--pipeline-layers-per-stage``,
-``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``.
+``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``,
+``--p2p-strategy {channels,pairwise,batched}`` (the runtime's point-to-point on NCCL, runtime/p2pstrategy.py).
 
 The zero-bubble reference implementation's flags are accepted as aliases:
 ``--enable-zero-bubble`` (ZB-H1, or ZB-H2 with ``--zero-bubble-max-pending-backward`` >= 2p),
@@ -34,6 +35,7 @@ run at these sizes is refused before the model is built.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -94,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--allow-padding-num-layers", action="store_true", default=False,
         help="(reference alias) allow --num-layers that does not divide into the stages: the extra layers go "
              "to the middle stages (the first and last also hold the embedding and the loss)")
+    from ..runtime.p2pstrategy import NCCL_STRATEGIES
+    add("--p2p-strategy", default=None, choices=NCCL_STRATEGIES,
+        help="how megatron_pp_ext's runtime sends and receives on NCCL: channels (the default: one communicator per "
+             "sender, receiver and message kind, the schedule's own time), pairwise (one per pair of neighbours: the "
+             "fallback if a cluster hangs with several communicators in use at once) or batched (one "
+             "batch_isend_irecv per run of transfers, the slowest); a schedule that deadlocks under it is refused")
     add("--layout-independent-init", action="store_true", default=False,
         help="initial weights as a function of --seed and each parameter's global name, so that any "
              "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
@@ -176,6 +184,7 @@ class PipelineOptions:
     allow_padding: bool = False
     layout_independent_init: bool = False
     features: tuple[tuple[str, Any], ...] = ()  # (name, config) of the feature plug-ins the flags turn on
+    p2p_strategy: str | None = None      # --p2p-strategy (None: channels; MPPX_EMULATE_NCCL's when emulating)
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -350,7 +359,11 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
         features = features_from_args(args)
     except ValueError as e:  # the features' flag errors are ValueErrors naming the flag
         raise MegatronLMFlagError(str(e)) from None
-    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs,
+    strategy = get("p2p_strategy")
+    if strategy is not None and schedule is None:
+        raise MegatronLMFlagError(f"--p2p-strategy {strategy} picks megatron_pp_ext's point-to-point; Megatron-Core's "
+                                  "own schedule uses its own: add --pipeline-schedule NAME, or drop --p2p-strategy")
+    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs, p2p_strategy=strategy,
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
@@ -358,11 +371,16 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
     from ..runtime.ncclenv import check_nccl_environment, emulated_strategy
     from ..trainer.features import one_queue_hangs
     try:   # (a GPU unless NCCL is emulated on CPU processes; MPPX_EMULATE_NCCL is checked there too)
-        emulating = emulated_strategy() is not None
+        emulated = emulated_strategy()
+        emulating = emulated is not None
         check_nccl_environment(gpu=not emulating and get("distributed_backend", "nccl") == "nccl",
                                emulating=emulating, one_queue_hangs=one_queue_hangs(features))
     except ValueError as e:
         raise MegatronLMFlagError(str(e)) from None
+    if strategy is not None and emulating and os.environ.get("MPPX_EMULATE_NCCL", "").strip() != "1" \
+            and emulated != strategy:
+        raise MegatronLMFlagError(f"--p2p-strategy {strategy} contradicts MPPX_EMULATE_NCCL={emulated}: set "
+                                  "MPPX_EMULATE_NCCL=1 to emulate --p2p-strategy, or name the same strategy")
     if schedule is None:
         registry = train_features()
         for name, cfg in features:
@@ -547,14 +565,15 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     if opts.schedule is not None:
         try:
             budget = opts.memory_budget
-            build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
-                           with_comm=True, options=_schedule_options(opts))
+            built = build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
+                                   with_comm=True, options=_schedule_options(opts))
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
             msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
             raise MegatronLMFlagError(
                 f"{opts.flag} at pp={pp} with {m} microbatches per iteration (--global-batch-size {gbs} / "
                 f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})): {msg}") from None
+        _check_strategy(args, opts, built, pp)
         if v and not getattr(args, "untie_embeddings_and_output_weights", True):
             notes.append(f"{opts.flag} with tied embeddings: the embedding (stage 0) and the output layer (stage "
                          f"{2 * pp - 1}) are both on pipeline rank 0; their gradients are summed there")
@@ -586,6 +605,23 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
                          f"--train-iters {train_iters}: the schedule is never re-generated")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
                         layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes)
+
+
+def _check_strategy(args: argparse.Namespace, opts: PipelineOptions, built, pp: int) -> None:
+    """The point-to-point strategy the runtime will use (--p2p-strategy, MPPX_EMULATE_NCCL's when
+    emulating, channels by default): the backend runs it, and the schedule's proof under it."""
+    from ..runtime.ncclenv import emulated_strategy
+    from ..runtime.p2pstrategy import DEFAULT_STRATEGY, StrategyError, check_strategy
+    emulated = emulated_strategy()
+    strategy = opts.p2p_strategy or emulated or DEFAULT_STRATEGY
+    gpu = emulated is None and str(getattr(args, "distributed_backend", "nccl") or "nccl") == "nccl"
+    if emulated is None and not gpu and opts.p2p_strategy is None:
+        return   # (gloo without emulation: the tagged path)
+    try:
+        check_strategy(strategy, *(built if pp > 1 else (None, None)), gpu=gpu, emulate=emulated is not None,
+                       flag="--p2p-strategy" if opts.p2p_strategy else "the default --p2p-strategy")
+    except StrategyError as e:
+        raise MegatronLMFlagError(str(e).replace("--pp ", "--pipeline-model-parallel-size ")) from None
 
 
 def _full_iteration_graph(args: argparse.Namespace) -> str | None:

@@ -44,6 +44,8 @@ class ForwardBackward:
                                              memory_budget=o.memory_budget, options=_schedule_options(o))
         if not own:
             self.executor.allow_tied_v = True
+        if o.p2p_strategy is not None:   # (--p2p-strategy: checked against the schedule by flags.py)
+            self.executor.p2p = o.p2p_strategy
         self._call: Callable | None = None
         self._runtimes: list = []
         self.calls = 0          # calls so far (the training step checks that its call reached us)
