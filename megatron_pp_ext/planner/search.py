@@ -98,6 +98,9 @@ class Planner:
     def __init__(self, req: PlanRequest, cache: SimCache | None = None):
         self.req = req
         self.cache = cache if cache is not None else SimCache()
+        from ..runtime.p2pstrategy import comm_model_of
+        #: the model the pipeline is timed under: the p2p strategy's on GPUs, gloo's (eager) on CPU processes
+        self._comm_model = comm_model_of(req.p2p_strategy) if req.runtime == "gpu" else "eager"
         self.rej = Rejections()
         self._costs: dict = {}
         self.stats = Counter()
@@ -323,7 +326,8 @@ class Planner:
         statics = rank_static(model, cand.tp, cand.dp, costs.placement,
                               distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
                               ep=cand.ep, etp=cand.etp)
-        memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r])
+        nccl = self._nccl_bytes(cand, costs)
+        memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r], nccl=nccl[r])
                   for r in range(cand.pp)]
         exposed = opt = 0.0
         for r in range(cand.pp):
@@ -347,6 +351,27 @@ class Planner:
             g = cl.gpu
             t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
         return Estimate(cand, costs, pipe, memory, t, self.usable, self.model_flops, self.peak_flops)
+
+    @staticmethod
+    def _megatron_runs_it(cand: Candidate, feats=()) -> bool:
+        """Megatron-LM runs the plan with its own schedule and point-to-point (no plugin flags:
+        emit.needs_plugin): ``batch_isend_irecv`` on the pipeline group, whatever --p2p-strategy."""
+        from .emit import MEGATRON_SCHEDULES
+        return cand.schedule in MEGATRON_SCHEDULES and not cand.features and not feats
+
+    def _model_of(self, cand: Candidate, feats) -> str:
+        """The communication model ``cand``'s pipeline is timed under: the p2p strategy's, or eager
+        for Megatron's own schedules (their batches match its order: equal times, docs/benchmarks/comm.md)."""
+        return "eager" if self._megatron_runs_it(cand, feats) else self._comm_model
+
+    def _nccl_bytes(self, cand: Candidate, costs: StageCosts) -> list[float]:
+        """Per rank, the NCCL communicators of the p2p strategy (Megatron's own schedules: its
+        pipeline group's one); none on CPU processes."""
+        if self.req.runtime != "gpu" or cand.pp < 2:
+            return [0.0] * cand.pp
+        from ..runtime.ncclmem import communicator_bytes
+        strategy = "batched" if self._megatron_runs_it(cand) else self.req.p2p_strategy
+        return [float(b) for b in communicator_bytes(strategy, costs.placement)]
 
     def _variants(self, base: Estimate) -> list[Estimate]:
         """``base`` and its memory-only feature variants that should be tried."""
@@ -534,7 +559,7 @@ class Planner:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
                                            costs.comm, costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
-                                           w_share=costs.w_share)
+                                           w_share=costs.w_share, comm_model=self._model_of(cand, feats))
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue

@@ -193,7 +193,7 @@ class SimCache:
         self._built[key] = sched
         return sched
 
-    def _evaluate(self, sched: Schedule, cost: CostModel, key: str) -> dict:
+    def _evaluate(self, sched: Schedule, cost: CostModel, key: str, comm_model: str | None = None) -> dict:
         got = self._results.get(key)
         if got is not None:
             self.stats["hits"] += 1
@@ -201,14 +201,14 @@ class SimCache:
                 raise ScheduleError(got)
             return got
         t0 = time.process_time()
+        out: dict | str
         try:
-            try:
-                from ..schedule.generators.evaluate import evaluate
-                ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
-                out: dict | str = {"makespan": ev.makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
-            except (ImportError, ScheduleError):
-                res = simulate(sched, cost)
+            if comm_model is not None:   # the order with its send/recv, under the strategy's streams
+                from ..schedule.passes.comm import insert_comm
+                res = simulate(insert_comm(sched, cost), cost, comm_model=comm_model)
                 out = {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+            else:
+                out = self._compute_only(sched, cost)
         except ScheduleError as e:
             out = " ".join(str(e).split())[:300]
         finally:
@@ -220,14 +220,29 @@ class SimCache:
             raise ScheduleError(out)
         return out
 
+    @staticmethod
+    def _compute_only(sched: Schedule, cost: CostModel) -> dict:
+        try:
+            from ..schedule.generators.evaluate import evaluate
+            ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
+            return {"makespan": ev.makespan, "busy": list(ev.busy), "peak": list(ev.peak)}
+        except (ImportError, ScheduleError):
+            res = simulate(sched, cost)
+            return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
+
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
-                 budget: float | None = None, w_share: Sequence[float] | None = None) -> PipeResult:
+                 budget: float | None = None, w_share: Sequence[float] | None = None,
+                 comm_model: str = "eager") -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
         per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
         frees; the orders are built with all of it, the generators' conservative default, and
-        evaluated with it on a 1/64 grid). Raises ScheduleError when the schedule cannot be built
-        for them (the generator's message)."""
+        evaluated with it on a 1/64 grid). ``comm_model``: the point-to-point strategy's model
+        (schedule/commmodel.py); ``eager`` and ``nccl-channels`` (equal for every registered
+        schedule up to a latency of 0.3 F, docs/benchmarks/comm.md) take the fast compute-only
+        evaluator, the others simulate the order with its send/recv ops under the model. Raises
+        ScheduleError when the schedule cannot be built for them (the generator's message) or
+        deadlocks under the model."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -253,8 +268,12 @@ class SimCache:
         qbudget = None if budget is None else round(budget, 2)
         head = (name, pp, chunks, qbudget)
 
+        stream_model = comm_model not in ("eager", "nccl", "nccl-channels")
+
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
+            if stream_model:
+                return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm, comm_model)), comm_model)
             return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
 
         if m <= max(2 * pp, 8):

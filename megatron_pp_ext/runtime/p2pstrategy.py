@@ -21,8 +21,7 @@ executor's batches (torch 2.13: 1f1b and zbv at pp=2).
 
 from __future__ import annotations
 
-__all__ = ["NCCL_STRATEGIES", "DEFAULT_STRATEGY", "comm_model_of", "check_strategy", "StrategyError",
-           "communicators_per_rank"]
+__all__ = ["NCCL_STRATEGIES", "DEFAULT_STRATEGY", "comm_model_of", "check_strategy", "StrategyError"]
 
 #: the strategies ``--p2p-strategy`` takes (the executor's NCCL strategies)
 NCCL_STRATEGIES = ("channels", "pairwise", "batched")
@@ -72,25 +71,3 @@ def check_strategy(strategy: str, schedule=None, cost=None, *, gpu: bool, emulat
                "use another schedule")
         raise StrategyError(f"{flag} {strategy}: schedule {schedule.name!r} at pp={schedule.num_ranks} with "
                             f"{schedule.num_microbatches} microbatches cannot run under it ({first}); {fix}") from None
-
-
-def communicators_per_rank(strategy: str, schedule) -> list[int]:
-    """Per pipeline rank, the NCCL communicators the strategy creates for ``schedule``'s
-    pipeline messages (what their memory is counted for): one per channel the rank sends or
-    receives on (``channels``), one per neighbour (``pairwise``), the pipeline group's one
-    (``batched``)."""
-    from ..schedule.ir import PIPELINE_MESSAGES, comm_channel
-    chans: list[set] = [set() for _ in range(schedule.num_ranks)]
-    for r, ops in enumerate(schedule.ops):
-        for op in ops:
-            if op.kind in PIPELINE_MESSAGES and comm_channel(op.kind) == "pp" and op.peer is not None:
-                c = (r, op.peer, PIPELINE_MESSAGES[op.kind][0])
-                chans[r].add(c)
-                chans[op.peer].add(c)
-    if strategy == "channels":
-        return [len(c) for c in chans]
-    if strategy == "pairwise":
-        return [len({frozenset((a, b)) for a, b, _ in c}) for c in chans]
-    if strategy == "batched":
-        return [1 if schedule.num_ranks > 1 else 0] * schedule.num_ranks
-    raise StrategyError(f"unknown p2p strategy {strategy!r}; one of {', '.join(NCCL_STRATEGIES)}")

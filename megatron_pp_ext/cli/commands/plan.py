@@ -112,6 +112,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
                         "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
                         "softmax, weight gradients delivered through autograd; to check a plan there)")
+    from ...runtime.p2pstrategy import NCCL_STRATEGIES
+    s.add_argument("--p2p-strategy", choices=NCCL_STRATEGIES, default="channels",
+                   help="the runtime's point-to-point strategy on NCCL (mppx train / Megatron-LM --p2p-strategy): its "
+                        "communication model times the pipeline (pairwise and batched simulate every send and "
+                        "receive; orders that deadlock under it are rejected) and its communicators count in memory "
+                        "(default: channels)")
     s.add_argument("--top", type=int_at_least(1, 10), default=10, metavar="K", help="plans to list (default: 10)")
     s.add_argument("--time-limit", type=float, default=120.0, metavar="S",
                    help="CPU seconds of search before it stops and reports what it has (default: 120)")
@@ -199,7 +205,8 @@ def build_request(args):
                            mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven, max_vp=args.max_vp,
                            recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
-                           time_limit=args.time_limit, precision=args.precision, runtime=args.memory_model)
+                           time_limit=args.time_limit, precision=args.precision, runtime=args.memory_model,
+                           p2p_strategy=args.p2p_strategy)
     except PlannerError as e:
         raise CLIError(str(e)) from None
 
