@@ -120,3 +120,17 @@ def test_no_two_modules_import_each_other():
     point-to-point strategies and their NCCL emulation: the factory that picks one sits above both)."""
     found = mutual_imports()
     assert not found, "\n".join(found)
+
+
+def test_the_check_finds_two_modules_that_import_each_other():
+    """The checker itself: a module that imports another, which calls back into it from inside a
+    function (as p2p did into its NCCL emulation), is reported."""
+    a, b = PKG / "runtime" / "_mutual_a_tmp.py", PKG / "runtime" / "_mutual_b_tmp.py"
+    a.write_text("from . import _mutual_b_tmp\n")
+    b.write_text("def probe():\n    from ._mutual_a_tmp import probe\n")
+    try:
+        found = mutual_imports()
+    finally:
+        a.unlink()
+        b.unlink()
+    assert found == ["megatron_pp_ext.runtime._mutual_a_tmp <-> megatron_pp_ext.runtime._mutual_b_tmp"], found
