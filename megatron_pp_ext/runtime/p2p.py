@@ -307,7 +307,7 @@ def member_groups(wanted: dict, backend: str, *, timeout: float | None = None, s
     processes first agree on every label any of them wants (an all-gather over the world), then
     all create them all. Returns ``{label: group}`` for ``wanted``."""
     from . import localgroups
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     if _GROUPS_OF[0] is not default:   # (kept alive here, so its identity cannot be reused)
         _GROUPS.clear()
         _WARM.clear()
