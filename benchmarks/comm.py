@@ -9,7 +9,7 @@ for it). On a GPU the executor runs one of NCCL's strategies (schedule/commmodel
 runtime/p2p.py), each with its own model. This benchmark simulates every registered schedule
 and feature under each of them, with the same schedules and costs, and compares the makespans:
 
-* the reference configuration of issue 24 (p=4, m=16, costs 1,1,1,0.05), with Megatron-Core's
+* the reference configuration (p=4, m=16, costs 1,1,1,0.05; docs/schedules.md#communication-on-nccl), with Megatron-Core's
   own 1F1B (its batched send_forward_recv_backward placement) under the same models;
 * the sweep: p in {2, 4, 8, 16}, m in {p, 2p, 4p}, balanced, B/W-heavy, W-less and per-stage
   unbalanced costs, comm latency 0 to 1 F: the worst ratio to the eager makespan per schedule

@@ -7,13 +7,13 @@
 # result line, not a failure), mppx train, and offload under the CUDA sanitizer. Results: results.md, results.json and
 # gpu_check.log in --out (default $OUT, else scripts/gpu_check_out/).
 #
-#   scripts/gpu_check.sh                 # on the GPU machine: everything (about 6-7 min on an H100, estimated)
+#   scripts/gpu_check.sh                 # on any one-GPU machine: everything (about 7-9 min on an H100, estimated)
 #   scripts/gpu_check.sh --quick         # the subset (under 3 min)
 #   scripts/gpu_check.sh --cpu --quick   # the same steps on CPU processes (CI: tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --only nccl,sanitizer   # rerun some steps
-#   scripts/gpu_check.sh --fetch-wheels  # here, with network: the wheels the GPU machine lacks -> .whl/
+#   scripts/gpu_check.sh --fetch-wheels  # once, with network: the wheels -> .whl/ (carry it with the tree)
 #
-# Python: $PYTHON, else python3. The GPU machine has no Megatron-Core and no network: the wheels in
+# Python: $PYTHON, else python3. The GPU machine needs neither Megatron-Core nor network: the wheels in
 # .whl/ (git-ignored, about 4 MiB) travel with the working tree and are extracted for the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

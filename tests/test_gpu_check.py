@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 29) keeps running: ``scripts/gpu_check.sh --cpu`` in CI.
+"""The prepared GPU check (docs/gpu.md#the-gpu-check-scriptsgpu_checksh) keeps running: ``scripts/gpu_check.sh --cpu`` in CI.
 
 The GPU run happens rarely, on a machine with no network and 15 minutes; whatever rots in
 between is found there, too late. So the whole check runs here on CPU processes (gloo with

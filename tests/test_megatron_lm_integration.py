@@ -676,7 +676,7 @@ def _run_tiny_moe(work: Path, tag: str, schedule: str, pp: int, ep: int, extra: 
 
 
 def test_moe_launch_script_matches_megatron(work):
-    """MoE through Megatron-LM's training loop with our schedules (issue 20): the tiny-moe preset of
+    """MoE through Megatron-LM's training loop with our schedules (docs/moe.md): the tiny-moe preset of
     the launch scripts (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall
     dispatcher). ep=1: zbv (V placement; the experts' weight gradients in W) against Megatron-Core's
     own 1F1B at pp=2 and against plain Megatron-LM at pp=1, with layout-independent initialisation;
@@ -696,7 +696,7 @@ EXPERT_BIAS = "--moe-router-enable-expert-bias --moe-router-score-function sigmo
 
 
 def test_moe_expert_bias_through_megatron_lm_loop(work):
-    """The DeepSeek-V3-like router (issue 30) through Megatron-LM's own training loop: the tiny-moe
+    """The DeepSeek-V3-like router (docs/moe.md) through Megatron-LM's own training loop: the tiny-moe
     preset with --moe-router-enable-expert-bias --moe-router-score-function sigmoid (the flags
     `mppx plan` emits for its DeepSeek-V3 preset). Megatron-LM calls the schedule without a
     pg_collection, so the executor's default collection must carry tp_dp_cp, which Megatron-Core

@@ -1,10 +1,10 @@
-"""The memory a rank really holds (issue 25), end to end on CPU processes.
+"""The memory a rank really holds (docs/train.md#activation-memory), end to end on CPU processes.
 
 ``mppx train`` logs per rank ``peak_device_bytes`` -- measured by the operating system, not by our
 counters (trainer/devicemem.py: resident memory above the iteration's start, malloc returning
 freed tensors) -- beside ``predicted_peak_bytes`` (trainer/memmodel.py). Shapes where tensors
 dominate (hidden 256, seq 256: a tensor of one microbatch is 256 KiB, over the 64 KiB from which
-malloc gives memory back), two iterations, the second measured. Tolerance: the issue's goal of
+malloc gives memory back), two iterations, the second measured. Tolerance: the goal of
 10% (docs/benchmarks/memory.md: every rank of every row there is within it).
 """
 

@@ -7,7 +7,7 @@ worker 0 of the same pool (no second start-up). A configuration that does not fi
 its time limit (60 s for a parity run on the GPU) is a hang: the workers are killed and
 respawned, the check fails with one line, and the run goes on. ``--budget`` bounds the whole
 run: a step that would start after it is recorded as skipped, so the results are written
-before the device tool's own limit.
+before an outer time limit (``timeout 520 ...``) ends it.
 """
 
 from __future__ import annotations

@@ -161,8 +161,9 @@ class ScheduleExecutor:
             (F, B, W, BW, feature ops) waits its cost-model time instead of computing; the
             bookkeeping and the messages are real (None: compute).
         defer_receives: on the tagged (gloo) p2p path, wait for a receive right before the op
-            that reads it (True), or at the end of its comm batch (False: the executor before
-            issue 19, which stalls a rank whenever the comm pass posted a receive early).
+            that reads it (True), or at the end of its comm batch (False: how the executor
+            waited before, which stalls a rank whenever the comm pass posted a receive early;
+            docs/benchmarks/fidelity.md, section 3, compares the two).
     """
 
     #: tied embeddings with the first and last stage on one rank (V): allowed when the caller keeps
