@@ -264,23 +264,28 @@ def section(rows: list[dict], repeats: int, seconds: float) -> str:
               "process are those of its own groups either way (a process outside a group makes none for it unless "
               "`TORCH_DIST_INIT_BARRIER=1`, which adds a store barrier over the world per group); what grows with "
               "the world before is the all-gather over it and one `new_group` call per channel of every pipeline.",
-              "", "Extrapolated (tp 8, pp 16, zbv: 60 channels per pipeline, at most 8 per process; assumptions: the "
-              "per-channel cost measured here holds, creation is linear in the calls, the store server keeps up, and "
-              "NCCL's communicators cost the same to create as gloo's here -- on NCCL `new_group` creates nothing "
-              "until the warm-up's first transfer, which takes the same store keys and meets the same partner "
-              "either way):", "",
+              "", "Extrapolated (tp 8, pp 16, zbv: 60 channels per pipeline, at most 8 per process). Assumptions: "
+              "the growth measured here continues linearly (world: the fit above, over the channels in the job; "
+              "local: the same fit, which measures how much a process's creation depends on the job's size -- its "
+              "own channels, at most 8, stay the same); every process runs on a host of its own (here all share "
+              "two cores, which inflates the larger worlds); the store server keeps up with every process at once; "
+              "and NCCL's communicators cost the same to create as gloo's here -- on NCCL `new_group` creates "
+              "nothing until the warm-up's first transfer, which takes the same store keys and meets the same "
+              "partner either way:", "",
               "| processes (tp x dp x pp) | channels in the job | world: new_group calls per process | world: est. s "
-              "| world + barrier: store ops per process (est.) | local: creations per process | local: est. s |",
-              "|---|---|---|---|---|---|---|"]
+              "| world + `TORCH_DIST_INIT_BARRIER=1`: store ops per process (est.) | local: creations per process "
+              "| local: store ops per process | local: est. s |",
+              "|---|---|---|---|---|---|---|---|"]
         per_proc_local = max(r["local"]["store_ops"] for r in base) / max(r["local"]["creations"] for r in base)
         barrier_per_group = (max(r["world_barrier"]["store_ops"] - r["world"]["store_ops"] for r in base)
                              / max(r["world"]["creations"] for r in base))
         for n, (tp, dp, pp) in ((1024, (8, 8, 16)), (16384, (8, 128, 16))):
             chans = (n // pp) * channels_per_pipeline(pp)
             est_w = aw + bw * chans
-            est_l = al + bl * 8
+            est_l = al + bl * chans
             L.append(f"| {n:,} ({tp} x {dp} x {pp}) | {chans:,} | {chans:,} | {est_w:.1f} | "
-                     f"{int(round(chans * barrier_per_group + 8 * per_proc_local)):,} | 8 | {est_l:.2f} |")
+                     f"{int(round(chans * barrier_per_group + 8 * per_proc_local)):,} | 8 | "
+                     f"{int(round(8 * per_proc_local))} | {max(est_l, 0.0):.2f} |")
         L.append("")
     return "\n".join(L) + "\n"
 
