@@ -82,7 +82,8 @@ def nccl_memory(env: Mapping[str, str] | None = None) -> NCCLMemory:
         return _measured(path)
     link = env.get("MPPX_NCCL_P2P_LINK", "net").strip() or "net"
     if link not in _CHUNKS:
-        raise ValueError(f"MPPX_NCCL_P2P_LINK={link!r}: net, pci or nvl (the link between pipeline neighbours)")
+        raise ValueError(f"MPPX_NCCL_P2P_LINK={link!r}: use net, pci or nvl (the link between pipeline neighbours), "
+                         "or unset it (net)")
     var, default = _CHUNKS[link]
     chunk = _int_env(env, var, default)
     buff = _int_env(env, "NCCL_BUFFSIZE", 1 << 22)
