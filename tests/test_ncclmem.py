@@ -72,18 +72,19 @@ def test_predicted_peak_bytes_counts_them_on_a_gpu(monkeypatch, tmp_path):
     monkeypatch.delenv("MPPX_NCCL_MEMORY", raising=False)
     plan = make_plan(TrainConfig(layers=8, hidden=32, heads=4, vocab=128, seq=16, progress=False, pp=4,
                                  schedule="zbv", out=str(tmp_path)))
-    assert plan.device == "cpu" and predict(plan).get("predicted_nccl_bytes") is None
+    assert plan.device == "cpu" and plan.memory_prediction.get("predicted_nccl_bytes") is None
     zero = tmp_path / "zero.json"
     zero.write_text(json.dumps({"per_communicator_bytes": 0, "per_connection_bytes": 0}))
-    for strategy, nccl in ((None, [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]),          # channels, the default
-                           ("pairwise", [4 * MiB, 8 * MiB, 8 * MiB, 4 * MiB])):
-        gpu = dataclasses.replace(plan, device="cuda", cfg=dataclasses.replace(plan.cfg, p2p_strategy=strategy))
-        got = predict(gpu)
-        monkeypatch.setenv("MPPX_NCCL_MEMORY", str(zero))
-        without = predict(gpu)
-        monkeypatch.delenv("MPPX_NCCL_MEMORY")
-        assert got["predicted_nccl_bytes"] == nccl and without["predicted_nccl_bytes"] == [0] * 4
-        assert got["predicted_peak_bytes"] == [b + n for b, n in zip(without["predicted_peak_bytes"], nccl)]
+    gpu = dataclasses.replace(plan, device="cuda")                                # channels, the default
+    got = predict(gpu)
+    monkeypatch.setenv("MPPX_NCCL_MEMORY", str(zero))
+    without = predict(gpu)
+    monkeypatch.delenv("MPPX_NCCL_MEMORY")
+    nccl = [8 * MiB, 16 * MiB, 16 * MiB, 8 * MiB]
+    assert got["predicted_nccl_bytes"] == nccl and without["predicted_nccl_bytes"] == [0] * 4
+    assert got["predicted_peak_bytes"] == [b + n for b, n in zip(without["predicted_peak_bytes"], nccl)]
+    pairwise = dataclasses.replace(gpu, cfg=dataclasses.replace(plan.cfg, p2p_strategy="pairwise"))
+    assert predict(pairwise)["predicted_nccl_bytes"] == [4 * MiB, 8 * MiB, 8 * MiB, 4 * MiB]
     # the allocator's peak (peak_device_bytes) is compared with the prediction less NCCL's part
     assert measured_over_predicted([100, 50], [300, 150], [200, 100]) == [1.0, 1.0]
     assert measured_over_predicted([100, 50], [100, 50], None) == [1.0, 1.0]
