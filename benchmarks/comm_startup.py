@@ -264,6 +264,7 @@ def section(rows: list[dict], repeats: int, seconds: float, command: str = "pyth
               "process are those of its own groups either way (a process outside a group makes none for it unless "
               "`TORCH_DIST_INIT_BARRIER=1`, which adds a store barrier over the world per group); what grows with "
               "the world before is the all-gather over it and one `new_group` call per channel of every pipeline.",
+              "", "What the wall columns measure here is mostly the two shared cores: at world 64 the 64 processes and the rest of the machine's work kept its load average near 65, so the local wall time grew too, although every local process does the same work at every size (8 creations, 40 store operations). The counted columns are the result: before, a process's `new_group` calls grow with the job (24, 48, 96, 192: one per channel of every pipeline) and, with `TORCH_DIST_INIT_BARRIER=1`, its store operations too; now both stay at its own 8 channels and 40 operations. The local estimates below inherit the contention and are an upper bound; on hosts of their own the local creation time is that of 8 two-rank groups at any size.",
               "", "Extrapolated (tp 8, pp 16, zbv: 60 channels per pipeline, at most 8 per process). Assumptions: "
               "the growth measured here continues linearly (world: the fit above, over the channels in the job; "
               "local: the same fit, which measures how much a process's creation depends on the job's size -- its "
