@@ -20,7 +20,7 @@ configuration so that its shortest compute op lasts 20 ms.
    (measured end of the op before it on its rank and of the op that made the data it receives,
    plus the idle time the simulator has between them).
 2. **Receive waits before and after**: the same schedules with the executor waiting for a
-   receive at the end of its comm batch (``defer_receives=False``: the executor before issue 19)
+   receive at the end of its comm batch (``defer_receives=False``: how the executor waited before)
    and right before the op that reads it (now), with a figure of the measured timeline beside the
    simulated one for the worst case.
 3. **The executor's own CPU time per op**: our 1F1B and Megatron-Core's 1F1B, emulated on the

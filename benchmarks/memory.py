@@ -1,4 +1,4 @@
-"""The memory a rank really holds against what the memory model predicts (issue 25).
+"""The memory a rank really holds against what the memory model predicts (docs/train.md#activation-memory).
 
     python benchmarks/memory.py                      # every row; writes docs/benchmarks/memory.md
     python benchmarks/memory.py --only 'gpt-pp4' --json /tmp/mem.json --out /tmp/mem.md

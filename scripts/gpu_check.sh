@@ -2,17 +2,18 @@
 # The prepared GPU check (docs/gpu.md#the-gpu-check-scriptsgpu_checksh): on one rank the CUDA
 # paths first (the B/W split, F/B/W op times of real layer shapes, memory against the planner,
 # offload's copies), then real NCCL ranks sharing one GPU (parity against pp=1 with every NCCL
-# strategy of the executor; stopping at the first hang), the same with CUDA_DEVICE_MAX_CONNECTIONS=1,
-# mppx train, and offload under the CUDA sanitizer. Results: results.md, results.json and
+# strategy of the executor, also beside busy TP-overlap streams; the memory each NCCL communicator
+# adds; stopping at the first hang), the same with CUDA_DEVICE_MAX_CONNECTIONS=1 (where a hang is a
+# result line, not a failure), mppx train, and offload under the CUDA sanitizer. Results: results.md, results.json and
 # gpu_check.log in --out (default $OUT, else scripts/gpu_check_out/).
 #
-#   scripts/gpu_check.sh                 # on the GPU machine: everything (about 6-7 min on an H100, estimated)
+#   scripts/gpu_check.sh                 # on any one-GPU machine: everything (about 7-9 min on an H100, estimated)
 #   scripts/gpu_check.sh --quick         # the subset (under 3 min)
 #   scripts/gpu_check.sh --cpu --quick   # the same steps on CPU processes (CI: tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --only nccl,sanitizer   # rerun some steps
-#   scripts/gpu_check.sh --fetch-wheels  # here, with network: the wheels the GPU machine lacks -> .whl/
+#   scripts/gpu_check.sh --fetch-wheels  # once, with network: the wheels -> .whl/ (carry it with the tree)
 #
-# Python: $PYTHON, else python3. The GPU machine has no Megatron-Core and no network: the wheels in
+# Python: $PYTHON, else python3. The GPU machine needs neither Megatron-Core nor network: the wheels in
 # .whl/ (git-ignored, about 4 MiB) travel with the working tree and are extracted for the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

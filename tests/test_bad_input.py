@@ -1,5 +1,5 @@
 """Bad input refused where it enters the library (ScheduleError, never a bare ValueError or a
-wrong number), and by the CLI as one line with exit status 2 (issue 17)."""
+wrong number), and by the CLI as one line with exit status 2 (docs/cli.md)."""
 
 import json
 
@@ -159,7 +159,7 @@ def test_loads_json_check_false_reads_without_validating():
      "nested too deeply"),
 ])
 def test_schedule_import_refuses_what_would_hang_or_crash_at_once(text, match):
-    """(issue 26) a JSON declaring 10^7 microbatches took 67 s to fail, 10^18 overflowed, deep
+    """A JSON declaring 10^7 microbatches took 67 s to fail, 10^18 overflowed, deep
     nesting raised RecursionError: each is a ScheduleError in well under a second."""
     import time
     t = time.perf_counter()
@@ -232,7 +232,7 @@ def test_simulate_check_false_is_the_raw_simulator():
     assert simulate(short, c, check=False).makespan > 0
 
 
-# --- the CLI: the issue's examples and their siblings -----------------------------------------
+# --- the CLI: bad input and its siblings -----------------------------------------------------
 
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--schedule", "zbv", "--costs", "1e308,1e308,1e308"], "--costs"),
@@ -282,7 +282,7 @@ def test_viz_refuses_a_figure_too_large_to_draw_before_building_it(capsys, tmp_p
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full")
 def test_standard_output_that_takes_no_write_is_one_line():
-    """``mppx compare --json > /dev/full`` ended in a traceback (issue 26)."""
+    """``mppx compare --json > /dev/full`` ended in a traceback (docs/cli.md)."""
     import os
     import subprocess
     import sys
@@ -345,7 +345,7 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
     ({"gemm_points": 7}, "must be a list"),
     ({"layer_points": [{"mbs": 1, "forward_ms": float("nan")}]}, "forward_ms"),
     ({"layer_points": [{"mbs": 0, "forward_ms": 3}]}, "mbs and tp"),
-    # (issue 26) nothing in the file is ignored: a field at the wrong level, an empty file, a point out
+    # nothing in the file is ignored: a field at the wrong level, an empty file, a point out
     # of range or not whole is refused, not dropped, truncated or reported as "calibrated from FILE"
     ({"gemm_max": 0.6}, "unknown keys ['gemm_max']; gemm_max go(es) under \"efficiency\""),
     ({}, "nothing to calibrate"),

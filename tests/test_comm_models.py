@@ -1,5 +1,5 @@
 """The NCCL communication models of the simulator (schedule/commmodel.py) and the validator's
-checks of NCCL's rules: hand-built cases with known answers, and the promise of issue 24 -- the
+checks of NCCL's rules: hand-built cases with known answers, and the promise of docs/schedules.md#communication-on-nccl -- the
 executor's NCCL strategy (channels) keeps every registered schedule at its eager makespan."""
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_docs_quote_the_comm_benchmark_and_its_worst_cases_are_what_the_simulato
     readme = " ".join((root / "README.md").read_text().split())
     assert f"up to {channels:.3f}x at a latency equal to F" in readme and f"{min(batched):.2f}-{max(batched):.2f}x" in readme
     assert f"up to {channels:.3f}x when it equals F" in " ".join((root / "docs" / "planner.md").read_text().split())
-    # the worst pairwise case, and the issue's counterexample to "up to 1.03x" (no W, latency 0.3 F)
+    # the worst pairwise case, and a counterexample to "up to 1.03x" (no W, latency 0.3 F)
     for costs, ratio in [((1, 1, 1, 1), pairwise), ((1, 1, 0, 0.3), 1.06)]:
         s, c = build_schedule("interleaved-1f1b", 2, 8, chunks=2, costs=costs, with_comm=True)
         got = simulate(s, c, comm_model="nccl-pairwise").makespan / simulate(s, c).makespan

@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 29) keeps running: ``scripts/gpu_check.sh --cpu`` in CI.
+"""The prepared GPU check (docs/gpu.md#the-gpu-check-scriptsgpu_checksh) keeps running: ``scripts/gpu_check.sh --cpu`` in CI.
 
 The GPU run happens rarely, on a machine with no network and 15 minutes; whatever rots in
 between is found there, too late. So the whole check runs here on CPU processes (gloo with
@@ -68,6 +68,14 @@ def test_cpu_run_passes_every_step_and_writes_its_results(tmp_path):
     for case in ("vocab-parallel zbv-pp2 [channels]", "bpipe 1f1b-pp4 [channels]"):   # (they hang under it)
         assert names[case + q]["status"] == "skip" and "refused under" in names[case + q]["detail"], case
     assert names["offload-full zbv-pp2 [channels]" + q]["status"] == "pass"
+    # every strategy beside busy TP-overlap streams, with several hardware queues and with one
+    for strategy in ("channels", "batched", "pairwise"):
+        for suffix in ("", q):
+            c = names[f"zbv-pp2 [{strategy}] busy streams{suffix}"]
+            assert c["status"] == "pass" and c["data"]["exact"] is True and min(c["data"]["busy_side_ops"]) > 0
+    # the communicators' memory: n/a on gloo, but its path ran
+    mem = names["NCCL communicator memory"]
+    assert mem["status"] == "skip" and "n/a on CPU" in mem["detail"] and "16 two-rank groups" in mem["detail"]
     # every check's line in the one log
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"] {c['name']}: " in log for c in doc["checks"]), log[-2000:]
@@ -92,6 +100,55 @@ def test_bad_arguments_are_one_line_and_exit_2(args, needle):
     assert e.value.code == 2
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_a_stress_case_that_hangs_is_a_result_line_not_a_failure(tmp_path):
+    """Under CUDA_DEVICE_MAX_CONNECTIONS=1 or busy streams a hang is what the check found out:
+    one measured line ("channels hangs under ..."), exit status untouched; a plain case's hang
+    stays a failure that stops the NCCL part."""
+    import types
+
+    from benchmarks.gpu_check.main import Runner
+    from benchmarks.gpu_check.parity import ParityCase, stress_label
+    from benchmarks.gpu_check.report import Results
+    from megatron_pp_ext.runtime.pool import PoolTimeout, WorkerError
+
+    class HangingPool:
+        def __init__(self, error):
+            self.error = error
+
+        def run(self, fn, world, timeout=None, **kw):
+            raise self.error
+
+    args = types.SimpleNamespace(budget=0, only=["nccl"])
+    r = Runner(args, types.SimpleNamespace(name="cpu", cpu=True), Results(tmp_path, mode="cpu", argv=[]))
+    case = ParityCase("zbv-pp2 [channels] busy streams", "plain", None, "channels", busy=True)
+    assert stress_label(case, one_queue=True) == ("channels hangs under CUDA_DEVICE_MAX_CONNECTIONS=1 with busy "
+                                                  "TP-overlap streams")
+    assert stress_label(ParityCase("x", "plain", None, "pairwise"), one_queue=False) is None
+    r.pool = HangingPool(PoolTimeout("stuck", {0: "stack of rank 0"}))
+    got, _ = r.run("nccl", case.name, print, 2, timeout=3.0, hang_result=stress_label(case, one_queue=False))
+    emulated = WorkerError("x", {1: "Traceback ...\nmegatron_pp_ext.runtime.nccl_rules.NCCLHangError: rank 1 waited"})
+    r.pool = HangingPool(emulated)
+    r.run("nccl", "pairwise case", print, 2, timeout=3.0, hang_result="pairwise hangs under busy TP-overlap streams")
+    first, second = r.results.checks
+    assert got is None and r.hung is None and not r.results.failed
+    assert (first.status, first.goal_met) == ("measured", False)
+    assert first.detail.startswith("channels hangs under busy TP-overlap streams: did not finish within 3 s")
+    assert second.detail.startswith("pairwise hangs under busy TP-overlap streams (NCCL's rules emulated): rank 1: ")
+    r.pool = HangingPool(PoolTimeout("stuck", {}))
+    r.run("nccl", "plain case", print, 2, timeout=3.0)
+    assert r.results.failed and r.hung == "plain case"
+
+
+def test_communicator_memory_figures():
+    """c per communicator, k per connection: one way 8 x (2c + 2k), both ways 8 x (2c + 4k)."""
+    from benchmarks.gpu_check.commcheck import figures
+    c, k = 3 << 20, 2 << 20
+    before = 80 << 30
+    levels = [before, before - 8 * (2 * c + 2 * k), before - 8 * (2 * c + 2 * k) - 8 * (2 * c + 4 * k)]
+    f = figures([{"count": 8, "free_bytes": levels}])
+    assert (f["per_communicator_bytes"], f["per_connection_bytes"]) == (c, k)
 
 
 def test_missing_wheels_is_one_line(tmp_path, monkeypatch):

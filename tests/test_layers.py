@@ -93,3 +93,44 @@ def test_the_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
     assert any("_layer_probe_tmp" in p and "a higher layer" in p for p in found), found
     assert any("_layer_probe_tmp" in p and "private name" in p for p in found), found
     assert layers.layer_of("megatron_pp_ext.schedule.ir") < layers.layer_of("megatron_pp_ext.runtime.executor")
+
+
+def _typing_only_lines(path: Path) -> set[int]:
+    """Lines of ``if TYPE_CHECKING:`` blocks (imports for annotations, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return out
+
+
+def mutual_imports(under: Path = PKG) -> list[str]:
+    """Pairs of modules of the package (``under``: one of its folders) that import each other (at
+    module level or in a function; not for annotations only)."""
+    deps: dict[str, set] = {}
+    for path in sorted(under.rglob("*.py")):
+        typing_only = _typing_only_lines(path)
+        deps[_module(path)] = {t for t, _, line in imports(path)
+                               if t.startswith("megatron_pp_ext") and line not in typing_only}
+    return sorted(f"{a} <-> {b}" for a in deps for b in deps[a] if a < b and a in deps.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+    """A module and the module it builds on do not call back into each other (e.g. the executor's
+    point-to-point strategies and their NCCL emulation: the factory that picks one sits above both)."""
+    found = mutual_imports()
+    assert not found, "\n".join(found)
+
+
+def test_the_check_finds_two_modules_that_import_each_other():
+    """The checker itself: a module that imports another, which calls back into it from inside a
+    function (as p2p did into its NCCL emulation), is reported."""
+    a, b = PKG / "runtime" / "_mutual_a_tmp.py", PKG / "runtime" / "_mutual_b_tmp.py"
+    a.write_text("from . import _mutual_b_tmp\n")
+    b.write_text("def probe():\n    from ._mutual_a_tmp import probe\n")
+    try:
+        found = mutual_imports(PKG / "runtime")
+    finally:
+        a.unlink()
+        b.unlink()
+    assert found == ["megatron_pp_ext.runtime._mutual_a_tmp <-> megatron_pp_ext.runtime._mutual_b_tmp"], found

@@ -111,6 +111,7 @@ def test_schedule_and_reference_aliases():
     (["--activation-offload", "full"], "--activation-offload full runs on megatron_pp_ext's runtime"),
     (["--vocab-parallel-algorithm", "1"], "needs --enable-vocab-parallel"),
     (["--pipeline-schedule", "1f1b", "--activation-offload", "chunks"], "--activation-offload-chunks"),
+    (["--p2p-strategy", "pairwise"], "--p2p-strategy pairwise picks megatron_pp_ext's point-to-point; Megatron-Core's"),
 ])
 def test_flag_errors_name_the_flag(argv, needle):
     assert needle in error_of(*argv)
@@ -215,6 +216,12 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
      "--bpipe does not support --pipeline-schedule zbv"),
     (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "2"], {"freeze_all_layers": True},
      "--freeze-all-layers runs them forward only; drop one of them"),
+    # v-min at pp=4, m=4 without W: proven under channels, deadlocks per pair of ranks
+    (["--pipeline-schedule", "v-min", "--pipeline-costs", "1,1,0,0", "--p2p-strategy", "pairwise"],
+     {"pipeline_model_parallel_size": 4, "global_batch_size": 4},
+     "--p2p-strategy pairwise: schedule 'v-min' at pp=4 with 4 microbatches cannot run under it (rank 0 stream"),
+    (["--pipeline-schedule", "zbv", "--p2p-strategy", "batched"], {"distributed_backend": "gloo"},
+     "--p2p-strategy batched on CPU processes (gloo): gloo's batch_isend_irecv hangs"),
 ])
 def test_megatron_combination_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
@@ -550,3 +557,23 @@ def test_docs_cover_every_flag_and_readme_links_them():
             if flag.startswith("--") and flag != "--help":
                 assert flag in doc, f"docs/megatron_lm.md does not mention {flag}"
     assert "docs/megatron_lm.md" in (ROOT / "README.md").read_text()
+
+
+def test_p2p_strategy_flag_and_its_emulation(monkeypatch):
+    """--p2p-strategy reaches the options and runs where the schedule's proof holds; under the NCCL
+    emulation MPPX_EMULATE_NCCL=1 emulates it, a different strategy there contradicts it."""
+    monkeypatch.delenv("MPPX_EMULATE_NCCL", raising=False)
+    assert parse_flag("--p2p-strategy") == ("channels", "pairwise", "batched")
+    o = opts("--pipeline-schedule", "v-min", "--pipeline-costs", "1,1,0,0", "--p2p-strategy", "channels")
+    assert o.p2p_strategy == "channels"
+    plan_for(o, pipeline_model_parallel_size=4, global_batch_size=4)      # channels runs what pairwise cannot
+    monkeypatch.setenv("MPPX_EMULATE_NCCL", "1")
+    plan_for(opts("--pipeline-schedule", "zbv", "--p2p-strategy", "batched"), distributed_backend="gloo")
+    monkeypatch.setenv("MPPX_EMULATE_NCCL", "batched")
+    assert "--p2p-strategy channels contradicts MPPX_EMULATE_NCCL=batched" in error_of(
+        "--pipeline-schedule", "zbv", "--p2p-strategy", "channels")
+
+
+def parse_flag(flag: str):
+    """The choices of one of our flags."""
+    return tuple(next(a for a in build_parser()._actions if flag in a.option_strings).choices)

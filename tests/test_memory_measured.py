@@ -1,4 +1,4 @@
-"""The memory a rank really holds (issue 25), end to end on CPU processes.
+"""The memory a rank really holds (docs/train.md#activation-memory), end to end on CPU processes.
 
 ``mppx train`` logs per rank ``peak_device_bytes`` -- measured by the operating system, not by our
 counters (trainer/devicemem.py: resident memory above the iteration's start, malloc returning

@@ -75,8 +75,9 @@ def test_every_plan_fits_by_construction():
     for e in res.plans:
         assert e.peak_bytes <= e.usable_bytes
         for mem in e.memory:
-            assert mem.total == pytest.approx(mem.static.total + mem.activations + mem.transient + mem.extra)
+            assert mem.total == pytest.approx(mem.static.total + mem.activations + mem.transient + mem.extra + mem.nccl)
             assert mem.activations >= 0 and mem.static.params > 0
+            assert (mem.nccl > 0) == (e.candidate.pp > 1)   # the pipeline's NCCL communicators (GPU plans)
         c = e.candidate
         assert c.tp * c.pp * c.dp == 16 and c.mbs * c.m * c.dp == 128
         assert 0 < e.mfu < 1

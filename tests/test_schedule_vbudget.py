@@ -1,4 +1,4 @@
-"""v-budget as a monotone knob (issue 17): a larger budget never gives a slower schedule, and
+"""v-budget as a monotone knob (docs/schedules.md#v-budget): a larger budget never gives a slower schedule, and
 never more memory than the fastest schedule found needs (generators/budget_ladder.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run(name, p, m, costs, budget=None):
 
 
 def test_budget_above_zbv_does_not_spend_memory_for_nothing():
-    # the issue's example: p=4, m=16, budget 8 peaked at 8 for ZB-V's makespan at 4 units
+    # a reported example: p=4, m=16, budget 8 peaked at 8 for ZB-V's makespan at 4 units
     ms_z, pk_z = run("zbv", 4, 16, (1, 1, 1, 0))
     ms, pk = run("v-budget", 4, 16, (1, 1, 1, 0), 8)
     assert ms <= ms_z + EPS
@@ -31,7 +31,7 @@ def test_budget_above_zbv_does_not_spend_memory_for_nothing():
 
 
 def test_makespan_is_monotone_in_the_budget_p8():
-    # the issue's example: p=8, m=16, costs 1,1.8,0.4 gave 58.4 at 11 units and 58.8 at 12
+    # a reported example: p=8, m=16, costs 1,1.8,0.4 gave 58.4 at 11 units and 58.8 at 12
     costs = (1, 1.8, 0.4, 0)
     ms11, pk11 = run("v-budget", 8, 16, costs, 11)
     ms12, pk12 = run("v-budget", 8, 16, costs, 12)

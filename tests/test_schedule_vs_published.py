@@ -174,7 +174,7 @@ def test_never_behind_stored_sail_sg_figures(p, m, profile, ours_cache):
 
 
 def test_v_half_matches_the_reference_at_the_issues_example():
-    # issue 18: sail-sg's V-Half gave 26.5 at p=4, m=8, F=B=W; ours gave 27.0 before its
+    # sail-sg's V-Half gave 26.5 at p=4, m=8, F=B=W; ours gave 27.0 before its
     # reordered block (generators/slots.py) became a candidate
     assert _ours("v-half", 4, 8, (1, 1, 1, 0)) == (26.5, 3.0)
 

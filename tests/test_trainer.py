@@ -83,6 +83,17 @@ def train_error(capsys, *argv) -> str:
     (["--pp", "0"], "--pp"),
     (["--emulate-nccl", "--schedule", "mcore"], "--emulate-nccl emulates our executor's NCCL path"),
     (["--emulate-nccl", "magic"], "--emulate-nccl"),
+    (["--p2p-strategy", "magic"], "argument --p2p-strategy: invalid choice: 'magic'"),
+    (["--p2p-strategy", "pairwise"], "--p2p-strategy pairwise on CPU processes (gloo): it is NCCL's"),
+    (["--p2p-strategy", "batched"], "--p2p-strategy batched on CPU processes (gloo): gloo's batch_isend_irecv hangs"),
+    (["--p2p-strategy", "channels", "--schedule", "mcore"], "--p2p-strategy channels picks our executor's"),
+    (["--emulate-nccl", "pairwise", "--p2p-strategy", "channels"], "--emulate-nccl pairwise contradicts --p2p-strategy"),
+    # v-min at pp=4, m=4 without W: proven under blocking batches and channels, deadlocks per pair
+    (["--p2p-strategy", "pairwise", "--emulate-nccl", "--schedule", "v-min", "--global-batch-size", "4", "--costs",
+      "1,1,0,0"], "--p2p-strategy pairwise: schedule 'v-min' at pp=4 with 4 microbatches cannot run under it (rank 0 "
+                  "stream ('pp', 0, 1): 0RECV_B2<-1 waits for its partner"),
+    (["--emulate-nccl", "pairwise", "--schedule", "v-min", "--global-batch-size", "4", "--costs", "1,1,0,0"],
+     "--emulate-nccl pairwise: schedule 'v-min' at pp=4"),
 ])
 def test_bad_input_is_one_line_before_any_process(capsys, no_processes, argv, expect):
     err = train_error(capsys, *argv)
@@ -92,7 +103,7 @@ def test_bad_input_is_one_line_before_any_process(capsys, no_processes, argv, ex
 @pytest.mark.parametrize("env,argv,expect", [
     ({"MPPX_NCCL_TIMEOUT": v}, ["--emulate-nccl"], f"MPPX_NCCL_TIMEOUT='{v}': the emulated NCCL hang timeout must be")
     for v in ("0.001", "0", "-1", "nan", "abc", "inf", "1e300")] + [
-    ({"MPPX_EMULATE_NCCL": "bogus"}, [], "MPPX_EMULATE_NCCL='bogus': use 1 (channels), channels, batched, pairwise"),
+    ({"MPPX_EMULATE_NCCL": "bogus"}, [], "MPPX_EMULATE_NCCL='bogus': use 1 (channels), channels, pairwise, batched"),
     ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, ["--emulate-nccl", "--enable-vocab-parallel"],
      "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) with --enable-vocab-parallel hangs"),
 ])
@@ -100,6 +111,29 @@ def test_bad_nccl_environment_is_one_line_before_any_process(capsys, no_processe
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert expect in train_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv,emulated,strategy", [
+    (["--emulate-nccl"], "channels", None),
+    (["--p2p-strategy", "pairwise", "--emulate-nccl"], "pairwise", "pairwise"),
+    (["--emulate-nccl", "batched"], "batched", None),
+    (["--emulate-nccl", "batched", "--p2p-strategy", "batched"], "batched", "batched"),
+])
+def test_emulate_nccl_runs_the_p2p_strategy(argv, emulated, strategy):
+    """A bare --emulate-nccl emulates --p2p-strategy (default channels); the run's executor and its
+    simulated model take that strategy."""
+    import argparse
+
+    from megatron_pp_ext.trainer.config import add_arguments, config_from_args
+    from megatron_pp_ext.trainer.report import _comm_model_of_run
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = config_from_args(ap.parse_args(argv))
+    assert (cfg.emulate_nccl, cfg.p2p_strategy) == (emulated, strategy)
+    plan = make_plan(cfg.replace(device="cpu", iters=3, reference_iters=0))
+    run = plan.run_config()
+    assert (run.p2p, run.emulate_nccl) == (emulated, True)
+    assert _comm_model_of_run(plan) == f"nccl-{emulated}"
 
 
 def test_one_hardware_queue_is_fine_without_a_feature_that_hangs_under_it(monkeypatch):

@@ -1,4 +1,4 @@
-"""A stopped ``mppx train`` leaves no process behind (issue 26).
+"""A stopped ``mppx train`` leaves no process behind (docs/train.md#a-stopped-run-leaves-no-process-behind).
 
 A scheduler stops a job by signalling the process it started (SIGTERM, then SIGKILL; or SIGKILL
 at once): the launcher's workers must not train on as orphans, writing checkpoints and logs.

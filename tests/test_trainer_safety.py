@@ -1,4 +1,4 @@
-"""A run's data and verdict are safe (issue 26): the directories a run writes are checked and
+"""A run's data and verdict are safe (docs/train.md#integrity): the directories a run writes are checked and
 locked before any process starts, another run's checkpoints are not replaced silently.
 
 Everything here is refused (or taken over) in the launcher, before a worker is forked.

@@ -7,7 +7,7 @@ worker 0 of the same pool (no second start-up). A configuration that does not fi
 its time limit (60 s for a parity run on the GPU) is a hang: the workers are killed and
 respawned, the check fails with one line, and the run goes on. ``--budget`` bounds the whole
 run: a step that would start after it is recorded as skipped, so the results are written
-before the device tool's own limit.
+before an outer time limit (``timeout 520 ...``) ends it.
 """
 
 from __future__ import annotations
@@ -173,8 +173,12 @@ class Runner:
         self.one_queue = one_queue
         self.start_pool()
 
-    def run(self, step: str, name: str, fn, world: int, *, timeout: float, **kwargs):
-        """``(per-rank results, seconds)`` or ``(None, seconds)`` after recording the failure."""
+    def run(self, step: str, name: str, fn, world: int, *, timeout: float, hang_result: str | None = None,
+            **kwargs):
+        """``(per-rank results, seconds)`` or ``(None, seconds)`` after recording the failure.
+        ``hang_result``: a hang of this configuration is a finding, not a failure (a stress
+        case: ``"channels hangs under CUDA_DEVICE_MAX_CONNECTIONS=1"``): recorded as a measured
+        result with that line, and the run goes on with respawned workers."""
         from megatron_pp_ext.runtime.pool import PoolTimeout, WorkerError
         t = time.monotonic()
         try:
@@ -182,6 +186,13 @@ class Runner:
         except PoolTimeout as e:
             for rank, stack in sorted(e.stacks.items()):
                 self.results.log(f"--- {name}: rank {rank} stuck here ---\n{stack}")
+            if hang_result:
+                self.results.add(Check(step, name, "measured", f"{hang_result}: did not finish within {timeout:g} s on "
+                                       f"{world} rank(s); workers killed and respawned (the stuck ranks' stacks: "
+                                       "gpu_check.log)", time.monotonic() - t,
+                                       {"hang": hang_result, "stacks": {str(k): v[-3000:] for k, v in e.stacks.items()}},
+                                       goal_met=False))
+                return None, time.monotonic() - t
             self.results.add(Check(step, name, "fail", f"hang (or far too slow): did not finish within {timeout:g} s on "
                                    f"{world} rank(s); workers killed and respawned; the NCCL part stops here (the "
                                    "stuck ranks' stacks: gpu_check.log)", time.monotonic() - t,
@@ -192,6 +203,13 @@ class Runner:
             first = min(e.tracebacks)
             for rank, tb in sorted(e.tracebacks.items()):
                 self.results.log(f"--- {name}: rank {rank} ---\n{tb}")
+            hung = [r for r, tb in sorted(e.tracebacks.items()) if "NCCLHangError" in tb]
+            if hang_result and hung:   # (on CPU processes: the emulation reports the hang NCCL would have)
+                self.results.add(Check(step, name, "measured", f"{hang_result} (NCCL's rules emulated): rank {hung[0]}: "
+                                       f"{_last_line(e.tracebacks[hung[0]])}", time.monotonic() - t,
+                                       {"hang": hang_result, "traceback": e.tracebacks[hung[0]][-4000:]},
+                                       goal_met=False))
+                return None, time.monotonic() - t
             self.results.add(Check(step, name, "fail", f"rank {first}: {_last_line(e.tracebacks[first])}",
                                    time.monotonic() - t, {"traceback": e.tracebacks[first][-4000:]}))
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be unpickled: still one line

@@ -7,7 +7,7 @@ that does not change the picture). Per repetition, timed with CUDA events on the
 stream: the forward (F) and the fused backward (Megatron-Core's own, ``BW``), then the same
 forward under ``split_weight_grads`` and its backward split into B (input gradients, inside
 ``store.collect``) and W (``store.run``: the deferred weight-gradient GEMMs). The split's
-overhead is median(B) + median(W) over median(BW): the issue's goal is <= 1.05 (the split
+overhead is median(B) + median(W) over median(BW): the goal is <= 1.05 (docs/gpu.md#what-it-does) (the split
 does the same GEMMs; what it adds is the W closures' bookkeeping and the autograd call that
 delivers each weight's gradient). Weight gradients accumulate in ``param.grad`` (no DDP, no
 fusion) in both, so the two backwards do the same work.

@@ -20,6 +20,10 @@ pp=4, vocabulary parallelism, BPipe (activations evicted to the partner rank ove
 activation offload (CUDA copy streams), and a mixture-of-experts model at ep=2 (4 ranks: pp=2 x
 dp=2, the all-to-all dispatcher over NCCL). The executor's NCCL strategy is ``channels`` (one
 communicator per channel); ``batched`` (Megatron-Core's way) and ``pairwise`` run a subset.
+The *busy streams* cases run zbv at pp=2 (and interleaved-zb at pp=4 on a GPU) with every
+strategy while other streams are busy as Megatron-LM's tensor-parallel communication overlap
+keeps them (:class:`BusyStreams`): NCCL does not promise progress when several communicators of
+one GPU are in use at once, and these cases put one more beside the pipeline's.
 On CPU (``--cpu``) the same cases run on gloo with NCCL's rules emulated (runtime/nccl_emulation.py).
 """
 
@@ -35,7 +39,7 @@ from megatron_pp_ext.runtime.setup import RunConfig
 from .sizes import Mode
 
 __all__ = ["ParityCase", "parity_cases", "parity_worker", "reference_config", "judge", "Probe", "to_cpu",
-           "STRATEGIES", "TOLERANCE"]
+           "STRATEGIES", "TOLERANCE", "BusyStreams", "stress_label"]
 
 STRATEGIES = ("channels", "batched", "pairwise")
 #: (rtol, tensor_rtol) where a run is not bit-exact
@@ -50,6 +54,7 @@ class ParityCase:
     strategy: str
     expect_exact: bool = True
     note: str = ""
+    busy: bool = False         # other streams busy, TP-overlap style (BusyStreams)
 
     @property
     def world(self) -> int:
@@ -94,6 +99,13 @@ def parity_cases(mode: Mode) -> list[ParityCase]:
             out.append(ParityCase(f"{name} [{s}]", "plain", _cfg(mode, spec, schedule=schedule, pp=pp, m=m,
                                                                 chunks=chunks, strategy=s), s))
 
+    def busy(name, spec, schedule, pp, m, chunks=1):
+        m = _microbatches(schedule, pp, chunks, m)
+        for s in STRATEGIES:
+            out.append(ParityCase(f"{name} [{s}] busy streams", "plain", _cfg(mode, spec, schedule=schedule, pp=pp,
+                                                                              m=m, chunks=chunks, strategy=s), s,
+                                  busy=True))
+
     plain("zbv-pp2", gpt, "zbv", 2, 4, quick=True)
     plain("v-half-pp2", llama, "v-half", 2, 4, strategies=("channels",))
     plain("dualpipev-pp2", llama, "dualpipev", 2, 4)
@@ -112,7 +124,19 @@ def parity_cases(mode: Mode) -> list[ParityCase]:
     for s in STRATEGIES if not mode.quick else ("channels",):
         out.append(ParityCase(f"moe ep2 zbv-pp2-dp2 [{s}]", "plain",
                               _cfg(mode, moe, schedule="zbv", pp=2, m=4, dp=2, ep=2, strategy=s), s))
+    busy("zbv-pp2", gpt, "zbv", 2, 4)
+    if not mode.cpu and not mode.quick:   # (CI: the pp=2 rows carry the path)
+        busy("interleaved-zb-pp4", gpt, "interleaved-zb", 4, 8, chunks=2)
     return out
+
+
+def stress_label(case: ParityCase, one_queue: bool) -> str | None:
+    """What a hang of ``case`` is a finding about (a result line, not a crash), or None for the
+    plain cases, whose hang is a failure: ``"channels hangs under CUDA_DEVICE_MAX_CONNECTIONS=1
+    with busy streams"``."""
+    conditions = [c for c, on in (("CUDA_DEVICE_MAX_CONNECTIONS=1", one_queue),
+                                  ("busy TP-overlap streams", case.busy)) if on]
+    return f"{case.strategy} hangs under {' with '.join(conditions)}" if conditions else None
 
 
 #: parity kinds that are a trainer feature, by the feature's name (its refusals apply to the case)
@@ -156,9 +180,11 @@ class Probe:
     executor, and report what the call ran on (strategy, backend, device, feature figures)."""
 
     feature: str | None = None
+    busy: bool = False
 
     def __call__(self, tr) -> Any:
         import torch.distributed as dist
+        busy = BusyStreams(tr) if self.busy else None
         rt = None
         if self.feature == "offload":
             from megatron_pp_ext.features.offload.runtime import OffloadRuntime
@@ -175,6 +201,8 @@ class Probe:
             out = {"p2p": getattr(p, "name", None),
                    "comm_model": getattr(p, "comm_model", None), "backend": dist.get_backend(),
                    "device": str(next(tr.model[0].parameters()).device)}
+            if busy is not None:
+                out["busy"] = {"side_ops": busy.issued}
             if self.feature == "offload":
                 out["feature"] = {"offloaded_bytes": int(rt.store.stats.offloaded_bytes),
                                   "peak_offloaded_bytes": int(rt.store.stats.peak_host_bytes),
@@ -185,6 +213,63 @@ class Probe:
                                   "peak_partner_bytes": int(rt.peak_partner_bytes)}
             return out
         return report
+
+
+class BusyStreams:
+    """Other streams kept busy the way Megatron-LM's tensor-parallel communication overlap keeps
+    them, beside the pipeline's communicators: before every forward op of the executor, a GEMM
+    and an all-reduce on a communicator of its own (every rank of the run, as a TP group has
+    its own) issued on a side stream without waiting; all of them waited for when the
+    forward-backward returns. Every rank runs the same number of forward ops, so the
+    all-reduces match (the k-th of every rank). On CPU processes the same calls run under
+    NCCL's rules emulated (no streams: the GEMM runs inline). Its communicator is created before
+    the run, so what a hang says is about using it beside the pipeline's."""
+
+    def __init__(self, tr):
+        import torch
+        import torch.distributed as dist
+        from megatron_pp_ext.runtime.executor import attach_op_hook
+        self.cuda = dist.get_backend() == "nccl"
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.group = dist.new_group(list(range(dist.get_world_size())))
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        n = 1024 if self.cuda else 32
+        self.a = torch.randn(n, n, device=dev)
+        self.buf = torch.zeros(1 << (20 if self.cuda else 10), device=dev)
+        # created and used once here, on every rank before the first step: a communicator created
+        # lazily at its first collective, among the executor's first transfers, would be created
+        # in different orders on different ranks and hang (docs/gpu.md, lazy communicators)
+        dist.all_reduce(self.buf, group=self.group)
+        self.works: list = []
+        self.issued = 0
+        attach_op_hook(tr.executor, self.hook)
+        inner = tr.forward_backward
+
+        def forward_backward(*args, **kwargs):
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.drain()
+        tr.forward_backward = forward_backward
+
+    def hook(self, op, phase: str) -> None:
+        import contextlib
+        import torch
+        import torch.distributed as dist
+        if phase != "before" or op.kind != "F":
+            return
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.a @ self.a
+            self.works.append(dist.all_reduce(self.buf, group=self.group, async_op=True))
+        self.issued += 1
+
+    def drain(self) -> None:
+        import torch
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
 
 
 _NONDET = re.compile(r"^(\S+) does not have a deterministic implementation")
@@ -219,8 +304,9 @@ def deterministic_cuda() -> list[str]:
     return _SEEN
 
 
-def parity_worker(kind: str, cfg: RunConfig) -> dict:
-    """Every rank: one run of ``cfg`` (``kind``: plain, vocab, offload, bpipe); its record on the CPU."""
+def parity_worker(kind: str, cfg: RunConfig, busy: bool = False) -> dict:
+    """Every rank: one run of ``cfg`` (``kind``: plain, vocab, offload, bpipe; ``busy``: with
+    :class:`BusyStreams`); its record on the CPU."""
     seen = deterministic_cuda()
     if kind == "vocab":
         from megatron_pp_ext.features.vocab.config import VocabParallelConfig
@@ -229,8 +315,8 @@ def parity_worker(kind: str, cfg: RunConfig) -> dict:
     elif kind in ("plain", "offload", "bpipe"):
         from megatron_pp_ext.testing.parity import run_training
         try:
-            rec = run_training(cfg, prepare=Probe(None if kind == "plain" or cfg.schedule is None else kind)
-                               if cfg.schedule is not None else None)
+            rec = run_training(cfg, prepare=Probe(None if kind == "plain" or cfg.schedule is None else kind,
+                                                  busy=busy) if cfg.schedule is not None else None)
         finally:
             if kind == "bpipe":
                 from megatron_pp_ext.features.bpipe.runtime import BPipeGroups
@@ -269,6 +355,8 @@ def judge(case: ParityCase, got: dict, ref: dict, per_rank: list, ref_ranks: lis
         ran = sorted({str(p.get("p2p")) for p in probes})
         if ran != [want]:
             problems.append(f"ran strategy {ran}, not {want}")
+        if case.busy and not all((p.get("busy") or {}).get("side_ops") for p in probes):
+            problems.append(f"the busy streams issued nothing on some rank ({[p.get('busy') for p in probes]})")
         if case.kind == "offload" and not feature.get("offloaded_bytes"):
             problems.append(f"nothing was offloaded ({feature})")
         if case.kind == "bpipe" and not feature.get("evicted_bytes"):
@@ -298,6 +386,10 @@ def judge(case: ParityCase, got: dict, ref: dict, per_rank: list, ref_ranks: lis
             detail = ""
     if feature:
         detail += "; " + ", ".join(f"{k}={v}" for k, v in feature.items() if not k.startswith("peak"))
+    if case.busy and probes:
+        data["busy_side_ops"] = [(p.get("busy") or {}).get("side_ops") for p in probes]
+        detail += (f"; beside it {min(data['busy_side_ops'])} GEMM + all-reduce pairs per rank on a side stream and "
+                   "a communicator of their own")
     if problems:
         return "fail", "; ".join(problems + ([detail] if detail else [])), data
     return "pass", detail + (f"; {case.note}" if case.note else ""), data

@@ -1,11 +1,11 @@
 """Results of the GPU check: one record per check, written as JSON and a markdown table, and
 one log (``gpu_check.log``: every check's line and the texts too long for the table).
 
-Written after every check (``Results.add`` saves), so a run that the device tool cuts off still
+Written after every check (``Results.add`` saves), so a run an outer time limit cuts off still
 leaves what it did. A check's ``status`` is ``pass`` / ``fail`` (correctness: decides the exit
-status), ``measured`` (a timing or memory figure; ``goal_met`` says whether it meets the issue's
-goal, which does not fail the run: timings on a shared GPU are not pass/fail material) or
-``skip`` (with the reason in ``detail``).
+status), ``measured`` (a timing or memory figure; ``goal_met`` says whether it meets its goal
+in docs/gpu.md#what-it-does, which does not fail the run: timings on a shared GPU are not
+pass/fail material) or ``skip`` (with the reason in ``detail``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shapes, iteration counts and time limits of the GPU check, per mode (GPU / CPU, full / quick).
 
-Budget (the issue: the whole GPU run within 8 minutes on an H100 including set-up, ``--quick``
-within 3): the parity runs dominate. On one GPU shared by 2-4 NCCL ranks every message crosses
+Budget (the goal: the whole GPU run within 8 minutes on an H100 including set-up, ``--quick``
+within 3; docs/gpu.md#running-it): the parity runs dominate. On one GPU shared by 2-4 NCCL ranks every message crosses
 the host twice and the ranks' kernels time-slice the device, so a run of a small model costs
 seconds whatever its size; the parity models stay small (hidden 256, 8 layers, sequence 128),
 which is also what keeps their arithmetic deterministic enough to compare bit for bit. The
@@ -73,7 +73,7 @@ class Mode:
 
     @property
     def parity_timeout(self) -> float:
-        """Seconds one parity configuration may take before it counts as a hang (issue: a hang is
+        """Seconds one parity configuration may take before it counts as a hang (docs/gpu.md#what-it-does: a hang is
         a one-line failure within 60 s)."""
         return 60.0 if not self.cpu else 120.0
 

@@ -103,7 +103,7 @@ def _nccl_world(r) -> bool:
 
 
 def _parity(r) -> None:
-    from .parity import judge, merge, parity_cases, parity_worker, reference_config
+    from .parity import judge, merge, parity_cases, parity_worker, reference_config, stress_label
     from .parity import one_queue_refusal
     refs: dict = {}
     for case in parity_cases(r.mode):
@@ -128,7 +128,7 @@ def _parity(r) -> None:
             r.results.add(Check("nccl", name, "skip", "its pp=1 reference failed"))
             continue
         got, _ = r.run("nccl", name, parity_worker, case.world, timeout=r.mode.parity_timeout, kind=case.kind,
-                       cfg=case.cfg)
+                       cfg=case.cfg, busy=case.busy, hang_result=stress_label(case, r.one_queue))
         if got is None:
             continue
         try:
@@ -137,6 +137,35 @@ def _parity(r) -> None:
             status, detail, data = "fail", f"comparison failed: {type(e).__name__}: {e}", {}
         detail = f"{case.world} ranks, m={case.cfg.num_microbatches}: {detail}"
         r.results.add(Check("nccl", name, status, detail, time.monotonic() - t, data))
+
+
+def _comm_memory(r) -> None:
+    """The GPU memory each NCCL communicator adds (commcheck.py), beside the memory model's figure."""
+    from megatron_pp_ext.runtime.ncclmem import MEASURED_CHECK, nccl_memory
+    from .commcheck import comm_memory_worker, figures
+    name = MEASURED_CHECK
+    if r.skip_if_over("nccl", name):
+        return
+    got, dt = r.run("nccl", name, comm_memory_worker, 2, timeout=120.0)
+    if got is None:
+        return
+    if not all(g["transfers_ok"] for g in got):
+        r.results.add(Check("nccl", name, "fail", "a transfer on a fresh group delivered the wrong values", dt,
+                            {"ranks": got}))
+        return
+    n = got[0]["count"]
+    if r.mode.cpu:
+        r.results.add(Check("nccl", name, "skip", f"n/a on CPU processes (gloo holds no NCCL buffers); the path ran: "
+                            f"{2 * n} two-rank groups created and used, {n} one way and {n} both ways", dt))
+        return
+    f = figures(got)
+    model = nccl_memory({k: v for k, v in os.environ.items() if k != "MPPX_NCCL_MEMORY"})
+    r.results.add(Check("nccl", name, "measured",
+                        f"{_fmt(f['per_communicator_bytes'])} per communicator + {_fmt(f['per_connection_bytes'])} per "
+                        f"connection (communicator, peer and direction), from {n} groups used one way and {n} both "
+                        f"ways on 2 ranks; the model without a measurement: {_fmt(model.per_connection)} per connection "
+                        f"({model.source}). MPPX_NCCL_MEMORY=results.json makes predicted_peak_bytes and the planner "
+                        "use these", dt, {**f, "model": model.to_dict(), "ranks": got}))
 
 
 def _host_time(r) -> None:
@@ -357,6 +386,8 @@ def _nccl_pass(r) -> None:
     if not _nccl_world(r):
         r.results.add(Check("nccl", "parity, host time" + r.suffix, "skip", "the NCCL world failed"))
         return
+    if r.wanted("nccl") and not r.one_queue:
+        _comm_memory(r)
     if r.wanted("nccl"):
         _parity(r)
     if r.wanted("host") and not r.hung:

@@ -10,7 +10,8 @@ Our flags: ``--pipeline-schedule NAME`` (any registered schedule, or ``mcore`` f
 Megatron-Core's own function), ``--pipeline-memory-budget B``, ``--pipeline-costs F,B,W[,COMM]``,
 ``--pipeline-profile-iters K`` / ``--pipeline-profile-start-iter N`` (re-generate the schedule
 from the F/B/W/comm times measured over a window of iterations), ``--pipeline-layers-per-stage``,
-``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``.
+``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``,
+``--p2p-strategy {channels,pairwise,batched}`` (the runtime's point-to-point on NCCL, runtime/p2pstrategy.py).
 
 The zero-bubble reference implementation's flags are accepted as aliases:
 ``--enable-zero-bubble`` (ZB-H1, or ZB-H2 with ``--zero-bubble-max-pending-backward`` >= 2p),
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -98,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--pipeline-a2a-time", type=float, default=None, metavar="T",
         help="with --overlap-moe-expert-parallel-comm: the expert all-to-all time of one microbatch's forward on a "
              "rank (part of F, and the same within B), in --pipeline-costs units: what the pairing decides with")
+    from ..runtime.p2pstrategy import NCCL_STRATEGIES
+    add("--p2p-strategy", default=None, choices=NCCL_STRATEGIES,
+        help="how megatron_pp_ext's runtime sends and receives on NCCL: channels (the default: one communicator per "
+             "sender, receiver and message kind, the schedule's own time), pairwise (one per pair of neighbours: the "
+             "fallback if a cluster hangs with several communicators in use at once) or batched (one "
+             "batch_isend_irecv per run of transfers, the slowest); a schedule that deadlocks under it is refused")
     add("--layout-independent-init", action="store_true", default=False,
         help="initial weights as a function of --seed and each parameter's global name, so that any "
              "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
@@ -181,6 +189,7 @@ class PipelineOptions:
     layout_independent_init: bool = False
     features: tuple[tuple[str, Any], ...] = ()  # (name, config) of the feature plug-ins the flags turn on
     a2a_time: float | None = None        # --pipeline-a2a-time (overlapped pairs)
+    p2p_strategy: str | None = None      # --p2p-strategy (None: channels; MPPX_EMULATE_NCCL's when emulating)
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -361,7 +370,11 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
     if a2a is not None and not get("overlap_moe_expert_parallel_comm", False):
         raise MegatronLMFlagError("--pipeline-a2a-time is the all-to-all time overlapped pairs hide: it needs "
                                   "--overlap-moe-expert-parallel-comm")
-    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs, a2a_time=a2a,
+    strategy = get("p2p_strategy")
+    if strategy is not None and schedule is None:
+        raise MegatronLMFlagError(f"--p2p-strategy {strategy} picks megatron_pp_ext's point-to-point; Megatron-Core's "
+                                  "own schedule uses its own: add --pipeline-schedule NAME, or drop --p2p-strategy")
+    opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs, a2a_time=a2a, p2p_strategy=strategy,
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
@@ -369,11 +382,16 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
     from ..runtime.ncclenv import check_nccl_environment, emulated_strategy
     from ..trainer.features import one_queue_hangs
     try:   # (a GPU unless NCCL is emulated on CPU processes; MPPX_EMULATE_NCCL is checked there too)
-        emulating = emulated_strategy() is not None
+        emulated = emulated_strategy()
+        emulating = emulated is not None
         check_nccl_environment(gpu=not emulating and get("distributed_backend", "nccl") == "nccl",
                                emulating=emulating, one_queue_hangs=one_queue_hangs(features))
     except ValueError as e:
         raise MegatronLMFlagError(str(e)) from None
+    if strategy is not None and emulating and os.environ.get("MPPX_EMULATE_NCCL", "").strip() != "1" \
+            and emulated != strategy:
+        raise MegatronLMFlagError(f"--p2p-strategy {strategy} contradicts MPPX_EMULATE_NCCL={emulated}: set "
+                                  "MPPX_EMULATE_NCCL=1 to emulate --p2p-strategy, or name the same strategy")
     if schedule is None:
         registry = train_features()
         for name, cfg in features:
@@ -558,14 +576,15 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     if opts.schedule is not None:
         try:
             budget = opts.memory_budget
-            build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
-                           with_comm=True, options=_schedule_options(opts), **overlap_of(args, opts))
+            built = build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
+                                   with_comm=True, options=_schedule_options(opts), **overlap_of(args, opts))
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
             msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
             raise MegatronLMFlagError(
                 f"{opts.flag} at pp={pp} with {m} microbatches per iteration (--global-batch-size {gbs} / "
                 f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})): {msg}") from None
+        _check_strategy(args, opts, built, pp)
         if v and not getattr(args, "untie_embeddings_and_output_weights", True):
             notes.append(f"{opts.flag} with tied embeddings: the embedding (stage 0) and the output layer (stage "
                          f"{2 * pp - 1}) are both on pipeline rank 0; their gradients are summed there")
@@ -642,6 +661,23 @@ def _check_overlap(args: argparse.Namespace, opts: PipelineOptions) -> str | Non
         return (f"{OVERLAP} with {opts.flag} runs through Megatron-Core's fine-grained schedule plan, which this "
                 "megatron-core lacks; install megatron-core 0.16.1 or later")
     return None
+
+
+def _check_strategy(args: argparse.Namespace, opts: PipelineOptions, built, pp: int) -> None:
+    """The point-to-point strategy the runtime will use (--p2p-strategy, MPPX_EMULATE_NCCL's when
+    emulating, channels by default): the backend runs it, and the schedule's proof under it."""
+    from ..runtime.ncclenv import emulated_strategy
+    from ..runtime.p2pstrategy import DEFAULT_STRATEGY, StrategyError, check_strategy
+    emulated = emulated_strategy()
+    strategy = opts.p2p_strategy or emulated or DEFAULT_STRATEGY
+    gpu = emulated is None and str(getattr(args, "distributed_backend", "nccl") or "nccl") == "nccl"
+    if emulated is None and not gpu and opts.p2p_strategy is None:
+        return   # (gloo without emulation: the tagged path)
+    try:
+        check_strategy(strategy, *(built if pp > 1 else (None, None)), gpu=gpu, emulate=emulated is not None,
+                       flag="--p2p-strategy" if opts.p2p_strategy else "the default --p2p-strategy")
+    except StrategyError as e:
+        raise MegatronLMFlagError(str(e).replace("--pp ", "--pipeline-model-parallel-size ")) from None
 
 
 def _full_iteration_graph(args: argparse.Namespace) -> str | None:

@@ -50,6 +50,8 @@ class ForwardBackward:
                                              **_overlap(plan))
         if not own:
             self.executor.allow_tied_v = True
+        if o.p2p_strategy is not None:   # (--p2p-strategy: checked against the schedule by flags.py)
+            self.executor.p2p = o.p2p_strategy
         self._call: Callable | None = None
         self._runtimes: list = []
         self.calls = 0          # calls so far (the training step checks that its call reached us)

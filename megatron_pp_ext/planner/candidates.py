@@ -44,6 +44,9 @@ class PlanRequest:
     overlap: bool = False
     top: int = 10
     time_limit: float = 120.0                         # CPU seconds of search before it stops
+    #: the runtime's point-to-point strategy on NCCL (runtime/p2pstrategy.py): its communication
+    #: model times the pipeline, its communicators count in memory
+    p2p_strategy: str = "channels"
 
     def __post_init__(self) -> None:
         if self.efficiency is None:
@@ -59,6 +62,15 @@ class PlanRequest:
                 except ScheduleError:
                     raise PlannerError(f"--budgets {spec!r}: give 'fit', units (e.g. 4) or a fraction of 1F1B "
                                        "(e.g. 0.5x), finite and > 0") from None
+        from ..runtime.p2pstrategy import NCCL_STRATEGIES
+        if self.p2p_strategy not in NCCL_STRATEGIES:
+            raise PlannerError(f"--p2p-strategy {self.p2p_strategy!r}: one of {', '.join(NCCL_STRATEGIES)}")
+        if self.runtime == "gpu":   # (what the communicators' memory is computed from)
+            from ..runtime.ncclmem import nccl_memory
+            try:
+                nccl_memory()
+            except ValueError as e:
+                raise PlannerError(str(e)) from None
         for name, flag in (("global_batch", "--global-batch-size"), ("top", "--top"), ("max_vp", "--max-vp")):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
@@ -255,15 +267,17 @@ class RankMemory:
     transient: float
     extra: float = 0.0                  # features' buffers (vocab-parallel logits, staging)
     notes: list[str] = field(default_factory=list)
+    nccl: float = 0.0                   # the p2p strategy's NCCL communicators (runtime/ncclmem.py)
 
     @property
     def total(self) -> float:
-        return self.static.total + self.activations + self.transient + self.extra
+        return self.static.total + self.activations + self.transient + self.extra + self.nccl
 
     def to_dict(self) -> dict:
         d = self.static.to_dict()
         d.update(activations=self.activations, transient=self.transient, feature_buffers=self.extra,
-                 iteration_peak=self.activations + self.transient + self.extra, total=self.total)
+                 iteration_peak=self.activations + self.transient + self.extra, nccl_buffers=self.nccl,
+                 total=self.total)
         return d
 
 
@@ -307,7 +321,7 @@ class Estimate:
         return self.overflow <= 0
 
     def copy(self) -> "Estimate":
-        mem = [RankMemory(m.static, m.activations, m.transient, m.extra, list(m.notes)) for m in self.memory]
+        mem = [RankMemory(m.static, m.activations, m.transient, m.extra, list(m.notes), m.nccl) for m in self.memory]
         return Estimate(self.candidate, self.costs, self.pipe, mem, dict(self.time), self.usable_bytes,
                         self.model_flops, self.peak_flops, list(self.notes))
 

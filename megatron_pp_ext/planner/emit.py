@@ -118,6 +118,8 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f += ["--pipeline-schedule", c.schedule]
         if c.overlap:
             f += pair_cost_flags(est)
+        if req.p2p_strategy != "channels":   # (the plan was timed under it)
+            f += ["--p2p-strategy", req.p2p_strategy]
     if uneven and c.schedule_placement() != "loop":  # the V placement refuses Megatron's layout flags
         f += ["--pipeline-layers-per-stage", ",".join(str(n) for n in split_layers(req.model.num_layers, c.stages))]
     if isinstance(c.budget, (int, float)):

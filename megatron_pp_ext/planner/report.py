@@ -90,6 +90,7 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
                f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}, activations "
                f"{fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"
                + (f", feature buffers {fmt_bytes(worst.extra)}" if worst.extra else "")
+               + (f", NCCL communicators {fmt_bytes(worst.nccl)}" if worst.nccl else "")
                + f" = {fmt_bytes(worst.total)} of {fmt_bytes(best.usable_bytes)}")
     out.append("  per rank (GiB): " + " ".join(f"{mm.total / 2 ** 30:.1f}" for mm in best.memory))
     # what a run's peak_device_bytes measures: above parameters, gradients and optimizer state
@@ -150,6 +151,11 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     return d
 
 
+def _comm_model(req) -> str:
+    from ..runtime.p2pstrategy import comm_model_of
+    return comm_model_of(req.p2p_strategy) if req.runtime == "gpu" else "eager"
+
+
 def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slurm: bool = True) -> dict:
     """JSON-ready document of ``mppx plan --json``."""
     req = result.request
@@ -163,9 +169,10 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "rejections": result.rejections.to_dict(),
         "search": dict(result.stats, complete=result.complete),
         "disclaimer": DISCLAIMER,
-        # the pipeline times assume the executor's NCCL strategy, whose model equals the eager one
-        # for every registered schedule and feature (docs/benchmarks/comm.md)
-        "comm_model": "nccl-channels",
+        # the pipeline times assume the runtime's p2p strategy (channels: its model equals the eager
+        # one for every registered schedule and feature, docs/benchmarks/comm.md)
+        "comm_model": _comm_model(req),
+        "p2p_strategy": req.p2p_strategy,
     }
     if result.baseline is not None:
         doc["baseline"] = estimate_to_dict(result.baseline.best, req)

@@ -99,6 +99,9 @@ class Planner:
     def __init__(self, req: PlanRequest, cache: SimCache | None = None):
         self.req = req
         self.cache = cache if cache is not None else SimCache()
+        from ..runtime.p2pstrategy import comm_model_of
+        #: the model the pipeline is timed under: the p2p strategy's on GPUs, gloo's (eager) on CPU processes
+        self._comm_model = comm_model_of(req.p2p_strategy) if req.runtime == "gpu" else "eager"
         self.rej = Rejections()
         self._costs: dict = {}
         self.stats = Counter()
@@ -338,12 +341,14 @@ class Planner:
         return sc
 
     @staticmethod
-    def megatron_run(cand: Candidate) -> bool:
+    def megatron_run(cand: Candidate, feats=()) -> bool:
         """Whether ``cand`` runs on Megatron-Core's own schedule (1F1B or interleaved without our
-        flags: what Megatron-LM runs for the emitted flags), whose ranks wait at every p2p
-        exchange; otherwise our executor, whose receives are posted early on channels of their
-        own and waited for only by the op that reads them."""
-        return cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features
+        flags -- emit.needs_plugin -- what Megatron-LM runs for the emitted flags): its
+        ``batch_isend_irecv`` on the pipeline group whatever --p2p-strategy says, each rank waiting
+        at every exchange; otherwise our executor, whose receives are posted early on channels of
+        their own and waited for only by the op that reads them. ``feats``: features about to be
+        added to ``cand``."""
+        return cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features and not feats
 
     # -- estimates ------------------------------------------------------------------------
     def estimate(self, cand: Candidate, costs: StageCosts, pipe: PipeResult) -> Estimate:
@@ -352,7 +357,8 @@ class Planner:
         statics = rank_static(model, cand.tp, cand.dp, costs.placement,
                               distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
                               ep=cand.ep, etp=cand.etp)
-        memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r])
+        nccl = self._nccl_bytes(cand, costs)
+        memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r], nccl=nccl[r])
                   for r in range(cand.pp)]
         exposed = opt = 0.0
         for r in range(cand.pp):
@@ -380,6 +386,20 @@ class Planner:
             else:
                 t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
         return Estimate(cand, costs, pipe, memory, t, self.usable, self.model_flops, self.peak_flops)
+
+    def _model_of(self, cand: Candidate, feats) -> str:
+        """The communication model ``cand``'s pipeline is timed under: the p2p strategy's, or eager
+        for Megatron's own schedules (their batches match its order: equal times, docs/benchmarks/comm.md)."""
+        return "eager" if self.megatron_run(cand, feats) else self._comm_model
+
+    def _nccl_bytes(self, cand: Candidate, costs: StageCosts) -> list[float]:
+        """Per rank, the NCCL communicators of the p2p strategy (Megatron's own schedules: its
+        pipeline group's one); none on CPU processes."""
+        if self.req.runtime != "gpu" or cand.pp < 2:
+            return [0.0] * cand.pp
+        from ..runtime.ncclmem import communicator_bytes
+        strategy = "batched" if self.megatron_run(cand) else self.req.p2p_strategy
+        return [float(b) for b in communicator_bytes(strategy, costs.placement)]
 
     def _variants(self, base: Estimate) -> list[Estimate]:
         """``base`` and its memory-only feature variants that should be tried."""
@@ -509,7 +529,8 @@ class Planner:
         pipe = self.cache.pipeline(sim_cand.schedule, sim_cand.pp, sim_cand.m, sim_cand.vp, costs.t_f, costs.t_b,
                                    costs.t_w, costs.comm, costs.act,
                                    budget=sim_cand.budget if isinstance(sim_cand.budget, float) else None,
-                                   w_share=costs.w_share, megatron=self.megatron_run(sim_cand))
+                                   w_share=costs.w_share, megatron=self.megatron_run(sim_cand),
+                                   comm_model=self._model_of(sim_cand, ()))
         est = self.estimate(sim_cand, costs, pipe)
         self._apply_sim_features(est, feats)
         for fname, opt in cand.features:
@@ -608,7 +629,7 @@ class Planner:
                                            costs.comm, costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
                                            w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None,
-                                           megatron=self.megatron_run(cand))
+                                           megatron=self.megatron_run(cand), comm_model=self._model_of(cand, feats))
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue

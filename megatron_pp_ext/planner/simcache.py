@@ -216,9 +216,14 @@ class SimCache:
             raise ScheduleError(out)
         return out
 
-    def _evaluate(self, sched: Schedule, cost: CostModel, key: str) -> dict:
-        """The compute-only order evaluated (the fast evaluator; the simulator where it has no answer)."""
+    def _evaluate(self, sched: Schedule, cost: CostModel, key: str, comm_model: str | None = None) -> dict:
+        """The order evaluated: compute-only (the fast evaluator; the simulator where it has no
+        answer), or with its send/recv under ``comm_model``'s streams."""
         def compute() -> dict:
+            if comm_model is not None:
+                from ..schedule.passes.comm import insert_comm
+                res = simulate(insert_comm(sched, cost), cost, comm_model=comm_model)
+                return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
             try:
                 from ..schedule.generators.evaluate import evaluate
                 ev = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost)
@@ -252,19 +257,26 @@ class SimCache:
     def pipeline(self, name: str, pp: int, m: int, chunks: int, t_f: Sequence[float], t_b: Sequence[float],
                  t_w: Sequence[float], comm: float, act: Sequence[float],
                  budget: float | None = None, w_share: Sequence[float] | None = None,
-                 a2a: Sequence[float] | None = None, megatron: bool = False) -> PipeResult:
+                 a2a: Sequence[float] | None = None, megatron: bool = False,
+                 comm_model: str = "eager") -> PipeResult:
         """Makespan, busy time and peak activation units per rank of ``name`` with these
         per-stage costs (seconds) and activation shares (``w_share``: per stage, the share only W
         frees; the orders are built with all of it, the generators' conservative default, and
         evaluated with it on a 1/64 grid). ``a2a``: per stage, the all-to-all seconds within F (and
         B) that overlapped pairs hide: the order is then paired where that pays
         (schedule/passes/pairing.py) and simulated. Raises ScheduleError when the schedule cannot be
-        built (or paired) for them (the generator's or the pairing pass's message).
+        built (or paired) for them (the generator's or the pairing pass's message), or deadlocks
+        under ``comm_model``.
 
         ``megatron`` (1F1B and interleaved 1F1B only): the run is Megatron-Core's own schedule,
         whose ranks block at every p2p exchange of its code (passes/megatron_comm.py): each
         exchange takes ``comm`` and the next op waits for it. The steady state is then measured,
-        not assumed: the slope between 2p and 3p microbatches."""
+        not assumed: the slope between 2p and 3p microbatches.
+
+        ``comm_model`` (our executor's runs): the point-to-point strategy's model
+        (schedule/commmodel.py); ``eager`` and ``nccl-channels`` (equal for every registered
+        schedule up to a latency of 0.3 F, docs/benchmarks/comm.md) take the fast compute-only
+        evaluator, the others simulate the order with its send/recv ops under the model."""
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -301,12 +313,16 @@ class SimCache:
         if megatron:
             fkey = fkey + ("megatron",)
 
+        stream_model = comm_model not in ("eager", "nccl", "nccl-channels")
+
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
             if paired is not None:
                 return self._evaluate_paired(sched, paired, repr(head + ckey + fkey + (mm,)))
             if megatron:
                 return self._evaluate_megatron(sched, fine, repr(head + ckey + fkey + (mm,)))
+            if stream_model:
+                return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm, comm_model)), comm_model)
             return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
 
         if m <= max(2 * pp, 8):

@@ -71,7 +71,8 @@ from ..schedule.pairs import PAIR_KINDS
 from ..schedule.validate import validate_comm_model
 from .iteration import COMM_KINDS as _COMM, COMPUTE_KINDS as _COMPUTE, Iteration, OpTiming, Shapes
 from . import nccl_rules
-from .p2p import P2P, make_p2p
+from .p2p import P2P
+from .p2pfactory import make_p2p
 
 __all__ = ["ScheduleExecutor", "OpTiming", "ScheduleMismatchError", "get_forward_backward_func", "attach_op_hook",
            "SyncPoints", "sync_points", "GRAD_OP_KINDS"]
@@ -166,8 +167,9 @@ class ScheduleExecutor:
             (F, B, W, BW, feature ops) waits its cost-model time instead of computing; the
             bookkeeping and the messages are real (None: compute).
         defer_receives: on the tagged (gloo) p2p path, wait for a receive right before the op
-            that reads it (True), or at the end of its comm batch (False: the executor before
-            issue 19, which stalls a rank whenever the comm pass posted a receive early).
+            that reads it (True), or at the end of its comm batch (False: how the executor
+            waited before, which stalls a rank whenever the comm pass posted a receive early;
+            docs/benchmarks/fidelity.md, section 3, compares the two).
     """
 
     #: tied embeddings with the first and last stage on one rank (V): allowed when the caller keeps

@@ -40,13 +40,12 @@ from ..schedule.ir import Schedule
 from . import nccl_rules
 from .nccl_rules import RAW, DEFAULT_TIMEOUT, NCCLHangError, Stream, hang_timeout, settle, stop_streams, wait_job
 from .p2p import P2P, Transfer, channel_warmup_order, pair_warmup_order
+from .p2pstrategy import NCCL_STRATEGIES, comm_model_of
 
 __all__ = ["EmulatedNCCL", "NCCLHangError", "DEFAULT_TIMEOUT"]
 
 #: tags of the emulated streams (above the executor's per-message tags of the tagged path)
 _TAG_BASE = 1 << 24
-
-_MODELS = {"channels": "nccl-channels", "batched": "nccl-batched", "pairwise": "nccl-pairwise"}
 
 
 class _Handle:
@@ -70,11 +69,11 @@ class EmulatedNCCL(P2P):
                  sync_after_batch: bool = False, timeout: float | None = None, lazy: bool = False,
                  latency_s: float = 0.0):
         super().__init__(pp_group, num_stages=num_stages, num_microbatches=num_microbatches)
-        if strategy not in _MODELS:
-            raise ValueError(f"no NCCL emulation of p2p strategy {strategy!r}; one of {', '.join(_MODELS)}")
+        if strategy not in NCCL_STRATEGIES:
+            raise ValueError(f"no NCCL emulation of p2p strategy {strategy!r}; one of {', '.join(NCCL_STRATEGIES)}")
         self.strategy = strategy
         self.name = f"emulated-{strategy}"
-        self.comm_model = "nccl-batched-sync" if strategy == "batched" and sync_after_batch else _MODELS[strategy]
+        self.comm_model = comm_model_of(strategy, sync_after_batch=sync_after_batch)
         self.recv_wait = "batch-end" if strategy == "batched" else "consumer"
         self.sync_after_batch = sync_after_batch
         self.timeout = hang_timeout(timeout)

@@ -6,7 +6,9 @@
   strategy on gloo with NCCL's rules (CPU processes only);
 * ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue per GPU (what Megatron-LM advises for its
   tensor-parallel communication overlap); features that hang under it say so
-  (``one_queue_hang`` of their trainer plug-in) and are refused with it.
+  (``one_queue_hang`` of their trainer plug-in) and are refused with it;
+* on a GPU, what the NCCL communicators' memory is computed from (:mod:`.ncclmem`):
+  ``MPPX_NCCL_MEMORY`` (measured figures), ``MPPX_NCCL_P2P_LINK`` and NCCL's buffer variables.
 
 Each bad value or combination is one line naming the variable and the fix (ValueError).
 """
@@ -17,11 +19,12 @@ import math
 import os
 from typing import Mapping
 
+from .p2pstrategy import NCCL_STRATEGIES as _STRATEGIES
+
 __all__ = ["DEFAULT_TIMEOUT", "hang_timeout", "emulated_strategy", "one_hardware_queue", "check_nccl_environment"]
 
 #: seconds a wait may take before the emulation calls it a hang (MPPX_NCCL_TIMEOUT overrides)
 DEFAULT_TIMEOUT = 60.0
-_STRATEGIES = ("channels", "batched", "pairwise")
 
 
 def hang_timeout(value: str | float | None = None, env: Mapping[str, str] | None = None) -> float:
@@ -74,6 +77,9 @@ def check_nccl_environment(*, gpu: bool, emulating: bool, one_queue_hangs: list[
     if gpu and strategy is not None:
         raise ValueError(f"MPPX_EMULATE_NCCL={env.get('MPPX_EMULATE_NCCL')}: the NCCL emulation runs on CPU processes "
                          "(gloo); on a GPU NCCL itself runs: unset MPPX_EMULATE_NCCL")
+    if gpu:
+        from .ncclmem import nccl_memory
+        nccl_memory(env)
     if (gpu or emulating or strategy is not None) and one_hardware_queue(env):
         for flag, why in one_queue_hangs:
             raise ValueError(f"CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) with {flag} hangs: {why}; unset "

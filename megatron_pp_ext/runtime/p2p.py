@@ -24,8 +24,10 @@ policy: ``run_batch`` returns the receives the executor waits for right before t
 * :class:`PairwiseP2P` (``nccl-pairwise``): plain untagged ``isend``/``irecv`` on the pipeline
   group (torch's per-pair communicators), each pair's communicator created before the first op
   in one global order (created lazily, in whatever order the ranks reach them, they can hang).
-* :class:`~megatron_pp_ext.runtime.nccl_emulation.EmulatedNCCL`: any NCCL strategy on gloo
-  with NCCL's semantics (``--emulate-nccl``).
+* :class:`~megatron_pp_ext.runtime.nccl_emulation.EmulatedNCCL` (which builds on this module):
+  any NCCL strategy on gloo with NCCL's semantics (``--emulate-nccl``). The factory that picks
+  one of them is :func:`megatron_pp_ext.runtime.p2pfactory.make_p2p`; the strategies' rules and
+  deadlock proofs, :mod:`megatron_pp_ext.runtime.p2pstrategy`.
 
 Every message is identified by :func:`message_key` of the tensor it carries (the tag on gloo);
 a sent tensor is kept alive until its send has completed (:meth:`P2P.reap`, :meth:`P2P.drain`).
@@ -43,7 +45,7 @@ from ..schedule.ir import PIPELINE_MESSAGES, Schedule, comm_channel, pipeline_me
 from .nccl_rules import RAW
 
 __all__ = ["P2P", "Transfer", "message_key", "TaggedP2P", "BatchedP2P", "PairwiseP2P", "ChannelP2P",
-           "STRATEGIES", "make_p2p", "channels_of", "channel_warmup_order", "pair_warmup_order"]
+           "channels_of", "channel_warmup_order", "pair_warmup_order", "member_groups", "channel_groups"]
 
 
 def message_key(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
@@ -289,29 +291,55 @@ def channels_of(schedule: Schedule) -> list[tuple[int, int, str]]:
 _GROUPS: dict[str, dict] = {}
 _GROUPS_OF: list = [None]
 
+#: how :func:`member_groups` creates groups: "local" (by their members only, runtime/localgroups.py)
+#: or "world" (``new_group`` on every process, after an all-gather of every process's labels)
+SYNC = ("local", "world")
 
-def member_groups(wanted: dict, backend: str, *, timeout: float | None = None) -> dict:
-    """Process groups by label (``wanted``: label -> global ranks), created once per job.
-    ``new_group`` wants every process to take part, in one order, so the processes first agree
-    on every label any of them wants (an all-gather over the world), then create them all
-    sorted; each keeps those it is a member of. Returns ``{label: group}`` for ``wanted``."""
-    default = dist.distributed_c10d._get_default_group()
+
+def member_groups(wanted: dict, backend: str, *, timeout: float | None = None, sync: str | None = None) -> dict:
+    """Process groups by label (``wanted``: label -> global ranks, this process among them),
+    created once per job, in one global order (sorted labels: the lowest group not yet created
+    always has all its members at it, so creating them cannot hang).
+
+    ``sync="local"`` (the default where this torch allows it, :mod:`.localgroups`): each process
+    creates only its own groups, with its partners -- start-up grows with the groups a rank is
+    in, not with the world. ``"world"``: ``new_group`` wants every process to take part, so the
+    processes first agree on every label any of them wants (an all-gather over the world), then
+    all create them all. Returns ``{label: group}`` for ``wanted``."""
+    from . import localgroups
+    default = dist.group.WORLD
     if _GROUPS_OF[0] is not default:   # (kept alive here, so its identity cannot be reused)
         _GROUPS.clear()
         _WARM.clear()
         _GROUPS_OF[0] = default
+    if sync is None:
+        sync = "local" if localgroups.supported() else "world"
+    if sync not in SYNC:
+        raise ValueError(f"sync={sync!r}: one of {', '.join(SYNC)}")
     cache = _GROUPS.setdefault(backend, {})
+    me = dist.get_rank()
+    kw = {} if timeout is None else {"timeout": _timedelta(timeout)}
     todo_mine = sorted((lbl, tuple(r)) for lbl, r in wanted.items() if lbl not in cache)
+    if sync == "local":
+        for lbl, ranks in todo_mine:   # (this process's groups, in the global order)
+            if me not in ranks:
+                raise ValueError(f"rank {me} asks for group {lbl} of ranks {list(ranks)} without being a member")
+            cache[lbl] = localgroups.create(ranks, _label_name(lbl), backend=backend, **kw)
+        return {lbl: cache[lbl] for lbl in wanted}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, todo_mine)
     todo = sorted({(tuple(lbl) if isinstance(lbl, list) else lbl, tuple(r)) for lst in everyone for lbl, r in lst})
-    me = dist.get_rank()
-    kw = {} if timeout is None else {"timeout": _timedelta(timeout)}
     for lbl, ranks in todo:   # (every process, the same order)
         g = dist.new_group(ranks=list(ranks), backend=backend, **kw)
         if me in ranks:
             cache[lbl] = g
     return {lbl: cache[lbl] for lbl in wanted}
+
+
+def _label_name(lbl) -> str:
+    """A group label as a store-safe name, the same on every member."""
+    parts = lbl if isinstance(lbl, tuple) else (lbl,)
+    return "-".join(str(p) for p in parts)
 
 
 def _timedelta(seconds: float):
@@ -320,7 +348,7 @@ def _timedelta(seconds: float):
 
 
 def channel_groups(pp_group, schedule: Schedule, backend: str | None = None, *,
-                   timeout: float | None = None) -> dict:
+                   timeout: float | None = None, sync: str | None = None) -> dict:
     """The two-rank process group of every channel of ``schedule`` this rank sends or receives
     on, by ``(global sender, global receiver, "act"|"grad")``; on NCCL each communicator is
     created now by a first transfer, in one global order (NCCL creates it at its first op,
@@ -330,7 +358,7 @@ def channel_groups(pp_group, schedule: Schedule, backend: str | None = None, *,
     me = dist.get_rank()
     wanted = {("chan", glob[s], glob[d], c): (min(glob[s], glob[d]), max(glob[s], glob[d]))
               for s, d, c in channels_of(schedule) if me in (glob[s], glob[d])}
-    groups = {k[1:]: g for k, g in member_groups(wanted, backend, timeout=timeout).items()}
+    groups = {k[1:]: g for k, g in member_groups(wanted, backend, timeout=timeout, sync=sync).items()}
     if backend == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
         for (src, dst, cls) in channel_warmup_order(schedule, glob):
@@ -385,41 +413,6 @@ class ChannelP2P(P2P):
         except KeyError:
             raise RuntimeError(f"no NCCL channel {src}->{dst} ({cls}): the executor did not prepare the "
                                "schedule's channels before its first op") from None
-
-
-#: strategy name -> (class, the communication model it realises)
-STRATEGIES = {"tagged": TaggedP2P, "batched": BatchedP2P, "pairwise": PairwiseP2P, "channels": ChannelP2P}
-
-
-def make_p2p(pp_group, strategy: str | None, *, num_stages: int, num_microbatches: int,
-             emulate_nccl: bool = False, defer_recvs: bool = True, sync_after_batch: bool = False,
-             timeout: float | None = None) -> P2P:
-    """The strategy for a call: ``None`` picks ``channels`` on NCCL (and when emulating NCCL on
-    gloo) and ``tagged`` elsewhere."""
-    backend = dist.get_backend(pp_group)
-    if strategy is None:
-        strategy = "channels" if backend == "nccl" or emulate_nccl else "tagged"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown p2p strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
-    kw = dict(num_stages=num_stages, num_microbatches=num_microbatches)
-    if backend == "nccl" and (emulate_nccl or strategy == "tagged"):
-        # (threads issuing NCCL ops with tags NCCL ignores: messages matched in the wrong order)
-        raise ValueError("the NCCL emulation (MPPX_EMULATE_NCCL, --emulate-nccl) and the tagged p2p strategy are "
-                         "for gloo; on NCCL use an NCCL strategy (channels, batched or pairwise) and unset "
-                         "MPPX_EMULATE_NCCL")
-    if emulate_nccl:
-        if strategy == "tagged":
-            raise ValueError("--emulate-nccl emulates an NCCL strategy (channels, batched or pairwise), not 'tagged'")
-        from .nccl_emulation import EmulatedNCCL
-        return EmulatedNCCL(pp_group, strategy, sync_after_batch=sync_after_batch, timeout=timeout, **kw)
-    if strategy == "tagged":
-        return TaggedP2P(pp_group, defer_recvs=defer_recvs, **kw)
-    if strategy == "batched":
-        return BatchedP2P(pp_group, sync_after_batch=sync_after_batch, **kw)
-    if backend != "nccl":
-        raise ValueError(f"p2p strategy {strategy!r} is NCCL's (untagged, matched in issue order); on "
-                         f"{backend} use 'tagged', or emulate NCCL (--emulate-nccl)")
-    return STRATEGIES[strategy](pp_group, **kw)
 
 
 def _done(work) -> bool:

@@ -19,7 +19,8 @@ The simulator (:func:`.simulate.simulate`) takes one of these by name (``comm_mo
 
     ``nccl-batched``: each run of comm ops is one ``batch_isend_irecv`` (one NCCL group) on the
     process group's single stream; a group ends when all its transfers end, and the compute
-    after the group waits for it (Megatron-Core's batched p2p; the executor before issue 24).
+    after the group waits for it (Megatron-Core's batched p2p; the executor's strategy before
+    ``nccl-channels``: docs/schedules.md#communication-on-nccl).
     ``nccl-batched-consumer``: the same groups, waited for right before the op that reads a
     received tensor. ``nccl-batched-sync``: ``nccl-batched`` with a device-wide synchronisation
     after every group (Megatron-Core's ``batch_p2p_sync``): the compute waits for every comm op

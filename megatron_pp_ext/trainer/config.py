@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runtime.ncclenv import check_nccl_environment
+from ..runtime.p2pstrategy import NCCL_STRATEGIES
 from .errors import TrainConfigError
 from .moe import add_moe_arguments, check_moe, moe_from_args, moe_spec_fields
 from .overlap import add_frontier_arguments, check_frontier, frontier_from_args, mtp_spec_fields
@@ -73,6 +74,9 @@ class TrainConfig:
     emulate_compute: float | None = None
     #: --emulate-nccl [STRATEGY]: the executor's NCCL strategy with NCCL's semantics on gloo
     emulate_nccl: str | None = None
+    #: --p2p-strategy: the executor's point-to-point strategy on NCCL (None: channels); with
+    #: --emulate-nccl the strategy emulated (runtime/p2pstrategy.py)
+    p2p_strategy: str | None = None
     # training
     iters: int = 20
     lr: float = 1e-3
@@ -275,9 +279,12 @@ class Plan:
         return self._comm(run)
 
     def _comm(self, run):
-        """--emulate-nccl: the strategy and its emulation for the executor of the main run."""
+        """--p2p-strategy / --emulate-nccl: the strategy (and its emulation) for the executor of the
+        main run."""
         if self.cfg.emulate_nccl:
             return run.replace(p2p=self.cfg.emulate_nccl, emulate_nccl=True)
+        if self.cfg.p2p_strategy and self.device == "cuda":
+            return run.replace(p2p=self.cfg.p2p_strategy)
         return run
 
     def reference_config(self):
@@ -453,6 +460,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     if c.emulate_nccl and mcore:
         _fail("--emulate-nccl emulates our executor's NCCL path; --schedule mcore runs Megatron-Core's own "
               "point-to-point: drop one of them")
+    if c.p2p_strategy and mcore and not c.emulate_nccl:
+        _fail(f"--p2p-strategy {c.p2p_strategy} picks our executor's point-to-point; --schedule mcore runs "
+              "Megatron-Core's own: drop one of them")
     if mcore:
         info = None
         chunks = c.vp or 1
@@ -714,6 +724,15 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                                one_queue_hangs=one_queue_hangs(c.features))
     except ValueError as e:
         _fail(str(e))
+    strategy = c.emulate_nccl or c.p2p_strategy
+    if strategy and not mcore:   # (the backend can run it; the schedule's proof under its model)
+        from ..runtime.p2pstrategy import StrategyError, check_strategy
+        try:
+            check_strategy(strategy, *(built if built is not None and pipelined else (None, None)),
+                           gpu=device == "cuda", emulate=bool(c.emulate_nccl),
+                           flag="--p2p-strategy" if c.p2p_strategy else "--emulate-nccl")
+        except StrategyError as e:
+            _fail(str(e))
     if device == "cpu" and not launch.external:   # (every process on this machine)
         from .hostmem import check_fits
         check_fits(c, layers=sum(lps), kv_heads=kv, ffn=ffn, dp=dp, fail=_fail)
@@ -830,11 +849,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="replace the arithmetic of every compute op (F, B, W, BW and the feature ops) by a wait of "
                         "its --costs time, one unit = MS milliseconds; messages stay real; the JSON log gains "
                         "measured_makespan_s and simulated_makespan_s; no loss is computed (default: off)")
-    g.add_argument("--emulate-nccl", nargs="?", const="channels", default=None, metavar="STRATEGY",
-                   choices=("channels", "batched", "pairwise"),
+    g.add_argument("--p2p-strategy", default=None, choices=NCCL_STRATEGIES,
+                   help="how the executor sends and receives on NCCL: channels (one communicator per sender, "
+                        "receiver and message kind: the schedule's own time), pairwise (one per pair of neighbours: "
+                        "the fallback if a cluster hangs with several communicators in use at once) or batched (one "
+                        "batch_isend_irecv per run of transfers, Megatron-Core's way: the slowest); a schedule that "
+                        "deadlocks under it is refused. On CPU processes it needs --emulate-nccl (default: channels)")
+    g.add_argument("--emulate-nccl", nargs="?", const=True, default=None, metavar="STRATEGY",
+                   choices=NCCL_STRATEGIES,
                    help="run the executor's NCCL point-to-point path on the CPU processes with NCCL's rules "
                         "emulated on gloo (untagged, matched in issue order, one stream per communicator, hangs "
-                        "reported in one line): channels (the default on GPUs), batched or pairwise (default: off)")
+                        "reported in one line): the --p2p-strategy (default channels); --emulate-nccl STRATEGY is "
+                        "short for --p2p-strategy STRATEGY --emulate-nccl (default: off)")
     g.add_argument("--profile-iters", type=_int(0, 3), default=None, metavar="K",
                    help="time every op over K iterations after a warm-up one, then re-generate the schedule "
                         "once from the median F/B/W per stage and the measured p2p latency (default: 3 with "
@@ -903,6 +929,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return _config_from_args(args).replace(features=features)
 
 
+def _strategy_from_args(args: argparse.Namespace) -> dict:
+    """``emulate_nccl`` and ``p2p_strategy`` of the config: a bare --emulate-nccl emulates the
+    --p2p-strategy (default channels); --emulate-nccl STRATEGY names it itself, and must agree."""
+    emulate, strategy = getattr(args, "emulate_nccl", None), getattr(args, "p2p_strategy", None)
+    if emulate is True:
+        emulate = strategy or "channels"
+    elif emulate is not None and strategy is not None and emulate != strategy:
+        raise TrainConfigError(f"--emulate-nccl {emulate} contradicts --p2p-strategy {strategy}: name the strategy "
+                               f"once (--p2p-strategy {strategy} --emulate-nccl)")
+    return {"emulate_nccl": emulate, "p2p_strategy": strategy}
+
+
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, layers=args.layers, layers_per_stage=args.layers_per_stage,
@@ -912,7 +950,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
         profile_iters=args.profile_iters, emulate_compute=args.emulate_compute,
-        emulate_nccl=args.emulate_nccl, iters=args.iters, lr=args.lr,
+        **_strategy_from_args(args), iters=args.iters, lr=args.lr,
         allow_nonfinite_loss=args.allow_nonfinite_loss, **options_from_args(args),
         seed=args.seed, data_path=args.data_path, **moe_from_args(args), **frontier_from_args(args),
         device=args.device, out=args.out, json_log=args.json_log, reference_iters=args.reference_iters,

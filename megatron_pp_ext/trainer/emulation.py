@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..runtime.p2pstrategy import comm_model_of
+
 __all__ = ["EmulationPlan", "FixedSchedule", "plan_emulation", "emulated_record"]
 
 
@@ -133,7 +135,7 @@ def plan_emulation(c, *, built, mcore: bool, profile: int, fail: Callable[[str],
             if hook is not None:
                 overlay = hook(fcfg, overlay if overlay is not None else sched, cost)
     # the model of the point-to-point path the run takes (--emulate-nccl: that NCCL strategy's)
-    model = f"nccl-{c.emulate_nccl}" if getattr(c, "emulate_nccl", None) else "eager"
+    model = comm_model_of(c.emulate_nccl) if getattr(c, "emulate_nccl", None) else "eager"
     sim = simulate(overlay if overlay is not None else sched, cost, comm_model=model).makespan * ms / 1e3
     total = sim * c.iters
     if not (math.isfinite(total) and total <= c.timeout):

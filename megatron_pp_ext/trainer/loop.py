@@ -212,6 +212,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 dist.all_gather(rows, row)
                 rec = _merge_rows([r.cpu().tolist() for r in rows], plan, it)
                 rec["predicted_peak_bytes"] = _predicted(plan)
+                if (plan.memory_prediction or {}).get("predicted_nccl_bytes") is not None:
+                    rec["predicted_nccl_bytes"] = list(plan.memory_prediction["predicted_nccl_bytes"])
                 rec["device_measure"] = probe.measure
                 rec["profiling"] = profiling
                 if emu is not None:

@@ -116,7 +116,8 @@ def memory_cost(plan, cost, *, stages: list | None = None):
 
 class MemoryPrediction(dict):
     """``predicted_peak_bytes`` (per pipeline rank), ``peak_units``, ``unit_bytes``, ``stages``
-    (the bytes of every stage) and ``comm_model``."""
+    (the bytes of every stage), ``comm_model`` and, on a GPU, ``predicted_nccl_bytes`` (the NCCL
+    communicators' part of ``predicted_peak_bytes``)."""
 
 
 def predict(plan) -> MemoryPrediction | None:
@@ -144,11 +145,33 @@ def predict(plan) -> MemoryPrediction | None:
         res = simulate(sched, mcost)
         model = "eager"
     unit = mcost.bytes_per_unit
+    nccl = _nccl_bytes(plan)
+    peak = [int(round(u * unit)) for u in res.peak_memory][:max(1, c.pp)]
+    extra = {}
+    if nccl is not None:
+        peak = [b + n for b, n in zip(peak, nccl)]
+        extra = {"predicted_nccl_bytes": nccl}
     return MemoryPrediction(
-        predicted_peak_bytes=[int(round(u * unit)) for u in res.peak_memory][:max(1, c.pp)],
+        predicted_peak_bytes=peak, **extra,
         peak_units=[round(u, 4) for u in res.peak_memory], unit_bytes=unit, comm_model=model,
         stages=[{k: (round(v) if isinstance(v, float) else v) for k, v in st.to_dict().items() if k != "layers"}
                 for st in stages])
+
+
+def _nccl_bytes(plan) -> list[int] | None:
+    """On a GPU with pp > 1: per pipeline rank, the device memory of the point-to-point
+    strategy's NCCL communicators (runtime/ncclmem.py: NCCL's buffer defaults and environment, or
+    the GPU check's measured figures). NCCL allocates it outside PyTorch's caching allocator, so
+    ``peak_device_bytes`` (the allocator's peak) does not see it: compare that one with
+    ``predicted_peak_bytes`` minus ``predicted_nccl_bytes``. None elsewhere (gloo has none)."""
+    c = plan.cfg
+    if getattr(plan, "device", "cpu") != "cuda" or c.pp < 2:
+        return None
+    from ..runtime.ncclmem import communicator_bytes
+    from ..runtime.p2pstrategy import DEFAULT_STRATEGY
+    # (Megatron-Core's own schedule: batch_isend_irecv on the pipeline group, like "batched")
+    strategy = "batched" if plan.runtime_schedule is None else (c.p2p_strategy or DEFAULT_STRATEGY)
+    return communicator_bytes(strategy, plan.placement)
 
 
 def _feature_memory(plan, cost, stages):

@@ -19,7 +19,8 @@ import os
 import statistics
 import sys
 
-__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "run_verdict", "fmt_bytes"]
+__all__ = ["RankZeroLog", "write_schedule_figure", "finish", "compare_losses", "run_verdict", "fmt_bytes",
+           "measured_over_predicted"]
 
 #: relative tolerance of the pp=1 comparison where a reason says the run rounds differently
 #: (:func:`rounding_reasons`: tensor, data or expert parallelism, tied copies, clipping, CUDA
@@ -87,10 +88,15 @@ def write_schedule_figure(plan) -> dict:
 
 
 def _comm_model_of_run(plan) -> str:
+    """The communication model of the run's point-to-point path: its NCCL strategy's on a GPU and
+    with --emulate-nccl, the eager model of gloo's tagged path otherwise."""
+    from ..runtime.p2pstrategy import DEFAULT_STRATEGY, comm_model_of
     c = plan.cfg
     if getattr(c, "emulate_nccl", None):
-        return f"nccl-{c.emulate_nccl}"
-    return "nccl" if getattr(plan, "device", "cpu") == "cuda" else "eager"
+        return comm_model_of(c.emulate_nccl)
+    if getattr(plan, "device", "cpu") == "cuda":
+        return comm_model_of(getattr(c, "p2p_strategy", None) or DEFAULT_STRATEGY)
+    return "eager"
 
 
 def _append(f, text: str, flag: str) -> None:
@@ -103,6 +109,16 @@ def _append(f, text: str, flag: str) -> None:
         raise RunFailure(f"{flag}: writing {f.name} failed ({e.strerror or e}); free some space or give another "
                          f"{flag}") from None
 
+
+
+def measured_over_predicted(device: list, pred: list | None, nccl: list | None) -> list | None:
+    """Per pipeline rank, ``peak_device_bytes`` over ``predicted_peak_bytes`` less its NCCL part
+    (``predicted_nccl_bytes``): NCCL allocates its buffers outside PyTorch's caching allocator,
+    whose peak ``peak_device_bytes`` is on a GPU."""
+    if not pred:
+        return None
+    nccl = nccl or [0] * len(pred)
+    return [round(d / (p - n), 4) if p - n else None for d, p, n in zip(device, pred, nccl)]
 
 class RankZeroLog:
     """Rank 0's terminal output, text log and JSON log during training."""
@@ -221,7 +237,7 @@ class RankZeroLog:
         steady_recs = records[1:] or records
         device = [max(r["peak_device_bytes"][i] for r in steady_recs) for i in range(pp)]
         pred = records[0].get("predicted_peak_bytes") if records else None
-        ratio = ([round(d / p_, 4) if p_ else None for d, p_ in zip(device, pred)] if pred else None)
+        ratio = measured_over_predicted(device, pred, records[0].get("predicted_nccl_bytes") if records else None)
         summary = {
             "iterations": len(records),
             "total_time_s": sum(times),
@@ -235,6 +251,7 @@ class RankZeroLog:
             "peak_device_bytes": device,
             "device_measure": records[0].get("device_measure") if records else None,
             "predicted_peak_bytes": pred,
+            "predicted_nccl_bytes": records[0].get("predicted_nccl_bytes") if records else None,
             "measured_over_predicted": ratio,
             "memory_model": plan.memory_prediction,
             "simulated": self.sim_info,
@@ -304,7 +321,9 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
         lines.append("memory model: predicted peak per rank above the iteration's start "
                      + " ".join(fmt_bytes(b) for b in pred["predicted_peak_bytes"])
                      + f" ({'/'.join(f'{u:g}' for u in pred['peak_units'][:len(pred['predicted_peak_bytes'])])} units "
-                       f"of {fmt_bytes(pred['unit_bytes'])}: saved activations, what W keeps, messages, transients)")
+                       f"of {fmt_bytes(pred['unit_bytes'])}: saved activations, what W keeps, messages, transients"
+                       + (", and NCCL communicators " + " ".join(fmt_bytes(b) for b in pred["predicted_nccl_bytes"])
+                          if pred.get("predicted_nccl_bytes") else "") + ")")
     elif pred.get("error"):
         lines.append(f"memory model: no prediction ({pred['error']})")
     for n in plan.notes:

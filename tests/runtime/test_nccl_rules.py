@@ -226,8 +226,8 @@ def test_emulation_and_tags_are_refused_on_an_nccl_group(monkeypatch, strategy, 
     """Threads issuing NCCL ops with tags NCCL ignores would match messages in the wrong order."""
     import torch.distributed as dist
 
-    from megatron_pp_ext.runtime import p2p
+    from megatron_pp_ext.runtime import p2pfactory
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(ValueError, match=r"^the NCCL emulation \(MPPX_EMULATE_NCCL, --emulate-nccl\) and the tagged "
                                          r"p2p strategy are for gloo; on NCCL use an NCCL strategy"):
-        p2p.make_p2p(object(), strategy, num_stages=2, num_microbatches=2, emulate_nccl=emulate)
+        p2pfactory.make_p2p(object(), strategy, num_stages=2, num_microbatches=2, emulate_nccl=emulate)

@@ -227,7 +227,7 @@ def test_moe_expert_bias_matches_pp1(runs, schedule):
     """The sigmoid router with expert-bias balancing (DeepSeek-V3's aux-loss-free load balancing,
     which `mppx plan` emits for its DeepSeek-V3-like preset): finalize_model_grads updates the
     expert biases from the token counts over the tp x dp x cp group, and megatron-core 0.18.2+
-    assert that the executor's process-group collection has it (issue 30: the collection it built
+    assert that the executor's process-group collection has it (the collection it built
     when the caller passed none had no tp_dp_cp; the 0.19.2 venv of CI runs this)."""
     import dataclasses
     spec = dataclasses.replace(MOE_SPECS["llama"], moe_router_score_function="sigmoid",

@@ -116,6 +116,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="also try overlapped forward-backward pairs on MoE models at expert parallel size >= 2 "
                         "(the expert all-to-all hidden behind another microbatch's compute); a paired plan wins "
                         "when it is faster")
+    from ...runtime.p2pstrategy import NCCL_STRATEGIES
+    s.add_argument("--p2p-strategy", choices=NCCL_STRATEGIES, default="channels",
+                   help="the runtime's point-to-point strategy on NCCL (mppx train / Megatron-LM --p2p-strategy): its "
+                        "communication model times the pipeline (pairwise and batched simulate every send and "
+                        "receive; orders that deadlock under it are rejected) and its communicators count in memory "
+                        "(default: channels)")
     s.add_argument("--top", type=int_at_least(1, 10), default=10, metavar="K", help="plans to list (default: 10)")
     s.add_argument("--time-limit", type=float, default=120.0, metavar="S",
                    help="CPU seconds of search before it stops and reports what it has (default: 120)")
@@ -204,7 +210,7 @@ def build_request(args):
                            recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
                            time_limit=args.time_limit, precision=args.precision, runtime=args.memory_model,
-                           overlap=args.overlap_moe_expert_parallel_comm)
+                           overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy)
     except PlannerError as e:
         raise CLIError(str(e)) from None
 

@@ -1,0 +1,156 @@
+"""GPU memory of the pipeline's NCCL communicators (torch-free): what ``predicted_peak_bytes``
+(``mppx train`` on a GPU) and the planner add per rank for the point-to-point strategy.
+
+NCCL allocates its buffers with ``cudaMalloc``/``cuMem``, outside PyTorch's caching allocator,
+when a communicator is created and each of its connections set up (at the first transfer to a
+peer in a direction). A point-to-point connection holds, per NCCL channel, one buffer of the
+Simple protocol of ``NCCL_STEPS`` (8) slots of the p2p chunk size. So, per rank:
+
+    bytes = communicators x per_communicator + connections x per_connection
+    per_connection = channels_per_peer x 8 x chunk
+
+with NCCL's defaults and environment variables:
+
+* ``chunk``: ``NCCL_P2P_NET_CHUNKSIZE`` (default 128 KiB: pipeline neighbours on other nodes;
+  ``NCCL_P2P_NVL_CHUNKSIZE`` 512 KiB over NVLink, ``NCCL_P2P_PCI_CHUNKSIZE`` 128 KiB over PCIe
+  apply within a node -- set ``MPPX_NCCL_P2P_LINK=nvl|pci|net`` to pick), at most
+  ``NCCL_BUFFSIZE`` / 8 (default 4 MiB / 8);
+* ``channels_per_peer``: ``NCCL_NCHANNELS_PER_NET_PEER`` (2: NCCL's default for network peers up
+  to 2.2x; newer versions choose it, typically the same), within ``NCCL_MIN_P2P_NCHANNELS`` (1)
+  and ``NCCL_MAX_P2P_NCHANNELS`` (32);
+* ``per_communicator``: NCCL's own structures per communicator; not modelled (0) until measured.
+
+A connection is one (communicator, peer, direction) a rank uses: ``channels`` one per channel
+(a channel communicator carries one direction), ``pairwise`` one per neighbour and direction
+(on the pair's communicator), ``batched`` the same on the pipeline group's one communicator.
+
+**Measured figures replace the model** when ``MPPX_NCCL_MEMORY`` names a JSON file: the GPU
+check's ``results.json`` (its check "NCCL communicator memory" measures both figures on the GPU:
+``benchmarks/gpu_check/commcheck.py``), or ``{"per_communicator_bytes": N,
+"per_connection_bytes": N}``. What the check measured holds for its GPU, NCCL version, transport
+and environment; the model's defaults for a network link otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["NCCLMemory", "nccl_memory", "connections_per_rank", "placement_channels", "communicator_bytes",
+           "MEASURED_CHECK", "NCCL_STEPS"]
+
+NCCL_STEPS = 8
+#: the GPU check's result that carries the measured figures (benchmarks/gpu_check/commcheck.py)
+MEASURED_CHECK = "NCCL communicator memory"
+_CHUNKS = {"net": ("NCCL_P2P_NET_CHUNKSIZE", 1 << 17), "pci": ("NCCL_P2P_PCI_CHUNKSIZE", 1 << 17),
+           "nvl": ("NCCL_P2P_NVL_CHUNKSIZE", 1 << 19)}
+
+
+@dataclass(frozen=True)
+class NCCLMemory:
+    """Bytes per communicator and per connection, and where they come from."""
+
+    per_communicator: float
+    per_connection: float
+    source: str          # "model (...)" or "measured (<file>)"
+
+    def to_dict(self) -> dict:
+        return {"per_communicator_bytes": self.per_communicator, "per_connection_bytes": self.per_connection,
+                "source": self.source}
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, lo: int = 1) -> int:
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(float(v))
+    except ValueError:
+        raise ValueError(f"{name}={v!r}: NCCL reads an integer here; fix or unset it") from None
+    if n < lo:
+        raise ValueError(f"{name}={v}: must be >= {lo}; fix or unset it")
+    return n
+
+
+def nccl_memory(env: Mapping[str, str] | None = None) -> NCCLMemory:
+    """The figures in force: measured (``MPPX_NCCL_MEMORY``), else NCCL's defaults and environment."""
+    env = os.environ if env is None else env
+    path = env.get("MPPX_NCCL_MEMORY", "").strip()
+    if path:
+        return _measured(path)
+    link = env.get("MPPX_NCCL_P2P_LINK", "net").strip() or "net"
+    if link not in _CHUNKS:
+        raise ValueError(f"MPPX_NCCL_P2P_LINK={link!r}: use net, pci or nvl (the link between pipeline neighbours), "
+                         "or unset it (net)")
+    var, default = _CHUNKS[link]
+    chunk = _int_env(env, var, default)
+    buff = _int_env(env, "NCCL_BUFFSIZE", 1 << 22)
+    chunk = min(chunk, buff // NCCL_STEPS)
+    lo = _int_env(env, "NCCL_MIN_P2P_NCHANNELS", 1)
+    hi = _int_env(env, "NCCL_MAX_P2P_NCHANNELS", 32)
+    channels = min(max(_int_env(env, "NCCL_NCHANNELS_PER_NET_PEER", 2), lo), hi)
+    return NCCLMemory(0.0, float(channels * NCCL_STEPS * chunk),
+                      f"model ({channels} channel(s) x {NCCL_STEPS} x {chunk} B chunk per connection, link {link})")
+
+
+def _measured(path: str) -> NCCLMemory:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: cannot read it as JSON ({e}); give the GPU check's results.json "
+                         "or {\"per_communicator_bytes\": N, \"per_connection_bytes\": N}") from None
+    data = doc
+    if isinstance(doc, dict) and "checks" in doc:   # the GPU check's results.json
+        data = next((c.get("data") or {} for c in doc["checks"]
+                     if c.get("name") == MEASURED_CHECK and c.get("status") == "measured"), None)
+        if data is None:
+            raise ValueError(f"MPPX_NCCL_MEMORY={path}: its results have no measured {MEASURED_CHECK!r} check (run "
+                             "the GPU check's nccl step on a GPU)")
+    try:
+        a, b = float(data["per_communicator_bytes"]), float(data["per_connection_bytes"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: needs per_communicator_bytes and per_connection_bytes") from None
+    if not (a >= 0 and b >= 0 and a < 2 ** 40 and b < 2 ** 40):
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: per_communicator_bytes and per_connection_bytes must be >= 0")
+    return NCCLMemory(a, b, f"measured ({path})")
+
+
+def connections_per_rank(strategy: str, channels: Sequence[tuple[int, int, str]], ranks: int) -> list[tuple[int, int]]:
+    """Per pipeline rank, (communicators, connections) of ``strategy`` for the pipeline messages
+    ``channels`` ((sender, receiver, "act"|"grad"), pipeline ranks)."""
+    out = []
+    for r in range(ranks):
+        mine = {(s, d, c) for s, d, c in channels if r in (s, d)}
+        dirs = {(s, d) for s, d, _ in mine}
+        if strategy == "channels":
+            out.append((len(mine), len(mine)))
+        elif strategy == "pairwise":
+            out.append((len({frozenset(x) for x in dirs}), len(dirs)))
+        elif strategy == "batched":
+            out.append((1 if dirs else 0, len(dirs)))
+        else:
+            raise ValueError(f"unknown p2p strategy {strategy!r}")
+    return out
+
+
+def placement_channels(placement: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(sender, receiver, "act"|"grad") of the pipeline messages of a stage placement: each pair
+    of consecutive stages on different ranks sends activations forward and gradients back."""
+    out = set()
+    for s in range(len(placement) - 1):
+        a, b = placement[s], placement[s + 1]
+        if a != b:
+            out |= {(a, b, "act"), (b, a, "grad")}
+    return sorted(out)
+
+
+def communicator_bytes(strategy: str, placement: Sequence[int], env: Mapping[str, str] | None = None) -> list[int]:
+    """Per pipeline rank, the device bytes of ``strategy``'s communicators for a pipeline of this
+    stage ``placement``."""
+    ranks = max(placement) + 1 if placement else 1
+    mem = nccl_memory(env)
+    return [int(round(n * mem.per_communicator + k * mem.per_connection))
+            for n, k in connections_per_rank(strategy, placement_channels(placement), ranks)]
