@@ -601,9 +601,6 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
         raise MegatronLMFlagError("--layout-independent-init cannot be combined with --init-model-with-meta-device; "
                                   "drop one of them")
-    if opts.layout_independent_init and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-        raise MegatronLMFlagError("--layout-independent-init does not support --expert-model-parallel-size > 1 yet "
-                                  "(local expert names are not global); drop one of them")
     if opts.profile_iters and getattr(args, "freeze_all_layers", False):
         # (Megatron-LM main: --freeze-all-layers runs every training iteration forward only)
         raise MegatronLMFlagError("--pipeline-profile-iters measures the F, B and W ops of training iterations, but "

@@ -55,9 +55,6 @@ def _make_validate_args(orig: Callable) -> Callable:
             args.pipeline_model_parallel_layout = StageLayerLayout(plan.placement, lps,
                                                                    int(getattr(args, "mtp_num_layers", None) or 0))
             _st.current.layout = args.pipeline_model_parallel_layout
-        if opts.layout_independent_init and getattr(args, "init_model_with_meta_device", False):
-            flag_error(MegatronLMFlagError("--layout-independent-init cannot be combined with "
-                                           "--init-model-with-meta-device; drop one of them"))
         try:
             _st.current.model_features, _st.current.features = _plan_features(args, plan)
         except MegatronLMFlagError as e:
