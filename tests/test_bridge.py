@@ -119,8 +119,8 @@ def test_data_parallel_size_counts_into_the_microbatches():
 
 @pytest.mark.parametrize("model,settings,needle", [
     (dict(mtp_num_layers=1), {"schedule": "zbv"},
-     "mppx.schedule=zbv: multi-token prediction (model.mtp_num_layers) is not supported by megatron_pp_ext's "
-     "runtime yet; drop model.mtp_num_layers"),
+     "mppx.schedule=zbv: multi-token prediction (model.mtp_num_layers) is not supported through Megatron-Bridge "
+     "yet (Megatron-LM's pretrain_gpt.py runs it); drop model.mtp_num_layers"),
     (dict(overlap_moe_expert_parallel_comm=True), {"schedule": "zb-h1"},
      "mppx.schedule=zb-h1 cannot be combined with model.overlap_moe_expert_parallel_comm"),
     (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), {"schedule": "zbv"},

@@ -24,6 +24,15 @@ def plan_for(cfg: Any, settings: dict[str, Any], world_size: int | None = None) 
             raise BridgeConfigError(f"{opts.flag} cannot be combined with dist.use_decentralized_pg=true (the "
                                     "schedule's loss hand-over uses Megatron-Core's parallel_state groups); drop one "
                                     "of them")
+        if opts.active:   # (Megatron-LM's pretrain_gpt.py and mppx train run them; not yet run through Bridge)
+            if getattr(args, "mtp_num_layers", None):
+                raise BridgeConfigError(f"{opts.flag}: multi-token prediction (--mtp-num-layers) is not supported "
+                                        "through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py runs it); drop "
+                                        "--mtp-num-layers")
+            if getattr(args, "overlap_moe_expert_parallel_comm", False):
+                raise BridgeConfigError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
+                                        "through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py runs the pairs); "
+                                        "drop one of them")
         if opts.needs_install and not callable(getattr(cfg.model, "provide", None)):
             raise BridgeConfigError(f"{type(cfg.model).__name__} is built by a ModelBuilder, not a model provider's "
                                     "provide(): megatron_pp_ext places the model chunks of provider configs (the "
