@@ -51,10 +51,11 @@ RUNS = {   # name: (ranks, the launcher's arguments)
 REFUSED = {   # what our schedules cannot run: the launcher's one line, exit status 2
     "mtp": (["mppx.schedule=zbv", "model.mtp_num_layers=1"],
             "megatron_pp_ext: error: mppx.schedule=zbv: multi-token prediction (model.mtp_num_layers) is not "
-            "supported by megatron_pp_ext's runtime yet; drop model.mtp_num_layers"),
+            "supported through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py runs it); drop model.mtp_num_layers"),
     "ep-overlap": (["mppx.schedule=zb-h1", "model.overlap_moe_expert_parallel_comm=true"],
                    "megatron_pp_ext: error: mppx.schedule=zb-h1 cannot be combined with "
-                   "model.overlap_moe_expert_parallel_comm (Megatron's combined 1F1B schedule); drop one of them"),
+                   "model.overlap_moe_expert_parallel_comm through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py "
+                   "runs the pairs); drop one of them"),
     "cuda-graph": (["mppx.schedule=zbv", "model.cuda_graph_impl=full_iteration"],
                    "megatron_pp_ext: error: mppx.schedule=zbv cannot run inside a full-iteration CUDA graph "
                    "(model.cuda_graph_impl=full_iteration); drop one of them"),
