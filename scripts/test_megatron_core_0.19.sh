@@ -1,7 +1,6 @@
 #!/bin/bash
 # The tests that touch Megatron, on the newest supported megatron-core (0.19.2), in a venv of
-# their own: the runtime parity suite and features, the B/W split, the trainer's training,
-# checkpoints and MoE, the version layer, the
+# their own: the runtime parity suite and features, the B/W split, the version layer, the
 # planner's emitted flags (MoE plans, the published layouts) through Megatron-LM's own validation, and the
 # Megatron-LM integration against the training loop the 0.19 wheel carries (megatron.training,
 # driven by tests/megatron_lm_wheel/pretrain_gpt.py). README's test command runs it after the
@@ -37,14 +36,17 @@ if [ $# -eq 0 ]; then
     # point-to-point strategies and their NCCL emulation, emulated compute, op timing, the step
     # wrapper, mppx train's flag checks and process lifetimes, and the parity rows with 2p and 4p
     # microbatches, which test the schedules' steady state, not Megatron, and the overlapped pairs'
-    # more rows beside the ones run here and through Megatron-LM's loop: the first venv runs them)
+    # more rows beside the ones run here and through Megatron-LM's loop: the first venv runs them.
+    # Nor mppx train's own tests, tests/test_trainer*.py: the trainer launches the runtime tested
+    # here, and what it does with Megatron-Core -- checkpoints with the distributed optimizer,
+    # offload, BPipe, vocabulary parallelism, MoE -- runs here through Megatron-LM's loop: ckpt4,
+    # vocab_ckpt4, feat4, scripts4, moe2, pairs4 in tests/test_megatron_lm_integration.py)
     set -- -q tests/runtime/test_runtime_parity.py tests/runtime/test_runtime_executor.py \
         tests/runtime/test_runtime_model.py tests/runtime/test_runtime_moe.py tests/runtime/test_runtime_overlap.py \
         tests/runtime/test_runtime_training_config.py tests/runtime/test_runtime_sync_order.py \
         tests/runtime/test_runtime_cpu_compat.py tests/runtime/test_vocab_runtime.py \
         tests/runtime/test_offload_runtime.py tests/runtime/test_bpipe_runtime.py \
-        tests/test_wgrad.py tests/test_compat.py tests/test_trainer.py tests/test_trainer_checkpoint.py \
-        tests/test_trainer_safety.py tests/test_trainer_moe.py tests/test_trainer_features.py \
+        tests/test_wgrad.py tests/test_compat.py \
         tests/test_megatron_lm_integration.py \
         tests/test_planner.py::test_emitted_flags_pass_megatron_lm_validation \
         -k "not test_steady_state_matches_pp1_bit_exact and not test_more_paired_schedules"
