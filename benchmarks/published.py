@@ -459,21 +459,7 @@ def doc_tables(quick: bool = False) -> str:
     rs = rows(data)
     if quick:
         rs = [r for r in rs if r.group.startswith("1.5B m=24") or r.group == "s=2k V=256k"]
-    res = evaluate(rs, data)
-    zb = [x for x in res if x.row.source == "zb"]
-    vb = [x for x in res if x.row.source == "vocab"]
-    lines = ["## Zero Bubble Pipeline Parallelism (ICLR 2024), 1.5B to 28.3B on 8 to 32 A100", ""]
-    lines += zb_table(zb)
-    lines += ["", "## The same rows calibrated with the paper's stage times", "",
-              "`mppx plan --calibration FILE` with table 6's F, B, W and p2p times of each model and microbatch count "
-              "(`stage_times`, a middle stage of (L + 2)/p layers): the op times measured, everything else "
-              "modelled as above.", ""]
-    lines += calibrated_table(zb)
-    lines += ["", "## Vocabulary parallelism (MLSys 2025), 4B on 8 A100", ""]
-    lines += vocab_table(vb)
-    lines += ["", "## The planner's pick", ""]
-    lines += picks_table(res)
-    return "\n".join(lines) + "\n"
+    return doc_tables_from(evaluate(rs, data))
 
 
 def figure(results: list[Result], path: Path) -> None:
@@ -649,6 +635,7 @@ def reading(results: list[Result]) -> list[str]:
 
 
 def doc_tables_from(results: list[Result]) -> str:
+    """The tables of docs/benchmarks/published.md from evaluated rows."""
     zb = [x for x in results if x.row.source == "zb"]
     vb = [x for x in results if x.row.source == "vocab"]
     lines = ["## Zero Bubble Pipeline Parallelism (ICLR 2024), 1.5B to 28.3B on 8 to 32 A100", ""]
