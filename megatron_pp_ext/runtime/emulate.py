@@ -580,11 +580,17 @@ class ComputeEmulation:
 
 class AllToAllEmulation:
     """Real all-to-alls over the expert-parallel group for the all-to-all share of the emulated F
-    and B (``CostModel.a2a``): one ``all_to_all_single`` per half of an op, of a message sized once,
+    and B (``CostModel.a2a``): one ``all_to_all_single`` per half of an op, of a message sized,
     collectively, so that one takes the cost model's all-to-all time (:meth:`prepare`: a few
     timed rounds, the slowest rank's median; ``measured_s`` is what it reached). An overlapped pair
     runs its two on a second thread while it waits for its compute (:meth:`start`), as Megatron-Core's
-    plan runs them on its communication stream."""
+    plan runs them on its communication stream.
+
+    Sized alone, an all-to-all of these processes is slower in the run, where the other stages'
+    all-to-alls and messages want the same cores (on a 2-core host, 1.1-2.5x at p = 2-4): so at the
+    start of every later call the message is re-sized from the last call's all-to-alls (:meth:`_refit`),
+    taking the rank of the group that arrived last (its median), whose time is the transfer without
+    the wait for a late peer -- that wait is the run's own and stays in what it measures."""
 
     ROUNDS = 8
     TOLERANCE = 0.03
@@ -598,9 +604,14 @@ class AllToAllEmulation:
         self._error: BaseException | None = None
         #: the time of every all-to-all run since :meth:`take_run_median` (the pairs' thread appends too)
         self.run_s: list[float] = []
+        #: this rank's median all-to-all time of the last call (for :meth:`_refit`)
+        self._last_run_s: float | None = None
 
     def prepare(self, target_s: float, device) -> None:
-        if self.ready or target_s <= 0:
+        if self.ready:
+            self._refit()
+            return
+        if target_s <= 0:
             return
         import statistics
         if self.group is None:
@@ -630,6 +641,30 @@ class AllToAllEmulation:
             size = max(n, int(size * scale) // n * n)
         self.measured_s, self.target_s, self.ready = med, target_s, True
 
+    #: a re-size changes the message by at most this factor per call (a call's median is noisy)
+    REFIT_STEP = 2.0
+
+    def _refit(self) -> None:
+        """Re-size the message so that one all-to-all of the last call took ``target_s``, by the
+        group's smallest per-rank median (the rank that arrived last waited for nobody).
+        Collective over the group: every member calls it at the start of every call."""
+        import math
+        mine = self._last_run_s
+        if mine is None and self.run_s:
+            import statistics
+            mine = statistics.median(self.run_s)
+        self.run_s, self._last_run_s = [], None
+        got = torch.tensor([math.inf if mine is None else mine], dtype=torch.float64)
+        dist.all_reduce(got, op=dist.ReduceOp.MIN, group=self.group)
+        ran = float(got)
+        if not math.isfinite(ran) or ran <= 0 or abs(ran - self.target_s) <= self.TOLERANCE * self.target_s:
+            return
+        n = self.group.size()
+        scale = min(self.REFIT_STEP, max(1.0 / self.REFIT_STEP, self.target_s / ran))
+        size = max(n, int(self._bufs[0].numel() * scale) // n * n)
+        dev = self._bufs[0].device
+        self._bufs = (torch.zeros(size, device=dev), torch.zeros(size, device=dev))
+
     def run(self, calls: int = 1) -> None:
         out, inp = self._bufs[1], self._bufs[0]
         for _ in range(calls):
@@ -642,7 +677,8 @@ class AllToAllEmulation:
         one waits for its peers' arrival and for cores the calibration had to itself."""
         import statistics
         times, self.run_s = self.run_s, []
-        return statistics.median(times) if times else None
+        self._last_run_s = statistics.median(times) if times else None
+        return self._last_run_s
 
     def start(self, calls: int):
         import threading

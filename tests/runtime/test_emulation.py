@@ -131,6 +131,41 @@ def test_emulated_pairs_run_real_all_to_alls(pool, tmp_path):
     check_rows(rows, plan, hi=1.35)
 
 
+@pytest.mark.parametrize("mine, peer, size", [
+    (0.020, 0.020, 500),     # both ran it at twice the target: half the message
+    (0.040, 0.040, 500),     # four times: halved per call at most (one call's median is noisy)
+    (0.0102, 0.0102, 1000),  # within AllToAllEmulation.TOLERANCE: kept
+    (0.020, 0.010, 1000),    # the peer that arrived last took the target: this rank waited for it, kept
+    (0.005, 0.005, 2000),    # half the target: doubled
+    (None, None, 1000),      # no all-to-all in the last call: kept
+])
+def test_the_emulated_all_to_all_is_resized_to_its_time_in_the_run(monkeypatch, mine, peer, size):
+    """Sized alone before the run, an all-to-all of these processes is slower in the run (other
+    stages' all-to-alls want the same cores): every later call re-sizes the message from the last
+    call's all-to-alls, by the group's smallest per-rank median (the rank that arrived last waited
+    for nobody), so that the F and B it is part of last their cost-model time."""
+    import torch
+    from megatron_pp_ext.runtime import emulate
+
+    class Pair:   # an expert-parallel group of two; the peer's median reaches the MIN all-reduce
+        def size(self):
+            return 2
+
+    def all_reduce(t, op=None, group=None):
+        assert op == emulate.dist.ReduceOp.MIN and isinstance(group, Pair)
+        t.copy_(torch.minimum(t, torch.tensor([math.inf if peer is None else peer], dtype=t.dtype)))
+
+    monkeypatch.setattr(emulate.dist, "all_reduce", all_reduce)
+    a2a = emulate.AllToAllEmulation(group=Pair())
+    a2a.target_s, a2a.measured_s, a2a.ready = 0.010, 0.010, True
+    a2a._bufs = (torch.zeros(1000), torch.zeros(1000))
+    a2a.run_s = [] if mine is None else [mine * 0.9, mine, mine * 1.1]
+    assert a2a.take_run_median() == (None if mine is None else pytest.approx(mine))
+    a2a.prepare(0.010, "cpu")   # the next call's start
+    assert [b.numel() for b in a2a._bufs] == [size, size]
+    assert a2a.run_s == [] and a2a._last_run_s is None
+
+
 def receive_waits_worker(defer: bool, iters: int) -> dict:
     """zbv at pp=4, m=8, costs 1,1.8,0.4,0.1: makespans with the receive waited for at the end of
     its comm batch (defer=False) or right before the op that reads it; the bytes this rank sent
