@@ -11,7 +11,7 @@
 2. **Emulated compute with real all-to-alls**: ``mppx train --emulate-compute MS`` on an MoE
    model with expert parallelism 2 (pp=p x dp=2 forked gloo processes): every compute op waits
    its cost-model time, except the all-to-all share of F and B, which is a real
-   ``all_to_all_single`` over the expert-parallel group sized to take that time (a pair runs its
+   ``all_to_all_single`` over the expert-parallel group sized to take that time in the run (a pair runs its
    two on a second thread while it waits for both halves' compute, as Megatron-Core's plan
    runs them on its communication stream). Paired and unpaired, each: measured makespan (median
    of the iterations after the first) over the simulated one, and the measured gain of pairing
@@ -172,7 +172,9 @@ def emulated_md(rows: list[dict], iters: int) -> list[str]:
            "the 2 data-parallel ranks). *Measured*: `measured_makespan_s` (the slowest rank's forward-backward, "
            "barrier to last op), median of the iterations after the first; *simulated*: `simulated_makespan_s`. "
            "*All-to-all*: a stage's share of F (the target), the time one real all-to-all reached when sized to it "
-           "before the run (`emulated_a2a_s`), and the median time of those run in the iterations "
+           "before the run (`emulated_a2a_s`; from the second iteration on, the message is re-sized from the "
+           "last iteration's all-to-alls, each timed from its last rank's arrival), and the median time of those "
+           "run in the iterations "
            "(`emulated_a2a_run_s`: the all-to-all itself, its peers' late arrival and, on this shared host, the wait "
            "for a core), unpaired and paired.", "",
            "| schedule | p | m | all-to-all share | all-to-all (ms): target / sized / in the run, unpaired / paired "

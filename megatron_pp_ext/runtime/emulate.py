@@ -586,11 +586,12 @@ class AllToAllEmulation:
     runs its two on a second thread while it waits for its compute (:meth:`start`), as Megatron-Core's
     plan runs them on its communication stream.
 
-    Sized alone, an all-to-all of these processes is slower in the run, where the other stages'
-    all-to-alls and messages want the same cores (on a 2-core host, 1.1-2.5x at p = 2-4): so at the
-    start of every later call the message is re-sized from the last call's all-to-alls (:meth:`_refit`),
-    taking the rank of the group that arrived last (its median), whose time is the transfer without
-    the wait for a late peer -- that wait is the run's own and stays in what it measures."""
+    Sized alone, an all-to-all of these processes takes another time in the run, where the other
+    stages' all-to-alls and messages want the same cores (on a 2-core host, 1.1-2.5x at p = 2-4): so
+    at the start of every later call the message is re-sized from the last call's all-to-alls
+    (:meth:`_refit`), each timed from the moment its last rank arrived to the moment its last rank
+    had its data (the ranks are processes of one host: one monotonic clock). The wait for a late
+    peer is the run's own and stays in what the run measures."""
 
     ROUNDS = 8
     TOLERANCE = 0.03
@@ -604,8 +605,10 @@ class AllToAllEmulation:
         self._error: BaseException | None = None
         #: the time of every all-to-all run since :meth:`take_run_median` (the pairs' thread appends too)
         self.run_s: list[float] = []
-        #: this rank's median all-to-all time of the last call (for :meth:`_refit`)
-        self._last_run_s: float | None = None
+        #: (start, end) of every all-to-all run since :meth:`take_run_median`, and of the last call's
+        #: (for :meth:`_refit`)
+        self.spans: list[tuple[float, float]] = []
+        self._last_spans: list[tuple[float, float]] = []
 
     def prepare(self, target_s: float, device) -> None:
         if self.ready:
@@ -645,19 +648,17 @@ class AllToAllEmulation:
     REFIT_STEP = 2.0
 
     def _refit(self) -> None:
-        """Re-size the message so that one all-to-all of the last call took ``target_s``, by the
-        group's smallest per-rank median (the rank that arrived last waited for nobody).
-        Collective over the group: every member calls it at the start of every call."""
-        import math
-        mine = self._last_run_s
-        if mine is None and self.run_s:
-            import statistics
-            mine = statistics.median(self.run_s)
-        self.run_s, self._last_run_s = [], None
-        got = torch.tensor([math.inf if mine is None else mine], dtype=torch.float64)
-        dist.all_reduce(got, op=dist.ReduceOp.MIN, group=self.group)
-        ran = float(got)
-        if not math.isfinite(ran) or ran <= 0 or abs(ran - self.target_s) <= self.TOLERANCE * self.target_s:
+        """Re-size the message so that one all-to-all of the last call took ``target_s`` from its
+        last rank's arrival (:meth:`transfer_times`). Collective over the group: every member calls
+        it at the start of every call."""
+        spans = self._last_spans or self.spans
+        self.spans, self._last_spans, self.run_s = [], [], []
+        times = self.transfer_times(spans)
+        if not times:
+            return
+        import statistics
+        ran = statistics.median(times)
+        if ran <= 0 or abs(ran - self.target_s) <= self.TOLERANCE * self.target_s:
             return
         n = self.group.size()
         scale = min(self.REFIT_STEP, max(1.0 / self.REFIT_STEP, self.target_s / ran))
@@ -665,20 +666,37 @@ class AllToAllEmulation:
         dev = self._bufs[0].device
         self._bufs = (torch.zeros(size, device=dev), torch.zeros(size, device=dev))
 
+    def transfer_times(self, spans: list[tuple[float, float]]) -> list[float]:
+        """The time of each all-to-all of ``spans`` (this rank's (start, end), in the order run, as
+        on every rank of the group) from its last rank's start to its last rank's end; [] when the
+        ranks ran different numbers of them. Collective over the group."""
+        g = self.group
+        count = torch.tensor([len(spans), -len(spans)], dtype=torch.float64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=g)
+        if count[0] != -count[1] or count[0] == 0:
+            return []
+        mine = torch.tensor(spans, dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(g.size())]
+        dist.all_gather(every, mine, group=g)
+        both = torch.stack(every)                    # ranks x all-to-alls x (start, end)
+        return (both[:, :, 1].amax(0) - both[:, :, 0].amax(0)).tolist()
+
     def run(self, calls: int = 1) -> None:
         out, inp = self._bufs[1], self._bufs[0]
         for _ in range(calls):
             t0 = _perf()
             dist.all_to_all_single(out, inp, group=self.group)
-            self.run_s.append(_perf() - t0)
+            t1 = _perf()
+            self.run_s.append(t1 - t0)
+            self.spans.append((t0, t1))
 
     def take_run_median(self) -> float | None:
         """The median time of the all-to-alls run since the last call (None: none ran): in a run,
         one waits for its peers' arrival and for cores the calibration had to itself."""
         import statistics
         times, self.run_s = self.run_s, []
-        self._last_run_s = statistics.median(times) if times else None
-        return self._last_run_s
+        self._last_spans, self.spans = self.spans, []
+        return statistics.median(times) if times else None
 
     def start(self, calls: int):
         import threading

@@ -132,38 +132,49 @@ def test_emulated_pairs_run_real_all_to_alls(pool, tmp_path):
 
 
 @pytest.mark.parametrize("mine, peer, size", [
-    (0.020, 0.020, 500),     # both ran it at twice the target: half the message
-    (0.040, 0.040, 500),     # four times: halved per call at most (one call's median is noisy)
-    (0.0102, 0.0102, 1000),  # within AllToAllEmulation.TOLERANCE: kept
-    (0.020, 0.010, 1000),    # the peer that arrived last took the target: this rank waited for it, kept
-    (0.005, 0.005, 2000),    # half the target: doubled
-    (None, None, 1000),      # no all-to-all in the last call: kept
+    ((0, 20), (0, 20), 500),     # both ran it in twice the target: half the message
+    ((0, 40), (0, 40), 500),     # four times: halved per call at most (one call's median is noisy)
+    ((0, 10.2), (0, 10.1), 1000),  # within AllToAllEmulation.TOLERANCE: kept
+    ((0, 20), (10, 20), 1000),   # the peer arrived 10 ms late; from then it took the target: kept
+    ((0, 5), (1, 6), 2000),      # half the target from the later arrival: doubled
+    (None, None, 1000),          # no all-to-all in the last call: kept
+    ((0, 20), None, 1000),       # the ranks ran different numbers of them: kept
 ])
 def test_the_emulated_all_to_all_is_resized_to_its_time_in_the_run(monkeypatch, mine, peer, size):
-    """Sized alone before the run, an all-to-all of these processes is slower in the run (other
-    stages' all-to-alls want the same cores): every later call re-sizes the message from the last
-    call's all-to-alls, by the group's smallest per-rank median (the rank that arrived last waited
-    for nobody), so that the F and B it is part of last their cost-model time."""
+    """Sized alone before the run, an all-to-all of these processes takes another time in the run
+    (other stages' all-to-alls want the same cores): every later call re-sizes the message from the
+    last call's all-to-alls, each timed from its last rank's arrival to its last rank's end (the
+    wait for a late peer is the run's own), so that the F and B it is part of last their cost."""
     import torch
     from megatron_pp_ext.runtime import emulate
 
-    class Pair:   # an expert-parallel group of two; the peer's median reaches the MIN all-reduce
+    def spans(span):   # three all-to-alls 100 ms apart, times in ms -> s
+        return [] if span is None else [((k * 100 + span[0]) / 1e3, (k * 100 + span[1]) / 1e3) for k in range(3)]
+
+    class Pair:   # an expert-parallel group of two: this rank and its peer
         def size(self):
             return 2
 
     def all_reduce(t, op=None, group=None):
-        assert op == emulate.dist.ReduceOp.MIN and isinstance(group, Pair)
-        t.copy_(torch.minimum(t, torch.tensor([math.inf if peer is None else peer], dtype=t.dtype)))
+        assert op == emulate.dist.ReduceOp.MAX and isinstance(group, Pair)
+        n = len(spans(peer))
+        t.copy_(torch.maximum(t, torch.tensor([n, -n], dtype=t.dtype)))
+
+    def all_gather(out, t, group=None):
+        out[0].copy_(t)
+        out[1].copy_(torch.tensor(spans(peer), dtype=t.dtype))
 
     monkeypatch.setattr(emulate.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(emulate.dist, "all_gather", all_gather)
     a2a = emulate.AllToAllEmulation(group=Pair())
     a2a.target_s, a2a.measured_s, a2a.ready = 0.010, 0.010, True
     a2a._bufs = (torch.zeros(1000), torch.zeros(1000))
-    a2a.run_s = [] if mine is None else [mine * 0.9, mine, mine * 1.1]
-    assert a2a.take_run_median() == (None if mine is None else pytest.approx(mine))
+    a2a.spans = spans(mine)
+    a2a.run_s = [e - s_ for s_, e in a2a.spans]
+    assert a2a.take_run_median() == (None if mine is None else pytest.approx((mine[1] - mine[0]) / 1e3))
     a2a.prepare(0.010, "cpu")   # the next call's start
     assert [b.numel() for b in a2a._bufs] == [size, size]
-    assert a2a.run_s == [] and a2a._last_run_s is None
+    assert a2a.spans == [] and a2a.run_s == []
 
 
 def receive_waits_worker(defer: bool, iters: int) -> dict:
