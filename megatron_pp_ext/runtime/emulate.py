@@ -587,7 +587,7 @@ class AllToAllEmulation:
     plan runs them on its communication stream.
 
     Sized alone, an all-to-all of these processes takes another time in the run, where the other
-    stages' all-to-alls and messages want the same cores (on a 2-core host, 1.1-2.5x at p = 2-4): so
+    stages' all-to-alls and messages want the same cores (on a 2-core host, up to ~2.5x at p = 4): so
     at the start of every later call the message is re-sized from the last call's all-to-alls
     (:meth:`_refit`), each timed from the moment its last rank arrived to the moment its last rank
     had its data (the ranks are processes of one host: one monotonic clock). The wait for a late
