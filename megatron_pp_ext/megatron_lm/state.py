@@ -7,15 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import types
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .flags import MegatronPlan
-
-if TYPE_CHECKING:   # (step.py imports this module)
-    from .step import ForwardBackward
-
 
 class MegatronLMFeature(Protocol):
     """Hooks of a feature plug-in that changes the model (``TrainFeature.megatron_lm(config)``
@@ -47,7 +43,7 @@ class State:
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, bool]] = []
         self.plan: MegatronPlan | None = None
-        self.fb: ForwardBackward | None = None
+        self.fb: Any = None   # step.py's ForwardBackward once installed (step.py imports this module)
         self.tied_pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self.layout: Any = None
         self.profiler: Any = None       # trainer.profile.Profiler over the profiling window
