@@ -159,7 +159,9 @@ def zb_budget_units(name: str, p: int) -> float:
 def _zb(req: ScheduleRequest, name: str) -> Schedule:
     p, m = req.pp, req.microbatches
     cost = req.cost_model(p, 1)
-    budget = zb_budget_units(name, p)
+    # (the registry offers no budget for these names; a direct request's is honoured, e.g. the Zero
+    # Bubble paper's automatic ZB-2p at its 2p limit, held against its measurements)
+    budget = req.memory_budget if req.memory_budget is not None else zb_budget_units(name, p)
     lean = p * m * 3 > FULL_SEARCH_OPS
     cands = zb_candidates(name, p, cost, budget, lean=lean)
     sched = search(cands, m, cost, budget=budget, always=["1f1b-split"], keep=1 if lean else 2,
