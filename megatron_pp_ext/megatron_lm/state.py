@@ -13,6 +13,7 @@ import torch
 
 from .flags import MegatronPlan
 
+
 class MegatronLMFeature(Protocol):
     """Hooks of a feature plug-in that changes the model (``TrainFeature.megatron_lm(config)``
     returns one per process), called here because Megatron-LM builds the model itself; the

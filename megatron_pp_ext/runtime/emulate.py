@@ -603,10 +603,8 @@ class AllToAllEmulation:
         self.ready = False
         self._bufs = None
         self._error: BaseException | None = None
-        #: the time of every all-to-all run since :meth:`take_run_median` (the pairs' thread appends too)
-        self.run_s: list[float] = []
-        #: (start, end) of every all-to-all run since :meth:`take_run_median`, and of the last call's
-        #: (for :meth:`_refit`)
+        #: (start, end) of every all-to-all run since :meth:`take_run_median` (the pairs' thread
+        #: appends too), and those of the last call (for :meth:`_refit`)
         self.spans: list[tuple[float, float]] = []
         self._last_spans: list[tuple[float, float]] = []
 
@@ -652,7 +650,7 @@ class AllToAllEmulation:
         last rank's arrival (:meth:`transfer_times`). Collective over the group: every member calls
         it at the start of every call."""
         spans = self._last_spans or self.spans
-        self.spans, self._last_spans, self.run_s = [], [], []
+        self.spans, self._last_spans = [], []
         times = self.transfer_times(spans)
         if not times:
             return
@@ -686,17 +684,20 @@ class AllToAllEmulation:
         for _ in range(calls):
             t0 = _perf()
             dist.all_to_all_single(out, inp, group=self.group)
-            t1 = _perf()
-            self.run_s.append(t1 - t0)
-            self.spans.append((t0, t1))
+            self.spans.append((t0, _perf()))
 
     def take_run_median(self) -> float | None:
         """The median time of the all-to-alls run since the last call (None: none ran): in a run,
         one waits for its peers' arrival and for cores the calibration had to itself."""
         import statistics
-        times, self.run_s = self.run_s, []
+        times = self.run_s
         self._last_spans, self.spans = self.spans, []
         return statistics.median(times) if times else None
+
+    @property
+    def run_s(self) -> list[float]:
+        """The time of every all-to-all run since :meth:`take_run_median`."""
+        return [end - start for start, end in self.spans]
 
     def start(self, calls: int):
         import threading

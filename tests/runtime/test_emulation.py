@@ -170,7 +170,6 @@ def test_the_emulated_all_to_all_is_resized_to_its_time_in_the_run(monkeypatch, 
     a2a.target_s, a2a.measured_s, a2a.ready = 0.010, 0.010, True
     a2a._bufs = (torch.zeros(1000), torch.zeros(1000))
     a2a.spans = spans(mine)
-    a2a.run_s = [e - s_ for s_, e in a2a.spans]
     assert a2a.take_run_median() == (None if mine is None else pytest.approx((mine[1] - mine[0]) / 1e3))
     a2a.prepare(0.010, "cpu")   # the next call's start
     assert [b.numel() for b in a2a._bufs] == [size, size]
