@@ -515,9 +515,9 @@ def render(results: list[Result], command: str, seconds: float) -> str:
     return "\n".join(head) + "\n" + doc_tables_from(results) + sources()
 
 
-def _range(xs: list[float], pct: bool = True) -> str:
-    lo, hi = min(xs), max(xs)
-    return f"{lo:+.1%} to {hi:+.1%}" if pct else f"{lo:+.1f} to {hi:+.1f}"
+def _range(xs: list[float], pct: bool = True, fmt: str | None = None) -> str:
+    fmt = fmt or ("+.1%" if pct else "+.1f")
+    return f"{min(xs):{fmt}} to {max(xs):{fmt}}"
 
 
 def _at_vocab(vocab: int) -> list[float]:
@@ -605,8 +605,8 @@ def reading(results: list[Result]) -> list[str]:
         f"- (B) ZB-2p's speedup at m <= 4p: {_range(sp(zb2_small), pct=False)} points, its time "
         f"{_range([x.time_err for x in zb2_small])} where the same groups' 1F1B is "
         f"{_range([x.time_err for x in base_small])}; and ZB-2p's peak memory (1.5B, 6.2B: "
-        f"{_range([x.memory_err for x in zb2_fit])}). `zb-h2` is our cost-aware order (the best of the hand-built ZB-H2 pattern and list schedules) within 2p - 1 units "
-        "of activations; the authors' ZB-2p is their automatic schedule under a 2p limit, which it fills (the "
+        f"{_range([x.memory_err for x in zb2_fit])}). `zb-h2` is our cost-aware order (the best of the "
+        "hand-built ZB-H2 pattern and list schedules) within 2p - 1 units of activations; the authors' ZB-2p is their automatic schedule under a 2p limit, which it fills (the "
         "measured memory), an order that can start W later and fill more of the warm-up and cool-down, the "
         "larger share of an iteration at few microbatches. With table 6's own op times in our simulator `zb-h2` is "
         f"{_range([x.paper_s / x.row.time_s - 1 for x in zb2_small])} off these measurements, where 1F1B's "
@@ -643,7 +643,7 @@ def reading(results: list[Result]) -> list[str]:
         "".join(f"- (H) The 256k baseline at {x.row.group.split()[0]}: {x.time_err:+.1%} in time, "
                 f"{_pct(x.memory_err)} in memory. The source is out of line with itself here: this run took "
                 f"{_half_seq(vb, x):.2f} of the time of the same method and vocabulary at twice the sequence, "
-                f"where every other baseline took {_span([_half_seq(vb, y) for y in vbase if _twin(vb, y)])}"
+                f"where every other baseline took {_range([_half_seq(vb, y) for y in vbase if _twin(vb, y)], fmt='.2f')}"
                 f" (the same model on half the tokens); and it reserved more memory than that run "
                 f"({x.row.memory_gib:.2f} vs {_twin(vb, x).row.memory_gib:.2f} GiB) though its logits are half as "
                 "large. The planner is not fitted to it, and the speedups over it follow. (A caching allocator "
@@ -663,10 +663,6 @@ def _twin(rows: list["Result"], x: "Result") -> "Result | None":
     seq, vocab = x.row.group.split()
     twice = f"s={int(seq[2:-1]) * 2}k {vocab}"
     return next((y for y in rows if y.row.group == twice and y.row.label == x.row.label), None)
-
-
-def _span(xs: list[float]) -> str:
-    return f"{min(xs):.2f} to {max(xs):.2f}"
 
 
 def _half_seq(rows: list["Result"], x: "Result") -> float:
