@@ -49,9 +49,9 @@ EMULATED = [(2, 8, "dualpipev"), (2, 8, "interleaved-1f1b"), (2, 8, "zb-h2"), (2
 MOE_FLAGS = ["--model", "llama", "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
              "alltoall", "--expert-model-parallel-size", "2"]
 PAIR = "--overlap-moe-expert-parallel-comm"
-#: a stage's F (and B, W) in ms: the executor's host work per op (about 0.7-0.9 ms of CPU per op here,
-#: messages and all-to-all calls included) is on a CPU emulation's critical path, where a GPU's host
-#: runs ahead of its kernels; at 20 ms it alone made 3.5-4.5% of every op
+#: a stage's F (and B, W) in ms: the executor's host work per op (a median 577 us of CPU in
+#: docs/benchmarks/fidelity.md's runs, more with the all-to-all calls) is on a CPU emulation's critical
+#: path, where a GPU's host runs ahead of its kernels; 40 ms halves its share of an op against 20
 MIN_OP_MS = 40.0
 #: memory rows (real compute): (row id, schedule flags), each unpaired and paired at MEMORY_SHARE
 MEMORY_ROWS = [("dualpipev", ["--schedule", "dualpipev"]),
@@ -172,7 +172,8 @@ def emulated_md(rows: list[dict], iters: int) -> list[str]:
            "Each run: `mppx train " + " ".join(MOE_FLAGS) + " --pp P --nproc 2P --layers 2P --global-batch-size 2M "
            f"--schedule NAME --a2a-time T [{PAIR}] --emulate-compute MS --iters {iters}` (interleaved schedules with "
            f"`--vp 2`; MS = {MIN_OP_MS:g} per model chunk, so that a stage's F lasts {MIN_OP_MS:g} ms: the executor's host "
-           "work per op, 0.7-0.9 ms of CPU here, is on a CPU emulation's critical path where a GPU's host runs ahead; ranks pp=P x dp=2, the 4 experts over "
+           "work per op (a median 577 µs of CPU in [fidelity.md](fidelity.md), more with the all-to-all calls) is on a "
+           "CPU emulation's critical path where a GPU's host runs ahead; ranks pp=P x dp=2, the 4 experts over "
            "the 2 data-parallel ranks). *Measured*: `measured_makespan_s` (the slowest rank's forward-backward, "
            "barrier to last op), median of the iterations after the first; *simulated*: `simulated_makespan_s`. "
            "*All-to-all*: a stage's share of F (the target), the time one real all-to-all reached when sized to it "

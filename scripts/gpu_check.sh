@@ -7,7 +7,7 @@
 # result line, not a failure), mppx train, and offload under the CUDA sanitizer. Results: results.md, results.json and
 # gpu_check.log in --out (default $OUT, else scripts/gpu_check_out/).
 #
-#   scripts/gpu_check.sh                 # on any one-GPU machine: everything (about 7-9 min on an H100, estimated)
+#   scripts/gpu_check.sh                 # on any one-GPU machine: everything (about 7-8 min on an H100, estimated)
 #   scripts/gpu_check.sh --quick         # the subset (under 3 min)
 #   scripts/gpu_check.sh --cpu --quick   # the same steps on CPU processes (CI: tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --only nccl,sanitizer   # rerun some steps

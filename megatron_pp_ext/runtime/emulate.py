@@ -1,8 +1,8 @@
 """Emulated compute: the executor's real loop, with every compute op's arithmetic replaced by a
 wait of its cost-model time (``mppx train --emulate-compute MS``).
 
-What a schedule's makespan on real processes is, before a GPU is lent: the ranks of a 2-core
-machine cannot compute side by side, but they can all *wait* side by side. With a
+What a schedule's makespan on real processes is, without a GPU: the ranks of a machine with few
+cores cannot compute side by side, but they can all *wait* side by side. With a
 :class:`ComputeEmulation` attached (``ScheduleExecutor(..., emulate=emu)``), every op still goes
 through the executor's bookkeeping (its op list, the tensors in flight, the comm batches, the
 hooks, the data-parallel sync points), and:
@@ -312,7 +312,7 @@ class ComputeEmulation:
         try:
             rt = rt_ctx.__enter__()
             if self.a2a is not None and self.cost is not None and self.cost.a2a:
-                self.a2a.prepare(max(self.cost.a2a) * self.unit_s, device)   # (once: sized to that time)
+                self.a2a.prepare(max(self.cost.a2a) * self.unit_s, device)   # (sized to that time; re-sized each later call)
             if self.barrier and pp_group is not None and pp_group.size() > 1:
                 dist.barrier(group=pp_group)
             msched.forward_step, msched.backward_step = self._forward_step, self._backward_step
@@ -580,14 +580,14 @@ class ComputeEmulation:
 
 class AllToAllEmulation:
     """Real all-to-alls over the expert-parallel group for the all-to-all share of the emulated F
-    and B (``CostModel.a2a``): one ``all_to_all_single`` per half of an op, of a message sized,
-    collectively, so that one takes the cost model's all-to-all time (:meth:`prepare`: a few
+    and B (``CostModel.a2a``): one ``all_to_all_single`` per half of an op, of a message sized
+    collectively so that one takes the cost model's all-to-all time (:meth:`prepare`: a few
     timed rounds, the slowest rank's median; ``measured_s`` is what it reached). An overlapped pair
     runs its two on a second thread while it waits for its compute (:meth:`start`), as Megatron-Core's
     plan runs them on its communication stream.
 
     Sized alone, an all-to-all of these processes takes another time in the run, where the other
-    stages' all-to-alls and messages want the same cores (on a 2-core host, up to ~2.5x at p = 4): so
+    stages' all-to-alls and messages want the same cores (on a host with fewer cores than ranks, up to several times as long): so
     at the start of every later call the message is re-sized from the last call's all-to-alls
     (:meth:`_refit`), each timed from the moment its last rank arrived to the moment its last rank
     had its data (the ranks are processes of one host: one monotonic clock). The wait for a late
@@ -603,10 +603,9 @@ class AllToAllEmulation:
         self.ready = False
         self._bufs = None
         self._error: BaseException | None = None
-        #: (start, end) of every all-to-all run since :meth:`take_run_median` (the pairs' thread
-        #: appends too), and those of the last call (for :meth:`_refit`)
+        #: (start, end) of every all-to-all run since the last call's start (the pairs' thread appends
+        #: too): :meth:`take_run_median` reads them, :meth:`_refit` takes them
         self.spans: list[tuple[float, float]] = []
-        self._last_spans: list[tuple[float, float]] = []
 
     def prepare(self, target_s: float, device) -> None:
         if self.ready:
@@ -649,8 +648,7 @@ class AllToAllEmulation:
         """Re-size the message so that one all-to-all of the last call took ``target_s`` from its
         last rank's arrival (:meth:`transfer_times`). Collective over the group: every member calls
         it at the start of every call."""
-        spans = self._last_spans or self.spans
-        self.spans, self._last_spans = [], []
+        spans, self.spans = self.spans, []
         times = self.transfer_times(spans)
         if not times:
             return
@@ -691,12 +689,11 @@ class AllToAllEmulation:
         one waits for its peers' arrival and for cores the calibration had to itself."""
         import statistics
         times = self.run_s
-        self._last_spans, self.spans = self.spans, []
         return statistics.median(times) if times else None
 
     @property
     def run_s(self) -> list[float]:
-        """The time of every all-to-all run since :meth:`take_run_median`."""
+        """The time of every all-to-all run since the last call's start."""
         return [end - start for start, end in self.spans]
 
     def start(self, calls: int):
