@@ -26,8 +26,11 @@ closest and needs eagerly initialised communicators). Every private name it uses
 feature-detected before first use (:func:`unsupported_reason`): the helper and the leading
 parameters of its signature, the ``_world`` registry it fills, the default-group and
 default-timeout getters, and a default process group that does not take over ``new_group``
-itself (torch 2.13 delegates to a custom default group's ``new_group``). Verified with torch 2.13
-(the CPU suite, ``tests/runtime/test_localgroups.py``). When any of it is missing or changed,
+itself (torch 2.13 delegates to a custom default group's ``new_group``), nor one bound to a device
+(``init_process_group(device_id=...)``: torch then splits every new NCCL group off the world's
+communicator, which every rank must join). Verified with torch 2.13 on gloo (the CPU suite,
+``tests/runtime/test_localgroups.py``); the NCCL side (its unique-ID exchange through the store
+under these names) runs only on a GPU (scripts/gpu_check.sh). When any of it is missing or changed,
 :func:`supported` is False and ``runtime/p2p.py`` falls back to creating groups the world-wide
 way (``new_group`` on every process after an all-gather of the labels): slower start-up at
 scale, same groups.
@@ -84,6 +87,10 @@ def unsupported_reason() -> str | None:
     default = c10d._get_default_group()
     if callable(getattr(default, "new_group", None)):
         return f"the default process group ({type(default).__name__}) creates groups itself (new_group)"
+    if getattr(default, "bound_device_id", None) is not None:
+        # torch then splits every new NCCL group off the default communicator (ncclCommSplit),
+        # a call every rank of the world takes part in: a group made by its members alone would hang
+        return "the default process group is bound to a device (init_process_group(device_id=...))"
     return None
 
 
@@ -118,9 +125,6 @@ def create(ranks: Sequence[int], label: str, *, backend: str, timeout=None, desc
     kw = {"timeout": timeout}
     if "group_desc" in params:
         kw["group_desc"] = desc or f"mppx-{label}"
-    bound = getattr(default, "bound_device_id", None)
-    if bound is not None and "device_id" in params:   # (as new_group does: eager communicators stay eager)
-        kw["device_id"] = bound
     name = f"mppx-{label}-{gen}"
     pg, _ = fn(len(ranks), ranks.index(me), ranks, be, store,
                c10d.GroupName(name) if hasattr(c10d, "GroupName") else name, **kw)

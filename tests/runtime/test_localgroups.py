@@ -103,3 +103,20 @@ def test_a_changed_torch_is_detected_before_its_private_api_is_used(monkeypatch)
         monkeypatch.undo()
         localgroups._helper.cache_clear()
     assert localgroups._helper()[0] is not None
+
+
+def test_a_default_group_bound_to_a_device_takes_the_world_wide_way(monkeypatch):
+    """init_process_group(device_id=...) makes torch split every new NCCL group off the default
+    communicator, a call every rank takes part in: groups made by their members alone would hang,
+    so the members-only way reports why it cannot be used (and the world-wide way is taken)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from megatron_pp_ext.runtime import localgroups
+
+    class Bound:
+        bound_device_id = "cuda:0"
+
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: Bound())
+    assert "bound to a device" in localgroups.unsupported_reason() and not localgroups.supported()
+    with pytest.raises(RuntimeError, match="bound to a device"):
+        localgroups.create([0, 1], "x", backend="nccl")
