@@ -328,6 +328,7 @@ PLAN = ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "6
     (["--time-limit", "-1"], "--time-limit"),
     (["--time-limit", "1e-9"], "raise --time-limit"),
     (["--budgets", "nan"], "--budgets"), (["--budgets", "fit,0"], "--budgets"),
+    (["--memory-model", "cpu", "--p2p-strategy", "pairwise"], "--p2p-strategy"),   # (an NCCL strategy)
 ])
 def test_plan_refuses_out_of_range_values(capsys, extra, needle):
     line = one_line_error(capsys, *PLAN, *extra)

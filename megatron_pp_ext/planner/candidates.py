@@ -65,6 +65,9 @@ class PlanRequest:
         from ..runtime.p2pstrategy import NCCL_STRATEGIES
         if self.p2p_strategy not in NCCL_STRATEGIES:
             raise PlannerError(f"--p2p-strategy {self.p2p_strategy!r}: one of {', '.join(NCCL_STRATEGIES)}")
+        if self.p2p_strategy != "channels" and self.runtime != "gpu":
+            raise PlannerError(f"--p2p-strategy {self.p2p_strategy}: a strategy of NCCL runs, and this plan is for "
+                               "a CPU run (--memory-model cpu, gloo's own point-to-point); drop the flag")
         if self.runtime == "gpu":   # (what the communicators' memory is computed from)
             from ..runtime.ncclmem import nccl_memory
             try:
