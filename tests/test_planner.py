@@ -691,3 +691,15 @@ def test_emitted_flags_pass_megatron_lm_validation(tmp_path):
                        text=True, env=env, cwd=tmp_path, timeout=900)
     assert r.returncode == 0 and f"CASES {len(cases)} BAD 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert moe >= 8 and len(cases) > moe
+
+
+def test_paired_plans_are_timed_under_the_p2p_strategy():
+    """A plan with overlapped pairs (MoE) is simulated with its send/recv under the strategy's
+    streams like any other: under one batch per step (nccl-batched) its exchanges cost what they
+    cost there, not the eager model's time."""
+    from megatron_pp_ext.planner.simcache import SimCache
+    c = SimCache(disk=False)
+    run = lambda cm: c.pipeline("dualpipev", 4, 16, 2, [0.5] * 8, [0.5] * 8, [0.5] * 8, 0.05, [0.5] * 8,  # noqa: E731
+                                a2a=[0.2] * 8, comm_model=cm).makespan
+    eager, batched = run("eager"), run("nccl-batched")
+    assert batched > eager * 1.1

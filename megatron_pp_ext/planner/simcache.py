@@ -233,11 +233,17 @@ class SimCache:
                 return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
         return self._memoised(key, compute)
 
-    def _evaluate_paired(self, sched: Schedule, cost: CostModel, key: str) -> dict:
-        """The order paired where that pays, simulated."""
+    def _evaluate_paired(self, sched: Schedule, cost: CostModel, key: str, comm_model: str | None = None) -> dict:
+        """The order paired where that pays, simulated (with its send/recv under ``comm_model``'s
+        streams when given, as :meth:`_evaluate`)."""
         def compute() -> dict:
             from ..schedule.passes.pairing import pair_overlapped
-            res = simulate(pair_overlapped(sched, cost), cost)
+            paired = pair_overlapped(sched, cost)
+            if comm_model is not None:
+                from ..schedule.passes.comm import insert_comm
+                res = simulate(insert_comm(paired, cost), cost, comm_model=comm_model)
+            else:
+                res = simulate(paired, cost)
             return {"makespan": res.makespan, "busy": list(res.busy), "peak": list(res.peak_memory)}
         return self._memoised(key, compute)
 
@@ -317,13 +323,13 @@ class SimCache:
 
         def run(mm: int) -> dict:
             sched = self._order(name, pp, mm, chunks, coarse, qbudget, repr(head + ckey + (mm,)))
+            streams = (comm_model,) if stream_model else ()
+            key = repr(head + ckey + fkey + (mm,) + streams)
             if paired is not None:
-                return self._evaluate_paired(sched, paired, repr(head + ckey + fkey + (mm,)))
+                return self._evaluate_paired(sched, paired, key, *streams)
             if megatron:
                 return self._evaluate_megatron(sched, fine, repr(head + ckey + fkey + (mm,)))
-            if stream_model:
-                return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm, comm_model)), comm_model)
-            return self._evaluate(sched, fine, repr(head + ckey + fkey + (mm,)))
+            return self._evaluate(sched, fine, key, *streams)
 
         if m <= max(2 * pp, 8):
             r = run(m)
