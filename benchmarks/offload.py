@@ -296,7 +296,7 @@ def render(curves, grid, meas, bw, gpu, seconds: float) -> str:
             L.append("")
     L += ["## 4. On a GPU", ""]
     if gpu is None:
-        L += ["**Not measured: there was no GPU in this session.** `python benchmarks/offload.py --gpu` measures, "
+        L += ["**Not measured yet: these figures need a GPU.** `python benchmarks/offload.py --gpu` measures, "
               "on a CUDA machine, the D2H/H2D bandwidth with pinned buffers (`measure_transfer_bandwidth`) and "
               "the slowdown of a bf16 transformer layer stack (h=4096, 8 layers, s=2048, 4 microbatches) with "
               "full offload against none (goal: <= 3%), and adds them here.", ""]

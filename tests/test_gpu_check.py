@@ -1,7 +1,7 @@
 """The prepared GPU check (docs/gpu.md#the-gpu-check-scriptsgpu_checksh) keeps running: ``scripts/gpu_check.sh --cpu`` in CI.
 
-The GPU run happens rarely, on a machine with no network and 15 minutes; whatever rots in
-between is found there, too late. So the whole check runs here on CPU processes (gloo with
+The GPU run happens rarely, often on a machine without network and with little time; whatever
+rots in between is found there, too late. So the whole check runs here on CPU processes (gloo with
 NCCL's rules emulated, small shapes, no sanitizer): every step, every parity case with every
 NCCL strategy, the deadlock probe, the JSON and markdown it writes (about 20 s on 2 cores).
 """
