@@ -97,6 +97,13 @@ class PlanRequest:
                                    f"{value}, but {flag} {','.join(map(str, given))} is planned; plan {flag} {value} "
                                    f"or measure at the {name} you plan")
 
+    @property
+    def comm_model(self) -> str:
+        """The model the pipeline is timed under: the p2p strategy's on GPUs, gloo's (eager) on CPU
+        processes."""
+        from ..runtime.p2pstrategy import comm_model_of
+        return comm_model_of(self.p2p_strategy) if self.runtime == "gpu" else "eager"
+
     def _check_experts(self) -> None:
         """--ep / --etp against the model and the cluster, by Megatron-Core's rules: ep divides
         the experts, etp the expert FFN, and ep*etp the GPUs of a pipeline stage (tp*dp), hence

@@ -151,11 +151,6 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     return d
 
 
-def _comm_model(req) -> str:
-    from ..runtime.p2pstrategy import comm_model_of
-    return comm_model_of(req.p2p_strategy) if req.runtime == "gpu" else "eager"
-
-
 def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slurm: bool = True) -> dict:
     """JSON-ready document of ``mppx plan --json``."""
     req = result.request
@@ -171,7 +166,7 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "disclaimer": DISCLAIMER,
         # the pipeline times assume the runtime's p2p strategy (channels: its model equals the eager
         # one for every registered schedule and feature, docs/benchmarks/comm.md)
-        "comm_model": _comm_model(req),
+        "comm_model": req.comm_model,
         "p2p_strategy": req.p2p_strategy,
     }
     if result.baseline is not None:

@@ -99,9 +99,6 @@ class Planner:
     def __init__(self, req: PlanRequest, cache: SimCache | None = None):
         self.req = req
         self.cache = cache if cache is not None else SimCache()
-        from ..runtime.p2pstrategy import comm_model_of
-        #: the model the pipeline is timed under: the p2p strategy's on GPUs, gloo's (eager) on CPU processes
-        self._comm_model = comm_model_of(req.p2p_strategy) if req.runtime == "gpu" else "eager"
         self.rej = Rejections()
         self._costs: dict = {}
         self.stats = Counter()
@@ -390,7 +387,7 @@ class Planner:
     def _model_of(self, cand: Candidate, feats) -> str:
         """The communication model ``cand``'s pipeline is timed under: the p2p strategy's, or eager
         for Megatron's own schedules (their batches match its order: equal times, docs/benchmarks/comm.md)."""
-        return "eager" if self.megatron_run(cand, feats) else self._comm_model
+        return "eager" if self.megatron_run(cand, feats) else self.req.comm_model
 
     def _nccl_bytes(self, cand: Candidate, costs: StageCosts) -> list[float]:
         """Per rank, the NCCL communicators of the p2p strategy (Megatron's own schedules: its

@@ -110,7 +110,6 @@ def _append(f, text: str, flag: str) -> None:
                          f"{flag}") from None
 
 
-
 def measured_over_predicted(device: list, pred: list | None, nccl: list | None) -> list | None:
     """Per pipeline rank, ``peak_device_bytes`` over ``predicted_peak_bytes`` less its NCCL part
     (``predicted_nccl_bytes``): NCCL allocates its buffers outside PyTorch's caching allocator,
@@ -119,6 +118,7 @@ def measured_over_predicted(device: list, pred: list | None, nccl: list | None) 
         return None
     nccl = nccl or [0] * len(pred)
     return [round(d / (p - n), 4) if p - n else None for d, p, n in zip(device, pred, nccl)]
+
 
 class RankZeroLog:
     """Rank 0's terminal output, text log and JSON log during training."""
