@@ -24,6 +24,8 @@ def test_the_model_is_nccls_p2p_buffers_and_follows_its_environment():
     assert nccl_memory({"MPPX_NCCL_P2P_LINK": "nvl", "NCCL_BUFFSIZE": str(1 << 20)}).per_connection == 2 * MiB
     assert nccl_memory({"NCCL_P2P_NET_CHUNKSIZE": str(1 << 16)}).per_connection == 1 * MiB
     for env, msg in (({"NCCL_BUFFSIZE": "lots"}, "NCCL_BUFFSIZE='lots'"),
+                     ({"NCCL_BUFFSIZE": "inf"}, "NCCL_BUFFSIZE='inf'"), ({"NCCL_BUFFSIZE": "nan"}, "NCCL_BUFFSIZE='nan'"),
+                     ({"NCCL_BUFFSIZE": "0"}, "NCCL_BUFFSIZE=0: must be >= 1"),
                      ({"MPPX_NCCL_P2P_LINK": "wifi"}, "MPPX_NCCL_P2P_LINK='wifi'")):
         with pytest.raises(ValueError, match=msg):
             nccl_memory(env)

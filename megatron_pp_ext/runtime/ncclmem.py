@@ -56,21 +56,17 @@ class NCCLMemory:
     per_connection: float
     source: str          # "model (...)" or "measured (<file>)"
 
-    def to_dict(self) -> dict:
-        return {"per_communicator_bytes": self.per_communicator, "per_connection_bytes": self.per_connection,
-                "source": self.source}
 
-
-def _int_env(env: Mapping[str, str], name: str, default: int, lo: int = 1) -> int:
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
     v = env.get(name, "").strip()
     if not v:
         return default
     try:
         n = int(float(v))
-    except ValueError:
+    except (ValueError, OverflowError):   # (nan; inf)
         raise ValueError(f"{name}={v!r}: NCCL reads an integer here; fix or unset it") from None
-    if n < lo:
-        raise ValueError(f"{name}={v}: must be >= {lo}; fix or unset it")
+    if n < 1:
+        raise ValueError(f"{name}={v}: must be >= 1; fix or unset it")
     return n
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..schedule.ir import PIPELINE_MESSAGES, Schedule, comm_channel, pipeline_message
 from .nccl_rules import RAW
+from .p2pstrategy import comm_model_of
 
 __all__ = ["P2P", "Transfer", "message_key", "TaggedP2P", "BatchedP2P", "PairwiseP2P", "ChannelP2P",
            "channels_of", "channel_warmup_order", "pair_warmup_order", "member_groups", "channel_groups"]
@@ -207,8 +208,7 @@ class BatchedP2P(P2P):
                              "neighbours of each other can be swapped): use the tagged strategy, or "
                              "--emulate-nccl for NCCL's semantics")
         self.sync_after_batch = sync_after_batch
-        if sync_after_batch:
-            self.comm_model = "nccl-batched-sync"
+        self.comm_model = comm_model_of(self.name, sync_after_batch=sync_after_batch)
 
     def _post(self, transfers):
         ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, t.tensor, self._global[t.peer], self.group)

@@ -36,7 +36,7 @@ class StrategyError(ValueError):
 def comm_model_of(strategy: str, *, sync_after_batch: bool = False) -> str:
     """The simulator's communication model a strategy realises (``tagged``: gloo's, eager)."""
     if strategy not in _MODELS:
-        raise StrategyError(f"unknown p2p strategy {strategy!r}; one of {', '.join(NCCL_STRATEGIES)}")
+        raise StrategyError(f"unknown p2p strategy {strategy!r}; one of {', '.join(_MODELS)}")
     if strategy == "batched" and sync_after_batch:
         return "nccl-batched-sync"
     return _MODELS[strategy]
