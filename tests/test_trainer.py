@@ -392,3 +392,11 @@ def test_transformer_impl_auto_is_the_verified_local_path(monkeypatch):
     plan = make_plan(TrainConfig())
     assert plan.transformer_impl == "local"
     assert any(n.startswith("--transformer-impl auto: Megatron-Core's local layers") for n in plan.notes)
+
+
+def test_a_config_naming_two_strategies_is_refused_where_it_is_planned():
+    """--emulate-nccl STRATEGY and --p2p-strategy must agree; TrainConfig built by other code than
+    the command line meets the same rule in make_plan."""
+    from megatron_pp_ext.trainer.config import TrainConfig, TrainConfigError, make_plan
+    with pytest.raises(TrainConfigError, match="--emulate-nccl pairwise contradicts --p2p-strategy channels"):
+        make_plan(TrainConfig(emulate_nccl="pairwise", p2p_strategy="channels", progress=False))

@@ -672,7 +672,8 @@ def _check_strategy(args: argparse.Namespace, opts: PipelineOptions, built, pp: 
         return   # (gloo without emulation: the tagged path)
     try:
         check_strategy(strategy, *(built if pp > 1 else (None, None)), gpu=gpu, emulate=emulated is not None,
-                       flag="--p2p-strategy" if opts.p2p_strategy else "the default --p2p-strategy")
+                       flag="--p2p-strategy" if opts.p2p_strategy else
+                       "MPPX_EMULATE_NCCL" if emulated is not None else "the default --p2p-strategy")
     except StrategyError as e:
         raise MegatronLMFlagError(str(e).replace("--pp ", "--pipeline-model-parallel-size ")) from None
 

@@ -457,10 +457,13 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         _fail(f"unknown schedule {c.schedule!r} (--schedule); available: {', '.join(names)}")
     mcore = c.schedule == MCORE
     pipelined = c.pp > 1
+    if c.emulate_nccl and c.p2p_strategy and c.emulate_nccl != c.p2p_strategy:
+        _fail(f"--emulate-nccl {c.emulate_nccl} contradicts --p2p-strategy {c.p2p_strategy}: name the strategy "
+              f"once (--p2p-strategy {c.p2p_strategy} --emulate-nccl)")
     if c.emulate_nccl and mcore:
         _fail("--emulate-nccl emulates our executor's NCCL path; --schedule mcore runs Megatron-Core's own "
               "point-to-point: drop one of them")
-    if c.p2p_strategy and mcore and not c.emulate_nccl:
+    if c.p2p_strategy and mcore:
         _fail(f"--p2p-strategy {c.p2p_strategy} picks our executor's point-to-point; --schedule mcore runs "
               "Megatron-Core's own: drop one of them")
     if mcore:
@@ -725,7 +728,7 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     except ValueError as e:
         _fail(str(e))
     strategy = c.emulate_nccl or c.p2p_strategy
-    if strategy and not mcore:   # (the backend can run it; the schedule's proof under its model)
+    if strategy:   # (the backend can run it; the schedule's proof under its model; mcore refused above)
         from ..runtime.p2pstrategy import StrategyError, check_strategy
         try:
             check_strategy(strategy, *(built if built is not None and pipelined else (None, None)),
@@ -931,13 +934,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _strategy_from_args(args: argparse.Namespace) -> dict:
     """``emulate_nccl`` and ``p2p_strategy`` of the config: a bare --emulate-nccl emulates the
-    --p2p-strategy (default channels); --emulate-nccl STRATEGY names it itself, and must agree."""
+    --p2p-strategy (default channels); --emulate-nccl STRATEGY names it itself (make_plan checks
+    that the two agree)."""
     emulate, strategy = getattr(args, "emulate_nccl", None), getattr(args, "p2p_strategy", None)
     if emulate is True:
         emulate = strategy or "channels"
-    elif emulate is not None and strategy is not None and emulate != strategy:
-        raise TrainConfigError(f"--emulate-nccl {emulate} contradicts --p2p-strategy {strategy}: name the strategy "
-                               f"once (--p2p-strategy {strategy} --emulate-nccl)")
     return {"emulate_nccl": emulate, "p2p_strategy": strategy}
 
 
