@@ -321,9 +321,7 @@ def member_groups(wanted: dict, backend: str, *, timeout: float | None = None, s
     kw = {} if timeout is None else {"timeout": _timedelta(timeout)}
     todo_mine = sorted((lbl, tuple(r)) for lbl, r in wanted.items() if lbl not in cache)
     if sync == "local":
-        for lbl, ranks in todo_mine:   # (this process's groups, in the global order)
-            if me not in ranks:
-                raise ValueError(f"rank {me} asks for group {lbl} of ranks {list(ranks)} without being a member")
+        for lbl, ranks in todo_mine:   # (this process's groups, in the global order; create refuses a non-member)
             cache[lbl] = localgroups.create(ranks, _label_name(lbl), backend=backend, **kw)
         return {lbl: cache[lbl] for lbl in wanted}
     everyone: list = [None] * dist.get_world_size()
