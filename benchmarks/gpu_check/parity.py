@@ -89,22 +89,17 @@ def parity_cases(mode: Mode) -> list[ParityCase]:
     gpt, llama = mode.parity_spec("gpt"), mode.parity_spec("llama")
     out: list[ParityCase] = []
 
-    def plain(name, spec, schedule, pp, m, chunks=1, strategies=STRATEGIES, quick=False):
+    def plain(name, spec, schedule, pp, m, chunks=1, strategies=STRATEGIES, quick=False, busy=False):
+        """``busy``: beside busy streams standing in for tensor-parallel overlap (BusyStreams)."""
         if mode.quick and not quick:
             return
         m = _microbatches(schedule, pp, chunks, m)
         for s in strategies:
             if mode.quick and s != "channels" and name != "zbv-pp2":
                 continue
-            out.append(ParityCase(f"{name} [{s}]", "plain", _cfg(mode, spec, schedule=schedule, pp=pp, m=m,
-                                                                chunks=chunks, strategy=s), s))
-
-    def busy(name, spec, schedule, pp, m, chunks=1):
-        m = _microbatches(schedule, pp, chunks, m)
-        for s in STRATEGIES:
-            out.append(ParityCase(f"{name} [{s}] busy streams", "plain", _cfg(mode, spec, schedule=schedule, pp=pp,
-                                                                              m=m, chunks=chunks, strategy=s), s,
-                                  busy=True))
+            out.append(ParityCase(f"{name} [{s}]" + (" busy streams" if busy else ""), "plain",
+                                  _cfg(mode, spec, schedule=schedule, pp=pp, m=m, chunks=chunks, strategy=s), s,
+                                  busy=busy))
 
     plain("zbv-pp2", gpt, "zbv", 2, 4, quick=True)
     plain("v-half-pp2", llama, "v-half", 2, 4, strategies=("channels",))
@@ -124,9 +119,9 @@ def parity_cases(mode: Mode) -> list[ParityCase]:
     for s in STRATEGIES if not mode.quick else ("channels",):
         out.append(ParityCase(f"moe ep2 zbv-pp2-dp2 [{s}]", "plain",
                               _cfg(mode, moe, schedule="zbv", pp=2, m=4, dp=2, ep=2, strategy=s), s))
-    busy("zbv-pp2", gpt, "zbv", 2, 4)
+    plain("zbv-pp2", gpt, "zbv", 2, 4, quick=True, busy=True)
     if not mode.cpu and not mode.quick:   # (CI: the pp=2 rows carry the path)
-        busy("interleaved-zb-pp4", gpt, "interleaved-zb", 4, 8, chunks=2)
+        plain("interleaved-zb-pp4", gpt, "interleaved-zb", 4, 8, chunks=2, busy=True)
     return out
 
 
