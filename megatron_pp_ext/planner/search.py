@@ -626,7 +626,7 @@ class Planner:
                                            costs.comm, costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
                                            w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None,
-                                           megatron=self.megatron_run(cand), comm_model=self._model_of(cand, feats))
+                                           megatron=self.megatron_run(cand, feats), comm_model=self._model_of(cand, feats))
             except ScheduleError as e:
                 self.rej.add("schedule", what, f"cannot be built: {e}")
                 continue
