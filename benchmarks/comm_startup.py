@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -153,16 +152,11 @@ def worker(rank: int, world: int, port: int, tp: int, dp: int, pp: int, sync: st
 
 
 # --- the driver ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one(world: int, layout: tuple[int, int, int], sync: str, *, barrier: bool = False,
             timeout: float = 1200) -> dict:
     """One job of ``world`` processes; per-process figures."""
     tp, dp, pp = layout
+    from megatron_pp_ext.trainer.launcher import _free_port
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "")
                                                                      .split(os.pathsep) if p]),
