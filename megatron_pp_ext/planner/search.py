@@ -100,6 +100,7 @@ class Planner:
         self.req = req
         self.cache = cache if cache is not None else SimCache()
         self.rej = Rejections()
+        self._nccl_mem = None   # NCCL's communicator figures (runtime/ncclmem.py), read at first use
         self._costs: dict = {}
         self.stats = Counter()
         model, cl = req.model, req.cluster
@@ -394,9 +395,11 @@ class Planner:
         pipeline group's one); none on CPU processes."""
         if self.req.runtime != "gpu" or cand.pp < 2:
             return [0.0] * cand.pp
-        from ..runtime.ncclmem import communicator_bytes
+        from ..runtime.ncclmem import communicator_bytes, nccl_memory
+        if self._nccl_mem is None:   # (read once per search: MPPX_NCCL_MEMORY may name a file)
+            self._nccl_mem = nccl_memory()
         strategy = "batched" if self.megatron_run(cand) else self.req.p2p_strategy
-        return [float(b) for b in communicator_bytes(strategy, costs.placement)]
+        return [float(b) for b in communicator_bytes(strategy, costs.placement, mem=self._nccl_mem)]
 
     def _variants(self, base: Estimate) -> list[Estimate]:
         """``base`` and its memory-only feature variants that should be tried."""

@@ -143,10 +143,12 @@ def placement_channels(placement: Sequence[int]) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
-def communicator_bytes(strategy: str, placement: Sequence[int], env: Mapping[str, str] | None = None) -> list[int]:
+def communicator_bytes(strategy: str, placement: Sequence[int], env: Mapping[str, str] | None = None, *,
+                       mem: NCCLMemory | None = None) -> list[int]:
     """Per pipeline rank, the device bytes of ``strategy``'s communicators for a pipeline of this
-    stage ``placement``."""
+    stage ``placement`` (``mem``: the figures in force, read once by a caller that asks often;
+    else :func:`nccl_memory` of ``env``)."""
     ranks = max(placement) + 1 if placement else 1
-    mem = nccl_memory(env)
+    mem = mem if mem is not None else nccl_memory(env)
     return [int(round(n * mem.per_communicator + k * mem.per_connection))
             for n, k in connections_per_rank(strategy, placement_channels(placement), ranks)]
