@@ -574,6 +574,17 @@ def test_p2p_strategy_flag_and_its_emulation(monkeypatch):
         "--pipeline-schedule", "zbv", "--p2p-strategy", "channels")
 
 
+def test_p2p_strategy_reaches_the_executor_megatron_lm_calls(monkeypatch):
+    """The strategy checked above is the one the executor behind get_forward_backward_func() uses;
+    without the flag the executor keeps its own default."""
+    from megatron_pp_ext.megatron_lm.step import ForwardBackward
+    monkeypatch.delenv("MPPX_EMULATE_NCCL", raising=False)
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv", "--p2p-strategy", "pairwise"), pipeline_model_parallel_size=2)
+    assert ForwardBackward(plan).executor.p2p == "pairwise"
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv"), pipeline_model_parallel_size=2)
+    assert ForwardBackward(plan).executor.p2p is None
+
+
 def parse_flag(flag: str):
     """The choices of one of our flags."""
     return tuple(next(a for a in build_parser()._actions if flag in a.option_strings).choices)
