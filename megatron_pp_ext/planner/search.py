@@ -395,10 +395,10 @@ class Planner:
         pipeline group's one); none on CPU processes."""
         if self.req.runtime != "gpu" or cand.pp < 2:
             return [0.0] * cand.pp
-        from ..runtime.ncclmem import communicator_bytes, nccl_memory
+        from ..runtime.ncclmem import communicator_bytes, held_strategy, nccl_memory
         if self._nccl_mem is None:   # (read once per search: MPPX_NCCL_MEMORY may name a file)
             self._nccl_mem = nccl_memory()
-        strategy = "batched" if self.megatron_run(cand) else self.req.p2p_strategy
+        strategy = held_strategy(self.req.p2p_strategy, megatron_own=self.megatron_run(cand))
         return [float(b) for b in communicator_bytes(strategy, costs.placement, mem=self._nccl_mem)]
 
     def _variants(self, base: Estimate) -> list[Estimate]:

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["NCCLMemory", "nccl_memory", "connections_per_rank", "placement_channels", "communicator_bytes",
+__all__ = ["NCCLMemory", "nccl_memory", "held_strategy", "connections_per_rank", "placement_channels", "communicator_bytes",
            "MEASURED_CHECK", "NCCL_STEPS"]
 
 NCCL_STEPS = 8
@@ -141,6 +141,14 @@ def placement_channels(placement: Sequence[int]) -> list[tuple[int, int, str]]:
         if a != b:
             out |= {(a, b, "act"), (b, a, "grad")}
     return sorted(out)
+
+
+def held_strategy(strategy: str | None, *, megatron_own: bool) -> str:
+    """The strategy whose communicators a run holds: Megatron-Core's own schedules use
+    ``batch_isend_irecv`` on the pipeline group (``batched``'s one communicator) whatever is
+    asked; ours the strategy given, or the default."""
+    from .p2pstrategy import DEFAULT_STRATEGY
+    return "batched" if megatron_own else (strategy or DEFAULT_STRATEGY)
 
 
 def communicator_bytes(strategy: str, placement: Sequence[int], env: Mapping[str, str] | None = None, *,

@@ -167,11 +167,9 @@ def _nccl_bytes(plan) -> list[int] | None:
     c = plan.cfg
     if getattr(plan, "device", "cpu") != "cuda" or c.pp < 2:
         return None
-    from ..runtime.ncclmem import communicator_bytes
-    from ..runtime.p2pstrategy import DEFAULT_STRATEGY
-    # (Megatron-Core's own schedule: batch_isend_irecv on the pipeline group, like "batched")
-    strategy = "batched" if plan.runtime_schedule is None else (c.p2p_strategy or DEFAULT_STRATEGY)
-    return communicator_bytes(strategy, plan.placement)
+    from ..runtime.ncclmem import communicator_bytes, held_strategy
+    return communicator_bytes(held_strategy(c.p2p_strategy, megatron_own=plan.runtime_schedule is None),
+                              plan.placement)
 
 
 def _feature_memory(plan, cost, stages):
