@@ -587,11 +587,12 @@ class AllToAllEmulation:
     plan runs them on its communication stream.
 
     Sized alone, an all-to-all of these processes takes another time in the run, where the other
-    stages' all-to-alls and messages want the same cores (on a host with fewer cores than ranks, up to several times as long): so
-    at the start of every later call the message is re-sized from the last call's all-to-alls
-    (:meth:`_refit`), each timed from the moment its last rank arrived to the moment its last rank
-    had its data (the ranks are processes of one host: one monotonic clock). The wait for a late
-    peer is the run's own and stays in what the run measures."""
+    stages' all-to-alls and messages want the same cores (on a host with fewer cores than ranks, up
+    to several times as long): so at the start of every later call the message is re-sized from the
+    last call's all-to-alls (:meth:`_refit`), each timed from the moment its last rank arrived to the
+    moment its last rank had its data (where the ranks are processes of one host, one monotonic
+    clock; across hosts the message keeps its first size). The wait for a late peer is the run's
+    own and stays in what the run measures."""
 
     ROUNDS = 8
     TOLERANCE = 0.03
@@ -606,6 +607,7 @@ class AllToAllEmulation:
         #: (start, end) of every all-to-all run since the last call's start (the pairs' thread appends
         #: too): :meth:`take_run_median` reads them, :meth:`_refit` takes them
         self.spans: list[tuple[float, float]] = []
+        self.one_host = True
 
     def prepare(self, target_s: float, device) -> None:
         if self.ready:
@@ -640,6 +642,11 @@ class AllToAllEmulation:
             scale = min(4.0, max(0.25, target_s / med)) if med > 0 else 4.0
             size = max(n, int(size * scale) // n * n)
         self.measured_s, self.target_s, self.ready = med, target_s, True
+        import socket
+        hosts: list = [None] * n
+        dist.all_gather_object(hosts, socket.gethostname(), group=g)
+        #: the re-size compares the members' clocks: only where they are one host's
+        self.one_host = len(set(hosts)) == 1
 
     #: a re-size changes the message by at most this factor per call (a call's median is noisy)
     REFIT_STEP = 2.0
@@ -649,6 +656,8 @@ class AllToAllEmulation:
         last rank's arrival (:meth:`transfer_times`). Collective over the group: every member calls
         it at the start of every call."""
         spans, self.spans = self.spans, []
+        if not self.one_host:
+            return
         times = self.transfer_times(spans)
         if not times:
             return

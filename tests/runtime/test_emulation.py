@@ -176,6 +176,18 @@ def test_the_emulated_all_to_all_is_resized_to_its_time_in_the_run(monkeypatch, 
     assert a2a.spans == [] and a2a.run_s == []
 
 
+def test_the_emulated_all_to_all_keeps_its_size_across_hosts():
+    """The re-size compares the members' clocks: across hosts (no shared clock) it is not done."""
+    import torch
+    from megatron_pp_ext.runtime import emulate
+    a2a = emulate.AllToAllEmulation(group=None)
+    a2a.target_s, a2a.measured_s, a2a.ready, a2a.one_host = 0.010, 0.010, True, False
+    a2a._bufs = (torch.zeros(1000), torch.zeros(1000))
+    a2a.spans = [(0.0, 0.040)]
+    a2a.prepare(0.010, "cpu")   # (no collective is called: the group is None)
+    assert [b.numel() for b in a2a._bufs] == [1000, 1000] and a2a.spans == []
+
+
 def receive_waits_worker(defer: bool, iters: int) -> dict:
     """zbv at pp=4, m=8, costs 1,1.8,0.4,0.1: makespans with the receive waited for at the end of
     its comm batch (defer=False) or right before the op that reads it; the bytes this rank sent
