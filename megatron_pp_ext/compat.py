@@ -915,7 +915,9 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
     * ``get_batch_on_this_tp_rank`` (``megatron.training.utils``; ``megatron.core.utils`` from
       core_v0.18);
     * ``Float16Module`` (as ``get_model`` uses it; a core_v0.19 builder takes it as a default
-      argument of ``build_distributed_models`` instead, see :func:`lm_model_builders`).
+      argument of ``build_distributed_models`` instead, see :func:`lm_model_builders`);
+    * ``core_transformer_config_from_args`` (``megatron.training.arguments``; from core_v0.19
+      defined in ``megatron.training.argument_utils``, which ``gpt_config_from_args`` calls it from).
     """
     training = _mod("megatron.training.training")
     mtraining = _mod("megatron.training")
@@ -923,6 +925,7 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
     arguments = _mod("megatron.training.arguments")
     utils = _mod("megatron.training.utils")
     cutils = _mod("megatron.core.utils")
+    argument_utils = _mod("megatron.training.argument_utils")
 
     def where(name: str, *mods) -> list:
         out = []
@@ -945,6 +948,7 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
         "is_first_or_last_pipeline_stage": where("is_first_or_last_pipeline_stage", utils),
         "get_batch_on_this_tp_rank": where("get_batch_on_this_tp_rank", utils, cutils),
         "Float16Module": where("Float16Module", training),
+        "core_transformer_config_from_args": where("core_transformer_config_from_args", arguments, argument_utils),
     }
 
 

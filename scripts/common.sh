@@ -20,6 +20,9 @@
 #   TOKENIZER_MODEL    LLaMA: HuggingFace tokenizer name or path; GPT: VOCAB_FILE and MERGE_FILE
 #   CHECKPOINT_DIR     --save/--load directory (SAVE_INTERVAL, default 1000)
 #   TENSORBOARD_DIR    TensorBoard logs
+#   TRANSFORMER_IMPL   --transformer-impl (default: transformer_engine, Megatron-LM's own default, except
+#                      local for the schedules that split B and W: their TE path is not verified on a GPU
+#                      yet, docs/megatron_lm.md#transformer-engine)
 #   EXTRA_ARGS         appended verbatim (word-split)
 #   MPPX_DRY_RUN=1     print the pretrain_gpt.py arguments, one per line, and exit (flag checks)
 
@@ -132,6 +135,25 @@ mppx_schedule_args() {
     esac
 }
 
+# mppx_transformer_impl SCHEDULE: prints the --transformer-impl for it (TRANSFORMER_IMPL when set):
+# local for a schedule that splits B and W (asked of the schedule registry, the one source of
+# that fact), Transformer Engine otherwise.
+mppx_transformer_impl() {
+    if [ -n "${TRANSFORMER_IMPL:-}" ]; then
+        echo "$TRANSFORMER_IMPL"
+        return 0
+    fi
+    if [ "$1" = mcore ]; then
+        echo transformer_engine
+        return 0
+    fi
+    "${PYTHON:-python3}" -c 'import sys
+from megatron_pp_ext.schedule.registry import schedule_info
+print("local" if schedule_info(sys.argv[1]).split_backward else "transformer_engine")' "$1" 2>/dev/null && return 0
+    echo "error: SCHEDULE=$1: not a schedule megatron_pp_ext knows (or megatron_pp_ext is not installed for ${PYTHON:-python3}): see docs/schedules.md" >&2
+    return 2
+}
+
 # mppx_data_args: dataset and tokenizer flags (mock data when DATA_PATH is unset).
 mppx_data_args() {
     DATA_ARGS=()
@@ -161,14 +183,15 @@ mppx_build_args() {
     mppx_model_preset "$1" || return 2
     mppx_schedule_args
     mppx_data_args
-    local iters
+    local iters impl
+    impl="$(mppx_transformer_impl "${SCHEDULE:-zbv}")" || return 2
     if [ "$MODEL_FAMILY" = llama ]; then iters=250000; else iters=500000; fi
     TRAIN_ARGS=("${MODEL_ARGS[@]}"
         --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
         --micro-batch-size "$MBS" --global-batch-size "$GBS"
         --train-iters "${TRAIN_ITERS:-$iters}" --lr-decay-style cosine --lr-warmup-fraction 0.01
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
-        --bf16 --use-distributed-optimizer --attention-dropout 0.0 --hidden-dropout 0.0
+        --bf16 --use-distributed-optimizer --attention-dropout 0.0 --hidden-dropout 0.0 --transformer-impl "$impl"
         --log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"
         "${SCHEDULE_ARGS[@]}" "${DATA_ARGS[@]}")
     if [ "$TP" != 1 ]; then

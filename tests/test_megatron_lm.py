@@ -154,7 +154,8 @@ def margs(**kw):
                 pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
                 decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
                 account_for_loss_in_pipeline_split=False, global_batch_size=8, micro_batch_size=1,
-                data_parallel_size=1, untie_embeddings_and_output_weights=True, train_iters=100)
+                data_parallel_size=1, untie_embeddings_and_output_weights=True, train_iters=100,
+                transformer_impl="local")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -182,6 +183,73 @@ def test_v_placement_plan_and_layout_string():
     assert plan.layers_per_stage == (2, 3, 3, 2)
     _, plan = plan_for(opts("--pipeline-schedule", "v-half", "--pipeline-layers-per-stage", "1,4,4,1"), num_layers=10)
     assert plan.layers_per_stage == (1, 4, 4, 1)
+
+
+@pytest.mark.parametrize("argv, kw, te, needle", [
+    # Megatron-LM's default layers (Transformer Engine) under a split schedule: refused, naming both ways out
+    (["--pipeline-schedule", "zbv"], {}, None, "add --transformer-impl local"),
+    (["--enable-zero-bubble"], {}, None, "--pipeline-te-wgrad-split"),
+    (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 8}, (2, 9), "splits every backward into B and W"),
+    # the opt-in: TE must be there, new enough, and newer still with the flags Megatron-LM ties to it
+    (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {}, None, "Transformer Engine is not installed"),
+    (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {}, (2, 2), "Transformer Engine 2.2 cannot defer"),
+    (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {"overlap_grad_reduce": True}, (2, 7),
+     "with --overlap-grad-reduce: Transformer Engine 2.7"),
+    (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {"gradient_accumulation_fusion": False}, (2, 6),
+     "with --no-gradient-accumulation-fusion"),
+    # the opt-in where it would change nothing
+    (["--pipeline-schedule", "1f1b", "--pipeline-te-wgrad-split"], {}, (2, 9), "does not split the backward"),
+    (["--pipeline-te-wgrad-split"], {}, (2, 9), "no megatron_pp_ext schedule is chosen"),
+    (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {"transformer_impl": "local"}, (2, 9),
+     "the layers are not Transformer Engine's (--transformer-impl local)"),
+])
+def test_split_schedule_on_transformer_engine_refused_at_start_up(monkeypatch, argv, kw, te, needle):
+    from megatron_pp_ext.runtime import te_policy
+    monkeypatch.setattr(te_policy, "installed_te_version", lambda: te)
+    kw = {"transformer_impl": "transformer_engine", **kw}
+    msg = str(pytest.raises(MegatronLMFlagError, plan_for, opts(*argv), **kw).value)
+    assert needle in msg and "\n" not in msg, msg
+
+
+def test_transformer_engine_runs_fused_schedules_and_the_opted_in_split(monkeypatch):
+    """Fused schedules (ours and Megatron-Core's) on TE layers as they are; a split schedule with the
+    opt-in and TE >= 2.3 (>= 2.8 with --overlap-grad-reduce) plans TE's deferred weight gradients."""
+    from megatron_pp_ext.runtime import te_policy
+    monkeypatch.setattr(te_policy, "installed_te_version", lambda: (2, 8, 0))
+    for argv in (["--pipeline-schedule", "1f1b"], []):
+        _, plan = plan_for(opts(*argv), transformer_impl="transformer_engine")
+        assert not plan.te_wgrad_split
+    _, plan = plan_for(opts("--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"),
+                       transformer_impl="transformer_engine", overlap_grad_reduce=True)
+    assert plan.te_wgrad_split and any("not been verified on a GPU" in n for n in plan.notes)
+
+
+def test_opted_in_config_defers_te_weight_gradients_past_megatron_core_check():
+    """With the opt-in, Megatron-LM's core_transformer_config_from_args builds the config with the flag
+    off (Megatron-Core's TransformerConfig check ties it to --overlap-moe-expert-parallel-comm) and the
+    config then asks TE's layers to defer (delay_wgrad_compute); args keep it on for the DDP config.
+    Without the opt-in the call is Megatron-LM's own."""
+    from megatron_pp_ext.megatron_lm import integration, state
+    seen = []
+
+    def orig(args):
+        seen.append(args.delay_wgrad_compute)
+        if args.delay_wgrad_compute:
+            raise AssertionError("overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute")
+        return types.SimpleNamespace(delay_wgrad_compute=False)
+
+    wrapped = integration._make_transformer_config(orig)
+    saved = state.current
+    try:
+        state.current = state.State()
+        state.current.plan = types.SimpleNamespace(te_wgrad_split=True)
+        args = argparse.Namespace(delay_wgrad_compute=True)
+        assert wrapped(args).delay_wgrad_compute is True and args.delay_wgrad_compute is True and seen == [False]
+        state.current.plan = types.SimpleNamespace(te_wgrad_split=False)
+        args = argparse.Namespace(delay_wgrad_compute=False)
+        assert wrapped(args).delay_wgrad_compute is False and seen == [False, False]
+    finally:
+        state.current = saved
 
 
 def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
@@ -540,6 +608,22 @@ def test_script_flags_accepted_by_our_parser(script, model, schedule):
         vp = int(a.get("--num-virtual-stages-per-pipeline-rank", 1))
         stages = 2 * pp if schedule in ("zbv", "v-half", "v-min", "v-budget") else pp * vp
         assert layers % stages == 0, (model, layers, stages)
+
+
+@pytest.mark.parametrize("schedule, impl", [("zbv", "local"), ("zb-h1", "local"), ("dualpipev", "local"),
+                                            ("1f1b", "transformer_engine"), ("mcore", "transformer_engine")])
+def test_scripts_choose_the_transformer_impl_the_schedule_runs_on(schedule, impl):
+    """Schedules that split B and W get Megatron-Core's local layers (their Transformer Engine path is
+    refused until verified on a GPU), the others Megatron-LM's default, Transformer Engine;
+    TRANSFORMER_IMPL overrides; an unknown schedule is a one-line error, exit 2."""
+    for script in ("pretrain_torchrun.sh", "pretrain_slurm.sbatch"):
+        args = dry_run(script, "tiny-gpt", SCHEDULE=schedule)
+        assert args[args.index("--transformer-impl") + 1] == impl, (script, schedule)
+    args = dry_run("pretrain_torchrun.sh", "tiny-gpt", SCHEDULE=schedule, TRANSFORMER_IMPL="local")
+    assert args[args.index("--transformer-impl") + 1] == "local"
+    r = subprocess.run([str(SCRIPTS / "pretrain_torchrun.sh"), "tiny-gpt"], capture_output=True, text=True,
+                       env=dict(os.environ, MPPX_DRY_RUN="1", SCHEDULE="zb-bogus"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "SCHEDULE=zb-bogus" in r.stderr, r.stderr
 
 
 def test_script_unknown_model_is_an_error():

@@ -653,7 +653,7 @@ def _tiny_moe(ep: int = 1) -> list[str]:
     dry run), for 3 iterations: the MoE runs below take these arguments after COMMON's (the last
     spelling of a flag wins), so they train what the scripts launch, several runs per launch."""
     env = dict(os.environ, MPPX_DRY_RUN="1", TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="2", PP="2",
-               EP=str(ep), SCHEDULE="mcore")
+               EP=str(ep), SCHEDULE="mcore", TRANSFORMER_IMPL="local")
     r = subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_torchrun.sh"), "tiny-moe"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

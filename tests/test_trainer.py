@@ -394,6 +394,25 @@ def test_transformer_impl_auto_is_the_verified_local_path(monkeypatch):
     assert any(n.startswith("--transformer-impl auto: Megatron-Core's local layers") for n in plan.notes)
 
 
+def test_split_schedule_on_transformer_engine_needs_the_opt_in(monkeypatch):
+    """On a GPU with Transformer Engine: a schedule that splits B and W is refused on TE layers (one
+    line naming --transformer-impl local and --te-wgrad-split); a fused one runs there; with the
+    opt-in and TE >= 2.3 the model spec carries the deferred weight gradients to the config."""
+    import megatron_pp_ext.trainer.config as config_mod
+    from megatron_pp_ext.runtime import te_policy
+    from megatron_pp_ext.trainer.config import TrainConfigError
+    monkeypatch.setattr("megatron_pp_ext.runtime.model.transformer_engine_available", lambda: True)
+    monkeypatch.setattr(config_mod, "_resolve_device", lambda requested, launch, world: "cuda")
+    monkeypatch.setattr(te_policy, "installed_te_version", lambda: (2, 3, 0))
+    te = dict(transformer_impl="transformer_engine")
+    msg = str(pytest.raises(TrainConfigError, make_plan, TrainConfig(schedule="zbv", **te)).value)
+    assert "--schedule zbv splits every backward" in msg and "--transformer-impl local" in msg
+    assert "--te-wgrad-split" in msg and "\n" not in msg
+    assert not make_plan(TrainConfig(schedule="1f1b", **te)).model_spec().te_wgrad_split
+    plan = make_plan(TrainConfig(schedule="zbv", te_wgrad_split=True, **te))
+    assert plan.model_spec().te_wgrad_split and any(n.startswith("--te-wgrad-split:") for n in plan.notes)
+
+
 def test_a_config_naming_two_strategies_is_refused_where_it_is_planned():
     """--emulate-nccl STRATEGY and --p2p-strategy must agree; TrainConfig built by other code than
     the command line meets the same rule in make_plan."""

@@ -45,6 +45,7 @@ def test_feature_metrics_are_one_list_per_pipeline_rank():
     (["--enable-vocab-parallel", "--vocab-parallel-label-smoothing", "0.1"], "add --reference-iters 0"),
     (["--vocab-parallel-algorithm", "1"], "--vocab-parallel-algorithm needs --enable-vocab-parallel"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine runs on GPUs only"),
+    (["--te-wgrad-split"], "but the layers are not Transformer Engine's (--transformer-impl local): drop --te-wgrad-split"),
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--bpipe"], "--bpipe does not support --schedule zbv (V placement)"),
     (["--bpipe", "--schedule", "mcore"], "--bpipe runs in the schedule executor"),

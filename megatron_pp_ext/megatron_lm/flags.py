@@ -59,6 +59,11 @@ REFERENCE_NOOP_FLAGS = {
 
 _MARK = "_mppx_extra_args_provider"
 
+#: Megatron-LM's default --transformer-impl
+TE_DEFAULT = "transformer_engine"
+#: the opt-in to Transformer Engine's own B/W split under a split schedule (runtime/te_policy.py)
+TE_SPLIT_FLAG = "--pipeline-te-wgrad-split"
+
 
 class MegatronLMFlagError(ValueError):
     """A bad flag or combination of flags; the message names the flag and the fix."""
@@ -106,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "sender, receiver and message kind, the schedule's own time), pairwise (one per pair of neighbours: the "
              "fallback if a cluster hangs with several communicators in use at once) or batched (one "
              "batch_isend_irecv per run of transfers, the slowest); a schedule that deadlocks under it is refused")
+    add(TE_SPLIT_FLAG, action="store_true", default=False,
+        help="let a zero-bubble or V schedule run on Transformer Engine layers (--transformer-impl "
+             "transformer_engine): TE >= 2.3 defers their weight gradients itself (delay_wgrad_compute, set on the "
+             "model's config by megatron_pp_ext); not yet verified on a GPU, so without it such a run is refused")
     add("--layout-independent-init", action="store_true", default=False,
         help="initial weights as a function of --seed and each parameter's global name, so that any "
              "pipeline/tensor layout (pp=1, loop, V) starts from the same model")
@@ -190,6 +199,7 @@ class PipelineOptions:
     features: tuple[tuple[str, Any], ...] = ()  # (name, config) of the feature plug-ins the flags turn on
     a2a_time: float | None = None        # --pipeline-a2a-time (overlapped pairs)
     p2p_strategy: str | None = None      # --p2p-strategy (None: channels; MPPX_EMULATE_NCCL's when emulating)
+    te_wgrad_split: bool = False         # --pipeline-te-wgrad-split (TE's own B/W split; unverified)
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -378,7 +388,8 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
-                           features=features, notes=tuple(notes), flag=flag)
+                           te_wgrad_split=bool(get("pipeline_te_wgrad_split", False)), features=features,
+                           notes=tuple(notes), flag=flag)
     from ..runtime.ncclenv import check_nccl_environment, emulated_strategy
     from ..trainer.features import one_queue_hangs
     try:   # (a GPU unless NCCL is emulated on CPU processes; MPPX_EMULATE_NCCL is checked there too)
@@ -439,6 +450,8 @@ class MegatronPlan:
     notes: list[str] = field(default_factory=list)
     #: overlapped pairs (--overlap-moe-expert-parallel-comm with one of our schedules)
     overlap: bool = False
+    #: Transformer Engine's layers defer their weight gradients (delay_wgrad_compute) for the split
+    te_wgrad_split: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -541,6 +554,17 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     pp = int(args.pipeline_model_parallel_size or 1)
     vp = int(args.virtual_pipeline_model_parallel_size or 1)
     notes = list(opts.notes)
+    from ..runtime.te_policy import te_split_refusal
+    te_error = te_split_refusal(opts.schedule, transformer_impl=str(getattr(args, "transformer_impl", TE_DEFAULT)),
+                                opted_in=opts.te_wgrad_split, schedule_flag=opts.flag,
+                                impl_flag="--transformer-impl", opt_in_flag=TE_SPLIT_FLAG,
+                                doc="docs/megatron_lm.md#transformer-engine",
+                                flags=tuple(f for f, on in (
+                                    ("--overlap-grad-reduce", getattr(args, "overlap_grad_reduce", False)),
+                                    ("--no-gradient-accumulation-fusion",
+                                     not getattr(args, "gradient_accumulation_fusion", True))) if on))
+    if te_error is not None:
+        raise MegatronLMFlagError(te_error)
     v = False
     chunks = vp
     if opts.schedule is not None:
@@ -616,8 +640,12 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         notes.append(f"{OVERLAP}: forwards and backwards of other microbatches run as overlapped pairs where that "
                      "pays, through Megatron-Core's fine-grained schedule plan (--pipeline-a2a-time "
                      f"{opts.a2a_time:g})")
+    if opts.te_wgrad_split:
+        notes.append(f"{TE_SPLIT_FLAG}: Transformer Engine's layers defer their weight gradients to W "
+                     "(delay_wgrad_compute); this path has not been verified on a GPU yet")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
-                        layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes, overlap=overlap)
+                        layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes, overlap=overlap,
+                        te_wgrad_split=opts.te_wgrad_split)
 
 
 OVERLAP = "--overlap-moe-expert-parallel-comm"

@@ -6,7 +6,20 @@
 patched function falls through to the original unless our flags ask for something, so a run
 without them is stock Megatron-LM:
 
-=====================================================  ===============================================
+=====================================  ==========================================================
+patched                                what it does when our flags ask for something
+=====================================  ==========================================================
+``parse_args``, ``validate_args``      adds our flags; checks them against Megatron-LM's (flags.py)
+``core_transformer_config_from_args``  ``--pipeline-te-wgrad-split``: TE layers defer weight grads
+``pretrain``, ``get_model``, builders  our stage placement, layout-independent init, features
+``get_forward_backward_func``          our executor instead of Megatron-Core's schedule (step.py)
+``train_step``, ``evaluate``           the profiling window; forward-only iterations
+``save_checkpoint``                    our schedule's state saved with the run
+pipeline-stage predicates, ``mpu``     which rank holds the loss under the V placement
+``get_batch_on_this_tp_rank``          batches on the ranks our placement gives the data
+``Float16Module``                      per-stage precision wrapping (placement.py)
+=====================================  ==========================================================
+
 Call :func:`install` before the training script imports ``megatron.training`` names (the patch
 puts it at the top of ``pretrain_gpt.py``; ``python -m megatron_pp_ext.launch`` does it before
 running the script), or pass the script's ``globals()`` as ``namespace``.
@@ -60,6 +73,8 @@ def _make_validate_args(orig: Callable) -> Callable:
         except MegatronLMFlagError as e:
             flag_error(e)
         _st.current.plan = plan
+        if plan.te_wgrad_split:   # (the DDP config reads it from args; the model's config: below)
+            args.delay_wgrad_compute = True
         for _, _, _, fp in _st.current.features:
             plan.notes.extend(fp.notes)
         if opts.active:
@@ -68,6 +83,26 @@ def _make_validate_args(orig: Callable) -> Callable:
             print0(f"megatron_pp_ext: note: {note}")
         return out
     return validate_args
+
+
+def _make_transformer_config(orig: Callable) -> Callable:
+    """``core_transformer_config_from_args`` with ``--pipeline-te-wgrad-split``: the config asks
+    Transformer Engine's layers to defer their weight gradients (``delay_wgrad_compute``), so that
+    our split's ``backward_dw()`` runs them at W (runtime/wgrad/te.py). Set on the built config:
+    Megatron-Core's own check ties the flag to ``--overlap-moe-expert-parallel-comm``, the only
+    schedule of its own that uses it; our start-up check (runtime/te_policy.py) stands in for it."""
+    def core_transformer_config_from_args(args, *rest: Any, **kwargs: Any):
+        plan = _st.current.plan if _st.current is not None else None
+        if plan is None or not plan.te_wgrad_split:
+            return orig(args, *rest, **kwargs)
+        args.delay_wgrad_compute = False
+        try:
+            config = orig(args, *rest, **kwargs)
+        finally:
+            args.delay_wgrad_compute = True
+        config.delay_wgrad_compute = True
+        return config
+    return core_transformer_config_from_args
 
 
 def _plan_features(args, plan: MegatronPlan) -> tuple[list, list]:
@@ -262,7 +297,8 @@ def install(namespace: dict | None = None, *, cpu_compat: bool | None = None) ->
                   "train_step": lambda f: _make_profiled(_make_train_step(f)), "evaluate": make_evaluate,
                   "save_checkpoint": _make_save_checkpoint, "mpu": _MpuView, "is_pp_last_stage": make_is_pp_last_stage,
                   "is_first_or_last_pipeline_stage": _make_first_or_last,
-                  "get_batch_on_this_tp_rank": _make_tp_batch, "Float16Module": stage_float16}
+                  "get_batch_on_this_tp_rank": _make_tp_batch, "Float16Module": stage_float16,
+                  "core_transformer_config_from_args": _make_transformer_config}
         for what, make in makers.items():
             wrapped: dict = {}      # one wrapper per original function, at every site that binds it
             for mod, name in sites[what]:

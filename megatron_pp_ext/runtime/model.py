@@ -67,6 +67,9 @@ class ModelSpec:
     #: "local" (Megatron-Core's local spec: ColumnParallelLinear/RowParallelLinear) or
     #: "transformer_engine" (the TE spec; GPU only, Transformer Engine installed)
     transformer_impl: str = "local"
+    #: TE layers defer their weight gradients (``delay_wgrad_compute``) for a split schedule's W
+    #: (runtime/te_policy.py: an opt-in, not verified on a GPU yet)
+    te_wgrad_split: bool = False
     #: mixture of experts (Megatron-LM's --num-experts ...): None for a dense model
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -309,7 +312,11 @@ def make_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, placement: Sequenc
         kw["virtual_pipeline_model_parallel_size"] = v if v > 1 else None
     kw.update(spec.config_overrides)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if spec.te_wgrad_split:
+        # (after construction: Megatron-Core's own check ties the flag to its MoE-overlap schedule)
+        config.delay_wgrad_compute = True
+    return config
 
 
 def transformer_engine_available() -> bool:

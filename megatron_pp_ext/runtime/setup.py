@@ -370,7 +370,7 @@ def setup_training(cfg: RunConfig) -> Training:
                      overlap_param_gather=cfg.overlap_param_gather, align_param_gather=cfg.overlap_param_gather,
                      use_distributed_optimizer=cfg.distributed_optimizer,
                      grad_reduce_in_fp32=cfg.precision != "fp32",  # Megatron-LM's default with --bf16/--fp16
-                     average_in_collective=False)
+                     average_in_collective=False, delay_wgrad_compute=cfg.spec.te_wgrad_split)
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model, use_gloo_process_groups=not gloo_default)
 
     config.finalize_model_grads_func = with_tied_sum(finalize_model_grads, pairs) if pairs else finalize_model_grads

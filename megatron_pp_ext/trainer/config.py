@@ -57,6 +57,7 @@ class TrainConfig:
     seq: int = 32
     dropout: float = 0.0
     transformer_impl: str = "auto"       # auto: local (TE's B/W split is not verified on a GPU yet)
+    te_wgrad_split: bool = False         # --te-wgrad-split: TE's own B/W split (runtime/te_policy.py)
     # batch and layout
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default: 2 * pp microbatches per data-parallel rank
@@ -250,7 +251,8 @@ class Plan:
                          num_query_groups=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=c.vocab,
                          max_sequence_length=c.seq, tie_embeddings=c.tie_embeddings,
                          layers_per_stage=self.layers_per_stage if self.num_stages > 1 else None,
-                         transformer_impl=self.transformer_impl, **moe_spec_fields(c), **mtp_spec_fields(c))
+                         transformer_impl=self.transformer_impl, te_wgrad_split=c.te_wgrad_split,
+                         **moe_spec_fields(c), **mtp_spec_fields(c))
 
     def _overrides(self) -> dict:
         d = self.cfg.dropout
@@ -745,10 +747,19 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             notes.append(f"{SHARE_GPU_ENV}=1: local ranks beyond the visible GPUs share them (NCCL over loopback "
                          "sockets, one NCCL_HOSTID per rank): a correctness check, its timings are meaningless")
     impl = _resolve_transformer_impl(c.transformer_impl, device)
+    from ..runtime.te_policy import te_split_refusal
+    te_error = te_split_refusal(runtime_schedule, transformer_impl=impl, opted_in=c.te_wgrad_split,
+                                schedule_flag="--schedule", impl_flag="--transformer-impl", opt_in_flag="--te-wgrad-split",
+                                doc="docs/train.md#transformer-engine")
+    if te_error is not None:
+        _fail(te_error)
     if c.transformer_impl == "auto" and device == "cuda" and _te_installed():
         notes.append("--transformer-impl auto: Megatron-Core's local layers; Transformer Engine is installed, but its "
-                     "B/W-split path has not been verified on a GPU yet (use --transformer-impl transformer_engine "
-                     "to try it)")
+                     "B/W-split path has not been verified on a GPU yet (--transformer-impl transformer_engine "
+                     "--te-wgrad-split to try it)")
+    if c.te_wgrad_split:
+        notes.append("--te-wgrad-split: Transformer Engine's layers defer their weight gradients to W "
+                     "(delay_wgrad_compute); this path has not been verified on a GPU yet")
     out = c.out
     json_log = c.json_log if c.json_log is not None else os.path.join(out, "train.jsonl")
     plan = Plan(cfg=c, launch=launch, device=device, world=world, dp=dp, microbatches=m, chunks=chunks,
@@ -825,6 +836,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
                    help="layer implementation: Megatron-Core's local spec or the Transformer Engine spec (default "
                         "auto: local, the verified path; TE's B/W split has not run on a GPU here yet)")
+    g.add_argument("--te-wgrad-split", action="store_true", default=d.te_wgrad_split,
+                   help="with --transformer-impl transformer_engine and a schedule that splits B and W (zb-*, V, "
+                        "dualpipev): TE >= 2.3 defers the weight gradients itself (delay_wgrad_compute); not yet "
+                        "verified on a GPU, so without it that combination is refused")
     g = parser.add_argument_group("batch and layout")
     g.add_argument("--micro-batch-size", type=_int(1, 1), default=d.micro_batch_size, metavar="B",
                    help="sequences per microbatch (default: 1)")
@@ -948,6 +963,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         pipeline_layout=args.pipeline_model_parallel_layout, hidden=args.hidden,
         heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
         tie_embeddings=args.tie_embeddings, seq=args.seq, dropout=args.dropout, transformer_impl=args.transformer_impl,
+        te_wgrad_split=args.te_wgrad_split,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, pp=args.pp, tp=args.tp,
         vp=args.vp, nproc=args.nproc, schedule=args.schedule, memory_budget=args.memory_budget, costs=args.costs,
         profile_iters=args.profile_iters, emulate_compute=args.emulate_compute,
