@@ -331,6 +331,7 @@ MEGATRON_LM_FLAGS = frozenset("""
 --expert-tensor-parallel-size --moe-token-dispatcher-type --moe-grouped-gemm --micro-batch-size
 --global-batch-size --bf16 --accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer
 --overlap-grad-reduce --overlap-param-gather --recompute-granularity --recompute-method --recompute-num-layers
+--transformer-impl
 """.split())
 
 
@@ -634,6 +635,8 @@ import megatron_pp_ext.megatron_lm as m
 m.install()
 import torch
 torch.cuda.get_device_capability = lambda *a, **k: (9, 0)   # the plans are for H100s (grouped GEMM check)
+import megatron_pp_ext.runtime.te_policy as te_policy
+te_policy.installed_te_version = lambda: (2, 8, 0)        # (a GPU install: --pipeline-te-wgrad-split's check)
 from megatron.training.arguments import add_megatron_arguments, validate_args
 bad = []
 cases = json.load(open(sys.argv[1]))

@@ -10,7 +10,8 @@ schedules, our ``--pipeline-layers-per-stage`` under V schedules (which refuse M
 layout flags). MoE models carry Megatron-LM's MoE flags (``--num-experts``,
 ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-layer-freq``, ...) and their plans
 ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size`` and the all-to-all
-dispatcher.
+dispatcher. A schedule that splits B and W gets the layers it runs on
+(:func:`layer_impl_flags`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f.append("--overlap-moe-expert-parallel-comm")
     if needs_plugin(est, req):
         f += ["--pipeline-schedule", c.schedule]
+        f += layer_impl_flags(c.schedule, req.model)
         if c.overlap:
             f += pair_cost_flags(est)
         if req.p2p_strategy != "channels":   # (the plan was timed under it)
@@ -127,6 +129,25 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     for name, opt in c.features:
         f += get_feature(name).flags(opt)
     return f
+
+
+def layer_impl_flags(schedule: str, model: ModelSpec) -> list[str]:
+    """The layers a plan on ``schedule`` runs on, where Megatron-LM's default (Transformer Engine)
+    would be refused (runtime/te_policy.py): a schedule that splits B and W with flash attention
+    (the plan's memory counts no s^2 scores: TE's fused attention) needs TE's own split, the
+    unverified opt-in; without flash attention Megatron-Core's local layers, the verified path."""
+    from ..schedule.registry import schedule_info
+    if not schedule_info(schedule).split_backward:
+        return []
+    if model.flash_attention:
+        return ["--transformer-impl", "transformer_engine", "--pipeline-te-wgrad-split"]
+    return ["--transformer-impl", "local"]
+
+
+def uses_unverified_te_split(est: Estimate, req: PlanRequest) -> bool:
+    """Whether the emitted flags opt in to Transformer Engine's own B/W split (not verified on a GPU)."""
+    return needs_plugin(est, req) and "--pipeline-te-wgrad-split" in layer_impl_flags(est.candidate.schedule,
+                                                                                      req.model)
 
 
 def pair_cost_flags(est: Estimate) -> list[str]:
@@ -159,6 +180,9 @@ def flags_text(est: Estimate, req: PlanRequest) -> str:
             f"features={c.features_label()}",
             f"# predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak "
             f"{est.peak_bytes / 2 ** 30:.1f} GiB on rank {est.peak_rank} (model predictions, not measurements)"]
+    if uses_unverified_te_split(est, req):
+        head.append("# --pipeline-te-wgrad-split: Transformer Engine's own B/W split, not yet verified on a GPU "
+                    "(docs/megatron_lm.md#transformer-engine)")
     flags = megatron_flags(est, req)
     lines, i = [], 0
     while i < len(flags):
@@ -220,6 +244,9 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
     if needs_plugin(est, req):
         notes.append("# Needs megatron_pp_ext installed in the job's Python environment (pip install -e <repo>):")
         notes.append("# its flags (--pipeline-schedule, ...) are not part of stock Megatron-LM.")
+    if uses_unverified_te_split(est, req):
+        notes += ["# --pipeline-te-wgrad-split: Transformer Engine's layers (flash attention, as planned) split their",
+                  "# backward themselves; not yet verified on a GPU (docs/megatron_lm.md#transformer-engine)."]
     env = [
         "set -euo pipefail",
         ': "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout (it has pretrain_gpt.py)}"',

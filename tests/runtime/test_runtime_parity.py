@@ -42,6 +42,7 @@ def _id(layout) -> str:
     return f"pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
 @pytest.mark.parametrize("schedule", SCHEDULES)

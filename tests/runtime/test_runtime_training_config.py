@@ -65,6 +65,7 @@ def _layout(row: str, dp: int) -> tuple[int, int]:
     return (4, 1) if dp == 1 else (2, 1)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("schedule,row,dp,variant", _cases())
 def test_training_configuration_matches_pp1(runs, schedule, row, dp, variant):
     pp, tp = _layout(row, dp)

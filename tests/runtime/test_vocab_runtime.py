@@ -58,6 +58,7 @@ def _cases() -> list:
     return cases
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("schedule,layout,algorithm,tied", _cases())
 def test_vocab_parallel_matches_plain_model(pool, runs, schedule, layout, algorithm, tied):
     pp, tp = layout
