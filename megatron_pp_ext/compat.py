@@ -952,6 +952,43 @@ def lm_sites() -> dict[str, list[tuple[Any, str]]]:
     }
 
 
+_STEP_SIZE = re.compile(r"^[^:\s]+:(\d+)$")
+
+
+def lm_batch_sizes(args: Any) -> list[tuple[int, str]]:
+    """Every global batch size a Megatron-LM run trains with, each with the flag that asks for it
+    (the final ``--global-batch-size`` last): ``--rampup-batch-size START INCREMENT SAMPLES``
+    (START, START + INCREMENT, ... below the global batch size) where the installed megatron-core
+    still ramps up (its ``RampupBatchsizeNumMicroBatchesCalculator``; core_v0.19 has none and
+    ignores the flag), and every size of ``--step-batch-size-schedule "THRESHOLD:BS ..."``
+    (core_v0.19+). An unparsable value is left to Megatron-LM's own checks."""
+    gbs = getattr(args, "global_batch_size", None)
+    out: list[tuple[int, str]] = []
+    ramp = getattr(args, "rampup_batch_size", None)
+    calc = _mod("megatron.core.num_microbatches_calculator")
+    if ramp and calc is not None and hasattr(calc, "RampupBatchsizeNumMicroBatchesCalculator"):
+        try:
+            start, inc = int(ramp[0]), int(ramp[1])
+        except (TypeError, ValueError, IndexError):
+            start, inc = 0, 0
+        if start > 0 and inc > 0 and gbs is not None:
+            out += [(b, "--rampup-batch-size") for b in range(start, int(gbs), inc)]
+    step = getattr(args, "step_batch_size_schedule", None)
+    if step:
+        for part in str(step).split():
+            m = _STEP_SIZE.match(part)
+            if m:
+                out.append((int(m.group(1)), "--step-batch-size-schedule"))
+    if gbs is not None:
+        out.append((int(gbs), "--global-batch-size"))
+    seen, unique = set(), []
+    for b, flag in out:
+        if b not in seen:
+            seen.add(b)
+            unique.append((b, flag))
+    return unique
+
+
 def lm_model_builders(pretrain_args: inspect.BoundArguments | None) -> list[type]:
     """The model-builder classes a ``pretrain(...)`` call will build the model with (core_v0.19:
     ``cfg_container.model.get_builder_cls()``, e.g. ``GPTModelBuilder``); [] when the model

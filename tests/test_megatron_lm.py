@@ -187,8 +187,10 @@ def test_v_placement_plan_and_layout_string():
 
 @pytest.mark.parametrize("argv, kw, te, needle", [
     # Megatron-LM's default layers (Transformer Engine) under a split schedule: refused, naming both ways out
-    (["--pipeline-schedule", "zbv"], {}, None, "add --transformer-impl local"),
-    (["--enable-zero-bubble"], {}, None, "--pipeline-te-wgrad-split"),
+    (["--pipeline-schedule", "zbv"], {}, None, "--pipeline-schedule zbv splits every backward into B and W, which "
+     "Transformer Engine's layers (--transformer-impl transformer_engine) do through TE's delay_wgrad_compute, not "
+     "yet verified on a GPU: add --transformer-impl local"),
+    (["--enable-zero-bubble"], {}, None, "--enable-zero-bubble splits every backward"),
     (["--pipeline-schedule", "dualpipev"], {"global_batch_size": 8}, (2, 9), "splits every backward into B and W"),
     # the opt-in: TE must be there, new enough, and newer still with the flags Megatron-LM ties to it
     (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {}, None, "Transformer Engine is not installed"),
@@ -198,7 +200,8 @@ def test_v_placement_plan_and_layout_string():
     (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {"gradient_accumulation_fusion": False}, (2, 6),
      "with --no-gradient-accumulation-fusion"),
     # the opt-in where it would change nothing
-    (["--pipeline-schedule", "1f1b", "--pipeline-te-wgrad-split"], {}, (2, 9), "does not split the backward"),
+    (["--pipeline-schedule", "1f1b", "--pipeline-te-wgrad-split"], {}, (2, 9),
+     "but --pipeline-schedule 1f1b does not split the backward: drop --pipeline-te-wgrad-split"),
     (["--pipeline-te-wgrad-split"], {}, (2, 9), "no megatron_pp_ext schedule is chosen"),
     (["--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"], {"transformer_impl": "local"}, (2, 9),
      "the layers are not Transformer Engine's (--transformer-impl local)"),
@@ -222,6 +225,74 @@ def test_transformer_engine_runs_fused_schedules_and_the_opted_in_split(monkeypa
     _, plan = plan_for(opts("--pipeline-schedule", "zbv", "--pipeline-te-wgrad-split"),
                        transformer_impl="transformer_engine", overlap_grad_reduce=True)
     assert plan.te_wgrad_split and any("not been verified on a GPU" in n for n in plan.notes)
+
+
+def test_every_batch_size_of_a_ramp_up_or_step_schedule_is_checked_at_start_up():
+    """--rampup-batch-size (where the installed megatron-core still ramps up) and core_v0.19's
+    --step-batch-size-schedule: each number of microbatches the run will reach is built and proven
+    before training, so a size the schedule cannot run is one line naming the flag, not an error at
+    the iteration that reaches it."""
+    import megatron.core.num_microbatches_calculator as calc
+    ramps = hasattr(calc, "RampupBatchsizeNumMicroBatchesCalculator")
+    dualpipev = opts("--pipeline-schedule", "dualpipev")   # needs m >= 2 pp = 4
+    if ramps:
+        msg = str(pytest.raises(MegatronLMFlagError, plan_for, dualpipev, rampup_batch_size=[2, 2, 100]).value)
+        assert msg.startswith("--pipeline-schedule dualpipev at pp=2 with 2 microbatches per iteration "
+                              "(--rampup-batch-size 2 / "), msg
+    else:   # (core_v0.19 ignores --rampup-batch-size: only the final size is trained)
+        assert plan_for(dualpipev, rampup_batch_size=[2, 2, 100])[1].microbatches == 8
+    assert plan_for(dualpipev, rampup_batch_size=[4, 2, 100])[1].microbatches == 8
+    msg = str(pytest.raises(MegatronLMFlagError, plan_for, dualpipev, step_batch_size_schedule="0:2 1M:8").value)
+    assert "with 2 microbatches per iteration (--step-batch-size-schedule 2 / " in msg, msg
+    assert plan_for(dualpipev, step_batch_size_schedule="0:4 1M:8")[1].microbatches == 8
+    # sizes that do not divide into microbatches x data-parallel ranks; rounded down when Megatron-LM does
+    msg = str(pytest.raises(MegatronLMFlagError, plan_for, opts("--pipeline-schedule", "zbv"), micro_batch_size=2,
+                            step_batch_size_schedule="0:5 1M:8").value)
+    assert msg == ("--step-batch-size-schedule: a global batch size of 5 is not a multiple of --micro-batch-size 2 "
+                   "x data-parallel size 1; give multiples of 2"), msg
+    assert plan_for(opts("--pipeline-schedule", "zbv"), micro_batch_size=3, global_batch_size=9,
+                    step_batch_size_schedule="0:7 1M:9", decrease_batch_size_if_needed=True)[1].microbatches == 3
+
+
+@pytest.mark.parametrize("group", [2, 3, 4])
+def test_microbatch_group_size_reaches_our_interleaved_order(group):
+    """--microbatch-group-size-per-virtual-pipeline-stage under --pipeline-schedule interleaved-1f1b:
+    our executor's schedule takes it, every rank's forwards in Megatron-Core's own table order for it."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    from megatron_pp_ext.schedule.registry import build_schedule
+    o = _with_group_flag("--pipeline-schedule", "interleaved-1f1b",
+                         "--microbatch-group-size-per-virtual-pipeline-stage", str(group))
+    _, plan = plan_for(o, num_virtual_stages_per_pipeline_rank=2, virtual_pipeline_model_parallel_size=2)
+    assert plan.schedule_options() == {"microbatch_group_size": group}
+    sched, _ = build_schedule("interleaved-1f1b", 2, plan.microbatches, chunks=2, options=plan.schedule_options())
+    table = get_schedule_table(plan.microbatches, 2, group)
+    for r, ops in enumerate(sched.ops):
+        fwd = [(op.microbatch, op.stage // 2) for op in ops if op.kind == "F"]
+        assert fwd == [tuple(t) for t in table], (group, r)
+
+
+@pytest.mark.parametrize("argv, kw, needle", [
+    (["--pipeline-schedule", "zbv", "--microbatch-group-size-per-virtual-pipeline-stage", "2"], {},
+     "--microbatch-group-size-per-virtual-pipeline-stage 2 orders Megatron's interleaved 1F1B; --pipeline-schedule "
+     "zbv has its own order: drop it"),
+    (["--pipeline-schedule", "interleaved-1f1b", "--microbatch-group-size-per-virtual-pipeline-stage", "1"],
+     {"num_virtual_stages_per_pipeline_rank": 2, "virtual_pipeline_model_parallel_size": 2},
+     "--microbatch-group-size-per-virtual-pipeline-stage 1 must lie between the pipeline size 2 and the "
+     "microbatches per iteration, 8 (--global-batch-size 8)"),
+    (["--pipeline-schedule", "interleaved-1f1b", "--microbatch-group-size-per-virtual-pipeline-stage", "9"],
+     {"num_virtual_stages_per_pipeline_rank": 2, "virtual_pipeline_model_parallel_size": 2}, "between"),
+])
+def test_microbatch_group_size_outside_megatron_bounds_refused(argv, kw, needle):
+    with pytest.raises(MegatronLMFlagError) as e:
+        plan_for(_with_group_flag(*argv), **kw)
+    assert needle in str(e.value), str(e.value)
+
+
+def _with_group_flag(*argv: str):
+    p = build_parser()
+    p.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage")   # (Megatron-LM's own flag)
+    return resolve(p.parse_args(list(argv)))
 
 
 def test_opted_in_config_defers_te_weight_gradients_past_megatron_core_check():

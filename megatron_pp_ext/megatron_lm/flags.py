@@ -59,6 +59,8 @@ REFERENCE_NOOP_FLAGS = {
 
 _MARK = "_mppx_extra_args_provider"
 
+#: Megatron-LM's microbatch group of its interleaved order (our interleaved-1f1b takes it)
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 #: Megatron-LM's default --transformer-impl
 TE_DEFAULT = "transformer_engine"
 #: the opt-in to Transformer Engine's own B/W split under a split schedule (runtime/te_policy.py)
@@ -200,6 +202,8 @@ class PipelineOptions:
     a2a_time: float | None = None        # --pipeline-a2a-time (overlapped pairs)
     p2p_strategy: str | None = None      # --p2p-strategy (None: channels; MPPX_EMULATE_NCCL's when emulating)
     te_wgrad_split: bool = False         # --pipeline-te-wgrad-split (TE's own B/W split; unverified)
+    #: Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage as given (None: pp, its default)
+    microbatch_group_size: int | None = None
     notes: tuple[str, ...] = ()          # what an accepted-but-inert flag means here
     flag: str = "--pipeline-schedule"    # the flag that chose the schedule (for errors)
 
@@ -380,6 +384,11 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
     if a2a is not None and not get("overlap_moe_expert_parallel_comm", False):
         raise MegatronLMFlagError("--pipeline-a2a-time is the all-to-all time overlapped pairs hide: it needs "
                                   "--overlap-moe-expert-parallel-comm")
+    group = get("microbatch_group_size_per_vp_stage")   # (before validate_args: None unless given)
+    if group is not None and schedule is not None and schedule != "interleaved-1f1b":
+        raise MegatronLMFlagError(f"{GROUP_FLAG} {group} orders Megatron's interleaved 1F1B; {flag} has its own "
+                                  f"order: drop it (grouped-interleaved: --interleave-group-size), or use "
+                                  "--pipeline-schedule interleaved-1f1b")
     strategy = get("p2p_strategy")
     if strategy is not None and schedule is None:
         raise MegatronLMFlagError(f"--p2p-strategy {strategy} picks megatron_pp_ext's point-to-point; Megatron-Core's "
@@ -389,6 +398,7 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
                            te_wgrad_split=bool(get("pipeline_te_wgrad_split", False)), features=features,
+                           microbatch_group_size=None if group is None else int(group),
                            notes=tuple(notes), flag=flag)
     from ..runtime.ncclenv import check_nccl_environment, emulated_strategy
     from ..trainer.features import one_queue_hangs
@@ -594,21 +604,39 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     placement = tuple(v_placement(pp)) if v else tuple(loop_placement(pp, chunks))
     if pp == 1:
         placement = (0,)
-    gbs = int(args.global_batch_size)  # (with --rampup-batch-size: the final size)
+    gbs = int(args.global_batch_size)  # (with a ramp-up or a step schedule: the final size)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     m = gbs // (int(args.micro_batch_size) * dp)
     if opts.schedule is not None:
-        try:
-            budget = opts.memory_budget
-            built = build_schedule(opts.schedule, pp, m, chunks=chunks, costs=opts.costs, memory_budget=budget,
-                                   with_comm=True, options=_schedule_options(opts), **overlap_of(args, opts))
-        except ScheduleError as e:
-            msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
-            msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
-            raise MegatronLMFlagError(
-                f"{opts.flag} at pp={pp} with {m} microbatches per iteration (--global-batch-size {gbs} / "
-                f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})): {msg}") from None
-        _check_strategy(args, opts, built, pp)
+        # every batch size the run trains with (ramp-up, step schedule, the final one last): each
+        # number of microbatches is built and proven now, not met at the iteration that reaches it
+        from .. import compat
+        mbs, tried = int(args.micro_batch_size), set()
+        decrease = bool(getattr(args, "decrease_batch_size_if_needed", False))
+        for size, src in compat.lm_batch_sizes(args):
+            running = size - size % (mbs * dp) if decrease else size
+            if running <= 0 or running % (mbs * dp):
+                raise MegatronLMFlagError(f"{src}: a global batch size of {size} is not a multiple of --micro-batch-size "
+                                          f"{mbs} x data-parallel size {dp}; give multiples of {mbs * dp}")
+            mi = running // (mbs * dp)
+            if mi in tried:
+                continue
+            group = opts.microbatch_group_size
+            if group is not None and not pp <= group <= mi:   # (Megatron-Core's own bounds)
+                raise MegatronLMFlagError(f"{GROUP_FLAG} {group} must lie between the pipeline size {pp} and the "
+                                          f"microbatches per iteration, {mi} ({src} {size})")
+            tried.add(mi)
+            try:
+                built = build_schedule(opts.schedule, pp, mi, chunks=chunks, costs=opts.costs,
+                                       memory_budget=opts.memory_budget, with_comm=True,
+                                       options=_schedule_options(opts), **overlap_of(args, opts))
+            except ScheduleError as e:
+                msg = str(e).replace("--microbatches", "microbatches").replace("--pp ", "--pipeline-model-parallel-size ")
+                msg = msg.replace("--memory-budget", "--pipeline-memory-budget").replace("--chunks", "chunks per rank")
+                raise MegatronLMFlagError(
+                    f"{opts.flag} at pp={pp} with {mi} microbatches per iteration ({src} {size} / "
+                    f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})): {msg}") from None
+            _check_strategy(args, opts, built, pp)
         if v and not getattr(args, "untie_embeddings_and_output_weights", True):
             notes.append(f"{opts.flag} with tied embeddings: the embedding (stage 0) and the output layer (stage "
                          f"{2 * pp - 1}) are both on pipeline rank 0; their gradients are summed there")
@@ -721,6 +749,9 @@ def _full_iteration_graph(args: argparse.Namespace) -> str | None:
 
 
 def _schedule_options(opts: PipelineOptions) -> dict:
+    out = {}
     if opts.offload is not None and getattr(opts.offload, "interleave_group_size", None) is not None:
-        return {"group_size": opts.offload.interleave_group_size}
-    return {}
+        out["group_size"] = opts.offload.interleave_group_size
+    if opts.microbatch_group_size is not None:
+        out["microbatch_group_size"] = opts.microbatch_group_size
+    return out

@@ -43,6 +43,7 @@ def te_split_refusal(schedule: str | None, *, transformer_impl: str, opted_in: b
                      impl_flag: str, opt_in_flag: str, doc: str, flags: tuple[str, ...] = ()) -> str | None:
     """One line refusing ``schedule`` on ``transformer_impl`` layers, or None when it may run.
 
+    ``schedule_flag``: how the user named the schedule (``--pipeline-schedule zbv``, an alias).
     ``opted_in``: the user asked for TE's own B/W split (``opt_in_flag``); then TE must be
     installed at ``MIN_TE_VERSION`` or later, and at the version Megatron-LM requires with each
     of ``flags`` (``--overlap-grad-reduce``, ``--no-gradient-accumulation-fusion``) given. The
@@ -51,7 +52,7 @@ def te_split_refusal(schedule: str | None, *, transformer_impl: str, opted_in: b
     split = schedule is not None and schedule_info(schedule).split_backward
     on_te = transformer_impl == TE
     if opted_in and not (split and on_te):
-        what = (f"{schedule_flag} {schedule} does not split the backward" if schedule is not None and not split else
+        what = (f"{schedule_flag} does not split the backward" if schedule is not None and not split else
                 "no megatron_pp_ext schedule is chosen" if schedule is None else
                 f"the layers are not Transformer Engine's ({impl_flag} {transformer_impl})")
         return (f"{opt_in_flag} makes Transformer Engine's layers split their backward for a zero-bubble or V "
@@ -59,7 +60,7 @@ def te_split_refusal(schedule: str | None, *, transformer_impl: str, opted_in: b
     if not (split and on_te):
         return None
     if not opted_in:
-        return (f"{schedule_flag} {schedule} splits every backward into B and W, which Transformer Engine's layers "
+        return (f"{schedule_flag} splits every backward into B and W, which Transformer Engine's layers "
                 f"({impl_flag} {TE}) do through TE's delay_wgrad_compute, not yet verified on a GPU: add {impl_flag} "
                 f"local, use a schedule without the split (1f1b, interleaved-1f1b), or opt in with {opt_in_flag} "
                 f"(Transformer Engine >= {'.'.join(map(str, MIN_TE_VERSION))}; {doc})")

@@ -749,7 +749,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     impl = _resolve_transformer_impl(c.transformer_impl, device)
     from ..runtime.te_policy import te_split_refusal
     te_error = te_split_refusal(runtime_schedule, transformer_impl=impl, opted_in=c.te_wgrad_split,
-                                schedule_flag="--schedule", impl_flag="--transformer-impl", opt_in_flag="--te-wgrad-split",
+                                schedule_flag=f"--schedule {runtime_schedule}", impl_flag="--transformer-impl",
+                                opt_in_flag="--te-wgrad-split",
                                 doc="docs/train.md#transformer-engine")
     if te_error is not None:
         _fail(te_error)
