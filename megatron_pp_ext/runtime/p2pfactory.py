@@ -26,6 +26,12 @@ def make_p2p(pp_group, strategy: str | None, *, num_stages: int, num_microbatche
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown p2p strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     kw = dict(num_stages=num_stages, num_microbatches=num_microbatches)
+    bound = _bound_device(pp_group)
+    if strategy == "pairwise" and bound is not None:
+        # (torch then runs every unbatched send and receive of the group on the group's one
+        # communicator and stream, so pairwise's one stream per pair of neighbours does not hold)
+        raise ValueError(f"--p2p-strategy pairwise needs a communicator per pair of ranks, but the process group is "
+                         f"bound to {bound} (init_process_group(device_id=...)): use --p2p-strategy channels")
     if backend == "nccl" and (emulate_nccl or strategy == "tagged"):
         # (threads issuing NCCL ops with tags NCCL ignores: messages matched in the wrong order)
         raise ValueError("the NCCL emulation (MPPX_EMULATE_NCCL, --emulate-nccl) and the tagged p2p strategy are "
@@ -43,3 +49,11 @@ def make_p2p(pp_group, strategy: str | None, *, num_stages: int, num_microbatche
         raise ValueError(f"p2p strategy {strategy!r} is NCCL's (untagged, matched in issue order); on "
                          f"{backend} use 'tagged', or emulate NCCL (--emulate-nccl)")
     return STRATEGIES[strategy](pp_group, **kw)
+
+
+def _bound_device(group) -> object | None:
+    """The device ``group`` (or the default group it came from) is bound to, or None."""
+    found = getattr(group, "bound_device_id", None)
+    if found is None and dist.is_initialized():
+        found = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return found

@@ -231,3 +231,27 @@ def test_emulation_and_tags_are_refused_on_an_nccl_group(monkeypatch, strategy, 
     with pytest.raises(ValueError, match=r"^the NCCL emulation \(MPPX_EMULATE_NCCL, --emulate-nccl\) and the tagged "
                                          r"p2p strategy are for gloo; on NCCL use an NCCL strategy"):
         p2pfactory.make_p2p(object(), strategy, num_stages=2, num_microbatches=2, emulate_nccl=emulate)
+
+
+@pytest.mark.parametrize("backend,emulate", [("nccl", False), ("gloo", True)])
+def test_pairwise_is_refused_on_a_group_bound_to_a_device(monkeypatch, backend, emulate):
+    """With init_process_group(device_id=...) torch runs every unbatched send and receive of a group
+    on its one communicator and stream, so pairwise's stream per pair does not hold: refused in one
+    line naming channels (on NCCL and under its emulation); the other strategies are not. (torch
+    binds only accelerator devices, so the bound group is a stand-in here.)"""
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import p2pfactory
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    group = types.SimpleNamespace(bound_device_id="cuda:0")
+    with pytest.raises(ValueError) as e:
+        p2pfactory.make_p2p(group, "pairwise", num_stages=2, num_microbatches=2, emulate_nccl=emulate)
+    assert str(e.value) == ("--p2p-strategy pairwise needs a communicator per pair of ranks, but the process group is "
+                            "bound to cuda:0 (init_process_group(device_id=...)): use --p2p-strategy channels")
+    monkeypatch.setitem(p2pfactory.STRATEGIES, "channels", lambda group, **kw: ("channels", group))
+    monkeypatch.setattr(p2pfactory, "EmulatedNCCL", lambda group, strategy, **kw: ("emulated", strategy))
+    got = p2pfactory.make_p2p(group, "channels", num_stages=2, num_microbatches=2, emulate_nccl=emulate)
+    assert got == (("emulated", "channels") if emulate else ("channels", group))
