@@ -349,6 +349,21 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
      "cannot run inside a full-iteration CUDA graph (--cuda-graph-scope full_iteration)"),
     (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "full_iteration"},   # megatron-core 0.19's spelling
      "cannot run inside a full-iteration CUDA graph (--cuda-graph-impl full_iteration)"),
+    # what acts in or around Megatron-Core's own schedule function, which our executor replaces
+    (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local with --pipeline-schedule "
+     "zbv: Megatron captures its CUDA graphs in the order of its own schedule function"),
+    (["--pipeline-schedule", "zbv"], {"cuda_graph_impl": "transformer_engine"}, "--cuda-graph-impl transformer_engine"),
+    (["--pipeline-schedule", "1f1b"], {"enable_cuda_graph": True}, "--enable-cuda-graph with --pipeline-schedule 1f1b"),
+    (["--pipeline-schedule", "1f1b"], {"external_cuda_graph": True}, "--external-cuda-graph with"),
+    (["--pipeline-schedule", "zbv"], {"fine_grained_activation_offloading": True},
+     "use megatron_pp_ext's --activation-offload (docs/offload.md)"),
+    (["--pipeline-schedule", "zbv"], {"moe_paged_stash": True}, "--moe-paged-stash with --pipeline-schedule zbv"),
+    (["--pipeline-schedule", "zbv"], {"pipeline_model_parallel_comm_backend": "ucc"},
+     "--pipeline-model-parallel-comm-backend ucc with"),
+    (["--pipeline-schedule", "zbv"], {"high_priority_stream_groups": ["dp", "pp"]},
+     "--high-priority-stream-groups pp with"),
+    (["--pipeline-schedule", "zbv"], {"nccl_communicator_config_path": "nccl.yaml"},
+     "--nccl-communicator-config-path with"),
     (["--pipeline-schedule", "1f1b", "--bpipe"], {"mtp_num_layers": 1, "pipeline_model_parallel_size": 4},
      "--mtp-num-layers with bpipe: not supported together yet"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},

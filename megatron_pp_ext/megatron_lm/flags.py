@@ -598,6 +598,9 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if graph is not None:
             raise MegatronLMFlagError(f"{opts.flag} cannot run inside a full-iteration CUDA graph ({graph}); drop "
                                       "one of them")
+        around = _around_schedule(args, opts)
+        if around is not None:
+            raise MegatronLMFlagError(around)
         if getattr(args, "mtp_num_layers", None) and opts.features:
             raise MegatronLMFlagError(f"--mtp-num-layers with {', '.join(n for n, _ in opts.features)}: not supported "
                                       "together yet; drop one of them")
@@ -732,6 +735,37 @@ def _check_strategy(args: argparse.Namespace, opts: PipelineOptions, built, pp: 
                        "MPPX_EMULATE_NCCL" if emulated is not None else "the default --p2p-strategy")
     except StrategyError as e:
         raise MegatronLMFlagError(str(e).replace("--pp ", "--pipeline-model-parallel-size ")) from None
+
+
+def _around_schedule(args: argparse.Namespace, opts: PipelineOptions) -> str | None:
+    """One line refusing a Megatron-LM argument that acts in or around Megatron-Core's own schedule
+    function -- which our executor replaces, so it would silently do nothing or the wrong thing --
+    or None. (docs/megatron_lm.md#megatron-lm-arguments-around-the-schedule-function)"""
+    get = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    impl = str(get("cuda_graph_impl", "none") or "none")
+    graph = ("--enable-cuda-graph" if get("enable_cuda_graph") else "--external-cuda-graph"
+             if get("external_cuda_graph") else f"--cuda-graph-impl {impl}" if impl != "none" else None)
+    if graph is not None:
+        return (f"{graph} with {opts.flag}: Megatron captures its CUDA graphs in the order of its own schedule "
+                "function (and creates them after each call of it), which megatron_pp_ext replaces; drop it")
+    if get("fine_grained_activation_offloading"):
+        return (f"--fine-grained-activation-offloading with {opts.flag}: its offload manager is reset after each call "
+                "of Megatron-Core's own schedule function and assumes that function's backward order; drop it and "
+                "use megatron_pp_ext's --activation-offload (docs/offload.md)")
+    if get("moe_paged_stash"):
+        return (f"--moe-paged-stash with {opts.flag}: the stash is reset at the start of each call of Megatron-Core's "
+                "own schedule function, which megatron_pp_ext replaces; drop it")
+    backend = get("pipeline_model_parallel_comm_backend")
+    if backend not in (None, "nccl"):
+        return (f"--pipeline-model-parallel-comm-backend {backend} with {opts.flag}: megatron_pp_ext's point-to-point "
+                "runs on NCCL communicators of its own; drop it")
+    if "pp" in (get("high_priority_stream_groups") or []):
+        return (f"--high-priority-stream-groups pp with {opts.flag}: megatron_pp_ext's pipeline communicators do not "
+                "take stream priorities yet; leave pp out of it")
+    if get("nccl_communicator_config_path"):
+        return (f"--nccl-communicator-config-path with {opts.flag}: megatron_pp_ext's pipeline communicators do not "
+                "take the pipeline group's NCCL options yet; drop it (or set the NCCL_* environment variables)")
+    return None
 
 
 def _full_iteration_graph(args: argparse.Namespace) -> str | None:
