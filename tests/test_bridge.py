@@ -153,6 +153,29 @@ def test_what_cannot_run_is_refused_in_one_line_in_bridge_keys(model, settings, 
     assert not re.search(r"(?<![\w.])--[a-z]", msg), msg   # no Megatron-LM flag left in a Bridge message
 
 
+def test_split_schedule_on_bridges_transformer_engine_layers_is_refused(monkeypatch):
+    """With Transformer Engine installed, Bridge's default layer spec builds TE layers: a schedule that
+    splits B and W is refused (TE's own split is neither verified on a GPU nor set up through
+    Bridge), naming Bridge's local_layer_spec; a fused schedule and the local spec run."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+
+    def default_layer_spec(config):   # (Bridge's default's name)
+        return None
+
+    def local_layer_spec(config):
+        return None
+
+    msg = str(pytest.raises(BridgeConfigError, plan_for, bridge_cfg(transformer_layer_spec=default_layer_spec),
+                            {"schedule": "zbv"}).value)
+    assert msg.startswith("mppx.schedule=zbv splits every backward into B and W") and "local_layer_spec" in msg, msg
+    assert plan_for(bridge_cfg(transformer_layer_spec=default_layer_spec), {"schedule": "1f1b"}).pp == 2
+    assert plan_for(bridge_cfg(transformer_layer_spec=local_layer_spec), {"schedule": "zbv"}).v
+
+
 def test_bridge_only_refusals():
     cfg = bridge_cfg()
     cfg.dist.use_decentralized_pg = True

@@ -152,7 +152,20 @@ def megatron_args(cfg: Any, world_size: int | None = None) -> argparse.Namespace
         init_method_std=float(get(m, "init_method_std", 0.02)),
         swiglu=bool(get(m, "gated_linear_unit", False)),
         apply_layernorm_1p=bool(get(m, "layernorm_zero_centered_gamma", False)),
+        transformer_impl=bridge_layers(m),
     )
+
+
+def bridge_layers(model: Any) -> str:
+    """The layers a Bridge model config builds, as Megatron-LM's ``--transformer-impl`` names them:
+    ``local`` for Bridge's ``local_layer_spec`` (or any spec named local), else Transformer Engine's
+    where it is installed (Bridge's default spec then builds TE layers); without Transformer Engine
+    the CPU compatibility layer puts in the local spec (bridge/cpu_compat.py)."""
+    import importlib.util
+    spec = getattr(model, "transformer_layer_spec", None)
+    if "local" in str(getattr(spec, "__name__", "") or ""):
+        return "local"
+    return "transformer_engine" if importlib.util.find_spec("transformer_engine") is not None else "local"
 
 
 #: Megatron-LM flags the integration's messages name -> (Bridge's key, what a value after it looks
