@@ -534,7 +534,10 @@ def test_install_falls_through_and_uninstall_restores(fake_megatron):
         for k, v in vars(margs(pipeline_model_parallel_size=4)).items():
             setattr(ns, k, v)
         ns.virtual_pipeline_model_parallel_size = 2   # (the stand-in validate_args does not derive it)
+        ns.distributed_timeout_minutes = 45
         f.initialize.validate_args(ns)
+        from megatron_pp_ext.runtime import p2p
+        assert p2p.group_timeout_kwargs()["timeout"].total_seconds() == 2700   # our groups: Megatron's timeout
         plan = integration.current_plan()
         assert plan is not None and plan.v and plan.placement == (0, 1, 2, 3, 3, 2, 1, 0)
         layout = ns.pipeline_model_parallel_layout
@@ -543,7 +546,7 @@ def test_install_falls_through_and_uninstall_restores(fake_megatron):
         assert kw["get_embedding_ranks"]([0, 4, 8]) == [0]   # V: the last stage is on the first rank
     finally:
         integration.uninstall()
-    assert not integration.installed()
+    assert not integration.installed() and p2p.group_timeout_kwargs() == {}
     for n, v in before.items():
         assert getattr(f.training, n) is v, n
     assert f.initialize.validate_args is before_v

@@ -73,6 +73,10 @@ def _make_validate_args(orig: Callable) -> Callable:
         except MegatronLMFlagError as e:
             flag_error(e)
         _st.current.plan = plan
+        minutes = getattr(args, "distributed_timeout_minutes", None)
+        if minutes:   # (our communicators time out as Megatron-LM's own groups do)
+            from ..runtime.p2p import set_group_timeout
+            set_group_timeout(60.0 * float(minutes))
         if plan.te_wgrad_split:   # (the DDP config reads it from args; the model's config: below)
             args.delay_wgrad_compute = True
         for _, _, _, fp in _st.current.features:
@@ -344,6 +348,8 @@ def uninstall() -> None:
                 pass
     st.saved.clear()
     _st.current = None
+    from ..runtime.p2p import set_group_timeout
+    set_group_timeout(None)   # (validate_args set Megatron-LM's; torch's default again)
     if st.compat is not None:
         st.compat.close()
 

@@ -291,6 +291,25 @@ def channels_of(schedule: Schedule) -> list[tuple[int, int, str]]:
 _GROUPS: dict[str, dict] = {}
 _GROUPS_OF: list = [None]
 
+#: the timeout of the process groups this package creates when its caller gives none (seconds;
+#: None: torch's default, 10 minutes on NCCL). Megatron-LM creates every group of its own with
+#: --distributed-timeout-minutes; its integration sets the same here (:func:`set_group_timeout`).
+_GROUP_TIMEOUT_S: list = [None]
+
+
+def set_group_timeout(seconds: float | None) -> None:
+    """The timeout of the groups created from now on without one of their own (None: torch's)."""
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"group timeout {seconds!r}: must be a positive number of seconds")
+    _GROUP_TIMEOUT_S[0] = seconds
+
+
+def group_timeout_kwargs(timeout: float | None = None) -> dict:
+    """``{"timeout": timedelta}`` for ``new_group`` (``timeout``, else :func:`set_group_timeout`'s), or {}."""
+    seconds = timeout if timeout is not None else _GROUP_TIMEOUT_S[0]
+    return {} if seconds is None else {"timeout": _timedelta(seconds)}
+
+
 #: how :func:`member_groups` creates groups: "local" (by their members only, runtime/localgroups.py)
 #: or "world" (``new_group`` on every process, after an all-gather of every process's labels)
 SYNC = ("local", "world")
@@ -318,7 +337,7 @@ def member_groups(wanted: dict, backend: str, *, timeout: float | None = None, s
         raise ValueError(f"sync={sync!r}: one of {', '.join(SYNC)}")
     cache = _GROUPS.setdefault(backend, {})
     me = dist.get_rank()
-    kw = {} if timeout is None else {"timeout": _timedelta(timeout)}
+    kw = group_timeout_kwargs(timeout)
     todo_mine = sorted((lbl, tuple(r)) for lbl, r in wanted.items() if lbl not in cache)
     if sync == "local":
         for lbl, ranks in todo_mine:   # (this process's groups, in the global order; create refuses a non-member)

@@ -255,3 +255,19 @@ def test_pairwise_is_refused_on_a_group_bound_to_a_device(monkeypatch, backend, 
     monkeypatch.setattr(p2pfactory, "EmulatedNCCL", lambda group, strategy, **kw: ("emulated", strategy))
     got = p2pfactory.make_p2p(group, "channels", num_stages=2, num_microbatches=2, emulate_nccl=emulate)
     assert got == (("emulated", "channels") if emulate else ("channels", group))
+
+
+def test_our_groups_take_the_timeout_megatron_lm_gives_its_own(monkeypatch):
+    """--distributed-timeout-minutes reaches the communicators megatron_pp_ext creates (the
+    integration calls set_group_timeout in validate_args); a timeout given by the caller wins;
+    unset, torch's default."""
+    import datetime
+
+    from megatron_pp_ext.runtime import p2p
+    monkeypatch.setattr(p2p, "_GROUP_TIMEOUT_S", [None])
+    assert p2p.group_timeout_kwargs() == {}
+    p2p.set_group_timeout(60.0 * 45)
+    assert p2p.group_timeout_kwargs() == {"timeout": datetime.timedelta(minutes=45)}
+    assert p2p.group_timeout_kwargs(30.0) == {"timeout": datetime.timedelta(seconds=30)}
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        p2p.set_group_timeout(0)

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ...runtime.communicators import warm_up_groups
+from ...runtime.p2p import group_timeout_kwargs
 from .config import VocabConfigError
 
 __all__ = ["VocabGroups"]
@@ -86,7 +87,7 @@ class VocabGroups:
         created: list = []   # (group, members) in creation order: the order of their warm-up
 
         def new(ranks: list, name: str):
-            grp = dist.new_group(ranks=ranks, group_desc=f"mppx-vocab-{name}")
+            grp = dist.new_group(ranks=ranks, group_desc=f"mppx-vocab-{name}", **group_timeout_kwargs())
             created.append((grp, ranks))
             return grp
 
