@@ -141,6 +141,24 @@ def test_a_stress_case_that_hangs_is_a_result_line_not_a_failure(tmp_path):
     assert r.results.failed and r.hung == "plain case"
 
 
+def test_an_exclusive_gpu_runs_the_one_rank_steps_and_says_why_the_rest_is_skipped(tmp_path, monkeypatch):
+    """A GPU in Exclusive_Process mode admits one CUDA context: the one-rank steps run in a
+    one-worker pool, the NCCL steps are skipped with the reason in results.md (a --cpu run acts as
+    the compute mode GPU_CHECK_COMPUTE_MODE names)."""
+    monkeypatch.setenv("GPU_CHECK_COMPUTE_MODE", "Exclusive_Process")
+    p = _script("--cpu", "--quick", "--only", "wgrad,nccl,train", "--out", str(tmp_path))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    by_step = {c["step"]: c for c in doc["checks"]}
+    assert all(c["status"] == "pass" for c in doc["checks"] if c["step"] == "wgrad")
+    for step in ("nccl", "train"):
+        assert by_step[step]["status"] == "skip" and "compute mode is Exclusive_Process" in by_step[step]["detail"]
+    assert "one-worker pool" in (tmp_path / "results.md").read_text()
+    from benchmarks.gpu_check.main import exclusive_reason
+    assert exclusive_reason("Default") is None and exclusive_reason("") is None
+    assert "Prohibited" in exclusive_reason("Prohibited")
+
+
 def test_communicator_memory_figures():
     """c per communicator, k per connection: one way 8 x (2c + 2k), both ways 8 x (2c + 4k)."""
     from benchmarks.gpu_check.commcheck import figures

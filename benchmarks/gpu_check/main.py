@@ -113,6 +113,21 @@ def _gpu_info() -> dict:
         return {"nvidia_smi_error": f"{type(e).__name__}: {e}"}
 
 
+#: what a --cpu run acts as the GPU's compute mode (to exercise the one-context path in CI)
+COMPUTE_MODE_ENV = "GPU_CHECK_COMPUTE_MODE"
+
+
+def exclusive_reason(compute_mode: str | None) -> str | None:
+    """Why the GPU admits one CUDA context at a time (its compute mode, from nvidia-smi), or None
+    in Default mode: the NCCL ranks, four processes sharing the GPU, cannot run there."""
+    mode = (compute_mode or "").strip()
+    if not mode or mode.lower() == "default":
+        return None
+    return (f"the GPU's compute mode is {mode}: one CUDA context at a time, so the NCCL ranks (processes sharing "
+            "the GPU) cannot run; the one-rank steps ran in a one-worker pool (as root, nvidia-smi -c DEFAULT "
+            "allows the rest)")
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
@@ -133,6 +148,10 @@ class Runner:
         self.one_queue = False
         #: the name of the first configuration that hung: the NCCL part stops there
         self.hung: str | None = None
+        #: why only one process may use the GPU (its compute mode), or None: then the pool has one
+        #: worker and the multi-rank steps are skipped with this reason
+        self.exclusive = exclusive_reason(results.env.get("compute_mode") if not mode.cpu
+                                          else os.environ.get(COMPUTE_MODE_ENV))
 
     @property
     def suffix(self) -> str:
@@ -150,17 +169,18 @@ class Runner:
         from megatron_pp_ext.runtime.shared_gpu import shared_gpu_env
         # (set in the workers before CUDA starts; on --cpu the emulated NCCL rules read it)
         queue = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if self.one_queue else {}
+        n = 1 if self.exclusive else 4
         if self.mode.cpu:
-            spawn = {"start_method": "spawn", "rank_env": [shared_gpu_env(i, tag="cpu") for i in range(4)]}
-            self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=1, env=queue,
+            spawn = {"start_method": "spawn", "rank_env": [shared_gpu_env(i, tag="cpu") for i in range(n)]}
+            self.pool = WorkerPool(n, timeout=self.mode.parity_timeout, threads=1, env=queue,
                                    **(spawn if self.args.spawn else {}))
             return
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **queue}
         tag = f"gpu-check-{os.getpid()}"
         preload = DEFAULT_PRELOAD + ("megatron_pp_ext.runtime.setup", "megatron_pp_ext.runtime.executor")
-        self.pool = WorkerPool(4, timeout=self.mode.parity_timeout, threads=2, backend="nccl", env=env,
-                               rank_env=[shared_gpu_env(i, tag=tag) for i in range(4)], preload=preload)
+        self.pool = WorkerPool(n, timeout=self.mode.parity_timeout, threads=2, backend="nccl", env=env,
+                               rank_env=[shared_gpu_env(i, tag=tag) for i in range(n)], preload=preload)
 
     def close(self) -> None:
         if self.pool is not None:

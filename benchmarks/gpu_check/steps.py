@@ -362,6 +362,14 @@ def run_all(r) -> None:
     for step, fn in (("wgrad", _wgrad), ("optimes", _optimes), ("memory", _memory), ("offload", _offload)):
         if r.wanted(step):
             fn(r)
+    if r.exclusive:   # (one CUDA context at a time: no NCCL ranks; the sanitizer is a one-rank step)
+        for step in ("nccl", "host", "onequeue", "train"):
+            if r.wanted(step):
+                r.results.add(Check(step, f"the {step} step", "skip", r.exclusive))
+        if r.wanted("sanitizer"):
+            r.reserve = 0.0
+            _sanitizer(r)
+        return
     nccl = r.wanted("nccl") or r.wanted("host")
     if nccl:
         _nccl_pass(r)
