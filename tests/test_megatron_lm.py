@@ -508,6 +508,31 @@ def fake_megatron(monkeypatch):
     return types.SimpleNamespace(pkg=pkg, training=tr, initialize=ini, utils=ut, sentinel=sentinel)
 
 
+def test_no_overlap_p2p_communication_runs_a_v_schedule_at_pp2(fake_megatron):
+    """Megatron-LM asserts pp > 2 for virtual stages without p2p overlap (for its own batched
+    exchanges, which our executor does not use): a V schedule at pp=2 with
+    --no-overlap-p2p-communication passes its validate_args, and the flag stays as given."""
+    from megatron_pp_ext.megatron_lm import integration
+    f = fake_megatron
+
+    def validate_args(args, defaults={}):  # noqa: B006 - core_v0.19's rule, as Megatron-LM words it
+        if args.virtual_pipeline_model_parallel_size is not None and not args.overlap_p2p_comm:
+            assert args.pipeline_model_parallel_size > 2, "pipeline-model-parallel size should be greater than 2"
+        return args
+
+    f.initialize.validate_args = validate_args
+    integration.install(cpu_compat=False)
+    try:
+        ns = build_parser().parse_args(["--pipeline-schedule", "zbv"])
+        for k, v in vars(margs(pipeline_model_parallel_size=2)).items():
+            setattr(ns, k, v)
+        ns.virtual_pipeline_model_parallel_size, ns.overlap_p2p_comm = 2, False
+        f.initialize.validate_args(ns)
+        assert integration.current_plan().v and ns.overlap_p2p_comm is False
+    finally:
+        integration.uninstall()
+
+
 def test_install_falls_through_and_uninstall_restores(fake_megatron):
     from megatron_pp_ext.megatron_lm import integration
     f = fake_megatron

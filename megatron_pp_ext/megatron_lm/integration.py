@@ -57,8 +57,16 @@ def _make_validate_args(orig: Callable) -> Callable:
         except MegatronLMFlagError as e:
             flag_error(e)
         _cpu_backend(args)
+        # Megatron-LM asserts pp > 2 for a run with virtual stages and --no-overlap-p2p-communication
+        # (its own batched exchanges between the same two ranks); our executor uses neither, and a V
+        # schedule has two stages per rank at any pp: the assertion is not ours to meet
+        no_overlap = opts is not None and opts.active and getattr(args, "overlap_p2p_comm", None) is False
+        if no_overlap:
+            args.overlap_p2p_comm = True
         out = orig(args, defaults)
         args = out if isinstance(out, argparse.Namespace) else args
+        if no_overlap:
+            args.overlap_p2p_comm = False
         try:
             plan = check_megatron_args(args, opts, lps)
         except MegatronLMFlagError as e:
