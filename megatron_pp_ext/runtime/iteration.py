@@ -30,6 +30,25 @@ __all__ = ["Iteration", "OpTiming", "State", "COMPUTE_KINDS", "COMM_KINDS"]
 COMPUTE_KINDS = frozenset({"F", "B", "W", "BW"})
 COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 
+#: Megatron-LM's --timing-log-level 2 timer of the compute ops Megatron-Core's forward_step /
+#: backward_step do not time themselves (they time F, B and BW): W, backward compute as in
+#: Megatron-Core's own backward, which computes it there
+COMPUTE_TIMERS = {"W": "backward-compute"}
+_SENDS_RECVS = {"SEND_F": ("forward", ""), "SEND_B": ("backward", ""), "RECV_F": ("", "forward"),
+                "RECV_B": ("", "backward")}
+
+
+def comm_timer(kinds) -> str:
+    """Megatron-LM's level-2 timer name for a batch of point-to-point ops of ``kinds``
+    (``forward-send``, ``backward-send-forward-recv``, ...; Megatron-Core's names for its own)."""
+    sends = sorted({_SENDS_RECVS[k][0] for k in kinds} - {""})
+    recvs = sorted({_SENDS_RECVS[k][1] for k in kinds} - {""})
+    if len(sends) > 1 or len(recvs) > 1:
+        return "forward-backward-send-forward-backward-recv"
+    parts = [f"{sends[0]}-send"] if sends else []
+    parts += [f"{recvs[0]}-recv"] if recvs else []
+    return "-".join(parts)
+
 
 @dataclass
 class OpTiming:
@@ -162,6 +181,16 @@ class Iteration:
         if self.timings is not None:
             span = (ts, te) if self.events else (ts - self.t0, te - self.t0)
             self.timings.append(OpTiming(str(op), op.kind, op.stage, op.microbatch, *span))
+
+    def _timer(self, name: str | None):
+        """Megatron's timer ``name`` at log level 2, started (None without timers or a name): what
+        --timing-log-level 2 prints for Megatron-Core's own schedule, for ours."""
+        timers = getattr(self.config, "timers", None)
+        if timers is None or name is None:
+            return None
+        timer = timers(name, log_level=2)
+        timer.start()
+        return timer
 
     def _hook(self, op: Op, phase: str) -> None:
         if self.ex.op_hook is not None:
@@ -415,9 +444,12 @@ class Iteration:
             if self.emu is not None:
                 self.emu.begin(o)
             self._hook(o, "before")
+        timer = self._timer(comm_timer({o.kind for o in batch}))
         ts = self.now()
         self.comm(batch)
         te = self.now()
+        if timer is not None:
+            timer.stop()
         for o in batch:
             self._hook(o, "after")
             self._record(o, ts, te)
@@ -431,6 +463,7 @@ class Iteration:
             emu.begin(op)
         self._hook(op, "before")
         nccl_rules.compute(str(op))   # (under one emulated hardware queue: after every op issued before)
+        timer = self._timer(COMPUTE_TIMERS.get(op.kind))
         ts = self.now()
         if emu is not None and op.kind not in COMPUTE_KINDS and op.kind not in PAIR_KINDS:
             emu.feature_op(op)  # (its cost-model time, on its stream; the handler is not run)
@@ -439,6 +472,8 @@ class Iteration:
         if emu is not None:
             emu.end(op)
         te = self.now()
+        if timer is not None:
+            timer.stop()
         self._hook(op, "after")
         self._record(op, ts, te)
         if self.train:

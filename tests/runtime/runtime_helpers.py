@@ -123,14 +123,36 @@ def refused_before_any_step(cfg) -> dict:
                 "grads_zero": grads_zero, "params_unchanged": same}
 
 
-def op_trace(cfg, hook_sleep: float = 0.0) -> dict:
+class TimerLog:
+    """Megatron-LM's ``config.timers`` stand-in: records (name, log level, start/stop)."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def __call__(self, name, log_level=None):
+        log = self.events
+
+        class _Timer:
+            def start(self, barrier=False):
+                log.append((name, log_level, "start"))
+
+            def stop(self, barrier=False):
+                log.append((name, log_level, "stop"))
+        return _Timer()
+
+
+def op_trace(cfg, hook_sleep: float = 0.0, timers: bool = False) -> dict:
     """Run one iteration with timings and an op hook (sleeping ``hook_sleep`` seconds at every
     compute op's boundaries, as an instrument such as the trainer's memory probe costs time
-    there); return what they saw."""
+    there); return what they saw. ``timers``: Megatron-LM's timers on the config, recorded."""
     import time
     from megatron_pp_ext.runtime.setup import setup_training
 
     tr = setup_training(cfg)
+    log = TimerLog()
+    if timers:
+        from megatron.core.utils import get_model_config
+        get_model_config(tr.model[0]).timers = log
     seen = []
 
     def hook(op, phase):
@@ -145,7 +167,7 @@ def op_trace(cfg, hook_sleep: float = 0.0) -> dict:
     rank = parallel_state.get_pipeline_model_parallel_rank()
     return {"ops": [str(o) for o in sched.ops[rank]], "seen": seen,
             "timings": [(t.op, t.kind, t.start, t.end) for t in tr.executor.last_timings],
-            "bytes": tr.executor.last_p2p_bytes, "rank": dist.get_rank()}
+            "bytes": tr.executor.last_p2p_bytes, "rank": dist.get_rank(), "timers": log.events}
 
 
 # --- gradient_accumulation_fusion on the CPU (test_runtime_parity) ---------------------------------

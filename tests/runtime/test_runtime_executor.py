@@ -288,6 +288,28 @@ def test_timings_and_op_hook(pool):
         assert r["bytes"][0] > 0 and r["bytes"][1] > 0
 
 
+def test_timing_log_level_two_times_w_and_the_point_to_point(pool):
+    """--timing-log-level 2: Megatron-Core's forward_step / backward_step time F and B themselves;
+    our executor adds every W to backward-compute and every batch of sends and receives to the p2p
+    timer of Megatron-Core's name for it, each started and stopped once, at log level 2."""
+    from megatron_pp_ext.runtime.iteration import comm_timer
+    cfg = config("gpt", schedule="zbv", pp=2, m=4, record_timings=True, steps=1)
+    for r in pool.run(op_trace, 2, cfg=cfg, timers=True):
+        ev = r["timers"]
+        kinds = [t[1] for t in r["timings"]]
+        starts = [(n, lvl) for n, lvl, ph in ev if ph == "start"]
+        assert len(starts) == len([e for e in ev if e[2] == "stop"])
+        assert sum(n == "forward-compute" for n, _ in starts) == kinds.count("F")
+        assert sum(n == "backward-compute" for n, _ in starts) == sum(k in ("B", "W", "BW") for k in kinds)
+        assert kinds.count("W") > 0
+        p2p = [(n, lvl) for n, lvl in starts if n.endswith("-send") or n.endswith("-recv")]
+        assert p2p and all(lvl == 2 for _, lvl in p2p)
+        names = {comm_timer({k}) for k in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")}
+        assert {n for n, _ in p2p} <= names | {"forward-send-backward-recv", "backward-send-forward-recv",
+                                               "forward-send-forward-recv", "backward-send-backward-recv",
+                                               "forward-backward-send-forward-backward-recv"}
+
+
 def test_op_timings_exclude_what_the_op_hooks_cost(pool):
     """The op intervals --profile-iters feeds back are the ops' own: an instrument in the op hook
     (the trainer's per-op memory probe reads /proc twice and writes clear_refs at each boundary)
