@@ -364,6 +364,7 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
      "--high-priority-stream-groups pp with"),
     (["--pipeline-schedule", "zbv"], {"nccl_communicator_config_path": "nccl.yaml"},
      "--nccl-communicator-config-path with"),
+    (["--pipeline-schedule", "zbv"], {"inprocess_restart": True}, "--inprocess-restart with --pipeline-schedule zbv"),
     (["--pipeline-schedule", "1f1b", "--bpipe"], {"mtp_num_layers": 1, "pipeline_model_parallel_size": 4},
      "--mtp-num-layers with bpipe: not supported together yet"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},

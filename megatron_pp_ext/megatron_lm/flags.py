@@ -762,6 +762,10 @@ def _around_schedule(args: argparse.Namespace, opts: PipelineOptions) -> str | N
     if "pp" in (get("high_priority_stream_groups") or []):
         return (f"--high-priority-stream-groups pp with {opts.flag}: megatron_pp_ext's pipeline communicators do not "
                 "take stream priorities yet; leave pp out of it")
+    if get("inprocess_restart"):
+        return (f"--inprocess-restart with {opts.flag}: a restart within the process does not yet reset "
+                "megatron_pp_ext's executor, stage placement and tied pairs; drop it (a restart of the job resumes "
+                "from its checkpoint)")
     if get("nccl_communicator_config_path"):
         return (f"--nccl-communicator-config-path with {opts.flag}: megatron_pp_ext's pipeline communicators do not "
                 "take the pipeline group's NCCL options yet; drop it (or set the NCCL_* environment variables)")
