@@ -159,6 +159,26 @@ def test_an_exclusive_gpu_runs_the_one_rank_steps_and_says_why_the_rest_is_skipp
     assert "Prohibited" in exclusive_reason("Prohibited")
 
 
+def test_the_sanitizer_step_is_bounded_by_the_budget(tmp_path):
+    """The sanitizer, the longest step and the last, gets at most what is left of the budget plus
+    BUDGET_TAIL_S, and is skipped with under STEP_MIN_S left: the run ends near its budget."""
+    import types
+
+    from benchmarks.gpu_check.main import BUDGET_TAIL_S, STEP_MIN_S, Runner
+    from benchmarks.gpu_check.report import Results
+    from benchmarks.gpu_check.sizes import Mode
+    r = Runner(types.SimpleNamespace(budget=420.0, only=None), Mode(cpu=True, quick=False),
+               Results(tmp_path, mode="cpu", argv=[]))
+    r.t0 -= 100.0                       # 100 s into the run: the step's own limit holds
+    assert r.step_limit(240.0) == 240.0
+    r.t0 -= 300.0                       # 400 s in: what is left of 420 + the tail
+    assert r.step_limit(240.0) == pytest.approx(420.0 + BUDGET_TAIL_S - 400.0, abs=1.0)
+    r.t0 -= 460.0 + BUDGET_TAIL_S - STEP_MIN_S - 400.0   # too little left: skipped
+    assert r.step_limit(240.0) is None
+    r.budget = 0.0                      # no budget: the step's own limit
+    assert r.step_limit(240.0) == 240.0
+
+
 def test_communicator_memory_figures():
     """c per communicator, k per connection: one way 8 x (2c + 2k), both ways 8 x (2c + 4k)."""
     from benchmarks.gpu_check.commcheck import figures

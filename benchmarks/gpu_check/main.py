@@ -31,6 +31,9 @@ STEPS = ("nccl", "host", "train", "wgrad", "optimes", "memory", "offload", "sani
 #: step that starts in time runs to its end, so the run ends within about 40 s of this
 DEFAULT_BUDGET = {"gpu": 420.0, "gpu-quick": 140.0, "cpu": 0.0, "cpu-quick": 0.0}
 SANITIZER_RESERVE = 45.0
+#: a step bounded by the budget (the sanitizer) ends at most this long after it, and does not start
+#: with less than STEP_MIN_S of its time left
+BUDGET_TAIL_S, STEP_MIN_S = 40.0, 30.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +239,14 @@ class Runner:
             self.results.add(Check(step, name, "fail", f"{type(e).__name__}: {_last_line(str(e))}",
                                    time.monotonic() - t))
         return None, time.monotonic() - t
+
+    def step_limit(self, limit: float) -> float | None:
+        """A step's time limit within the budget: ``limit``, or what is left of budget + BUDGET_TAIL_S
+        when less; None when under STEP_MIN_S would be left (the step is then skipped)."""
+        if not self.budget:
+            return limit
+        left = self.budget + BUDGET_TAIL_S - (time.monotonic() - self.t0)
+        return None if left < STEP_MIN_S else min(limit, left)
 
     def skip_if_over(self, step: str, name: str) -> bool:
         if self.over_budget():

@@ -333,8 +333,12 @@ def _sanitizer(r) -> None:
         return
     if r.skip_if_over("sanitizer", name):
         return
+    limit = r.step_limit(240.0)   # (bounded by the budget: it is the longest step and runs last)
+    if limit is None:
+        r.results.add(Check("cuda", name, "skip", f"time budget of {r.budget:g} s: too little left for it"))
+        return
     spec = r.mode.parity_spec("gpt")
-    got, dt = r.run("cuda", name, offload_worker, 1, timeout=240.0, spec=spec, seq=spec.max_sequence_length,
+    got, dt = r.run("cuda", name, offload_worker, 1, timeout=limit, spec=spec, seq=spec.max_sequence_length,
                     sanitize=True, timing=False)
     if got is None:
         return
