@@ -738,12 +738,14 @@ def mtp_inner_layer(layer: Any) -> Any:
     return inner if inner is not None else layer.mtp_model_layer
 
 
-def fine_grained_plan() -> Callable | None:
+def fine_grained_plan(comm_stream: Any = None) -> Callable | None:
     """Megatron-Core's combined forward-backward step over its fine-grained schedule plan
     (``combined_1f1b.combined_forward_backward_step``: ``GPTModel.build_schedule_plan`` and
     ``TransformerModelChunkSchedulePlan.run``, what ``--overlap-moe-expert-parallel-comm`` runs),
     or None where this megatron-core lacks it. Its streams are set up first: the communication
-    stream (core 0.16 also keeps the compute stream; core 0.19 reads the current one)."""
+    stream (``comm_stream``; None: Megatron-Core's own draw from PyTorch's pool, which runs out
+    where the first call of the process set one) -- core 0.16 also keeps the compute stream, core
+    0.19 reads the current one; both take ``comm_stream=``."""
     try:
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.pipeline_parallel import combined_1f1b, utils as pp_utils
@@ -752,7 +754,8 @@ def fine_grained_plan() -> Callable | None:
     step = getattr(combined_1f1b, "combined_forward_backward_step", None)
     if step is None or not hasattr(GPTModel, "build_schedule_plan") or not hasattr(pp_utils, "set_streams"):
         return None
-    pp_utils.set_streams()   # (idempotent; the arguments differ between releases, the defaults do not)
+    # (idempotent; the positional arguments differ between releases, the keyword does not)
+    pp_utils.set_streams(**({} if comm_stream is None else {"comm_stream": comm_stream}))
     return step
 
 

@@ -371,3 +371,17 @@ def test_moe_metrics_read_clear_and_reset():
     compat.moe_without_te()
     x, w = torch.randn(3, 4), torch.randn(2, 4)
     assert torch.equal(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())
+
+
+def test_the_pairs_communication_stream_is_the_one_given(monkeypatch):
+    """Overlapped pairs hand Megatron-Core's fine-grained plan a stream of their own on CUDA (a pool
+    stream could be a communicator's: runtime/streams.py); without one, Megatron-Core's default."""
+    from megatron.core.pipeline_parallel import utils as pp_utils
+
+    from megatron_pp_ext import compat
+    calls = []
+    monkeypatch.setattr(pp_utils, "set_streams", lambda *a, **kw: calls.append((a, kw)))
+    stream = object()
+    assert compat.fine_grained_plan(comm_stream=stream) is not None
+    assert compat.fine_grained_plan() is not None
+    assert calls == [((), {"comm_stream": stream}), ((), {})]

@@ -48,7 +48,8 @@ def _canary() -> str | None:
     import torch
     from torch.cuda._sanitizer import CUDASanitizerErrors
     a = torch.zeros(1 << 16, device="cuda")
-    side = torch.cuda.Stream()
+    from megatron_pp_ext.runtime.streams import dedicated_stream
+    side = dedicated_stream(torch.cuda.current_device(), "gpu-check-canary")   # (never a pool stream)
     try:
         with torch.cuda.stream(side):
             a.add_(1.0)          # no side.wait_stream(current): races with the zeros' fill

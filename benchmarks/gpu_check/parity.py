@@ -227,7 +227,11 @@ class BusyStreams:
         self.cuda = dist.get_backend() == "nccl"
         dev = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.group = dist.new_group(list(range(dist.get_world_size())))
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        if self.cuda:   # (never a pool stream: it could be a communicator's, docs/gpu.md)
+            from megatron_pp_ext.runtime.streams import dedicated_stream
+            self.stream = dedicated_stream(dev, "gpu-check-busy")
+        else:
+            self.stream = None
         n = 1024 if self.cuda else 32
         self.a = torch.randn(n, n, device=dev)
         self.buf = torch.zeros(1 << (20 if self.cuda else 10), device=dev)

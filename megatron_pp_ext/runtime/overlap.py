@@ -56,7 +56,13 @@ class PlanSteps:
     def __init__(self, it) -> None:
         from .. import compat
 
-        step = compat.fine_grained_plan()
+        # the pairs' all-to-alls on a stream of our own: Megatron-Core would draw one from PyTorch's
+        # pool, which ProcessGroupNCCL draws its streams from too (runtime/streams.py)
+        comm = None
+        if it.device.type == "cuda":
+            from .streams import dedicated_stream
+            comm = dedicated_stream(it.device, "moe-comm")
+        step = compat.fine_grained_plan(comm_stream=comm)
         if step is None:
             raise PlanUnavailable("this megatron-core has no fine-grained schedule plan (combined_1f1b."
                                   "combined_forward_backward_step, GPTModel.build_schedule_plan), which "
