@@ -176,6 +176,31 @@ def test_split_schedule_on_bridges_transformer_engine_layers_is_refused(monkeypa
     assert plan_for(bridge_cfg(transformer_layer_spec=local_layer_spec), {"schedule": "zbv"}).v
 
 
+def test_a_gpu_machine_missing_what_bridge_needs_is_refused_in_one_line(monkeypatch):
+    """On a GPU (the CPU layer steps aside): Bridge's default layer spec without Transformer Engine,
+    and no host C compiler for its JIT warm-up, each refused before anything starts."""
+    import importlib.util
+    import shutil
+
+    from megatron_pp_ext.bridge.cpu_compat import gpu_refusal
+
+    def default_layer_spec(config):
+        return None
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    cfg = bridge_cfg(transformer_layer_spec=default_layer_spec)
+    assert "Transformer Engine is not installed" in gpu_refusal(cfg) and "local_layer_spec" in gpu_refusal(cfg)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert "host C compiler" in gpu_refusal(cfg)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    assert gpu_refusal(cfg) is None
+
+
 def test_bridge_only_refusals():
     cfg = bridge_cfg()
     cfg.dist.use_decentralized_pg = True

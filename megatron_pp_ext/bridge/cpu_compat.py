@@ -29,7 +29,28 @@ from .. import compat
 from ..megatron_lm.cpu_compat import enable_megatron_lm_cpu_compat
 from ..megatron_lm.state import print0
 
-__all__ = ["BridgeCpuCompat", "enable_bridge_cpu_compat"]
+__all__ = ["BridgeCpuCompat", "enable_bridge_cpu_compat", "gpu_refusal"]
+
+_LOCAL_SPEC = ("model.transformer_layer_spec = local_layer_spec (megatron.bridge.models.gpt_provider) in the recipe: "
+               "a layer spec is a callable, which Bridge's KEY=VALUE overrides cannot set")
+
+
+def gpu_refusal(cfg: Any) -> str | None:
+    """Why Bridge's ``pretrain`` would fail on this GPU machine before training (one line), or None:
+    a model on Bridge's ``default_layer_spec`` (always Transformer Engine layers) without Transformer
+    Engine installed; no host C compiler for Bridge's JIT fusion warm-up (Triton compiles its
+    launcher with one). The CPU layer does without both (docs/bridge.md)."""
+    import os
+    import shutil
+    spec = getattr(getattr(cfg, "model", None), "transformer_layer_spec", None)
+    if getattr(spec, "__name__", "") == "default_layer_spec" and importlib.util.find_spec("transformer_engine") is None:
+        return ("model.transformer_layer_spec: Bridge's default_layer_spec builds Transformer Engine layers, and "
+                f"Transformer Engine is not installed: install it, or set {_LOCAL_SPEC}")
+    cc = os.environ.get("CC", "").strip()
+    if not any(shutil.which(c) for c in ([cc] if cc else []) + ["cc", "gcc", "clang"]):
+        return ("Megatron-Bridge's JIT fusion warm-up compiles with a host C compiler (Triton builds its launcher "
+                "with one), and none is on PATH (cc, gcc, clang, $CC): install one (e.g. apt-get install gcc)")
+    return None
 
 
 class BridgeCpuCompat:

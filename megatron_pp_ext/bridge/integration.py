@@ -150,6 +150,11 @@ def install(cfg: Any, *, schedule: str | None = None, memory_budget: str | None 
     if cpu_compat:
         from .cpu_compat import enable_bridge_cpu_compat
         cpu = enable_bridge_cpu_compat(cfg)
+    else:
+        from .cpu_compat import gpu_refusal
+        why = gpu_refusal(cfg)
+        if why is not None:
+            flag_error(BridgeConfigError(why))
     st = State()
     st.compat = cpu
     st.plan = plan

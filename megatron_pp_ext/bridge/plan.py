@@ -39,8 +39,9 @@ def plan_for(cfg: Any, settings: dict[str, Any], world_size: int | None = None) 
                 raise BridgeConfigError(
                     f"{opts.flag} splits every backward into B and W, which Transformer Engine's layers (Bridge's "
                     "default layer spec with Transformer Engine installed) do through TE's delay_wgrad_compute, not "
-                    "yet verified on a GPU nor set up through Megatron-Bridge: set model.transformer_layer_spec to "
-                    "Bridge's local_layer_spec, or use a schedule without the split (1f1b, interleaved-1f1b)")
+                    "yet verified on a GPU nor set up through Megatron-Bridge: use a schedule without the split (1f1b, "
+                    "interleaved-1f1b), or set model.transformer_layer_spec = local_layer_spec "
+                    "(megatron.bridge.models.gpt_provider) in the recipe")
         if opts.needs_install and not callable(getattr(cfg.model, "provide", None)):
             raise BridgeConfigError(f"{type(cfg.model).__name__} is built by a ModelBuilder, not a model provider's "
                                     "provide(): megatron_pp_ext places the model chunks of provider configs (the "
