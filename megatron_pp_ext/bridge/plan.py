@@ -33,15 +33,14 @@ def plan_for(cfg: Any, settings: dict[str, Any], world_size: int | None = None) 
                 raise BridgeConfigError(f"{opts.flag} cannot be combined with --overlap-moe-expert-parallel-comm "
                                         "through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py runs the pairs); "
                                         "drop one of them")
-        if opts.active and args.transformer_impl == "transformer_engine":
-            from ..schedule.registry import schedule_info
-            if schedule_info(opts.schedule).split_backward:   # (no opt-in through Bridge: runtime/te_policy.py)
-                raise BridgeConfigError(
-                    f"{opts.flag} splits every backward into B and W, which Transformer Engine's layers (Bridge's "
-                    "default layer spec with Transformer Engine installed) do through TE's delay_wgrad_compute, not "
-                    "yet verified on a GPU nor set up through Megatron-Bridge: use a schedule without the split (1f1b, "
-                    "interleaved-1f1b), or set model.transformer_layer_spec = local_layer_spec "
-                    "(megatron.bridge.models.gpt_provider) in the recipe")
+        from ..runtime.te_policy import splits_on_te
+        if splits_on_te(opts.schedule, args.transformer_impl):   # (no opt-in through Bridge: runtime/te_policy.py)
+            raise BridgeConfigError(
+                f"{opts.flag} splits every backward into B and W, which Transformer Engine's layers (Bridge's "
+                "default layer spec with Transformer Engine installed) do through TE's delay_wgrad_compute, not "
+                "yet verified on a GPU nor set up through Megatron-Bridge: use a schedule without the split (1f1b, "
+                "interleaved-1f1b), or set model.transformer_layer_spec = local_layer_spec "
+                "(megatron.bridge.models.gpt_provider) in the recipe")
         if opts.needs_install and not callable(getattr(cfg.model, "provide", None)):
             raise BridgeConfigError(f"{type(cfg.model).__name__} is built by a ModelBuilder, not a model provider's "
                                     "provide(): megatron_pp_ext places the model chunks of provider configs (the "

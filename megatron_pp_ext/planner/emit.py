@@ -136,8 +136,8 @@ def layer_impl_flags(schedule: str, model: ModelSpec) -> list[str]:
     would be refused (runtime/te_policy.py): a schedule that splits B and W with flash attention
     (the plan's memory counts no s^2 scores: TE's fused attention) needs TE's own split, the
     unverified opt-in; without flash attention Megatron-Core's local layers, the verified path."""
-    from ..schedule.registry import schedule_info
-    if not schedule_info(schedule).split_backward:
+    from ..runtime.te_policy import TE, splits_on_te
+    if not splits_on_te(schedule, TE):
         return []
     if model.flash_attention:
         return ["--transformer-impl", "transformer_engine", "--pipeline-te-wgrad-split"]

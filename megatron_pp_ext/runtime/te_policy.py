@@ -39,6 +39,12 @@ def installed_te_version() -> tuple[int, ...] | None:
 _NEEDS = {"--overlap-grad-reduce": (2, 8), "--no-gradient-accumulation-fusion": (2, 7)}
 
 
+def splits_on_te(schedule: str | None, transformer_impl: str) -> bool:
+    """Whether ``schedule`` splits B and W on ``transformer_impl`` layers that are TE's."""
+    from ..schedule.registry import schedule_info
+    return schedule is not None and transformer_impl == TE and schedule_info(schedule).split_backward
+
+
 def te_split_refusal(schedule: str | None, *, transformer_impl: str, opted_in: bool, schedule_flag: str,
                      impl_flag: str, opt_in_flag: str, doc: str, flags: tuple[str, ...] = ()) -> str | None:
     """One line refusing ``schedule`` on ``transformer_impl`` layers, or None when it may run.
@@ -50,14 +56,13 @@ def te_split_refusal(schedule: str | None, *, transformer_impl: str, opted_in: b
     opt-in without a split schedule on TE layers is refused too (it would change nothing)."""
     from ..schedule.registry import schedule_info
     split = schedule is not None and schedule_info(schedule).split_backward
-    on_te = transformer_impl == TE
-    if opted_in and not (split and on_te):
+    if opted_in and not splits_on_te(schedule, transformer_impl):
         what = (f"{schedule_flag} does not split the backward" if schedule is not None and not split else
                 "no megatron_pp_ext schedule is chosen" if schedule is None else
                 f"the layers are not Transformer Engine's ({impl_flag} {transformer_impl})")
         return (f"{opt_in_flag} makes Transformer Engine's layers split their backward for a zero-bubble or V "
                 f"schedule, but {what}: drop {opt_in_flag}")
-    if not (split and on_te):
+    if not splits_on_te(schedule, transformer_impl):
         return None
     if not opted_in:
         return (f"{schedule_flag} splits every backward into B and W, which Transformer Engine's layers "

@@ -55,17 +55,9 @@ def te_available() -> bool:
 
 
 def _te_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        for dist in ("transformer-engine", "transformer_engine", "transformer-engine-cu12"):
-            try:
-                return version(dist)
-            except Exception:
-                continue
-    except Exception:
-        pass
-    return "unknown"
+    from ..te_policy import installed_te_version
+    v = installed_te_version()
+    return ".".join(map(str, v)) if v else "unknown"
 
 
 def _is_te_class(cls: type) -> bool:
