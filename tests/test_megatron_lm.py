@@ -534,6 +534,23 @@ def test_no_overlap_p2p_communication_runs_a_v_schedule_at_pp2(fake_megatron):
         integration.uninstall()
 
 
+@pytest.mark.parametrize("minutes", [0, -5, float("nan"), float("inf")])
+def test_a_bad_distributed_timeout_is_one_line(fake_megatron, capsys, minutes):
+    from megatron_pp_ext.megatron_lm import integration
+    integration.install(cpu_compat=False)
+    try:
+        ns = build_parser().parse_args(["--pipeline-schedule", "zbv"])
+        for k, v in vars(margs(pipeline_model_parallel_size=4)).items():
+            setattr(ns, k, v)
+        ns.virtual_pipeline_model_parallel_size, ns.distributed_timeout_minutes = 2, minutes
+        with pytest.raises(SystemExit) as e:
+            fake_megatron.initialize.validate_args(ns)
+        assert e.value.code == 2
+        assert f"--distributed-timeout-minutes {minutes}: give a positive number of minutes" in capsys.readouterr().out
+    finally:
+        integration.uninstall()
+
+
 def test_install_falls_through_and_uninstall_restores(fake_megatron):
     from megatron_pp_ext.megatron_lm import integration
     f = fake_megatron

@@ -82,7 +82,11 @@ def _make_validate_args(orig: Callable) -> Callable:
             flag_error(e)
         _st.current.plan = plan
         minutes = getattr(args, "distributed_timeout_minutes", None)
-        if minutes:   # (our communicators time out as Megatron-LM's own groups do)
+        if minutes is not None:   # (our communicators time out as Megatron-LM's own groups do)
+            import math
+            if not (math.isfinite(float(minutes)) and float(minutes) > 0):
+                flag_error(MegatronLMFlagError(f"--distributed-timeout-minutes {minutes}: give a positive number of "
+                                               "minutes (default 10)"))
             from ..runtime.p2p import set_group_timeout
             set_group_timeout(60.0 * float(minutes))
         if plan.te_wgrad_split:   # (the DDP config reads it from args; the model's config: below)
