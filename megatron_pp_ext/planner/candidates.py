@@ -35,6 +35,11 @@ class PlanRequest:
     budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
     distributed_optimizer: bool = True
     precision: str = "bf16"
+    #: FP8's scaling recipe (Megatron-LM's --fp8-recipe), with ``precision="fp8"``
+    fp8_recipe: str = "tensorwise"
+    #: whose exchanges synchronise the device (planner/search.py ``Planner.exchange_sync``):
+    #: "megatron" (Megatron-Core's 1F1B), "all", "none"
+    exchange_sync: str = "megatron"
     #: whose memory behaviour to predict (planner/stagemem.py): "gpu" -- Megatron-LM on GPUs (the fused
     #: softmax kernel, apex's fused weight-gradient accumulation); "cpu" -- ``mppx train`` on CPU
     #: processes (torch's softmax, weight gradients delivered through autograd), to check a plan there
@@ -49,6 +54,7 @@ class PlanRequest:
     p2p_strategy: str = "channels"
 
     def __post_init__(self) -> None:
+        self._check_precision()
         if self.efficiency is None:
             object.__setattr__(self, "efficiency", default_efficiency(self.cluster.gpu))
         if not (isinstance(self.time_limit, (int, float)) and math.isfinite(self.time_limit) and self.time_limit > 0):
@@ -80,6 +86,27 @@ class PlanRequest:
                 raise PlannerError(f"{flag} {v!r}: must be a whole number >= 1")
         self._check_experts()
         self._check_stage_times()
+
+    def _check_precision(self) -> None:
+        """--precision and --fp8-recipe against the GPU: FP8 needs FP8 tensor cores, MXFP8 a
+        Blackwell GPU."""
+        from .timing import FP8_RECIPES, PRECISIONS
+        gpu = self.cluster.gpu
+        if self.precision not in PRECISIONS:
+            raise PlannerError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise PlannerError(f"--fp8-recipe {self.fp8_recipe!r}: use one of {', '.join(FP8_RECIPES)} "
+                               "(Megatron-LM's names)")
+        if self.exchange_sync not in ("megatron", "all", "none"):
+            raise PlannerError(f"exchange_sync {self.exchange_sync!r}: one of megatron, all, none")
+        if self.precision != "fp8":
+            return
+        if not gpu.has_fp8:
+            raise PlannerError(f"--precision fp8: the {gpu.name} has no FP8 tensor cores; plan --precision bf16, or "
+                               "an FP8 GPU (--gpu h100, h200, b200, gb200)")
+        if self.fp8_recipe == "mxfp8" and not gpu.blackwell:
+            raise PlannerError(f"--fp8-recipe mxfp8 needs a Blackwell GPU (b200, gb200), not the {gpu.name}; use "
+                               "--fp8-recipe tensorwise, delayed or blockwise")
 
     def _check_stage_times(self) -> None:
         """Measured stage times (--calibration stage_times) hold for one microbatch size and tp:

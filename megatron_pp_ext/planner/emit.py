@@ -101,8 +101,10 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         if req.model.num_experts // c.ep > 1:  # several local experts: one grouped GEMM for all of them
             f.append("--moe-grouped-gemm")
     f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]
-    if req.precision == "bf16":  # bf16 params, fp32 gradient buffers: what the memory model counts
+    if req.precision in ("bf16", "fp8"):  # bf16 params, fp32 gradient buffers: what the memory model counts
         f += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+    if req.precision == "fp8":   # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients
+        f += ["--fp8-format", "hybrid", "--fp8-recipe", req.fp8_recipe]
     if c.distributed_optimizer:
         f.append("--use-distributed-optimizer")
     if c.dp > 1 and req.efficiency.dp_overlap:
@@ -117,7 +119,7 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f.append("--overlap-moe-expert-parallel-comm")
     if needs_plugin(est, req):
         f += ["--pipeline-schedule", c.schedule]
-        f += layer_impl_flags(c.schedule, req.model)
+        f += layer_impl_flags(c.schedule, req.model, fp8=req.precision == "fp8")
         if c.overlap:
             f += pair_cost_flags(est)
         if req.p2p_strategy != "channels":   # (the plan was timed under it)
@@ -131,23 +133,23 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     return f
 
 
-def layer_impl_flags(schedule: str, model: ModelSpec) -> list[str]:
+def layer_impl_flags(schedule: str, model: ModelSpec, *, fp8: bool = False) -> list[str]:
     """The layers a plan on ``schedule`` runs on, where Megatron-LM's default (Transformer Engine)
     would be refused (runtime/te_policy.py): a schedule that splits B and W with flash attention
-    (the plan's memory counts no s^2 scores: TE's fused attention) needs TE's own split, the
-    unverified opt-in; without flash attention Megatron-Core's local layers, the verified path."""
+    (the plan's memory counts no s^2 scores: TE's fused attention) or FP8 (TE's GEMMs) needs TE's
+    own split, the unverified opt-in; otherwise Megatron-Core's local layers, the verified path."""
     from ..runtime.te_policy import TE, splits_on_te
     if not splits_on_te(schedule, TE):
         return []
-    if model.flash_attention:
+    if model.flash_attention or fp8:
         return ["--transformer-impl", "transformer_engine", "--pipeline-te-wgrad-split"]
     return ["--transformer-impl", "local"]
 
 
 def uses_unverified_te_split(est: Estimate, req: PlanRequest) -> bool:
     """Whether the emitted flags opt in to Transformer Engine's own B/W split (not verified on a GPU)."""
-    return needs_plugin(est, req) and "--pipeline-te-wgrad-split" in layer_impl_flags(est.candidate.schedule,
-                                                                                      req.model)
+    return needs_plugin(est, req) and "--pipeline-te-wgrad-split" in layer_impl_flags(
+        est.candidate.schedule, req.model, fp8=req.precision == "fp8")
 
 
 def pair_cost_flags(est: Estimate) -> list[str]:

@@ -107,7 +107,7 @@ def _pair_link(req: PlanRequest, cand: Candidate) -> tuple[float, float]:
     """(GB/s, latency s) between two pipeline ranks of one model replica."""
     c = req.cluster
     g = c.gpu
-    if cand.tp * cand.dp * cand.pp <= c.gpus_per_node:
+    if cand.tp * cand.dp * cand.pp <= c.nvlink_size:
         return g.nvlink_gbps, g.nvlink_latency_us * 1e-6
     return g.net_gbps, g.net_latency_us * 1e-6
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..schedule import ScheduleError, build_schedule, loop_placement, schedule_info, split_layers, v_placement
-from .memory import StagePart, StaticMemory, split_buffers, stage_param_tensors, static_memory, vocab_shard_numels
+from .memory import (StagePart, StaticMemory, is_fp8_gemm_weight, split_buffers, stage_param_tensors, static_memory,
+                     vocab_shard_numels)
 from .presets import ModelSpec
 
 
@@ -56,19 +57,23 @@ def rank_static(model: ModelSpec, tp: int, dp: int, placement: tuple[int, ...], 
     out = []
     for r in range(pp):
         dense, expert = [], []
+        fp8_numel = 0
         for s, rr in enumerate(placement):
             if rr != r:
                 continue
             tensors = stage_param_tensors(model, tp, parts[s], pipelined=pp > 1, vocab_parallel_shards=vocab_shards,
                                           ep=ep, etp=etp)
             d, e = split_buffers(tensors, ep)
+            if precision == "fp8":
+                fp8_numel += sum(n for name, n in tensors if is_fp8_gemm_weight(name))
             dense.append(d)
             expert.append(e)
         if vocab_shards:
             dense[-1] = dense[-1] + vocab_shard_numels(model, tp, vocab_shards)
         out.append(static_memory(dense, dp=dp, distributed_optimizer=distributed_optimizer,
                                  precision=precision, bucket_size=bucket_size,
-                                 expert_chunks=expert if any(expert) else None, expert_dp=edp))
+                                 expert_chunks=expert if any(expert) else None, expert_dp=edp,
+                                 fp8_weight_numel=fp8_numel))
     return tuple(out)
 
 

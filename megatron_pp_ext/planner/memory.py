@@ -255,35 +255,41 @@ class StaticMemory:
     grads: float
     optimizer: float
     expert_params: int = 0
+    #: Transformer Engine's FP8 copies of the GEMM weights under FP8 (both layouts: the forward's
+    #: and the transposed one the input gradient reads), kept across the microbatches of a step
+    fp8_weights: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.fp8_weights
 
     def to_dict(self) -> dict:
         return {"num_params": self.num_params, "expert_params": self.expert_params, "params": self.params,
-                "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
+                "grads": self.grads, "optimizer": self.optimizer, "fp8_weights": self.fp8_weights,
+                "total": self.total}
 
 
 def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_optimizer: bool = False,
                   precision: str = "bf16", grad_reduce_in_fp32: bool = True,
                   bucket_size: int | None = None, expert_chunks: Sequence[Sequence[int]] | None = None,
-                  expert_dp: int = 1) -> StaticMemory:
+                  expert_dp: int = 1, fp8_weight_numel: int = 0) -> StaticMemory:
     """Parameter, gradient and optimizer bytes of one rank holding ``chunks`` (one tensor-size
     list per model chunk; each chunk is its own DDP module and buffer, as with virtual
     pipelining).
 
     bf16: bf16 params, fp32 grads (``grad_reduce_in_fp32``), fp32 master + Adam m, v.
+    fp8: the same, plus 2 bytes per element of the ``fp8_weight_numel`` GEMM weights (TE's FP8
+    copies in both layouts).
     fp32: fp32 params and grads, Adam m, v. The distributed optimizer shards master/m/v over
     ``dp`` and makes the param buffer contiguous (padded).
 
     ``expert_chunks`` (ep > 1): each chunk's expert tensors, a second buffer padded and sharded
     over the expert data-parallel group of ``expert_dp`` ranks (tp*dp/(ep*etp))."""
-    if precision not in ("bf16", "fp32"):
-        raise PlannerError(f"precision must be bf16 or fp32, got {precision!r}")
-    p_bytes = 2 if precision == "bf16" else 4
+    if precision not in ("bf16", "fp32", "fp8"):
+        raise PlannerError(f"precision must be bf16, fp32 or fp8, got {precision!r}")
+    p_bytes = 4 if precision == "fp32" else 2
     g_bytes = 4 if (precision == "fp32" or grad_reduce_in_fp32) else 2
-    o_bytes = 12 if precision == "bf16" else 8
+    o_bytes = 8 if precision == "fp32" else 12
     n = params = grads = optimizer = 0.0
     n_exp = 0
     groups = [(chunks, dp)]
@@ -305,7 +311,14 @@ def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_o
         n += group_n
         if g == 1:
             n_exp = group_n
-    return StaticMemory(int(n), params, grads, optimizer, n_exp)
+    fp8 = 2.0 * fp8_weight_numel if precision == "fp8" else 0.0
+    return StaticMemory(int(n), params, grads, optimizer, n_exp, fp8)
+
+
+def is_fp8_gemm_weight(name: str) -> bool:
+    """Weights Transformer Engine runs in FP8: the transformer layers' linear layers (not the
+    router, the embedding or the output layer)."""
+    return ".linear_" in name and name.endswith(".weight")
 
 
 # --- activations -----------------------------------------------------------------------------

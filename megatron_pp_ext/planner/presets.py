@@ -261,10 +261,17 @@ def get_model(name: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One GPU type. Bandwidths in GB/s (1e9 bytes/s) as collectives/copies reach them.
+    """One GPU type. Bandwidths in GB/s (1e9 bytes/s) as collectives and copies reach them.
 
-    ``nvlink_gbps``: all-reduce bus bandwidth inside a node; ``net_gbps``: per-GPU network
-    bandwidth between nodes; ``host_gbps``: device->host copy bandwidth (pinned memory).
+    ``nvlink_gbps``: all-reduce bus bandwidth inside the NVLink domain; ``nvlink_p2p_gbps``: one
+    NCCL send/recv between two GPUs of the domain, what a pipeline message gets (NCCL opens
+    few channels per point-to-point peer: well below the all-reduce figure); ``net_gbps``: per-GPU
+    network bandwidth between NVLink domains (one NIC per GPU); ``host_gbps``: device-to-host copy
+    bandwidth (pinned memory). ``nvlink_domain``: GPUs one NVLink fabric joins when it spans
+    nodes (72 in a GB200 NVL72 rack); 0: the node (DGX/HGX). Peaks are dense (no sparsity); ``fp8_tflops`` None: no FP8
+    tensor cores (the A100); ``fp4_tflops`` None: no FP4. ``rules``: (field, how its value was
+    derived) for every value that is not a datasheet figure or a measurement of this GPU --
+    the report prints them.
     """
 
     name: str
@@ -279,15 +286,39 @@ class GPUSpec:
     #: dense fp32 peak in TFLOPS (no tensor-float-32: torch's default for matmuls); None: 1/16 of
     #: the bf16 peak, the A100's ratio
     fp32_tflops: float | None = None
+    fp8_tflops: float | None = None
+    fp4_tflops: float | None = None
+    #: one NCCL point-to-point pair inside the NVLink domain; None: a fifth of ``nvlink_gbps`` (the
+    #: A100's measured ratio, see GPU_PRESETS)
+    nvlink_p2p_gbps: float | None = None
+    nvlink_domain: int = 0
+    #: Blackwell or newer (MXFP8 and FP4 tensor cores)
+    blackwell: bool = False
+    rules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.fp32_tflops is None:
             object.__setattr__(self, "fp32_tflops", self.peak_tflops / 16)
+        if self.nvlink_p2p_gbps is None:
+            object.__setattr__(self, "nvlink_p2p_gbps", self.nvlink_gbps * _A100_P2P_SHARE)
         for name, (lo, hi, flag, what, example) in _GPU_RANGES.items():
             value = getattr(self, name)
+            if value is None and name in ("fp8_tflops", "fp4_tflops"):
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
                 raise PlannerError(f"{flag} {value!r}: {what} must be a number from {lo:g} to {hi:g} "
                                    f"(the h100 preset has {example}); fix {flag}")
+        if not (isinstance(self.nvlink_domain, int) and self.nvlink_domain >= 0):
+            raise PlannerError(f"GPUSpec.nvlink_domain {self.nvlink_domain!r}: GPUs per NVLink domain, a whole "
+                               "number (0: the node)")
+
+    @property
+    def has_fp8(self) -> bool:
+        return self.fp8_tflops is not None
+
+    def rule(self, name: str) -> str | None:
+        """How ``name``'s value was derived, when it is not a datasheet figure or a measurement."""
+        return dict(self.rules).get(name)
 
 
 #: field -> (lowest, highest, flag, what, h100 value): a GPU outside these is not one the time
@@ -303,24 +334,62 @@ _GPU_RANGES = {
     "nvlink_latency_us": (0.0, 1e6, "GPUSpec.nvlink_latency_us", "NVLink latency in us", 8),
     "net_latency_us": (0.0, 1e6, "GPUSpec.net_latency_us", "network latency in us", 20),
     "fp32_tflops": (0.01, 100000.0, "GPUSpec.fp32_tflops", "the dense fp32 peak in TFLOPS", 67),
+    "fp8_tflops": (1.0, 200000.0, "GPUSpec.fp8_tflops", "the dense fp8 peak in TFLOPS", 1979),
+    "fp4_tflops": (1.0, 400000.0, "GPUSpec.fp4_tflops", "the dense fp4 peak in TFLOPS", "none"),
+    "nvlink_p2p_gbps": (0.01, 1e6, "--nvlink-p2p-gbps", "one NVLink point-to-point pair in GB/s", 72),
 }
 
+#: one NCCL send/recv pair over the A100's NVLink: 48 GB/s, what the Zero Bubble paper's table 6
+#: measured per pipeline message on one DGX A100 (28.3 MB in 0.60 ms, 25.2 MB in 0.53 ms), of the
+#: 230 GB/s the preset's all-reduce reaches
+_A100_P2P = 48.0
+_A100_P2P_SHARE = _A100_P2P / 230.0
+_P2P_RULE = ("the A100's measured point-to-point share of its all-reduce bandwidth (48 of 230 GB/s, the "
+             "Zero Bubble paper's table 6) times this GPU's; not measured on it")
 
-GPU_PRESETS: dict[str, GPUSpec] = {
-    # A100-SXM4-80GB: 312 TF bf16, 2.0 TB/s HBM2e, NVLink3 (~230 GB/s all-reduce busbw),
-    # 8x HDR 200 Gb/s per node, PCIe4 ~15 GB/s D2H (REFERENCE §5).
-    "a100": GPUSpec("a100", 80.0, 312.0, 2039.0, 230.0, 23.0, 15.0, fp32_tflops=19.5),
-    # H100-SXM5-80GB: 989 TF bf16 dense, 3.35 TB/s HBM3, NVLink4 (~400 GB/s busbw),
-    # 8x NDR 400 Gb/s per node, PCIe5 ~21 GB/s D2H (REFERENCE §5).
-    "h100": GPUSpec("h100", 79.6, 989.0, 3350.0, 400.0, 45.0, 21.0, fp32_tflops=67.0),
-}
+
+def _scaled_p2p(nvlink_gbps: float) -> float:
+    return round(nvlink_gbps * _A100_P2P_SHARE, 1)
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in (
+    # A100-SXM4-80GB: 312 TF bf16 dense, no FP8, 2.0 TB/s HBM2e, NVLink3 (300 GB/s per direction,
+    # ~230 GB/s all-reduce busbw), HDR 200 Gb/s per GPU, PCIe4 ~15 GB/s D2H
+    GPUSpec("a100", 80.0, 312.0, 2039.0, 230.0, 23.0, 15.0, fp32_tflops=19.5, nvlink_p2p_gbps=_A100_P2P),
+    # H100-SXM5-80GB: 989 TF bf16 / 1979 TF fp8 dense, 3.35 TB/s HBM3, NVLink4 (450 GB/s per direction,
+    # ~400 GB/s busbw), NDR 400 Gb/s per GPU, PCIe5 ~21 GB/s D2H
+    GPUSpec("h100", 79.6, 989.0, 3350.0, 400.0, 45.0, 21.0, fp32_tflops=67.0, fp8_tflops=1979.0,
+            nvlink_p2p_gbps=_scaled_p2p(400.0), rules=(("nvlink_p2p_gbps", _P2P_RULE),)),
+    # H200-SXM-141GB: the H100's GH100 compute and NVLink4, 141 GB HBM3e at 4.8 TB/s (140.4 GiB as
+    # nvidia-smi reports it)
+    GPUSpec("h200", 140.4, 989.0, 4800.0, 400.0, 45.0, 21.0, fp32_tflops=67.0, fp8_tflops=1979.0,
+            nvlink_p2p_gbps=_scaled_p2p(400.0), rules=(("nvlink_p2p_gbps", _P2P_RULE),)),
+    # B200 (HGX/DGX B200): 2.25 PF bf16 / 4.5 PF fp8 / 9 PF fp4 dense, 180 GB HBM3e at 8 TB/s (179 GiB),
+    # NVLink5 (900 GB/s per direction; busbw derated as the H100's 400 of 450), ConnectX-7 400 Gb/s per
+    # GPU, PCIe5 D2H
+    GPUSpec("b200", 179.0, 2250.0, 8000.0, 800.0, 45.0, 21.0, fp32_tflops=75.0, fp8_tflops=4500.0,
+            fp4_tflops=9000.0, nvlink_p2p_gbps=_scaled_p2p(800.0), blackwell=True,
+            rules=(("nvlink_gbps", "NVLink5's 900 GB/s per direction derated as the H100's (400 of 450)"),
+                   ("nvlink_p2p_gbps", _P2P_RULE),
+                   ("host_gbps", "the H100's (both PCIe 5); not measured"))),
+    # GB200 NVL72: per GPU 2.5 PF bf16 / 5 PF fp8 / 10 PF fp4 dense, 186 GB HBM3e at 8 TB/s (185 GiB),
+    # NVLink5 across 72 GPUs, 400 Gb/s per GPU between racks, NVLink-C2C to the Grace CPU
+    GPUSpec("gb200", 185.0, 2500.0, 8000.0, 800.0, 45.0, 200.0, fp32_tflops=80.0, fp8_tflops=5000.0,
+            fp4_tflops=10000.0, nvlink_p2p_gbps=_scaled_p2p(800.0), nvlink_domain=72, blackwell=True,
+            rules=(("nvlink_gbps", "NVLink5's 900 GB/s per direction derated as the H100's (400 of 450)"),
+                   ("nvlink_p2p_gbps", _P2P_RULE),
+                   ("host_gbps", "NVLink-C2C (450 GB/s per direction) at an assumed 45%; not measured"))),
+)}
 
 
 def get_gpu(name: str) -> GPUSpec:
-    key = name.strip().lower().replace("-80gb", "").replace("_", "")
+    key = name.strip().lower().replace("_", "-")
+    for tail in ("-sxm5", "-sxm4", "-sxm", "-80gb", "-141gb", "-180gb", "-186gb", "-nvl72"):
+        key = key.replace(tail, "")
     if key in GPU_PRESETS:
         return GPU_PRESETS[key]
-    raise PlannerError(f"unknown GPU {name!r} (--gpu); presets: {', '.join(GPU_PRESETS)}")
+    raise PlannerError(f"unknown GPU {name!r} (--gpu); presets: {', '.join(GPU_PRESETS)} (or override a preset's "
+                       "figures with --memory, --peak-tflops, --nvlink-gbps, --net-gbps)")
 
 
 @dataclass(frozen=True)
@@ -349,6 +418,14 @@ class ClusterSpec:
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def nvlink_size(self) -> int:
+        """GPUs that reach each other over NVLink: the node, or the NVLink domain when it spans
+        nodes (GB200 NVL72: 72 GPUs in 18 trays of 4)."""
+        if not self.gpu.nvlink_domain:
+            return self.gpus_per_node
+        return max(self.gpus_per_node, min(self.gpu.nvlink_domain, self.num_gpus))
 
     @property
     def usable_bytes(self) -> float:

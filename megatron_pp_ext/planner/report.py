@@ -9,6 +9,7 @@ from .candidates import Estimate
 from .emit import megatron_flags, slurm_script
 from .memory import fmt_bytes
 from .search import PlanResult
+from .timing import efficiency_rules
 
 DISCLAIMER = ("Model predictions: memory from a model of Megatron-Core's allocations, times from FLOPs x an "
               "efficiency curve and the schedule simulator; not GPU measurements.")
@@ -62,6 +63,10 @@ def model_line(m) -> str:
     return text + f" V={m.vocab} s={m.seq}"
 
 
+def precision_label(req) -> str:
+    return f"fp8 ({req.fp8_recipe} scaling)" if req.precision == "fp8" else req.precision
+
+
 def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show_flags: bool = True) -> str:
     """The ranked table, the best plan's breakdown and flags, the comparison with the best
     Megatron 1F1B/interleaved plan, and the rejection summary."""
@@ -70,7 +75,9 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
     out = [f"mppx plan: {m.name} ({model_line(m)}, {'flash' if m.flash_attention else 'no flash'} attention) on "
            f"{cl.nodes} x {cl.gpus_per_node} {cl.gpu.name} ({fmt_bytes(cl.usable_bytes)} usable per GPU), "
            f"global batch {req.global_batch}",
-           f"efficiency: {req.efficiency.source}", ""]
+           f"precision: {precision_label(req)}; efficiency: {req.efficiency.source}"]
+    out += [f"  derived, not measured on this GPU: {rule}" for rule in efficiency_rules(cl.gpu, req.efficiency)]
+    out.append("")
     out.append(_table(MOE_HEADERS if m.is_moe else HEADERS,
                       [plan_row(i + 1, e, moe=m.is_moe) for i, e in enumerate(result.plans)]))
     best = result.best
@@ -138,6 +145,9 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     d.update({
         "iteration_time_s": e.iteration_time, "mfu": e.mfu, "bubble_rate": e.pipe.bubble_rate,
         "tokens_per_s_per_gpu": req.global_batch * req.model.seq / e.iteration_time / req.cluster.num_gpus,
+        # the model's FLOPs (forward + backward, no recomputation, causal attention counted whole) per GPU
+        "model_tflops_per_gpu": e.model_flops / e.iteration_time / req.cluster.num_gpus / 1e12,
+        "precision": req.precision,
         "peak_memory_bytes": e.peak_bytes, "peak_rank": e.peak_rank, "usable_bytes": e.usable_bytes,
         "time_breakdown_s": dict(e.time), "memory_per_rank": [m.to_dict() for m in e.memory],
         # per rank (all its stages), seconds: what `mppx train --costs F,B,W,COMM` builds the same order from
@@ -159,7 +169,10 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "cluster": {"gpu": req.cluster.gpu.__dict__, "nodes": req.cluster.nodes,
                     "gpus_per_node": req.cluster.gpus_per_node, "usable_bytes": req.cluster.usable_bytes},
         "global_batch_size": req.global_batch,
+        "precision": req.precision,
+        "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
         "efficiency": req.efficiency.to_dict(),
+        "derived": efficiency_rules(req.cluster.gpu, req.efficiency),
         "plans": [estimate_to_dict(e, req) for e in result.plans],
         "rejections": result.rejections.to_dict(),
         "search": dict(result.stats, complete=result.complete),

@@ -37,7 +37,7 @@ from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
 from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
-                     output_times, p2p_time, peak_flops)
+                     output_times, p2p_time, peak_flops, bf16_part)
 
 MAX_MBS = 16
 MAX_PP = 64
@@ -128,7 +128,8 @@ class Planner:
                                    f"and --schedules {','.join(self.schedules)} has none of them; add "
                                    f"{planned_with[0]} to --schedules or drop --require-features {f}")
         self.model_flops = req.global_batch * model_flops_per_sample(model)
-        self.peak_flops = self.N * peak_flops(cl.gpu, req.precision)
+        # MFU against the bf16 peak under FP8 too (as NVIDIA quotes it): an FP8 plan's MFU compares with a bf16 one
+        self.peak_flops = self.N * peak_flops(cl.gpu, bf16_part(req.precision))
 
     # -- enumeration ----------------------------------------------------------------------
     def _tps(self) -> list[int]:
@@ -286,7 +287,7 @@ class Planner:
         kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
         prec = self.req.precision
         lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
-                               etp=cand.etp, precision=prec) for moe in kinds}
+                               etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
         emb = embedding_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
@@ -327,8 +328,8 @@ class Planner:
             transient.append(rise + (msg if cand.pp > 1 else 0.0) + a2a)
         st = eff.stage_times
         wire = (st.p2p if st is not None and st.applies(cand.mbs, cand.tp) else
-                p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp, precision=prec))
-        comm = wire + eff.p2p_latency_us * 1e-6 if cand.pp > 1 else 0.0
+                p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp, precision=prec, link_gbps=eff.p2p_gbps))
+        comm = wire if cand.pp > 1 else 0.0
         sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient, w_share=w_share)
         if model.is_moe:  # seconds of all-to-all in one microbatch's F+B on each rank
             a2a = 2 * lt[True].detail["alltoall_f"]
@@ -347,6 +348,20 @@ class Planner:
         their own and waited for only by the op that reads them. ``feats``: features about to be
         added to ``cand``."""
         return cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features and not feats
+
+    def exchange_sync(self, cand: Candidate, feats=()) -> float:
+        """Seconds the GPU idles after each pipeline exchange of ``cand`` beyond the transfer
+        (``Efficiency.exchange_sync_us``): Megatron-Core's batched exchanges end in a device-wide
+        synchronise and a host relaunch -- its 1F1B always, its interleaved schedule only without
+        --overlap-p2p-communication (Megatron-LM's default overlaps, waiting on the GPU).
+        ``PlanRequest.exchange_sync``: "megatron" (that rule), "all" (every schedule's exchanges
+        synchronise: a runtime built on Megatron's batched p2p helpers), "none"."""
+        mode = self.req.exchange_sync
+        if cand.pp < 2 or mode == "none":
+            return 0.0
+        if mode == "megatron" and not (self.megatron_run(cand, feats) and cand.schedule == "1f1b"):
+            return 0.0
+        return self.req.efficiency.exchange_sync_us * 1e-6
 
     # -- estimates ------------------------------------------------------------------------
     def estimate(self, cand: Candidate, costs: StageCosts, pipe: PipeResult) -> Estimate:
@@ -379,7 +394,7 @@ class Planner:
             nbytes = 4.0 * model.padded_vocab(cand.tp) // cand.tp * model.hidden
             g = cl.gpu
             # the first and the last stage are (pp-1)*tp*dp ranks apart: NVLink inside one node
-            if cand.pp * cand.tp * cand.dp <= cl.gpus_per_node:
+            if cand.pp * cand.tp * cand.dp <= cl.nvlink_size:
                 t["embedding_sync"] = nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
             else:
                 t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
@@ -527,7 +542,7 @@ class Planner:
                 raise PlannerError(f"{_describe(sim_cand)}: no activation budget fits")
             sim_cand = replace(sim_cand, budget=budget)
         pipe = self.cache.pipeline(sim_cand.schedule, sim_cand.pp, sim_cand.m, sim_cand.vp, costs.t_f, costs.t_b,
-                                   costs.t_w, costs.comm, costs.act,
+                                   costs.t_w, costs.comm + self.exchange_sync(sim_cand), costs.act,
                                    budget=sim_cand.budget if isinstance(sim_cand.budget, float) else None,
                                    w_share=costs.w_share, megatron=self.megatron_run(sim_cand),
                                    comm_model=self._model_of(sim_cand, ()))
@@ -626,7 +641,7 @@ class Planner:
                     continue
             try:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
-                                           costs.comm, costs.act,
+                                           costs.comm + self.exchange_sync(cand, feats), costs.act,
                                            budget=cand.budget if isinstance(cand.budget, float) else None,
                                            w_share=costs.w_share, a2a=costs.a2a if cand.overlap else None,
                                            megatron=self.megatron_run(cand, feats), comm_model=self._model_of(cand, feats))

@@ -65,7 +65,7 @@ class MemorySetting:
     mbs: int = 1
     tp: int = 1
     sequence_parallel: bool = False
-    precision: str = "bf16"            # fp32 | bf16 | fp16
+    precision: str = "bf16"            # fp32 | bf16 | fp16 | fp8 (bf16 activations, FP8 GEMM inputs)
     attention: str = "unfused"         # flash | unfused (GPU fused softmax) | torch (CPU softmax): ATTENTION
     recompute: str = "none"            # none | selective | full
     split: bool = True                 # the B/W split keeps inputs and output gradients for W
@@ -77,8 +77,8 @@ class MemorySetting:
     fused_activation: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise PlannerError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise PlannerError(f"precision must be fp32, bf16, fp16 or fp8, got {self.precision!r}")
         if self.attention not in ATTENTION:
             raise PlannerError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.recompute not in RECOMPUTE:
@@ -96,6 +96,12 @@ class MemorySetting:
     def e(self) -> int:
         """Bytes of an activation element."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def g(self) -> int:
+        """Bytes of a saved GEMM input: Transformer Engine's FP8 copy under fp8 (what the weight
+        gradient reads), else the activation itself."""
+        return 1 if self.precision == "fp8" else self.e
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ def _norm_bytes(model: ModelSpec, tq: float, st: MemorySetting) -> float:
 
 
 def _mlp_saved(model: ModelSpec, tokens: float, f_t: float, e: int, *, fused: bool, prefix: str = "",
-               routing_weights: bool = False) -> dict[str, float]:
+               routing_weights: bool = False, g: int | None = None) -> dict[str, float]:
     """What one MLP saves past its fc1 input, for ``tokens`` tokens and ``f_t`` local FFN
     columns. SwiGLU: fc1's output (both halves) and, unfused, the second half's copy and silu's
     output; their product is fc2's input. GeLU: the bias-added fc1 output GeLU saves and its
@@ -171,7 +177,7 @@ def _mlp_saved(model: ModelSpec, tokens: float, f_t: float, e: int, *, fused: bo
     if routing_weights:
         unscaled = 0.0 if (fused and model.gated_mlp) else tokens * f_t * e
         out["activation before the routing weights"] = unscaled + tokens * 4
-    out["fc2 input"] = tokens * f_t * e
+    out["fc2 input"] = tokens * f_t * (e if g is None else g)
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -195,7 +201,7 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     terms: dict[str, float] = {}
     # -- attention half (input norm, qkv, core attention, proj) ------------------------------------
     terms["input norm"] = norm
-    terms["qkv input"] = tq * h * e
+    terms["qkv input"] = tq * h * st.g
     if st.attention == "flash":
         terms["q, k, v"] = T * qkv_out * e
         terms["softmax statistics"] = 4 * a_t * T
@@ -217,12 +223,12 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
             terms["attention dropout"] = scores * (mask + e)     # its mask and the dropped probabilities
     if model.qk_norm:
         terms["q, k norms"] = T * (a_t + kv_t) * d * e
-    terms["proj input"] = T * a_t * d * e
+    terms["proj input"] = T * a_t * d * st.g
     if drop:
         terms["dropout mask (attention output)"] = tq * h * mask
     saved_attn = sum(terms.values())
     # -- MLP half (pre-MLP norm, fc1, activation, fc2) ---------------------------------------------
-    mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * e}
+    mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * st.g}
     # what W keeps of each split linear: (input elements, output-gradient elements, weight elements)
     lin = {
         "qkv": (tq * h, T * qkv_out, qkv_out * h),
@@ -240,9 +246,9 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         etp = tp if st.etp is None else st.etp
         kT, f_t, experts = T * k, model.expert_ffn / etp, E / st.ep
         mlp_terms["routing indices, weights and map"] = T * (20 * k + 5 * E)
-        mlp_terms["dispatched tokens (expert fc1 input)"] = full.breakdown["dispatched tokens (expert fc1 input)"] * e / 2
+        mlp_terms["dispatched tokens (expert fc1 input)"] = full.breakdown["dispatched tokens (expert fc1 input)"] * st.g / 2
         mlp_terms.update(_mlp_saved(model, kT, f_t, e, fused=st.fused_activation, prefix="expert ",
-                                    routing_weights=True))
+                                    routing_weights=True, g=st.g))
         lin["fc1"] = (kT * h, kT * glu * f_t, experts * glu * f_t * h)
         lin["fc2"] = (kT * f_t, kT * h, experts * h * f_t)
         # SequentialMLP runs its experts' backwards one after another: one expert's activation
@@ -250,13 +256,13 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         bwd_mlp = (glu + 1) * (kT / experts) * f_t * e + kT * h * e
         if model.moe_shared_ffn:
             fs = model.moe_shared_ffn / tp
-            mlp_terms.update(_mlp_saved(model, T, fs, e, fused=st.fused_activation, prefix="shared-expert "))
+            mlp_terms.update(_mlp_saved(model, T, fs, e, fused=st.fused_activation, prefix="shared-expert ", g=st.g))
             lin["shared fc1"] = (tq * h, T * glu * fs, glu * fs * h)
             lin["shared fc2"] = (T * fs, T * h, h * fs)
             bwd_mlp = max(bwd_mlp, (glu + 1) * T * fs * e)
     else:
         f_t = model.ffn / tp
-        mlp_terms.update(_mlp_saved(model, T, f_t, e, fused=st.fused_activation))
+        mlp_terms.update(_mlp_saved(model, T, f_t, e, fused=st.fused_activation, g=st.g))
         lin["fc1"] = (tq * h, T * glu * f_t, glu * f_t * h)
         lin["fc2"] = (T * f_t, T * h, h * f_t)
         bwd_mlp = (glu + 1) * T * f_t * e
@@ -265,8 +271,8 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     terms.update(mlp_terms)
     saved_mlp = sum(mlp_terms.values())
     # -- what W keeps: every split linear's input and output gradient -------------------------------
-    w_attn = (sum(lin["qkv"][:2]) + sum(lin["proj"][:2])) * e
-    w_mlp = sum(inp + gout for name, (inp, gout, _) in lin.items() if name not in ("qkv", "proj")) * e
+    w_attn = (lin["qkv"][0] + lin["proj"][0]) * st.g + (lin["qkv"][1] + lin["proj"][1]) * e
+    w_mlp = sum(inp * st.g + gout * e for name, (inp, gout, _) in lin.items() if name not in ("qkv", "proj"))
     # -- peaks -------------------------------------------------------------------------------------
     if st.attention == "flash":
         bwd_attn = 2 * T * qkv_out * e + T * h * e
@@ -288,7 +294,7 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     def w_item(name: str, share: float = 1.0, gathers: bool = False) -> tuple[float, float, float, float]:
         inp, gout, wnumel = (x / share for x in lin[name])
         gather = T * h * e if (gathers and st.sequence_parallel and tp > 1) else 0.0
-        return (wnumel, (inp + gout) * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0)
+        return (wnumel, inp * st.g + gout * e, gather, (inp + gout) * 4.0 if e != 4 else 0.0)
 
     if "shared fc1" in lin:
         order += [w_item("shared fc2"), w_item("shared fc1", gathers=True)]

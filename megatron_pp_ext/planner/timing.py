@@ -84,11 +84,19 @@ class Efficiency:
     #: picoseconds per dropout mask element drawn in a forward (Philox random numbers: compute the
     #: HBM passes do not count), at full occupancy of the attention kernels
     dropout_rng_ps: float = 0.0
-    #: fixed time of one pipeline message beyond its bytes, from its issue to its use: the NCCL
-    #: group's launch behind the compute stream, the waits on it, the host issuing the next op
-    #: after it. Every schedule pays it on each cross-rank dependency; Megatron-Core's own 1F1B and
-    #: interleaved block their ranks at each exchange (planner/search.py simulates that)
-    p2p_latency_us: float = 0.0
+    #: the GPU's idle time after one of Megatron-Core's synchronised exchanges: its batched p2p
+    #: (``batch_isend_irecv``) ends in ``torch.cuda.synchronize()`` (``batch_p2p_sync``), so the
+    #: compute stream drains and then waits while the host relaunches the next step (its Python,
+    #: the data loader's batch, the first kernels). Paid at every exchange of Megatron-Core's 1F1B,
+    #: and of its interleaved schedule without --overlap-p2p-communication; never by our executor,
+    #: which posts receives early and waits on the GPU. Measured as the gap between an exchange's
+    #: end and the next compute kernel (``mppx calibrate``, docs/planner.md)
+    exchange_sync_us: float = 0.0
+    #: the pipeline link's measured point-to-point bandwidth, GB/s (0: the GPU preset's link)
+    p2p_gbps: float = 0.0
+    #: FP8 GEMMs (Transformer Engine): their own curve, x as for ``gemm_max``/``gemm_half``
+    fp8_gemm_max: float = 0.60
+    fp8_gemm_half: float = 4.0e5
     #: measured stage times (``--calibration`` ``stage_times``): used instead of the FLOP model for a
     #: dense layer at their microbatch size and tp
     stage_times: StageTimes | None = None
@@ -100,15 +108,15 @@ class Efficiency:
         def bad(name: str, rule: str) -> PlannerError:
             return PlannerError(f"efficiency {name}={getattr(self, name)!r}: must be {rule} (--calibration "
                                 "or Efficiency(...)); see docs/planner.md")
-        for name in ("gemm_max", "flash_fwd", "flash_bwd", "attn_bmm", "hbm"):
+        for name in ("gemm_max", "flash_fwd", "flash_bwd", "attn_bmm", "hbm", "fp8_gemm_max"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1):
                 raise bad(name, "a fraction of peak in (0, 1]")
-        for name in ("gemm_half", "attn_half"):
+        for name in ("gemm_half", "attn_half", "fp8_gemm_half"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise bad(name, "a finite number > 0")
-        for name in ("layer_overhead_us", "dropout_rng_ps", "p2p_latency_us"):
+        for name in ("layer_overhead_us", "dropout_rng_ps", "exchange_sync_us", "p2p_gbps"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
                 raise bad(name, "a finite number >= 0")
@@ -118,6 +126,9 @@ class Efficiency:
 
     def gemm(self, x: float) -> float:
         return self.gemm_max * x / (x + self.gemm_half)
+
+    def fp8_gemm(self, x: float) -> float:
+        return self.fp8_gemm_max * x / (x + self.fp8_gemm_half)
 
     def attn(self, y: float) -> float:
         return self.attn_bmm * y / (y + self.attn_half)
@@ -129,37 +140,107 @@ class Efficiency:
         return asdict(self)
 
 
-#: dropout_rng_ps and p2p_latency_us of the A100 are fitted to published A100 runs
-#: (docs/benchmarks/published.md: the forward times of table 6 of the Zero Bubble paper for the
-#: 1.5B and 6.2B models, and their 1F1B iteration times; the other rows are held to them); the
-#: H100's dropout cost is the A100's scaled by the fp32 (CUDA-core) throughput, its message latency
-#: the A100's (launch- and host-side): neither measured on an H100.
+#: The A100's dropout_rng_ps and exchange_sync_us are fitted to published A100 runs
+#: (docs/benchmarks/published.md: table 6 of the Zero Bubble paper's forward times of the 1.5B and
+#: 6.2B models, and those models' 1F1B iteration times; the other rows are held to them). The H100's
+#: curves are its own (see DERIVED for what no H100 measurement fixed); the other GPUs derive theirs
+#: by the rules in DERIVED, which the report prints.
 DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
                        attn_half=8.0, hbm=0.75, layer_overhead_us=40.0, dropout_rng_ps=7.5,
-                       p2p_latency_us=1200.0),
+                       exchange_sync_us=1200.0, source="a100 preset"),
     "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
                        attn_half=12.0, hbm=0.75, layer_overhead_us=30.0, dropout_rng_ps=2.2,
-                       p2p_latency_us=1200.0),
+                       exchange_sync_us=700.0, fp8_gemm_max=0.55, fp8_gemm_half=8.0e5, source="h100 preset"),
+}
+_HOST_RULE = ("the A100's (fitted on the Zero Bubble A100 1F1B rows): a host-side cost, not measured on this GPU "
+              "(measure it: docs/planner.md#calibration)")
+#: GPU -> (the preset its efficiencies come from, {field: rule}): every value not measured on the GPU
+#: itself, with the rule that derived it
+DERIVED: dict[str, tuple[str, dict[str, str]]] = {
+    "h100": ("h100", {"dropout_rng_ps": "the A100's scaled by the fp32 (CUDA-core) throughput",
+                      "exchange_sync_us": _HOST_RULE}),
+    "h200": ("h100", {"all curves": "the H100's (the same GH100 compute; its faster HBM enters through hbm_gbps)",
+                      "exchange_sync_us": _HOST_RULE}),
+    "b200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
+                                    "calibrated",
+                      "exchange_sync_us": _HOST_RULE}),
+    "gb200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
+                                     "calibrated",
+                       "exchange_sync_us": _HOST_RULE}),
 }
 
 
 def default_efficiency(gpu: GPUSpec) -> Efficiency:
-    return DEFAULT_EFFICIENCY.get(gpu.name, Efficiency())
+    """The GPU's efficiency curves: its own, or derived from another preset's by a rule
+    (:data:`DERIVED`, :func:`efficiency_rules`); a GPU outside the presets gets the generic curve."""
+    base = DERIVED.get(gpu.name, (gpu.name, {}))[0]
+    eff = DEFAULT_EFFICIENCY.get(base)
+    if eff is None:
+        return Efficiency(source="generic (no preset: calibrate, docs/planner.md#calibration)")
+    return eff if base == gpu.name else eff.with_(source=f"{gpu.name}: derived from the {base} preset")
 
 
-PRECISIONS = ("bf16", "fp32")
+def efficiency_rules(gpu: GPUSpec, eff: Efficiency) -> list[str]:
+    """How each value the plan uses that was not measured on ``gpu`` was derived (printed by
+    the report): the GPU preset's rules and, for default (uncalibrated) curves, the efficiency's."""
+    out = [f"{name}: {rule}" for name, rule in gpu.rules]
+    if eff.source.startswith(("calibrated", "table")):
+        return out
+    derived = DERIVED.get(gpu.name)
+    if derived is not None:
+        out += [f"{name}: {rule}" for name, rule in derived[1].items()]
+    elif gpu.name not in DEFAULT_EFFICIENCY:
+        out.append("efficiency: the generic curve (this GPU has no preset); calibrate it")
+    return out
+
+
+PRECISIONS = ("bf16", "fp32", "fp8")
+#: Megatron-LM's --fp8-recipe names (Transformer Engine's scaling recipes)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+#: bytes of HBM traffic per element TE's quantisation moves for one GEMM operand: reading the bf16
+#: tensor (2) and writing its FP8 copies in both layouts the forward and the weight gradient read
+#: (1 + 1); current scaling (tensorwise) first reads the tensor once more for its amax (2); block and
+#: MX scales are computed inside the cast (their scales, 1/128 and 1/32 of a byte, are left out)
+FP8_CAST_BYTES = {"delayed": 4.0, "tensorwise": 6.0, "blockwise": 4.0, "mxfp8": 4.0}
+#: fixed cost of one quantisation kernel (launch and the scale's reduction), microseconds
+FP8_CAST_US = 4.0
 
 
 def peak_flops(gpu: GPUSpec, precision: str = "bf16") -> float:
-    """FLOP/s the GEMMs of ``precision`` run at, at peak: the bf16 tensor cores, or plain fp32
-    (torch leaves tensor-float-32 off for matmuls; Megatron-LM does not turn it on)."""
+    """FLOP/s the GEMMs of ``precision`` run at, at peak: the bf16 tensor cores, plain fp32
+    (torch leaves tensor-float-32 off for matmuls; Megatron-LM does not turn it on), or the FP8
+    tensor cores (``fp8``: the GEMMs Transformer Engine runs in FP8)."""
+    if precision == "fp8":
+        if gpu.fp8_tflops is None:
+            raise PlannerError(f"--precision fp8: the {gpu.name} has no FP8 tensor cores; use --precision bf16 or "
+                               "an FP8 GPU (h100, h200, b200, gb200)")
+        return gpu.fp8_tflops * 1e12
     return (gpu.fp32_tflops if precision == "fp32" else gpu.peak_tflops) * 1e12
+
+
+def bf16_part(precision: str) -> str:
+    """The precision of what FP8 training keeps in bf16 (attention's core, the output layer, the
+    router, the embedding): bf16 under fp8, else the run's own."""
+    return "bf16" if precision == "fp8" else precision
+
+
+def gemm_time(flops: float, x: float, gpu: GPUSpec, eff: Efficiency, precision: str) -> float:
+    """Seconds of ``flops`` of GEMMs of size x (b*s*h/tp) in ``precision``: at the FP8 peak on
+    FP8's curve, else at the precision's peak on the GEMM curve."""
+    if precision == "fp8":
+        return flops / (peak_flops(gpu, "fp8") * eff.fp8_gemm(x))
+    return flops / (peak_flops(gpu, precision) * eff.gemm(x))
+
+
+def fp8_cast_time(elements: float, kernels: int, gpu: GPUSpec, eff: Efficiency, recipe: str) -> float:
+    """Transformer Engine quantising ``elements`` GEMM operands in ``kernels`` casts."""
+    return FP8_CAST_BYTES[recipe] * elements / (gpu.hbm_gbps * 1e9 * eff.hbm) + kernels * FP8_CAST_US * 1e-6
 
 
 def act_bytes(precision: str = "bf16") -> float:
     """Bytes of one activation value: what every element-wise pass, message and collective of
-    the activations moves."""
+    the activations moves (FP8 runs keep their activations in bf16)."""
     return 4.0 if precision == "fp32" else 2.0
 
 
@@ -244,7 +325,7 @@ def _collective(nbytes: float, ranks: int, bw_gbps: float, latency_us: float, fa
 
 def tp_bandwidth(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
     g = cluster.gpu
-    if tp <= cluster.gpus_per_node:
+    if tp <= cluster.nvlink_size:
         return g.nvlink_gbps, g.nvlink_latency_us
     return g.net_gbps, g.net_latency_us
 
@@ -252,7 +333,7 @@ def tp_bandwidth(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
 def expert_link(cluster: ClusterSpec, ep: int, etp: int) -> tuple[int, int]:
     """(EP ranks sharing a node with a rank, EP ranks elsewhere): an expert-parallel group is
     ``ep`` ranks ``etp`` apart (Megatron-Core's expert rank order tp-ep-dp-pp)."""
-    in_node = max(1, min(ep, cluster.gpus_per_node // max(1, etp)))
+    in_node = max(1, min(ep, cluster.nvlink_size // max(1, etp)))
     return in_node, ep - in_node
 
 
@@ -271,23 +352,33 @@ def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> flo
 
 
 def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *, ep: int = 1,
-                  etp: int | None = None, precision: str = "bf16") -> dict:
+                  etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise") -> dict:
     """Seconds of the MLP part of one MoE layer on one rank (forward GEMMs, element-wise work,
-    all-to-all and expert-tensor-parallel communication per pass) -- see the module doc."""
+    all-to-all and expert-tensor-parallel communication per pass) -- see the module doc. Under
+    FP8 the experts' and the shared expert's GEMMs run in FP8 (with their casts), the router in
+    bf16."""
     g = cluster.gpu
-    peak = peak_flops(g, precision)
     eb = act_bytes(precision)
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     etp = tp if etp is None else etp
     s, b, h, k, E = model.seq, mbs, model.hidden, model.moe_topk, model.num_experts
     x = b * s * h / tp
-    dense = (router_flops(model, mbs) + (mlp_flops(model, mbs, model.moe_shared_ffn) if model.moe_shared_ffn
-                                          else 0.0)) / tp / (peak * eff.gemm(x))
+    dense = gemm_time(router_flops(model, mbs) / tp, x, g, eff, bf16_part(precision))
+    if model.moe_shared_ffn:
+        dense += gemm_time(mlp_flops(model, mbs, model.moe_shared_ffn) / tp, x, g, eff, precision)
     per_expert_tokens = etp * b * s * k * ep / (tp * E)          # balanced routing
     x_e = max(per_expert_tokens, 1.0) * h / etp
-    experts = mlp_flops(model, mbs, model.expert_ffn, k) / tp / (peak * eff.gemm(x_e))
+    experts = gemm_time(mlp_flops(model, mbs, model.expert_ffn, k) / tp, x_e, g, eff, precision)
     tokens = b * s * k / tp                                        # token copies this rank dispatches
     glu = 3 if model.gated_mlp else 2
+    cast_f = cast_b = 0.0
+    if precision == "fp8":   # expert fc1/fc2 inputs (F), their output gradients (B); the shared expert's
+        fe, fs = model.expert_ffn, model.moe_shared_ffn
+        gl = glu - 1
+        cast_f = fp8_cast_time(tokens * (h + fe) + b * s / tp * (h + fs) * bool(fs), 2 + 2 * bool(fs), g, eff,
+                               fp8_recipe)
+        cast_b = fp8_cast_time(tokens * (gl * fe + h) + b * s / tp * (gl * fs + h) * bool(fs), 2 + 2 * bool(fs),
+                               g, eff, fp8_recipe)
     # activation function over the experts' FFN, permute and unpermute (read + write each), probs
     ew = eb * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
     if model.moe_shared_ffn:
@@ -300,17 +391,18 @@ def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: 
         bw, lat = tp_bandwidth(cluster, tp)
         shared_comm = 2 * _collective(eb * b * s * h, tp, bw, lat, 1.0)
     return {"gemm": dense + experts, "expert_gemm": experts, "elementwise": ew, "alltoall": 2 * a2a,
-            "etp_comm": etp_comm, "shared_tp_comm": shared_comm}
+            "etp_comm": etp_comm, "shared_tp_comm": shared_comm, "fp8_cast_f": cast_f, "fp8_cast_b": cast_b}
 
 
 def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
                 recompute: str = "none", sequence_parallel: bool = True, moe: bool = False, ep: int = 1,
-                etp: int | None = None, precision: str = "bf16") -> PassTimes:
+                etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise") -> PassTimes:
     """F, B, W of one transformer layer (an MoE layer with ``moe``) for one microbatch on one
     rank, in ``precision`` (bf16: its tensor-core peak, 2-byte activations; fp32: the fp32 peak,
-    4-byte activations)."""
+    4-byte activations; fp8: the linear layers' GEMMs at the FP8 peak on FP8's curve plus
+    Transformer Engine's casts of their operands (``fp8_recipe``), attention's core in bf16)."""
     g = cluster.gpu
-    peak = peak_flops(g, precision)
+    peak = peak_flops(g, bf16_part(precision))     # attention's core: never FP8
     eb = act_bytes(precision)
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h, a = model.seq, mbs, model.hidden, model.heads
@@ -319,16 +411,29 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
     tokens = b * s / (tp if sequence_parallel else 1)
     bw, lat = tp_bandwidth(cluster, tp)
     msg_bytes = eb * b * s * h
+    d_ = model.head_dim
+    qkv_o, proj_i = (model.heads + 2 * model.kv_heads) * d_, model.heads * d_
+    # FP8 casts of the attention's GEMM operands: qkv and proj inputs (F), their output gradients (B)
+    cast_f = cast_b = 0.0
+    if precision == "fp8":
+        cast_f = fp8_cast_time(b * s / tp * (h + proj_i), 2, g, eff, fp8_recipe)
+        cast_b = fp8_cast_time(b * s / tp * (qkv_o + h), 2, g, eff, fp8_recipe)
     if moe:
-        mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp, precision=precision)
-        t_lin = attention_linear_flops(model, mbs) / tp / (peak * eff.gemm(x)) + mt["gemm"]
+        mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp, precision=precision,
+                           fp8_recipe=fp8_recipe)
+        t_lin = gemm_time(attention_linear_flops(model, mbs) / tp, x, g, eff, precision) + mt["gemm"]
+        cast_f, cast_b = cast_f + mt["fp8_cast_f"], cast_b + mt["fp8_cast_b"]
         ew_f = eb * tokens * (16 * h) / hbm + mt["elementwise"]
         # attention's 1 all-gather + 1 reduce-scatter; the shared expert's; the expert-tp ones
         comm = (_collective(msg_bytes, tp, bw, lat, 1.0) * 2 + mt["shared_tp_comm"] + mt["etp_comm"]) \
             * (1.0 - eff.tp_overlap)
         a2a = mt["alltoall"]
     else:
-        t_lin = linear_flops(model, mbs) / tp / (peak * eff.gemm(x))
+        t_lin = gemm_time(linear_flops(model, mbs) / tp, x, g, eff, precision)
+        if precision == "fp8":   # fc1 and fc2 inputs (F), their output gradients (B)
+            gl = 2 if model.gated_mlp else 1
+            cast_f += fp8_cast_time(b * s / tp * (h + model.ffn), 2, g, eff, fp8_recipe)
+            cast_b += fp8_cast_time(b * s / tp * (gl * model.ffn + h), 2, g, eff, fp8_recipe)
         # element-wise traffic (bf16): norms, residual adds, dropouts, bias adds, activation function
         act_elems = model.ffn * (3 if model.gated_mlp else 2)
         ew_f = eb * tokens * (16 * h) / hbm + eb * b * s * act_elems / tp / hbm
@@ -350,9 +455,9 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
         rng = drop * scores * eff.dropout_rng_ps * 1e-12 / occupancy
         attn_f = attention_flops(model, mbs) / tp / (peak * e) + (4 + 5 * drop) * scores * passes + rng
         attn_b = 2 * attention_flops(model, mbs) / tp / (peak * e) + (6 + 4 * drop) * scores * passes
-    f = t_lin + attn_f + ew_f + comm + a2a + over
+    f = t_lin + attn_f + ew_f + comm + a2a + over + cast_f
     recomp = {"none": 0.0, "selective": 0.0 if model.flash_attention else attn_f, "full": f}[recompute]
-    bwd = t_lin + attn_b + ew_b + comm + a2a + over + recomp
+    bwd = t_lin + attn_b + ew_b + comm + a2a + over + recomp + cast_b
     w = t_lin + over
     st = eff.stage_times
     if st is not None and not moe and st.applies(mbs, tp):   # measured: per layer of the measured stage
@@ -361,7 +466,8 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
         return PassTimes(mf, mb + recomp, mw, {"measured": 1.0, "recompute": recomp, "gemm_f": t_lin,
                                                  "attention_f": attn_f})
     detail = {"gemm_f": t_lin, "attention_f": attn_f, "attention_b": attn_b, "elementwise_f": ew_f,
-              "tp_comm_f": comm, "alltoall_f": a2a, "recompute": recomp, "overhead": over}
+              "tp_comm_f": comm, "alltoall_f": a2a, "recompute": recomp, "overhead": over, "fp8_cast_f": cast_f,
+              "fp8_cast_b": cast_b}
     return PassTimes(f, bwd, w, detail)
 
 
@@ -381,9 +487,10 @@ def embedding_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs
 def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
                  shards: int = 1, precision: str = "bf16") -> PassTimes:
     """The last stage's extra work: final norm, output layer GEMMs and the vocab-parallel
-    cross entropy, for the whole vocabulary (``shards`` = 1) or one of ``shards`` slices."""
+    cross entropy, for the whole vocabulary (``shards`` = 1) or one of ``shards`` slices. The
+    output layer stays in bf16 under FP8 (Megatron-Core's output layer is not a TE FP8 linear)."""
     g = cluster.gpu
-    peak = peak_flops(g, precision)
+    peak = peak_flops(g, bf16_part(precision))
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h = model.seq, mbs, model.hidden
     vp = model.padded_vocab(tp) / tp / shards
@@ -400,21 +507,24 @@ def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: i
 
 
 def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int, pp: int, *,
-             sequence_parallel: bool = True, precision: str = "bf16") -> float:
+             sequence_parallel: bool = True, precision: str = "bf16", link_gbps: float = 0.0) -> float:
     """One pipeline message (activation or gradient of one microbatch), per tp rank. Pipeline
     neighbours are tp*dp ranks apart (Megatron's tp-dp-pp order): NVLink only when the whole
     model-parallel x data-parallel grid fits in one node; otherwise the network, the slowest
     link, which paces a pipeline whose ranks wait for their neighbours."""
     g = cluster.gpu
     nbytes = act_bytes(precision) * model.seq * mbs * model.hidden / (tp if sequence_parallel else 1)
-    if tp * dp * pp <= cluster.gpus_per_node:
-        return nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
+    inside = tp * dp * pp <= cluster.nvlink_size
+    if link_gbps:   # measured (the calibration's p2p_gbps)
+        return nbytes / (link_gbps * 1e9) + (g.nvlink_latency_us if inside else g.net_latency_us) * 1e-6
+    if inside:
+        return nbytes / (g.nvlink_p2p_gbps * 1e9) + g.nvlink_latency_us * 1e-6
     return nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
 
 
 def _dp_link(cluster: ClusterSpec, tp: int, dp: int) -> tuple[float, float]:
     g = cluster.gpu
-    if tp * dp <= cluster.gpus_per_node:
+    if tp * dp <= cluster.nvlink_size:
         return g.nvlink_gbps, g.nvlink_latency_us
     return g.net_gbps, g.net_latency_us
 
@@ -456,7 +566,7 @@ _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
-_TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times")
+_TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times", "precision", "measured")
 _STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
 _LAYER_KEYS = ("mbs", "tp", "forward_ms")
@@ -556,13 +666,26 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         hint = (f"; {', '.join(misplaced)} go(es) under \"efficiency\"" if misplaced else "")
         raise PlannerError(f"--calibration {path}: unknown keys {unknown}{hint}; the file holds {', '.join(_TOP_KEYS)} "
                            "(docs/planner.md)")
-    if not any(doc.get(k) for k in _TOP_KEYS):
+    measured_at = doc.get("precision", "bf16")
+    if measured_at not in PRECISIONS:
+        raise PlannerError(f"--calibration {path}: precision {measured_at!r}: one of {', '.join(PRECISIONS)}")
+    if measured_at != precision:
+        raise PlannerError(f"--calibration {path}: measured at {measured_at}"
+                           + (" (no \"precision\" key: bf16)" if "precision" not in doc else "")
+                           + f", but the plan is --precision {precision}: calibrate a run at {precision} or plan "
+                           f"--precision {measured_at}")
+    if not any(doc.get(k) for k in _TOP_KEYS if k not in ("precision", "measured")):
         raise PlannerError(f"--calibration {path}: nothing to calibrate (no efficiency fields, gemm_points, "
                            "layer_points or stage_times); see docs/planner.md")
     eff = base
     over = doc.get("efficiency", {})
     if not isinstance(over, dict):
         raise PlannerError(f"--calibration {path}: 'efficiency' must be an object of field: number")
+    if "p2p_latency_us" in over:
+        raise PlannerError(f"--calibration {path}: efficiency.p2p_latency_us is no longer a field: a pipeline message "
+                           "is its bytes over the measured link (stage_times.p2p_ms or efficiency.p2p_gbps) and "
+                           "Megatron's synchronise after each exchange is efficiency.exchange_sync_us; rename it "
+                           "(docs/planner.md#calibration)")
     bad = set(over) - _EFF_FIELDS
     if bad:
         raise PlannerError(f"--calibration {path}: unknown efficiency fields {sorted(bad)}; known: "
@@ -607,7 +730,14 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         points.append((mbs * model.seq * model.hidden / tp, e))
     if points:
         try:
-            eff = fit_gemm_curve(points, eff, fixed=tuple(k for k in ("gemm_max", "gemm_half") if k in over))
+            fixed = tuple(k for k in ("gemm_max", "gemm_half") if k in over)
+            if precision == "fp8":   # the points are FP8 GEMMs: they fit FP8's curve
+                fixed = tuple(k for k in ("gemm_max", "gemm_half") if f"fp8_{k}" in over)
+                fit = fit_gemm_curve(points, eff.with_(gemm_max=eff.fp8_gemm_max, gemm_half=eff.fp8_gemm_half),
+                                     fixed=fixed)
+                eff = eff.with_(fp8_gemm_max=fit.gemm_max, fp8_gemm_half=fit.gemm_half)
+            else:
+                eff = fit_gemm_curve(points, eff, fixed=fixed)
         except PlannerError as e:
             raise PlannerError(f"--calibration {path}: {str(e).removeprefix('calibration: ')}") from None
     if "stage_times" in doc:
@@ -682,6 +812,6 @@ def _num(entry: dict, name: str, path: str, default: float | None = None) -> flo
 __all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_linear_flops",
            "mlp_flops", "router_flops", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
            "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times", "peak_flops",
-           "act_bytes", "PRECISIONS",
+           "act_bytes", "PRECISIONS", "FP8_RECIPES", "gemm_time", "bf16_part", "efficiency_rules", "DERIVED",
            "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
            "load_calibration", "calibration_from_dict", "StageTimes"]

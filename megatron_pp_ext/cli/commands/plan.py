@@ -73,7 +73,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus", type=int_at_least(1, 64), metavar="N", help="number of GPUs")
     c.add_argument("--nodes", type=int_at_least(1, 8), metavar="N", help="number of nodes (instead of --gpus)")
     c.add_argument("--gpus-per-node", type=int_at_least(1, 8), default=8, metavar="N", help="default: 8")
-    c.add_argument("--gpu", default="h100", metavar="{a100,h100}", help="GPU preset (default: h100)")
+    c.add_argument("--gpu", default="h100", metavar="{a100,h100,h200,b200,gb200}",
+                   help="GPU preset from datasheet figures (default: h100; docs/planner.md#gpu-presets)")
     c.add_argument("--memory", type=float, metavar="GiB", help="GPU memory in GiB (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, metavar="TF", help="dense bf16 peak (overrides the preset)")
     c.add_argument("--nvlink-gbps", type=float, metavar="GB/s", help="intra-node collective bandwidth")
@@ -105,9 +106,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--budgets", type=_names, default=("fit",), metavar="fit,0.5x",
                    help="v-budget memory budgets: 'fit' (largest that fits) and/or units or fractions of 1F1B")
     s.add_argument("--no-distributed-optimizer", action="store_true", help="plan without the distributed optimizer")
-    s.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+    s.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default="bf16",
                    help="bf16 (Megatron-LM's --bf16: bf16 parameters and activations, fp32 gradients and master "
-                        "weights) or fp32 (default: bf16)")
+                        "weights), fp8 (bf16 plus Transformer Engine's FP8 GEMMs in the transformer layers: "
+                        "--fp8-format hybrid) or fp32 (default: bf16)")
+    s.add_argument("--fp8-recipe", metavar="R",
+                   help="FP8 scaling recipe with --precision fp8, as Megatron-LM names it: delayed, tensorwise "
+                        "(current scaling, NVIDIA's recipes' choice; default), blockwise, mxfp8 (Blackwell)")
     s.add_argument("--memory-model", choices=("gpu", "cpu"), default="gpu",
                    help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
                         "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
@@ -197,6 +202,9 @@ def build_request(args):
         cluster = make_cluster(args.gpu, args.gpus, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                memory_gib=args.memory, peak_tflops=args.peak_tflops, nvlink_gbps=args.nvlink_gbps,
                                net_gbps=args.net_gbps, host_gbps=args.host_gbps)
+        if args.fp8_recipe is not None and args.precision != "fp8":
+            raise CLIError(f"--fp8-recipe {args.fp8_recipe} needs --precision fp8 (the plan is {args.precision}); add "
+                           "--precision fp8 or drop --fp8-recipe")
         eff = default_efficiency(cluster.gpu)
         if args.calibration:
             eff = load_calibration(args.calibration, eff, model, cluster, precision=args.precision)
@@ -209,7 +217,8 @@ def build_request(args):
                            mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven, max_vp=args.max_vp,
                            recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
-                           time_limit=args.time_limit, precision=args.precision, runtime=args.memory_model,
+                           time_limit=args.time_limit, precision=args.precision,
+                           fp8_recipe=args.fp8_recipe or "tensorwise", runtime=args.memory_model,
                            overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy)
     except PlannerError as e:
         raise CLIError(str(e)) from None

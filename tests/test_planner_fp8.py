@@ -1,0 +1,139 @@
+"""The planner's FP8, its GPU presets and Megatron-Core's synchronised exchange (docs/planner.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_pp_ext.planner import Candidate, Planner, PlanRequest, PlannerError, get_gpu, get_model, make_cluster
+from megatron_pp_ext.planner.memory import is_fp8_gemm_weight
+from megatron_pp_ext.planner.layout import rank_static
+from megatron_pp_ext.planner.simcache import SimCache
+from megatron_pp_ext.planner.stagemem import MemorySetting, stage_memory
+from megatron_pp_ext.planner.memory import StagePart
+from megatron_pp_ext.planner.timing import (calibration_from_dict, default_efficiency, efficiency_rules, layer_times,
+                                            output_times)
+
+PINNED = ["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "1", "--pp", "2", "--mbs", "1",
+          "--global-batch-size", "16", "--recompute", "none", "--features", "none", "--schedules", "1f1b",
+          "--no-baseline", "--time-limit", "20"]
+
+
+def _cli(capsys, argv):
+    from megatron_pp_ext.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--gpu", "a100", "--precision", "fp8"], "--precision fp8"),
+    (["--gpu", "h100", "--precision", "fp8", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),
+    (["--gpu", "h100", "--precision", "fp8", "--fp8-recipe", "current"], "--fp8-recipe 'current'"),
+    (["--gpu", "h100", "--fp8-recipe", "tensorwise"], "--fp8-recipe tensorwise needs --precision fp8"),
+    (["--gpu", "v100"], "unknown GPU 'v100' (--gpu); presets: a100, h100, h200, b200, gb200"),
+])
+def test_fp8_and_gpu_bad_input_is_one_line_exit_2(capsys, extra, flag):
+    rc, out, err = _cli(capsys, PINNED + extra)
+    assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_fp8_runs_the_linear_gemms_at_the_fp8_peak_and_keeps_attention_and_the_output_layer_in_bf16():
+    model, cl = get_model("llama3-8b"), make_cluster("h100", 8)
+    eff = default_efficiency(cl.gpu)
+    bf, f8 = (layer_times(model, cl, eff, 1, 1, precision=p) for p in ("bf16", "fp8"))
+    assert f8.detail["attention_f"] == bf.detail["attention_f"]
+    assert f8.detail["gemm_f"] < 0.75 * bf.detail["gemm_f"]           # the FP8 peak is twice bf16's
+    assert f8.detail["fp8_cast_f"] > 0 and bf.detail["fp8_cast_f"] == 0
+    assert bf.f > f8.f > bf.f - bf.detail["gemm_f"]                    # faster, not free
+    # current scaling reads every operand once more for its amax than delayed scaling
+    dl = layer_times(model, cl, eff, 1, 1, precision="fp8", fp8_recipe="delayed")
+    assert dl.detail["fp8_cast_f"] < f8.detail["fp8_cast_f"]
+    assert output_times(model, cl, eff, 1, 1, precision="fp8").f == output_times(model, cl, eff, 1, 1).f
+
+
+def test_fp8_memory_keeps_fp8_gemm_inputs_and_te_weight_copies():
+    model = get_model("llama3-8b")
+    part = StagePart(4)
+    bf = stage_memory(model, MemorySetting(mbs=1, tp=1, precision="bf16", attention="flash"), part)
+    f8 = stage_memory(model, MemorySetting(mbs=1, tp=1, precision="fp8", attention="flash"), part)
+    T, h, ffn, d = model.seq, model.hidden, model.ffn, model.head_dim
+    gemm_inputs = 4 * T * (2 * h + model.heads * d + ffn)              # qkv, proj, fc1, fc2 inputs, 4 layers
+    assert bf.act - f8.act == pytest.approx(gemm_inputs)              # 2 bytes each in bf16, 1 in FP8
+    placement = (0, 1)
+    s_bf = rank_static(model, 1, 1, placement, distributed_optimizer=False, precision="bf16")
+    s_f8 = rank_static(model, 1, 1, placement, distributed_optimizer=False, precision="fp8")
+    from megatron_pp_ext.planner.memory import stage_param_tensors
+    from megatron_pp_ext.planner.layout import stage_parts
+    linear = sum(n for name, n in stage_param_tensors(model, 1, stage_parts(model, 2)[0], pipelined=True)
+                 if is_fp8_gemm_weight(name))
+    assert s_f8[0].fp8_weights == 2 * linear and s_f8[0].total == s_bf[0].total + 2 * linear
+    assert not is_fp8_gemm_weight("embedding.word_embeddings.weight") and not is_fp8_gemm_weight("output_layer.weight")
+
+
+def test_fp8_plan_json_and_flags(capsys):
+    rc, out, _ = _cli(capsys, PINNED + ["--gpu", "h100", "--precision", "fp8", "--json"])
+    doc = json.loads(out)
+    best = doc["plans"][0]
+    assert rc == 0 and doc["precision"] == "fp8" and doc["fp8_recipe"] == "tensorwise" and best["precision"] == "fp8"
+    assert best["tokens_per_s_per_gpu"] == pytest.approx(16 * 8192 / best["iteration_time_s"] / 8)
+    assert best["model_tflops_per_gpu"] == pytest.approx(best["mfu"] * 989, rel=1e-6)   # MFU against the bf16 peak
+    flags = best["megatron_flags"]
+    i = flags.index("--fp8-format")
+    assert flags[i:i + 4] == ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"] and "--bf16" in flags
+
+
+def test_gpu_presets_say_how_each_value_not_measured_on_the_gpu_was_derived(capsys):
+    for name in ("h200", "b200", "gb200"):
+        gpu = get_gpu(name)
+        eff = default_efficiency(gpu)
+        rules = efficiency_rules(gpu, eff)
+        assert any(r.startswith("nvlink_p2p_gbps") for r in rules)
+        assert any(r.startswith("exchange_sync_us") for r in rules) and "derived from the h100" in eff.source
+    assert get_gpu("h200").memory_gib > 2 * get_gpu("h100").memory_gib * 0.85 and get_gpu("b200").fp4_tflops
+    assert get_gpu("a100").fp8_tflops is None and get_gpu("a100").rules == ()
+    # the A100's point-to-point rate is the measured one (table 6), not derived
+    assert not any(r.startswith("nvlink_p2p") for r in efficiency_rules(get_gpu("a100"), default_efficiency(get_gpu("a100"))))
+    assert make_cluster("gb200", 144, gpus_per_node=4).nvlink_size == 72
+    assert make_cluster("h100", 64, gpus_per_node=4).nvlink_size == 4
+    rc, out, _ = _cli(capsys, PINNED + ["--gpu", "b200"])
+    assert rc == 0 and "derived, not measured on this GPU: all curves: the H100's fractions of peak" in out
+
+
+def test_megatron_synchronises_at_its_1f1b_exchanges_not_at_overlapped_interleaving_nor_ours():
+    model = get_model("llama2-7b")
+    req = PlanRequest(model, make_cluster("h100", 8), 64, tp=(1,), pp=(8,), mbs=(1,), recompute=("none",),
+                      features=(), schedules=("1f1b", "interleaved-1f1b", "zb-h1"), top=1)
+    pl = Planner(req, SimCache(disk=False))
+    sync = req.efficiency.exchange_sync_us * 1e-6
+    one = Candidate(1, 8, 1, 1, "1f1b", 1, 64, "none", None, False)
+    inter = Candidate(1, 8, 1, 2, "interleaved-1f1b", 1, 64, "none", None, False)
+    zb = Candidate(1, 8, 1, 1, "zb-h1", 1, 64, "none", None, False)
+    assert pl.exchange_sync(one) == sync > 0 and pl.exchange_sync(inter) == 0.0 and pl.exchange_sync(zb) == 0.0
+    pl_all = Planner(req.with_(exchange_sync="all"), SimCache(disk=False))
+    assert pl_all.exchange_sync(zb) == pl_all.exchange_sync(inter) == sync
+    # the synchronise is what makes Megatron's 1F1B slower than the same order on our executor
+    assert pl.evaluate(one).iteration_time > pl_all.evaluate(one).iteration_time - 1e-12
+    assert pl.evaluate(one).iteration_time > Planner(req.with_(exchange_sync="none"),
+                                                     SimCache(disk=False)).evaluate(one).iteration_time
+
+
+def test_calibration_at_another_precision_is_refused_and_the_old_latency_field_is_renamed():
+    model, cl = get_model("llama3-8b"), make_cluster("h100", 8)
+    base = default_efficiency(cl.gpu)
+    doc = {"efficiency": {"gemm_max": 0.7}}
+    with pytest.raises(PlannerError, match="measured at bf16.*--precision fp8"):
+        calibration_from_dict(doc, base, model, cl, precision="fp8")
+    with pytest.raises(PlannerError, match="measured at fp8, but the plan is --precision bf16"):
+        calibration_from_dict({**doc, "precision": "fp8"}, base, model, cl, precision="bf16")
+    with pytest.raises(PlannerError, match="exchange_sync_us"):
+        calibration_from_dict({"efficiency": {"p2p_latency_us": 100.0}}, base, model, cl)
+    # FP8 GEMM points fit FP8's curve, not bf16's
+    pts = [{"x": x, "efficiency": 0.5 * x / (x + 3e5)} for x in (1e5, 1e6, 1e7)]
+    cal = calibration_from_dict({"precision": "fp8", "gemm_points": pts}, base, model, cl, precision="fp8")
+    assert cal.fp8_gemm_max == pytest.approx(0.5) and cal.fp8_gemm_half == pytest.approx(3e5)
+    assert cal.gemm_max == base.gemm_max
