@@ -35,12 +35,18 @@ def model_flags(model: ModelSpec) -> list[str]:
          "--make-vocab-size-divisible-by", str(model.vocab_divisible_by)]
     if model.kv_heads != model.heads:
         f += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    if model.gated_mlp:
+    if model.quick_geglu:
+        f.append("--quick-geglu")
+    elif model.gated_mlp:
         f.append("--swiglu")
+    if model.glu_linear_offset:
+        f += ["--glu-linear-offset", f"{model.glu_linear_offset:g}"]
+    if model.activation_clamp is not None:
+        f += ["--activation-func-clamp-value", f"{model.activation_clamp:g}"]
     if model.norm == "rmsnorm":
         f += ["--normalization", "RMSNorm"]
-    if model.position == "rope":
-        f += ["--position-embedding-type", "rope"]
+    if model.position in ("rope", "yarn"):
+        f += ["--position-embedding-type", model.position]
     if not model.bias:
         f.append("--disable-bias-linear")
     if not model.tied_embeddings:
@@ -52,8 +58,31 @@ def model_flags(model: ModelSpec) -> list[str]:
         f += ["--kv-channels", str(model.kv_channels)]
     if model.qk_norm:
         f.append("--qk-layernorm")
+    f += attention_flags(model)
     if model.is_moe:
         f += moe_model_flags(model)
+    return f
+
+
+def attention_flags(model: ModelSpec) -> list[str]:
+    """Megatron-LM's flags for sliding windows, attention sinks, Multi-head Latent Attention and
+    multi-token prediction."""
+    f: list[str] = []
+    if model.window_size is not None:
+        f += ["--window-size", f"{model.window_size},0"]
+        freq = model.window_attn_skip_freq
+        if freq is not None:
+            f += ["--window-attn-skip-freq", format_moe_layer_freq(freq)]
+    if model.attention_sinks:
+        f += ["--softmax-type", "learnable"]
+    if model.multi_latent_attention:
+        f.append("--multi-latent-attention")
+        if model.q_lora_rank is not None:
+            f += ["--q-lora-rank", str(model.q_lora_rank)]
+        f += ["--kv-lora-rank", str(model.kv_lora_rank), "--qk-head-dim", str(model.qk_head_dim),
+              "--qk-pos-emb-head-dim", str(model.qk_pos_emb_head_dim), "--v-head-dim", str(model.v_head_dim)]
+    if model.mtp_num_layers:
+        f += ["--mtp-num-layers", str(model.mtp_num_layers)]
     return f
 
 
@@ -299,5 +328,5 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
     return "\n".join(hdr + [""] + notes + [""] + env + arrays + launch) + "\n"
 
 
-__all__ = ["MEGATRON_SCHEDULES", "model_flags", "moe_model_flags", "needs_plugin", "layout_string", "parallel_flags",
+__all__ = ["MEGATRON_SCHEDULES", "model_flags", "attention_flags", "moe_model_flags", "needs_plugin", "layout_string", "parallel_flags",
            "megatron_flags", "flags_text", "slurm_script"]

@@ -81,22 +81,27 @@ def layer_param_numels(model: ModelSpec, tp: int, *, moe: bool = False, ep: int 
     h, d = model.hidden, model.head_dim
     if model.heads % tp or model.kv_heads % tp:
         raise PlannerError(f"tp={tp} must divide heads ({model.heads}) and kv-heads ({model.kv_heads})")
-    qkv_out = (model.heads + 2 * model.kv_heads) * d // tp
     norm = {"weight": h} if model.norm == "rmsnorm" else {"weight": h, "bias": h}
     out: dict[str, int] = {}
     for k, v in norm.items():
         out[f"input_layernorm.{k}"] = v
-    out["self_attention.linear_proj.weight"] = h * (model.heads * d // tp)
-    if model.bias:
-        out["self_attention.linear_proj.bias"] = h           # row parallel: replicated
-    out["self_attention.linear_qkv.weight"] = qkv_out * h
-    if model.bias:
-        out["self_attention.linear_qkv.bias"] = qkv_out      # column parallel: split
-    if model.qk_norm:                                        # one head-size norm each, replicated
-        for which in ("q", "k"):
-            out[f"self_attention.{which}_layernorm.weight"] = d
-            if model.norm == "layernorm":
-                out[f"self_attention.{which}_layernorm.bias"] = d
+    if model.multi_latent_attention:
+        out.update(_mla_tensors(model, tp))
+    else:
+        qkv_out = (model.heads + 2 * model.kv_heads) * d // tp
+        out["self_attention.linear_proj.weight"] = h * (model.heads * d // tp)
+        if model.bias:
+            out["self_attention.linear_proj.bias"] = h           # row parallel: replicated
+        out["self_attention.linear_qkv.weight"] = qkv_out * h
+        if model.bias:
+            out["self_attention.linear_qkv.bias"] = qkv_out      # column parallel: split
+        if model.qk_norm:                                        # one head-size norm each, replicated
+            for which in ("q", "k"):
+                out[f"self_attention.{which}_layernorm.weight"] = d
+                if model.norm == "layernorm":
+                    out[f"self_attention.{which}_layernorm.bias"] = d
+    if model.attention_sinks:                                    # one learned logit per local head
+        out["self_attention.core_attention.softmax_offset"] = model.heads // tp
     for k, v in norm.items():
         out[f"pre_mlp_layernorm.{k}"] = v
     if not moe:
@@ -117,6 +122,50 @@ def layer_param_numels(model: ModelSpec, tp: int, *, moe: bool = False, ep: int 
         if model.moe_shared_ffn % tp:
             raise PlannerError(f"tp={tp} must divide --moe-shared-expert-intermediate-size {model.moe_shared_ffn}")
         out.update(_mlp_tensors("mlp.shared_experts.", model, model.moe_shared_ffn, tp, bias=False))
+    return out
+
+
+def _mla_tensors(model: ModelSpec, tp: int) -> dict[str, int]:
+    """Multi-head Latent Attention's projections in Megatron-Core's order: the output projection
+    (row parallel), the query down projection (hidden -> q_lora_rank) and its norm, the query up
+    projection (q_lora_rank -> heads x (qk + rope)), the key/value down projection (hidden ->
+    kv_lora_rank + the shared rotary key) and its norm, the key/value up projection (kv_lora_rank ->
+    heads x (qk + v)). The down projections and the norms are replicated over tp (Transformer
+    Engine's duplicated linears), the up projections split over it."""
+    h, a = model.hidden, model.heads
+    qd, vd = model.q_head_dim, model.v_dim
+    out = {"self_attention.linear_proj.weight": h * (a * vd // tp)}
+    if model.q_lora_rank is None:
+        out["self_attention.linear_q_proj.weight"] = a * qd // tp * h
+    else:
+        out["self_attention.linear_q_down_proj.weight"] = model.q_lora_rank * h
+        if model.qk_norm:
+            out["self_attention.q_layernorm.weight"] = model.q_lora_rank
+        out["self_attention.linear_q_up_proj.weight"] = a * qd // tp * model.q_lora_rank
+    out["self_attention.linear_kv_down_proj.weight"] = (model.kv_lora_rank + model.qk_pos_emb_head_dim) * h
+    if model.qk_norm:
+        out["self_attention.kv_layernorm.weight"] = model.kv_lora_rank
+    out["self_attention.linear_kv_up_proj.weight"] = a * (model.qk_head_dim + vd) // tp * model.kv_lora_rank
+    return out
+
+
+def mtp_numels(model: ModelSpec, tp: int, *, ep: int = 1, etp: int | None = None) -> dict[str, int]:
+    """The multi-token prediction module of the last stage (--mtp-num-layers): per MTP layer its
+    two input norms (embedding and hidden state), the projection of their concatenation (2h -> h,
+    column parallel), a transformer layer of the decoder's last layer's kind and its final norm.
+    It shares the word embedding and the output layer."""
+    h = model.hidden
+    norm = {"weight": h} if model.norm == "rmsnorm" else {"weight": h, "bias": h}
+    moe = model.moe_pattern[-1]
+    layer = layer_param_numels(model, tp, moe=moe, ep=ep, etp=etp)
+    out: dict[str, int] = {}
+    for i in range(model.mtp_num_layers):
+        pre = f"mtp.layers.{i}."
+        for which in ("enorm", "hnorm"):
+            out.update({f"{pre}{which}.{k}": v for k, v in norm.items()})
+        out[f"{pre}eh_proj.weight"] = h // tp * 2 * h
+        out.update({f"{pre}transformer_layer.{n}": v for n, v in layer.items()})
+        out.update({f"{pre}final_layernorm.{k}": v for k, v in norm.items()})
     return out
 
 
@@ -170,7 +219,8 @@ def stage_param_tensors(model: ModelSpec, tp: int, part: StagePart, *, pipelined
     ranks instead of living on the first/last stage (vocabulary parallelism, REFERENCE §6);
     pass the shard of this chunk's rank separately with :func:`vocab_shard_numels`."""
     out: list[tuple[str, int]] = []
-    if part.pre:
+    if part.pre or (part.post and model.mtp_num_layers):
+        # (a last stage with MTP layers builds the embedding too: a copy kept in sync with the first's)
         emb = embedding_numels(model, tp)
         if vocab_parallel_shards:
             emb.pop("embedding.word_embeddings.weight")
@@ -184,9 +234,11 @@ def stage_param_tensors(model: ModelSpec, tp: int, part: StagePart, *, pipelined
         out += [(f"decoder.layers.{j}.{n}", v) for n, v in per_kind[moe]]
     if part.post:
         fin = final_numels(model, tp, tied_copy=pipelined and not part.pre)
-        if vocab_parallel_shards:
-            fin.pop("output_layer.weight", None)
+        out_layer = fin.pop("output_layer.weight", None)
         out += fin.items()
+        out += mtp_numels(model, tp, ep=ep, etp=etp).items()
+        if out_layer is not None and not vocab_parallel_shards:
+            out.append(("output_layer.weight", out_layer))
     return out
 
 
@@ -359,11 +411,16 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
     terms = {
         "norm inputs": 4 * sbh,                                   # 2 norms x 2 bytes
         "qkv input": 2 * sbh,
-        "q, k, v": 2 * sb * d * (a + 2 * model.kv_heads),
-        "attention output (proj input)": 2 * sb * d * a,
+        "q, k, v": 2 * sb * _qkv_width(model),
+        "attention output (proj input)": 2 * sb * model.v_dim * a,
         "dropout masks": 2 * drop * sbh,                          # after attention and MLP
         "fc1 input": 2 * sbh,                                     # the MLP's input (norm output)
     }
+    if model.multi_latent_attention:
+        # the compressed query and key/value (down projections' outputs, the norms' inputs) and
+        # their normalised copies (the up projections' inputs)
+        terms["compressed q, kv (MLA)"] = 2 * sb * (2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank
+                                                    + model.qk_pos_emb_head_dim)
     transient = 0.0
     if not moe:
         terms["activation-function input"] = 2 * sb * f * glu
@@ -394,7 +451,7 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
     div = tp if sequence_parallel else 1
     # Without sequence parallelism only the tensor-parallel regions are split (Korthikanti eq. 2).
     if not sequence_parallel and tp > 1:
-        split = {"q, k, v", "attention output (proj input)", "activation-function input", "fc2 input",
+        split = {"q, k, v", "attention output (proj input)", "compressed q, kv (MLA)", "activation-function input", "fc2 input",
                  "softmax statistics", "dispatched tokens (expert fc1 input)", "expert activation-function input",
                  "expert fc2 input", "expert activation before the routing weights", "shared-expert activation-function input",
                  "shared-expert fc2 input"}
@@ -413,6 +470,30 @@ def layer_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "n
         return LayerActivation(full - s2, s2 + transient, dict(stored_terms))
     inp = 2 * sbh / div
     return LayerActivation(inp, full + transient, {"layer input": inp})
+
+
+def _qkv_width(model: ModelSpec) -> int:
+    """Elements per token of the queries, keys and values attention reads (all heads): MLA's
+    keys have a query's size (qk + the shared rotary part) and every head its own key and value."""
+    if model.multi_latent_attention:
+        return model.heads * (2 * model.q_head_dim + model.v_dim)
+    return model.head_dim * (model.heads + 2 * model.kv_heads)
+
+
+def mtp_activation(model: ModelSpec, mbs: int, tp: int, *, recompute: str = "none", sequence_parallel: bool = True,
+                   ep: int = 1, etp: int | None = None) -> float:
+    """Bytes the MTP layers keep per microbatch on the last stage: per layer its two input norms'
+    inputs, the projection's 2h-wide input, a transformer layer of the last layer's kind, its
+    final norm and the output layer's input and fp32 logits of its own loss."""
+    if not model.mtp_num_layers:
+        return 0.0
+    s, b, h = model.seq, mbs, model.hidden
+    div = tp if sequence_parallel else 1
+    layer = layer_activation(model, mbs, tp, recompute=recompute, sequence_parallel=sequence_parallel,
+                             moe=model.moe_pattern[-1], ep=ep, etp=etp).stored
+    head = 2.0 * s * b * (2 * h + 2 * h) / div            # enorm, hnorm inputs; eh_proj input
+    return model.mtp_num_layers * (layer + head + output_layer_activation(model, mbs, tp,
+                                                                          sequence_parallel=sequence_parallel))
 
 
 def output_layer_activation(model: ModelSpec, mbs: int, tp: int, *, sequence_parallel: bool = True,
@@ -448,6 +529,7 @@ def activation_bytes_per_microbatch(model: ModelSpec, mbs: int, tp: int, part: S
         out += embedding_activation(model, mbs, tp, sequence_parallel=sequence_parallel)
     if part.post:
         out += output_layer_activation(model, mbs, tp, sequence_parallel=sequence_parallel)
+        out += mtp_activation(model, mbs, tp, recompute=recompute, sequence_parallel=sequence_parallel, ep=ep, etp=etp)
     return out
 
 
@@ -462,26 +544,32 @@ def fmt_bytes(n: float) -> str:
 
 
 __all__ = ["RECOMPUTE_MODES", "model_num_params", "model_active_params", "layer_param_numels", "check_expert_layout",
-           "is_expert_tensor", "embedding_numels", "final_numels", "StagePart", "stage_param_tensors",
+           "is_expert_tensor", "mtp_numels", "embedding_numels", "final_numels", "StagePart", "stage_param_tensors",
            "stage_param_numels", "split_buffers", "vocab_shard_numels", "buffer_numel", "StaticMemory", "static_memory",
-           "LayerActivation", "layer_activation", "output_layer_activation", "embedding_activation",
+           "LayerActivation", "layer_activation", "mtp_activation", "output_layer_activation", "embedding_activation",
            "activation_bytes_per_microbatch", "fmt_bytes"]
 
 
-def model_num_params(model: ModelSpec) -> int:
-    """Total parameters of ``model`` at tp=1 (the embedding counted once when tied; every expert)."""
+def model_num_params(model: ModelSpec, *, mtp: bool = True) -> int:
+    """Total parameters of ``model`` at tp=1 (the embedding counted once when tied; every expert;
+    the MTP layers unless ``mtp=False``: the main model alone, as model cards quote it)."""
     per = {moe: sum(layer_param_numels(model, 1, moe=moe).values()) for moe in set(model.moe_pattern)}
     emb = sum(embedding_numels(model, 1).values())
     fin = sum(final_numels(model, 1, tied_copy=False).values())
-    return sum(per[moe] for moe in model.moe_pattern) + emb + fin
+    extra = sum(mtp_numels(model, 1).values()) if mtp else 0
+    return sum(per[moe] for moe in model.moe_pattern) + emb + fin + extra
 
 
-def model_active_params(model: ModelSpec) -> int:
+def model_active_params(model: ModelSpec, *, embedding: bool = True, mtp: bool = False) -> int:
     """Parameters one token passes through: all of a dense model, the top-k routed experts (plus
-    router and shared expert) of an MoE layer -- the "activated parameters" model cards quote."""
-    total = model_num_params(model)
+    router and shared expert) of an MoE layer -- the "activated parameters" model cards quote.
+    ``embedding=False`` leaves the input embedding table out (a lookup, not a GEMM: how some
+    model cards count); ``mtp``: with the MTP layers."""
+    total = model_num_params(model, mtp=mtp)
+    if not embedding:
+        total -= sum(embedding_numels(model, 1).values()) if not model.tied_embeddings else 0
     if not model.is_moe:
         return total
     one_expert = sum(_mlp_tensors("", model, model.expert_ffn, 1, bias=model.bias).values())
-    n_moe = sum(model.moe_pattern)
+    n_moe = sum(model.moe_pattern) + (model.mtp_num_layers if mtp and model.moe_pattern[-1] else 0)
     return total - n_moe * (model.num_experts - model.moe_topk) * one_expert

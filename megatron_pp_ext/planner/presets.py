@@ -55,6 +55,26 @@ class ModelSpec:
     moe_load_balancing: str = "aux_loss"   # --moe-router-load-balancing-type
     moe_score_function: str = "softmax"    # --moe-router-score-function
     moe_expert_bias: bool = False    # --moe-router-enable-expert-bias (aux-loss-free balancing)
+    # sliding-window attention (Megatron-LM --window-size W,0 --window-attn-skip-freq): a windowed
+    # layer's query attends to itself and the W keys before it
+    window_size: int | None = None
+    #: None: every layer windowed; N: every N-th layer (1-based) full attention; a 1 (windowed) /
+    #: 0 (full) pattern per layer
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    attention_sinks: bool = False    # --softmax-type learnable: one learned sink logit per head
+    # GLU variant of gpt-oss (--quick-geglu --glu-linear-offset --activation-func-clamp-value)
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_clamp: float | None = None
+    # Multi-head Latent Attention (--multi-latent-attention --q-lora-rank --kv-lora-rank
+    # --qk-head-dim --qk-pos-emb-head-dim --v-head-dim); qk_norm: the norms on the compressed q and kv
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None   # None: queries projected from the hidden state directly
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    mtp_num_layers: int = 0          # --mtp-num-layers: multi-token prediction layers on the last stage
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -70,9 +90,44 @@ class ModelSpec:
                                f"{self.kv_heads}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise PlannerError(f"model {self.name!r}: norm must be layernorm or rmsnorm, got {self.norm!r}")
-        if self.position not in ("learned", "rope"):
-            raise PlannerError(f"model {self.name!r}: position must be learned or rope, got {self.position!r}")
+        if self.position not in ("learned", "rope", "yarn"):
+            raise PlannerError(f"model {self.name!r}: position must be learned, rope or yarn, got {self.position!r}")
         self._check_moe()
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """Sliding windows, MLA and MTP, each error naming the flag to fix."""
+        who = f"model {self.name!r}"
+        if self.window_size is not None:
+            if not isinstance(self.window_size, int) or self.window_size < 0:
+                raise PlannerError(f"{who}: --window-size {self.window_size!r},0 must be a whole number >= 0")
+            if not self.flash_attention:
+                raise PlannerError(f"{who}: sliding-window attention (--window-size) runs only in fused attention "
+                                   "kernels (Transformer Engine); drop --no-flash-attention")
+        freq = self.window_attn_skip_freq
+        if freq is not None:
+            if self.window_size is None:
+                raise PlannerError(f"{who}: --window-attn-skip-freq needs --window-size")
+            if isinstance(freq, int):
+                if freq < 1:
+                    raise PlannerError(f"{who}: --window-attn-skip-freq {freq} must be >= 1")
+            elif not (isinstance(freq, tuple) and len(freq) == self.num_layers and all(x in (0, 1) for x in freq)):
+                raise PlannerError(f"{who}: --window-attn-skip-freq must be an integer or a 1 (window) / 0 (full) "
+                                   f"pattern of {self.num_layers} entries")
+        if self.multi_latent_attention:
+            if self.kv_heads != self.heads:
+                raise PlannerError(f"{who}: multi-latent attention has no key/value groups; drop "
+                                   "--group-query-attention/--num-query-groups")
+            if not self.flash_attention:
+                raise PlannerError(f"{who}: multi-latent attention runs in fused attention kernels (Transformer "
+                                   "Engine); drop --no-flash-attention")
+            for flag, v in (("--q-lora-rank", self.q_lora_rank if self.q_lora_rank is not None else 1),
+                            ("--kv-lora-rank", self.kv_lora_rank), ("--qk-head-dim", self.qk_head_dim),
+                            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim), ("--v-head-dim", self.v_head_dim)):
+                if not isinstance(v, int) or v < 1:
+                    raise PlannerError(f"{who}: {flag} {v!r} must be a whole number >= 1")
+        if not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise PlannerError(f"{who}: --mtp-num-layers {self.mtp_num_layers!r} must be a whole number >= 0")
 
     def _check_moe(self) -> None:
         """Megatron-LM's own rules for the MoE flags, each error naming the flag to fix."""
@@ -126,6 +181,39 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.kv_channels if self.kv_channels is not None else self.hidden // self.heads
+
+    @property
+    def q_head_dim(self) -> int:
+        """Size of one query (and key) head: qk_head_dim + qk_pos_emb_head_dim with MLA."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
+        return self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Size of one value head (the attention output per head)."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def kv_cache_per_token(self) -> int:
+        """Elements one layer caches per token for decoding: the compressed kv and the shared
+        rotary key with MLA, every key/value head's k and v otherwise."""
+        if self.multi_latent_attention:
+            return self.kv_lora_rank + self.qk_pos_emb_head_dim
+        return 2 * self.kv_heads * self.head_dim
+
+    @property
+    def window_pattern(self) -> tuple[bool, ...]:
+        """Whether each layer uses the sliding window, as Megatron-Core reads --window-attn-skip-freq
+        (1-based layer numbers: an int N makes layers N, 2N, ... full attention)."""
+        if self.window_size is None:
+            return (False,) * self.num_layers
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return (True,) * self.num_layers
+        if isinstance(freq, int):
+            return tuple((i + 1) % freq != 0 for i in range(self.num_layers))
+        return tuple(bool(x) for x in freq)
 
     @property
     def is_moe(self) -> bool:
@@ -229,7 +317,25 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
            moe_aux_loss_coeff=0.02),
     _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, kv_channels=128, qk_norm=True, num_experts=128,
            moe_topk=8, moe_ffn=768, moe_aux_loss_coeff=0.001, moe_load_balancing="global_aux_loss"),
-    # DeepSeek-V3's sizes with grouped-query attention in place of MLA, and no MTP module
+    _llama("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # gpt-oss-120b (Megatron-Bridge's GPT-OSS bridge; seq 4096 as its pretraining recipe): biases, YaRN,
+    # attention sinks, a 128-token window (127,0) on every other layer, 128 experts top-4
+    ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, gated_mlp=True, norm="rmsnorm", bias=True,
+              position="yarn", tied_embeddings=False, dropout=False, kv_channels=64, num_experts=128, moe_topk=4,
+              moe_ffn=2880, moe_load_balancing="none", window_size=127, window_attn_skip_freq=2,
+              attention_sinks=True, quick_geglu=True, glu_linear_offset=1.0, activation_clamp=7.0),
+    _llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, kv_channels=128, qk_norm=True, num_experts=128,
+           moe_topk=8, moe_ffn=1536, moe_aux_loss_coeff=0.001),
+    # DeepSeek-V3: MLA (its norms on the compressed q and kv: qk_norm), 3 dense layers then 58 MoE layers,
+    # one MTP layer
+    _llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, kv_channels=128, qk_norm=True,
+           vocab_divisible_by=1280, multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
+           qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, mtp_num_layers=1, num_experts=256,
+           moe_topk=8, moe_ffn=2048, moe_shared_ffn=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
+           moe_aux_loss_coeff=0.0001, moe_load_balancing="seq_aux_loss", moe_score_function="sigmoid",
+           moe_expert_bias=True),
+    # DeepSeek-V3's sizes with grouped-query attention in place of MLA, and no MTP module (a GQA stand-in;
+    # deepseek-v3 is the exact model)
     _llama("deepseek-v3-like", 61, 7168, 128, 8, 18432, 129280, 4096, kv_channels=128, num_experts=256,
            moe_topk=8, moe_ffn=2048, moe_shared_ffn=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
            moe_aux_loss_coeff=0.0001, moe_load_balancing="seq_aux_loss", moe_score_function="sigmoid",
@@ -240,7 +346,9 @@ _ALIASES = {"gpt3-175b": ("gpt3", "gpt-3-175b", "gpt-175b"), "llama2-70b": ("lla
             "llama3-70b": ("llama-3-70b",), "llama3-8b": ("llama-3-8b",), "llama2-7b": ("llama-2-7b",),
             "llama2-13b": ("llama-2-13b",), "gpt3-13b": ("gpt-3-13b",), "gpt3-1.3b": ("gpt-3-1.3b",),
             "mixtral-8x7b": ("mixtral", "mixtral-8x7b-v0.1"), "qwen3-30b-a3b": ("qwen3-moe", "qwen3-30b"),
-            "deepseek-v3-like": ("dsv3-like",)}
+            "deepseek-v3-like": ("dsv3-like",), "llama3.1-405b": ("llama-3.1-405b", "llama3-405b"),
+            "gpt-oss-120b": ("gpt-oss",), "qwen3-235b-a22b": ("qwen3-235b",),
+            "deepseek-v3": ("dsv3", "deepseek-v3-671b")}
 
 
 def model_names() -> list[str]:

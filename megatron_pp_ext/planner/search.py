@@ -36,6 +36,7 @@ from .memory import fmt_bytes, layer_activation, model_num_params
 from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
+from .timing import PassTimes, mtp_times
 from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
                      output_times, p2p_time, peak_flops, bf16_part)
 
@@ -292,6 +293,10 @@ class Planner:
                                     etp=cand.etp) for moe in kinds}
         emb = embedding_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
+        if model.mtp_num_layers:   # the MTP layers run on the last stage, after the output layer
+            mtp = mtp_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, ep=cand.ep, etp=cand.etp,
+                            precision=prec)
+            out = PassTimes(out.f + mtp.f, out.b + mtp.b, out.w + mtp.w, out.detail)
         t_f, t_b, t_w = [], [], []
         for part in parts:
             n_moe = part.moe_layers(model)

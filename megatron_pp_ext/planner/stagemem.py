@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .memory import StagePart, layer_activation
+from .memory import StagePart, _qkv_width, layer_activation
 from .presets import ModelSpec, PlannerError
 
 __all__ = ["MemorySetting", "StageMemory", "stage_memory", "unit_bytes", "cost_fields", "w_item_peak", "RECOMPUTE",
@@ -189,7 +189,8 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     T = s * b
     tq = T / tp if (st.sequence_parallel and tp > 1) else T
     a_t, kv_t = a / tp, kv / tp
-    qkv_out = (a + 2 * kv) * d / tp
+    mla = model.multi_latent_attention
+    qkv_out = _qkv_width(model) / tp    # q, k, v elements per token on this rank
     glu = 2 if model.gated_mlp else 1
     drop = 1 if model.dropout else 0
     # a dropout mask: bool from the GPU's fused kernel; on CPU torch's dropout keeps its scaled
@@ -221,19 +222,32 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         terms["causal mask"] = s * s
         if drop:
             terms["attention dropout"] = scores * (mask + e)     # its mask and the dropped probabilities
-    if model.qk_norm:
+    if mla:
+        # compressed q and kv (the norms' inputs) and their normalised copies (the up projections'
+        # inputs), as the local sequence shard; the norms' fp32 statistics
+        ql, kl = model.q_lora_rank or 0, model.kv_lora_rank
+        terms["compressed q, kv (MLA)"] = tq * ((2 * ql + 2 * kl + model.qk_pos_emb_head_dim) * e + 8)
+    elif model.qk_norm:
         terms["q, k norms"] = T * (a_t + kv_t) * d * e
-    terms["proj input"] = T * a_t * d * st.g
+    terms["proj input"] = T * a_t * model.v_dim * st.g
     if drop:
         terms["dropout mask (attention output)"] = tq * h * mask
     saved_attn = sum(terms.values())
     # -- MLP half (pre-MLP norm, fc1, activation, fc2) ---------------------------------------------
     mlp_terms: dict[str, float] = {"pre-MLP norm": norm, "fc1 input": tq * h * st.g}
     # what W keeps of each split linear: (input elements, output-gradient elements, weight elements)
-    lin = {
-        "qkv": (tq * h, T * qkv_out, qkv_out * h),
-        "proj": (T * a_t * d, T * h, h * a_t * d),
-    }
+    if mla:   # MLA's four projections in place of qkv (down: replicated over tp, up: split)
+        ql, kl, r = model.q_lora_rank, model.kv_lora_rank, model.qk_pos_emb_head_dim
+        qd, vd = model.q_head_dim, model.v_dim
+        attn_lin = {"kv up": (T * kl, T * a_t * (model.qk_head_dim + vd), a_t * (model.qk_head_dim + vd) * kl),
+                    "kv down": (tq * h, tq * (kl + r), (kl + r) * h)}
+        if ql:
+            attn_lin.update({"q up": (T * ql, T * a_t * qd, a_t * qd * ql), "q down": (tq * h, tq * ql, ql * h)})
+        else:
+            attn_lin["q"] = (tq * h, T * a_t * qd, a_t * qd * h)
+    else:
+        attn_lin = {"qkv": (tq * h, T * qkv_out, qkv_out * h)}
+    lin = {"proj": (T * a_t * model.v_dim, T * h, h * a_t * model.v_dim), **attn_lin}
     if moe:
         # Megatron-Core's MoE layer (router, token dispatcher, SequentialMLP): the router's routing
         # indices, weights and map and the permutation's indices; the k*T dispatched tokens; each
@@ -271,8 +285,9 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
     terms.update(mlp_terms)
     saved_mlp = sum(mlp_terms.values())
     # -- what W keeps: every split linear's input and output gradient -------------------------------
-    w_attn = (lin["qkv"][0] + lin["proj"][0]) * st.g + (lin["qkv"][1] + lin["proj"][1]) * e
-    w_mlp = sum(inp * st.g + gout * e for name, (inp, gout, _) in lin.items() if name not in ("qkv", "proj"))
+    attn_names = ("proj", *attn_lin)
+    w_attn = sum(lin[n][0] * st.g + lin[n][1] * e for n in attn_names)
+    w_mlp = sum(inp * st.g + gout * e for name, (inp, gout, _) in lin.items() if name not in attn_names)
     # -- peaks -------------------------------------------------------------------------------------
     if st.attention == "flash":
         bwd_attn = 2 * T * qkv_out * e + T * h * e
@@ -302,7 +317,7 @@ def _dense_layer(model: ModelSpec, st: MemorySetting, *, moe: bool = False) -> _
         order += [w_item(n, experts) for _ in range(int(experts)) for n in ("fc2", "fc1")]
     else:
         order += [w_item("fc2"), w_item("fc1", gathers=True)]
-    order += [w_item("proj"), w_item("qkv", gathers=True)]
+    order += [w_item("proj")] + [w_item(n, gathers=n in ("qkv", "q", "q down", "kv down")) for n in attn_lin]
     return _Layer(saved_attn, saved_mlp, w_attn, w_mlp, bwd_attn, bwd_mlp, fwd_attn, tuple(order), terms)
 
 
@@ -349,6 +364,12 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
         if moe not in kinds:
             kinds[moe] = _layer(model, st, moe)
         layers.append(kinds[moe])
+    mtp = model.mtp_num_layers if part.post else 0
+    if mtp:   # the MTP layers run after the decoder on the last stage (a layer of the last layer's kind each)
+        kind = bool(pattern[-1])
+        if kind not in kinds:
+            kinds[kind] = _layer(model, st, kind)
+        layers += [kinds[kind]] * mtp
     layer_act = sum(lay.saved for lay in layers)
     act = layer_act
     w_held = sum(lay.w_held for lay in layers) if st.split else 0.0
@@ -366,7 +387,9 @@ def stage_memory(model: ModelSpec, setting: MemorySetting, part: StagePart, *, v
     elif part.post:
         norm = _norm_bytes(model, tq, st)
         logits = 4.0 * T * v_t          # the cross entropy's fp32 logits (its gradient is made in place)
-        post_saved = norm + tq * h * e + logits
+        post_saved = (norm + tq * h * e + logits) * (1 + mtp)
+        # each MTP layer: its two input norms and the projection's 2h-wide input, then its own loss
+        post_saved += mtp * (2 * norm + 2 * tq * h * e)
         # W keeps the output layer's input and its output gradient: in fp32 the cross entropy's own
         # buffer, below fp32 a cast copy in the activation dtype
         post_w = tq * h * e + T * v_t * e

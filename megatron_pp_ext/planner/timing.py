@@ -247,10 +247,18 @@ def act_bytes(precision: str = "bf16") -> float:
 # --- FLOPs ---------------------------------------------------------------------------------
 
 def attention_linear_flops(model: ModelSpec, mbs: int) -> float:
-    """Forward FLOPs of the attention projections (QKV and output) of one layer."""
-    s, b, h, d = model.seq, mbs, model.hidden, model.head_dim
-    qkv = 2 * b * s * h * (model.heads + 2 * model.kv_heads) * d
-    proj = 2 * b * s * h * model.heads * d
+    """Forward FLOPs of the attention projections (QKV and output) of one layer. Multi-head
+    Latent Attention: the query down (h -> q_lora_rank) and up (q_lora_rank -> heads x (qk +
+    rope)) projections, the key/value down (h -> kv_lora_rank + rope) and up (kv_lora_rank ->
+    heads x (qk + v)) projections and the output projection (heads x v -> h)."""
+    s, b, h, d, a = model.seq, mbs, model.hidden, model.head_dim, model.heads
+    if model.multi_latent_attention:
+        qd, vd, ql, kl = model.q_head_dim, model.v_dim, model.q_lora_rank, model.kv_lora_rank
+        q = h * a * qd if ql is None else ql * (h + a * qd)
+        kv = h * (kl + model.qk_pos_emb_head_dim) + kl * a * (model.qk_head_dim + vd)
+        return 2.0 * b * s * (q + kv + a * vd * h)
+    qkv = 2 * b * s * h * (a + 2 * model.kv_heads) * d
+    proj = 2 * b * s * h * a * d
     return qkv + proj
 
 
@@ -278,9 +286,31 @@ def linear_flops(model: ModelSpec, mbs: int, *, moe: bool = False) -> float:
     return out
 
 
-def attention_flops(model: ModelSpec, mbs: int) -> float:
-    """Model FLOPs of the attention core forward (QK^T and AV over the full s x s matrix)."""
-    return 4.0 * mbs * model.seq ** 2 * model.hidden
+def window_span(seq: int, window: int) -> float:
+    """(query, key) pairs of a causal sliding-window layer (each query sees itself and the
+    ``window`` keys before it), doubled: the s x s matrix's equivalent (a full causal layer's
+    s*(s+1)/2 pairs doubled is s^2 + s), capped at s^2."""
+    w = min(window, seq - 1)
+    pairs = seq * (w + 1) - w * (w + 1) / 2
+    return min(2.0 * pairs, float(seq) ** 2)
+
+
+def attention_flops(model: ModelSpec, mbs: int, layer: int | None = None) -> float:
+    """Model FLOPs of the attention core forward: QK^T (heads x query-head size) and AV (heads x
+    value-head size) over the full s x s matrix (the causal half is what flash attention runs,
+    layer_times). A sliding-window layer (flash attention visits only the blocks inside the
+    window) counts its window's pairs. ``layer``: that layer (0-based); None: the mean over the
+    model's layers."""
+    s, a = model.seq, model.heads
+    per_elem = 2.0 * mbs * a * (model.q_head_dim + model.v_dim)
+    if model.window_size is None:
+        return per_elem * s ** 2
+    pattern = model.window_pattern
+    win = window_span(s, model.window_size)
+    if layer is not None:
+        return per_elem * (win if pattern[layer] else s ** 2)
+    n_win = sum(pattern)
+    return per_elem * (n_win * win + (len(pattern) - n_win) * s ** 2) / len(pattern)
 
 
 def output_flops(model: ModelSpec, mbs: int) -> float:
@@ -292,9 +322,39 @@ def model_flops_per_sample(model: ModelSpec) -> float:
     """Model FLOPs of forward + backward for one sequence (3x forward, no recomputation):
     72*s*L*h^2*(1 + s/(6h) + V/(12hL)) for GPT, the figure MFU is quoted against; MoE layers
     count their activated experts only."""
-    per = {moe: linear_flops(model, 1, moe=moe) + attention_flops(model, 1) for moe in set(model.moe_pattern)}
+    per = {moe: linear_flops(model, 1, moe=moe) for moe in set(model.moe_pattern)}
     fwd = sum(per[moe] for moe in model.moe_pattern) + output_flops(model, 1)
-    return 3.0 * fwd
+    fwd += attention_flops(model, 1) * model.num_layers
+    return 3.0 * (fwd + mtp_flops(model, 1))
+
+
+def mtp_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of the MTP layers (--mtp-num-layers): per layer the projection of the
+    concatenated embedding and hidden state (2h -> h), a transformer layer of the last layer's
+    kind (full attention) and its own output layer."""
+    if not model.mtp_num_layers:
+        return 0.0
+    moe = model.moe_pattern[-1]
+    s, h = model.seq, model.hidden
+    one = (2.0 * mbs * s * 2 * h * h + linear_flops(model, mbs, moe=moe) + 4.0 * mbs * s ** 2 * model.heads
+           * (model.q_head_dim + model.v_dim) / 2 + output_flops(model, mbs))
+    return model.mtp_num_layers * one
+
+
+def mtp_times(model: ModelSpec, cluster: ClusterSpec, eff: "Efficiency", mbs: int, tp: int, *,
+              recompute: str = "none", ep: int = 1, etp: int | None = None, precision: str = "bf16") -> "PassTimes":
+    """F, B, W of the MTP layers on the last stage: per layer a transformer layer of the last
+    layer's kind, the 2h -> h projection and another pass of the output layer and loss."""
+    if not model.mtp_num_layers:
+        return PassTimes(0.0, 0.0, 0.0, {})
+    lt = layer_times(model, cluster, eff, mbs, tp, recompute=recompute, moe=model.moe_pattern[-1], ep=ep, etp=etp,
+                     precision=precision)
+    out = output_times(model, cluster, eff, mbs, tp, precision=precision)
+    x = mbs * model.seq * model.hidden / tp
+    proj = 2.0 * mbs * model.seq * 2 * model.hidden ** 2 / tp / (peak_flops(cluster.gpu, precision) * eff.gemm(x))
+    k = model.mtp_num_layers
+    return PassTimes(k * (lt.f + out.f + proj), k * (lt.b + out.b + proj), k * (lt.w + out.w + proj),
+                     {"mtp_layers": k})
 
 
 # --- per-layer times -----------------------------------------------------------------------
@@ -810,7 +870,7 @@ def _num(entry: dict, name: str, path: str, default: float | None = None) -> flo
 
 
 __all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flops", "attention_linear_flops",
-           "mlp_flops", "router_flops", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
+           "mlp_flops", "router_flops", "mtp_flops", "mtp_times", "window_span", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
            "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times", "peak_flops",
            "act_bytes", "PRECISIONS", "FP8_RECIPES", "gemm_time", "bf16_part", "efficiency_rules", "DERIVED",
            "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
