@@ -154,3 +154,40 @@ def test_vp5_pins_interleaved_at_five_chunks_for_llama3_70b_tp4_pp8(capsys):
     assert main(argv + ["--memory", "141"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
     assert plans and all(p["vp"] == 5 and p["cp"] == 1 and p["schedule"] == "interleaved-1f1b" for p in plans)
+
+
+def test_cp_and_vp_flags_pass_megatron_lm_validation(tmp_path):
+    """The flags of a cp=2 plan and of a --vp 5 plan through Megatron-LM's own parser and
+    validate_args (as tests/test_planner.py does for the MoE and published layouts): it derives
+    the context-parallel size, dp = GPUs / (tp*cp*pp) and the 5 virtual stages from them."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from test_planner import _VALIDATE, _megatron_lm_path
+
+    mlm = _megatron_lm_path()
+    if mlm is None:
+        pytest.skip("needs Megatron-LM's megatron/training (MEGATRON_LM_DIR=checkout, or megatron-core 0.19+)")
+    missing = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's Python requirements are missing ({', '.join(missing)})")
+    cases = []
+    for sched, cp, vp, tp, pp, gb in (("interleaved-1f1b", 2, None, 8, 4, 64), ("1f1b", 2, None, 8, 4, 64),
+                                      ("interleaved-1f1b", 1, 5, 4, 8, 256), ("interleaved-1f1b", 4, 2, 4, 2, 64)):
+        req = PlanRequest(get_model("llama3-70b"), make_cluster("h100", 64, memory_gib=141), gb, cp=(cp,), vp=vp,
+                          tp=(tp,), pp=(pp,), mbs=(1,), recompute=("none",), schedules=(sched,), features=(),
+                          time_limit=10)
+        e = plan(req).best
+        c = e.candidate
+        cases.append({"flags": megatron_flags(e, req), "world": 64, "vocab": req.model.vocab,
+                      "expect": {"context_parallel_size": c.cp, "data_parallel_size": c.dp,
+                                 "virtual_pipeline_model_parallel_size": c.vp}})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if mlm:
+        env["PYTHONPATH"] = os.pathsep.join([mlm] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", _VALIDATE, str(tmp_path / "cases.json")], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=900)
+    assert r.returncode == 0 and f"CASES {len(cases)} BAD 0" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -237,7 +237,8 @@ class Planner:
             pps = req.pp or [d for d in divisors(self.N // (tp * cp)) if d <= MAX_PP]
             for pp in pps:
                 if (self.N // (tp * cp)) % pp:
-                    self.rej.add("divisibility", f"tp={tp} cp={cp} pp={pp}", f"tp*cp*pp does not divide {self.N} GPUs")
+                    self.rej.add("divisibility", f"tp={tp}{f' cp={cp}' if cp > 1 else ''} pp={pp}",
+                                 f"tp*{'cp*' if cp > 1 else ''}pp does not divide {self.N} GPUs")
                     continue
                 if L % pp and not uneven:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
