@@ -29,8 +29,10 @@ class PlanRequest:
     mbs: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None                 # expert parallel sizes (MoE): default every valid one
     etp: tuple[int, ...] | None = None                # expert tensor-parallel sizes: default tp and 1
+    cp: tuple[int, ...] | None = None                 # context-parallel sizes (default 1: no context parallelism)
     uneven_layers: bool | None = None                 # stage counts that do not divide the layers (None: auto)
     max_vp: int = 4                                   # interleaved chunks per rank tried: 2..max_vp
+    vp: int | None = None                             # pinned chunks per rank of chunked schedules (not max_vp)
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
     distributed_optimizer: bool = True
@@ -84,7 +86,11 @@ class PlanRequest:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise PlannerError(f"{flag} {v!r}: must be a whole number >= 1")
+        if self.vp is not None and not (isinstance(self.vp, int) and not isinstance(self.vp, bool) and self.vp >= 2):
+            raise PlannerError(f"--vp {self.vp!r}: give the model chunks per pipeline rank, a whole number >= 2 "
+                               "(one chunk is no interleaving: drop --vp)")
         self._check_experts()
+        self._check_context()
         self._check_stage_times()
 
     def _check_precision(self) -> None:
@@ -107,6 +113,36 @@ class PlanRequest:
         if self.fp8_recipe == "mxfp8" and not gpu.blackwell:
             raise PlannerError(f"--fp8-recipe mxfp8 needs a Blackwell GPU (b200, gb200), not the {gpu.name}; use "
                                "--fp8-recipe tensorwise, delayed or blockwise")
+
+    def _check_context(self) -> None:
+        """--cp against the model, by Megatron-Core's rules: the sequence splits into 2*cp chunks
+        (load-balanced causal attention), cp divides the attention heads, and the attention runs
+        in Transformer Engine's flash (fused) kernels, the only ones with context parallelism."""
+        if self.cp is None:
+            return
+        model = self.model
+        if not self.cp or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in self.cp):
+            raise PlannerError(f"--cp {self.cp!r}: give whole numbers >= 1, e.g. --cp 1,2")
+        for cp in self.cp:
+            if cp == 1:
+                continue
+            if model.seq % (2 * cp):
+                raise PlannerError(f"--cp {cp} does not divide the sequence of {model.seq} tokens into 2 x cp chunks "
+                                   f"(Megatron-Core's load-balanced split needs --seq a multiple of {2 * cp}); use "
+                                   f"--cp {_cp_sizes(model)}")
+            if model.heads % cp:
+                raise PlannerError(f"--cp {cp} does not divide the {model.heads} attention heads; use --cp "
+                                   f"{_cp_sizes(model)}")
+            if not model.flash_attention:
+                raise PlannerError(f"--cp {cp}: context parallelism runs in Transformer Engine's flash (fused) "
+                                   "attention only; drop --no-flash-attention or use --cp 1")
+            if self.runtime != "gpu":
+                raise PlannerError(f"--cp {cp}: mppx train on CPU processes (--memory-model cpu) has no context "
+                                   "parallelism; use --cp 1 or --memory-model gpu")
+            if self.efficiency.stage_times is not None:
+                raise PlannerError(f"--cp {cp}: --calibration stage_times were measured without context "
+                                   "parallelism (whole sequences per rank); use --cp 1 or calibrate with "
+                                   "efficiency fields")
 
     def _check_stage_times(self) -> None:
         """Measured stage times (--calibration stage_times) hold for one microbatch size and tp:
@@ -187,6 +223,7 @@ class Candidate:
     ep: int = 1                   # expert parallel size (MoE)
     etp: int | None = None        # expert tensor-parallel size (None: tp, Megatron's default)
     overlap: bool = False         # overlapped forward-backward pairs hide the expert all-to-all
+    cp: int = 1                   # context parallel size: each rank holds seq/cp tokens of a microbatch
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -197,9 +234,15 @@ class Candidate:
         return self.pp * self.vp
 
     @property
+    def grad_dp(self) -> int:
+        """The ranks gradients are reduced over (and the distributed optimizer shards over):
+        dp*cp, Megatron-Core's data-parallel group with context parallelism."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
-        """Expert data-parallel size: the ranks of a stage (tp*dp) over ep*etp."""
-        return max(1, self.tp * self.dp // (self.ep * self.etp))
+        """Expert data-parallel size: the ranks of a stage (tp*cp*dp) over ep*etp."""
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.etp))
 
     def schedule_placement(self) -> str:
         from ..schedule import schedule_info
@@ -225,6 +268,7 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp, "ep": self.ep, "etp": self.etp,
+                "cp": self.cp,
                 "expert_data_parallel": self.edp, "schedule": self.schedule,
                 "memory_budget_units": self.budget, "micro_batch_size": self.mbs, "microbatches": self.m,
                 "recompute": self.recompute, "distributed_optimizer": self.distributed_optimizer,
@@ -361,6 +405,12 @@ class Estimate:
         mem = [RankMemory(m.static, m.activations, m.transient, m.extra, list(m.notes), m.nccl) for m in self.memory]
         return Estimate(self.candidate, self.costs, self.pipe, mem, dict(self.time), self.usable_bytes,
                         self.model_flops, self.peak_flops, list(self.notes))
+
+
+def _cp_sizes(model: ModelSpec) -> str:
+    """The context-parallel sizes up to 16 that ``model`` takes (they split its sequence into 2*cp
+    chunks and divide its heads), as --cp lists them."""
+    return ",".join(str(d) for d in range(1, 17) if d == 1 or (model.seq % (2 * d) == 0 and model.heads % d == 0))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -107,7 +107,7 @@ def _pair_link(req: PlanRequest, cand: Candidate) -> tuple[float, float]:
     """(GB/s, latency s) between two pipeline ranks of one model replica."""
     c = req.cluster
     g = c.gpu
-    if cand.tp * cand.dp * cand.pp <= c.nvlink_size:
+    if cand.tp * cand.cp * cand.dp * cand.pp <= c.nvlink_size:
         return g.nvlink_gbps, g.nvlink_latency_us * 1e-6
     return g.net_gbps, g.net_latency_us * 1e-6
 
@@ -192,7 +192,7 @@ class VocabParallelEstimator(BaseFeature):
     flag = "--enable-vocab-parallel"
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.pp < 2:
+        if cand.pp < 2 or cand.cp > 1:   # (not planned with context parallelism)
             return ()
         return ("alg1", "alg2")
 

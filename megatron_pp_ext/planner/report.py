@@ -30,13 +30,15 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def plan_row(i: int, e: Estimate, *, moe: bool = False) -> list[str]:
+def plan_row(i: int, e: Estimate, *, moe: bool = False, cp: bool = False) -> list[str]:
     c = e.candidate
     row = [str(i), f"{e.iteration_time:.3f}", f"{e.mfu:.1%}", f"{e.pipe.bubble_rate:.1%}",
            f"{e.peak_bytes / 2 ** 30:.1f} (r{e.peak_rank})", str(c.tp), str(c.pp), str(c.dp), str(c.vp), c.label(),
            str(c.mbs), str(c.m), c.recompute, c.features_label()]
     if moe:
         row[8:8] = [str(c.ep), str(c.etp)]
+    if cp:
+        row[6:6] = [str(c.cp)]
     return row
 
 
@@ -44,6 +46,17 @@ HEADERS = ["#", "s/iter", "MFU", "bubble", "peak GiB", "tp", "pp", "dp", "vp", "
            "features"]
 #: the table of an MoE model: expert parallel and expert tensor-parallel sizes after dp
 MOE_HEADERS = HEADERS[:8] + ["ep", "etp"] + HEADERS[8:]
+
+
+def plan_headers(*, moe: bool = False, cp: bool = False) -> list[str]:
+    """The table's columns: with ``cp`` (context parallelism planned) a cp column after tp."""
+    h = list(MOE_HEADERS if moe else HEADERS)
+    return h[:6] + ["cp"] + h[6:] if cp else h
+
+
+def plans_cp(req) -> bool:
+    """Whether the request plans context parallelism (--cp other than 1): the report shows cp."""
+    return req.cp is not None and tuple(req.cp) != (1,)
 
 
 def model_line(m) -> str:
@@ -78,8 +91,9 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
            f"precision: {precision_label(req)}; efficiency: {req.efficiency.source}"]
     out += [f"  derived, not measured on this GPU: {rule}" for rule in efficiency_rules(cl.gpu, req.efficiency)]
     out.append("")
-    out.append(_table(MOE_HEADERS if m.is_moe else HEADERS,
-                      [plan_row(i + 1, e, moe=m.is_moe) for i, e in enumerate(result.plans)]))
+    cp = plans_cp(req) or any(e.candidate.cp > 1 for e in result.plans)
+    out.append(_table(plan_headers(moe=m.is_moe, cp=cp),
+                      [plan_row(i + 1, e, moe=m.is_moe, cp=cp) for i, e in enumerate(result.plans)]))
     best = result.best
     c = best.candidate
     out += ["", f"Best plan: {best.iteration_time:.3f} s/iteration, MFU {best.mfu:.1%}, "
@@ -87,6 +101,9 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
     out.append("  time:   " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.time.items() if v > 0))
     worst = best.memory[best.peak_rank]
     st = worst.static
+    if c.cp > 1:
+        out.append(f"  context parallel: cp={c.cp}, {m.seq // c.cp} tokens of each sequence per rank; "
+                   f"{_ring_text(best)}")
     if m.is_moe:
         a2a = best.costs.detail.get("alltoall", [0.0])
         out.append(f"  experts: {m.num_experts // c.ep} of {m.num_experts} per rank (ep={c.ep}, etp={c.etp}), expert "
@@ -111,6 +128,7 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
         bc = b.candidate
         gain = b.iteration_time / best.iteration_time - 1
         ex = f" ep={bc.ep} etp={bc.etp}" if m.is_moe else ""
+        ex = (f" cp={bc.cp}" if bc.cp > 1 else "") + ex
         out.append(f"  vs best Megatron 1F1B/interleaved plan without features (tp={bc.tp} pp={bc.pp} dp={bc.dp}{ex} "
                    f"{bc.label()} mbs={bc.mbs} recompute={bc.recompute}: {b.iteration_time:.3f} s, MFU {b.mfu:.1%}): "
                    f"{gain:+.1%} throughput")
@@ -126,6 +144,14 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
             + ("" if result.complete else " -- STOPPED AT THE TIME LIMIT: the ranking may miss better plans"),
             DISCLAIMER]
     return "\n".join(out)
+
+
+def _ring_text(e: Estimate) -> str:
+    """The ring exchange of keys and values: what of it the attention does not hide."""
+    exposed = e.costs.detail.get("cp_exposed", [0.0])
+    return (f"ring exchange of keys and values in {e.candidate.cp - 1} step{'s' if e.candidate.cp > 2 else ''} per "
+            "attention (--cp-comm-type p2p), "
+            f"{max(exposed) * 1e3:.1f} ms per microbatch not hidden behind the attention (F+B, busiest rank)")
 
 
 def _rejections(result: PlanResult, reasons: int = 8) -> str:
@@ -158,6 +184,8 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     })
     if req.model.is_moe:
         d["alltoall_s_per_microbatch"] = list(e.costs.detail.get("alltoall", []))
+    if e.candidate.cp > 1:   # per rank: the ring exchange the attention does not hide, one microbatch's F+B
+        d["cp_ring_exposed_s_per_microbatch"] = list(e.costs.detail.get("cp_exposed", []))
     return d
 
 

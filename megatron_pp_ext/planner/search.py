@@ -30,15 +30,15 @@ from dataclasses import dataclass, field, replace
 from ..schedule import ScheduleError, parse_memory_budget, schedule_info, schedule_names
 from .emit import MEGATRON_SCHEDULES
 from .candidates import Candidate, Estimate, PlanRequest, RankMemory, StageCosts, divisors, powers_of_two_upto
+from .context import per_rank_model, ring_attention, ring_buffer_bytes
 from .features import feature_names, get_feature
 from .layout import placement_for, rank_static, stage_parts, takes_chunks
 from .memory import fmt_bytes, layer_activation, model_num_params
 from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
-from .timing import PassTimes, mtp_times
-from .timing import (dp_times, embedding_times, layer_times, model_flops_per_sample, optimizer_time,
-                     output_times, p2p_time, peak_flops, bf16_part)
+from .timing import (PassTimes, bf16_part, dp_times, embedding_times, layer_times, model_flops_per_sample, mtp_times,
+                     optimizer_time, output_times, p2p_time, peak_flops)
 
 MAX_MBS = 16
 MAX_PP = 64
@@ -113,6 +113,7 @@ class Planner:
         self.schedules = list(req.schedules) if req.schedules else names
         for s in self.schedules:
             schedule_info(s)  # raises with the list of names
+        self._check_vp()
         self.features = list(req.features) if req.features is not None else feature_names()
         for f in list(self.features) + list(req.require_features):
             get_feature(f)
@@ -132,6 +133,35 @@ class Planner:
         # MFU against the bf16 peak under FP8 too (as NVIDIA quotes it): an FP8 plan's MFU compares with a bf16 one
         self.peak_flops = self.N * peak_flops(cl.gpu, bf16_part(req.precision))
 
+    def _check_vp(self) -> None:
+        """--vp V against the schedules, the pipeline sizes and the layers: some requested schedule
+        runs V chunks (a chunked one any V, a V-shaped one 2), the pipeline has stages, and V
+        divides the layers of a stage unless the split may be uneven."""
+        req, V = self.req, self.req.vp
+        if V is None:
+            return
+        names = ",".join(self.schedules)
+        fixed = sorted({schedule_info(s).chunks or 2 for s in self.schedules
+                        if schedule_info(s).placement == "v" or schedule_info(s).chunks})
+        if not any(takes_chunks(s) for s in self.schedules):
+            if not fixed:
+                raise PlannerError(f"--vp {V}: --schedules {names} has no model chunks; add {INTERLEAVED} to "
+                                   "--schedules or drop --vp")
+            if V not in fixed:
+                k = ",".join(map(str, fixed))
+                raise PlannerError(f"--vp {V}: --schedules {names} runs {k} model chunks per rank by construction; "
+                                   f"use --vp {k}, add {INTERLEAVED} to --schedules or drop --vp")
+        if req.pp is not None and all(p == 1 for p in req.pp):
+            raise PlannerError(f"--vp {V}: --pp 1 has no pipeline to split into model chunks; give --pp > 1 or drop "
+                               "--vp")
+        L = req.model.num_layers
+        pps = [p for p in (req.pp or ()) if p > 1]
+        if pps and not self._uneven() and all(L % (p * V) for p in pps):
+            p = pps[0]
+            raise PlannerError(f"--vp {V} does not divide the layers per stage: --pp {p} x --vp {V} = {p * V} model "
+                               f"chunks for {L} layers; use a --vp dividing {L // p if L % p == 0 else L} or "
+                               "--uneven-layers on")
+
     # -- enumeration ----------------------------------------------------------------------
     def _tps(self) -> list[int]:
         m, cl = self.req.model, self.req.cluster
@@ -149,6 +179,16 @@ class Planner:
                 self.rej.add("divisibility", f"tp={tp}", f"tp does not divide {', '.join(bad)}")
                 continue
             out.append(tp)
+        return out
+
+    def _cps(self, tp: int) -> list[int]:
+        """The context-parallel sizes (--cp, default 1) that fit tp on the GPUs."""
+        out = []
+        for cp in (self.req.cp or (1,)):
+            if self.N % (tp * cp):
+                self.rej.add("divisibility", f"tp={tp} cp={cp}", f"tp*cp does not divide {self.N} GPUs")
+                continue
+            out.append(cp)
         return out
 
     def _uneven(self) -> bool:
@@ -194,11 +234,12 @@ class Planner:
         req, model = self.req, self.req.model
         L, G = model.num_layers, req.global_batch
         uneven = self._uneven()
-        for tp in self._tps():
-            pps = req.pp or [d for d in divisors(self.N // tp) if d <= MAX_PP]
+        for tp, cp in ((tp, cp) for tp in self._tps() for cp in self._cps(tp)):
+            pps = req.pp or [d for d in divisors(self.N // (tp * cp)) if d <= MAX_PP]
             for pp in pps:
-                if (self.N // tp) % pp:
-                    self.rej.add("divisibility", f"tp={tp} pp={pp}", f"tp*pp does not divide {self.N} GPUs")
+                if (self.N // (tp * cp)) % pp:
+                    self.rej.add("divisibility", f"tp={tp}{f' cp={cp}' if cp > 1 else ''} pp={pp}",
+                                 f"tp*{'cp*' if cp > 1 else ''}pp does not divide {self.N} GPUs")
                     continue
                 if L % pp and not uneven:
                     self.rej.add("divisibility", f"tp={tp} pp={pp}", f"pp does not divide {L} layers")
@@ -208,13 +249,13 @@ class Planner:
                                  f"{pp} stages for {L} layers: more than layers + 2 (the embedding and the loss "
                                  "alone)")
                     continue
-                dp = self.N // (tp * pp)
+                dp = self.N // (tp * cp * pp)
                 if G % dp:
                     self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp}",
                                  f"dp does not divide the global batch {G}")
                     continue
                 per_dp = G // dp
-                for ep, etp in self._expert_layouts(tp, dp):
+                for ep, etp in self._expert_layouts(tp, dp * cp):   # (experts span the tp*cp*dp ranks)
                     for mbs in (req.mbs or [b for b in powers_of_two_upto(MAX_MBS) if b <= per_dp]):
                         if per_dp % mbs:
                             self.rej.add("divisibility", f"tp={tp} pp={pp} dp={dp} mbs={mbs}",
@@ -226,7 +267,7 @@ class Planner:
                                 self.rej.add("dominated", "recompute=selective",
                                              "selective recomputation drops nothing with flash attention")
                                 continue
-                            for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven):
+                            for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven, cp=cp):
                                 cand = replace(cand, ep=ep, etp=etp)
                                 yield cand
                                 if self._pairs(cand):
@@ -240,17 +281,21 @@ class Planner:
         return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.precision == "bf16"
                 and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
 
-    def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False):
+    def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False, cp=1):
         L = self.req.model.num_layers
-        dist = self.req.distributed_optimizer and dp > 1
+        dist = self.req.distributed_optimizer and dp * cp > 1   # (sharded over the dp*cp ranks)
+        pinned = self.req.vp
         names = ["1f1b"] if pp == 1 else self.schedules  # no pipeline: the schedule does not matter
         for name in names:
             info = schedule_info(name)
-            what = f"tp={tp} pp={pp} dp={dp} mbs={mbs} {name}"
+            what = f"tp={tp}{f' cp={cp}' if cp > 1 else ''} pp={pp} dp={dp} mbs={mbs} {name}"
             if info.placement == "v" or info.chunks:
                 vps = [info.chunks or 2]
+                if pinned is not None and pinned != vps[0]:
+                    self.rej.add("layout", what, f"runs {vps[0]} model chunks per rank, not --vp {pinned}")
+                    continue
             elif takes_chunks(name):  # with one chunk it would be plain 1F1B
-                vps = [v for v in range(2, self.req.max_vp + 1)]
+                vps = [pinned] if pinned is not None else [v for v in range(2, self.req.max_vp + 1)]
             else:
                 vps = [1]
             for vp in vps:
@@ -272,17 +317,19 @@ class Planner:
                     for spec in self.req.budgets:
                         budgets.append("fit" if spec == "fit" else parse_memory_budget(spec, pp))
                 for budget in budgets:
-                    yield Candidate(tp, pp, dp, vp, name, mbs, m, rc, budget, dist)
+                    yield Candidate(tp, pp, dp, vp, name, mbs, m, rc, budget, dist, cp=cp)
 
     # -- costs ----------------------------------------------------------------------------
     def stage_costs(self, cand: Candidate) -> StageCosts:
         placement = placement_for(cand.schedule, cand.pp, cand.vp)
         split = schedule_info(cand.schedule).split_backward
-        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute, cand.ep, cand.etp, split)
+        key = (cand.tp, cand.pp, cand.dp, cand.vp, placement, cand.mbs, cand.recompute, cand.ep, cand.etp, split,
+               cand.cp)
         got = self._costs.get(key)
         if got is not None:
             return got
         model, cl, eff = self.req.model, self.req.cluster, self.req.efficiency
+        model = per_rank_model(model, cand.cp)     # per rank a microbatch holds seq/cp tokens
         S = len(placement)
         parts = stage_parts(model, S)
         kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
@@ -291,11 +338,13 @@ class Planner:
                                etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
+        if cand.cp > 1:   # the attention of the other CP ranks' chunks and the ring's exposed exchange
+            lt = {moe: self._ring_layer(t, cand) for moe, t in lt.items()}
         emb = embedding_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         if model.mtp_num_layers:   # the MTP layers run on the last stage, after the output layer
             mtp = mtp_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, ep=cand.ep, etp=cand.etp,
-                            precision=prec)
+                            precision=prec, fp8_recipe=self.req.fp8_recipe)
             out = PassTimes(out.f + mtp.f, out.b + mtp.b, out.w + mtp.w, out.detail)
         t_f, t_b, t_w = [], [], []
         for part in parts:
@@ -331,9 +380,12 @@ class Planner:
             # the MoE dispatcher's send/receive buffers of the layer running its backward (model-based)
             a2a = la[True].transient if (True in la and any(parts[s].moe_layers(model) for s in mine)) else 0.0
             transient.append(rise + (msg if cand.pp > 1 else 0.0) + a2a)
+        if cand.cp > 1:   # the ring's key/value (gradient) buffers while a layer's attention backward runs
+            ring = ring_buffer_bytes(self.req.model, cand.mbs, cand.tp, cand.cp, prec)
+            transient = [t + ring for t in transient]
         st = eff.stage_times
         wire = (st.p2p if st is not None and st.applies(cand.mbs, cand.tp) else
-                p2p_time(model, cl, cand.mbs, cand.tp, cand.dp, cand.pp, precision=prec, link_gbps=eff.p2p_gbps))
+                p2p_time(model, cl, cand.mbs, cand.tp, cand.grad_dp, cand.pp, precision=prec, link_gbps=eff.p2p_gbps))
         comm = wire if cand.pp > 1 else 0.0
         sc = StageCosts(placement, parts, t_f, t_b, t_w, comm, act, unit, transient, w_share=w_share)
         if model.is_moe:  # seconds of all-to-all in one microbatch's F+B on each rank
@@ -341,8 +393,24 @@ class Planner:
             sc.detail["alltoall"] = [sum(parts[s].moe_layers(model) for s in range(S) if placement[s] == r) * a2a
                                      for r in range(cand.pp)]
             sc.a2a = [parts[s].moe_layers(model) * lt[True].detail["alltoall_f"] for s in range(S)]
+        if cand.cp > 1:   # seconds of ring exchange not hidden by the attention, one microbatch's F+B per rank
+            ring = {k: lt[k].detail["cp_exposed_f"] + lt[k].detail["cp_exposed_b"] for k in kinds}
+            per_stage = [sum(n * ring[k] for k, n in ((True, parts[s].moe_layers(model)),
+                                                       (False, parts[s].layers - parts[s].moe_layers(model)))
+                             if k in ring) for s in range(S)]
+            sc.detail["cp_exposed"] = [sum(per_stage[s] for s in range(S) if placement[s] == r) for r in range(cand.pp)]
         self._costs[key] = sc
         return sc
+
+    def _ring_layer(self, t: PassTimes, cand: Candidate) -> PassTimes:
+        """One layer's times on a CP rank (``t``: its own seq/cp tokens) with the attention of the
+        cp-1 ring steps added to F and B (and to B again under full recomputation)."""
+        ring = ring_attention(self.req.model, self.req.cluster, cand.mbs, cand.tp, cand.cp, t.detail["attention_f"],
+                              t.detail["attention_b"], self.req.precision)
+        b = t.b + ring.b + (ring.f if cand.recompute == "full" else 0.0)
+        detail = dict(t.detail, cp_attention_f=ring.f, cp_attention_b=ring.b, cp_exposed_f=ring.exposed_f,
+                      cp_exposed_b=ring.exposed_b)
+        return PassTimes(t.f + ring.f, b, t.w, detail)
 
     @staticmethod
     def megatron_run(cand: Candidate, feats=()) -> bool:
@@ -372,7 +440,7 @@ class Planner:
     def estimate(self, cand: Candidate, costs: StageCosts, pipe: PipeResult) -> Estimate:
         """Memory and time of ``cand`` from its pipeline figures (before feature variants)."""
         req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
-        statics = rank_static(model, cand.tp, cand.dp, costs.placement,
+        statics = rank_static(model, cand.tp, cand.grad_dp, costs.placement,
                               distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
                               ep=cand.ep, etp=cand.etp)
         nccl = self._nccl_bytes(cand, costs)
@@ -381,7 +449,7 @@ class Planner:
         exposed = opt = 0.0
         for r in range(cand.pp):
             n, n_exp = statics[r].num_params, statics[r].expert_params
-            rs, ag = dp_times(n, cl, cand.tp, cand.dp, distributed_optimizer=cand.distributed_optimizer,
+            rs, ag = dp_times(n, cl, cand.tp, cand.grad_dp, distributed_optimizer=cand.distributed_optimizer,
                               expert_params=n_exp, edp=cand.edp, precision=req.precision)
             if eff.dp_overlap:
                 st = costs.stages_of(r)
@@ -391,15 +459,15 @@ class Planner:
             else:
                 e = rs + ag
             exposed = max(exposed, e)
-            opt = max(opt, optimizer_time(n, cl, eff, cand.dp, distributed_optimizer=cand.distributed_optimizer,
+            opt = max(opt, optimizer_time(n, cl, eff, cand.grad_dp, distributed_optimizer=cand.distributed_optimizer,
                                           expert_params=n_exp, edp=cand.edp))
         t = {"pipeline": pipe.makespan, "dp_exposed": exposed, "optimizer": opt}
         S = len(costs.placement)
         if model.tied_embeddings and cand.pp > 1 and costs.placement[0] != costs.placement[S - 1]:
             nbytes = 4.0 * model.padded_vocab(cand.tp) // cand.tp * model.hidden
             g = cl.gpu
-            # the first and the last stage are (pp-1)*tp*dp ranks apart: NVLink inside one node
-            if cand.pp * cand.tp * cand.dp <= cl.nvlink_size:
+            # the first and the last stage are (pp-1)*tp*cp*dp ranks apart: NVLink inside one node
+            if cand.pp * cand.tp * cand.grad_dp <= cl.nvlink_size:
                 t["embedding_sync"] = nbytes / (g.nvlink_gbps * 1e9) + g.nvlink_latency_us * 1e-6
             else:
                 t["embedding_sync"] = nbytes / (g.net_gbps * 1e9) + g.net_latency_us * 1e-6
@@ -592,7 +660,7 @@ class Planner:
                     cand = replace(cand, budget=budget)
                     what = _describe(cand)
                 # static memory alone
-                statics = rank_static(req.model, cand.tp, cand.dp, costs.placement,
+                statics = rank_static(req.model, cand.tp, cand.grad_dp, costs.placement,
                                       distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
                                       vocab_shards=cand.pp if cand.feature("vocab-parallel") else 0,
                                       ep=cand.ep, etp=cand.etp)
@@ -691,7 +759,7 @@ class Planner:
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
                     f"Megatron's divisibility rules in the searched ranges ({dict(c)} rejected, e.g. {ex}); "
-                    "widen or change --tp, --pp, --ep, --etp, --mbs, or the GPU count")
+                    "widen or change --tp, --pp, --ep, --etp, --mbs, --cp, or the GPU count")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
                 f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
                 f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "
@@ -701,7 +769,7 @@ class Planner:
 
 def _signature(c: Candidate) -> tuple:
     return (c.tp, c.pp, c.dp, c.ep, c.etp, c.vp, c.schedule, c.budget, c.mbs, c.recompute,
-            tuple(n for n, _ in c.features), c.overlap)
+            tuple(n for n, _ in c.features), c.overlap, c.cp)
 
 
 def _dedupe(plans: list[Estimate]) -> list[Estimate]:
@@ -718,7 +786,7 @@ def _dedupe(plans: list[Estimate]) -> list[Estimate]:
 
 def _describe(c: Candidate) -> str:
     ex = f" ep={c.ep} etp={c.etp}" if (c.ep, c.etp) != (1, c.tp) else ""
-    s = f"tp={c.tp} pp={c.pp} dp={c.dp}{ex} {c.label()} mbs={c.mbs} rc={c.recompute}"
+    s = f"tp={c.tp}{f' cp={c.cp}' if c.cp > 1 else ''} pp={c.pp} dp={c.dp}{ex} {c.label()} mbs={c.mbs} rc={c.recompute}"
     if c.features:
         s += f" +{c.features_label()}"
     return s

@@ -342,16 +342,17 @@ def mtp_flops(model: ModelSpec, mbs: int) -> float:
 
 
 def mtp_times(model: ModelSpec, cluster: ClusterSpec, eff: "Efficiency", mbs: int, tp: int, *,
-              recompute: str = "none", ep: int = 1, etp: int | None = None, precision: str = "bf16") -> "PassTimes":
+              recompute: str = "none", ep: int = 1, etp: int | None = None, precision: str = "bf16",
+              fp8_recipe: str = "tensorwise") -> "PassTimes":
     """F, B, W of the MTP layers on the last stage: per layer a transformer layer of the last
     layer's kind, the 2h -> h projection and another pass of the output layer and loss."""
     if not model.mtp_num_layers:
         return PassTimes(0.0, 0.0, 0.0, {})
     lt = layer_times(model, cluster, eff, mbs, tp, recompute=recompute, moe=model.moe_pattern[-1], ep=ep, etp=etp,
-                     precision=precision)
+                     precision=precision, fp8_recipe=fp8_recipe)
     out = output_times(model, cluster, eff, mbs, tp, precision=precision)
     x = mbs * model.seq * model.hidden / tp
-    proj = 2.0 * mbs * model.seq * 2 * model.hidden ** 2 / tp / (peak_flops(cluster.gpu, precision) * eff.gemm(x))
+    proj = gemm_time(2.0 * mbs * model.seq * 2 * model.hidden ** 2 / tp, x, cluster.gpu, eff, precision)
     k = model.mtp_num_layers
     return PassTimes(k * (lt.f + out.f + proj), k * (lt.b + out.b + proj), k * (lt.w + out.w + proj),
                      {"mtp_layers": k})

@@ -96,11 +96,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="expert parallel sizes to try (MoE; default: every divisor of the experts that fits)")
     s.add_argument("--etp", type=_int_list("--etp"), metavar="1,2,..",
                    help="expert tensor-parallel sizes to try (MoE; default: tp and 1)")
+    s.add_argument("--cp", type=_int_list("--cp"), metavar="1,2,..",
+                   help="context-parallel sizes to try (default: 1): each rank holds seq/cp tokens of a sequence, "
+                        "keys and values pass around a ring (Megatron-LM --context-parallel-size)")
     s.add_argument("--uneven-layers", choices=("auto", "on", "off"), default="auto",
                    help="also try stage counts that do not divide the layers (an uneven split); auto: only when no "
                         "pipeline size divides them (default)")
-    s.add_argument("--max-vp", type=int_at_least(1, 4), default=4, metavar="V",
+    s.add_argument("--max-vp", type=int_at_least(1, 4), default=None, metavar="V",
                    help="largest interleaved chunk count tried (default: 4)")
+    s.add_argument("--vp", type=int_at_least(2, 4), metavar="V",
+                   help="model chunks per pipeline rank, pinned: interleaved-1f1b (and every schedule taking "
+                        "chunks) runs exactly V, V-shaped schedules 2 (instead of searching 2..--max-vp)")
     s.add_argument("--recompute", type=_names, default=("none", "selective", "full"), metavar="A,B",
                    help="recomputation modes to try (default: none,selective,full)")
     s.add_argument("--budgets", type=_names, default=("fit",), metavar="fit,0.5x",
@@ -212,9 +218,13 @@ def build_request(args):
         if args.features is not None:
             features = () if args.features == ("none",) else args.features
         uneven = {"auto": None, "on": True, "off": False}[args.uneven_layers]
+        if args.vp is not None and args.max_vp is not None:
+            raise CLIError(f"--vp {args.vp} with --max-vp {args.max_vp}: --vp pins the chunk count, --max-vp bounds "
+                           "a search of it; pick one")
         return PlanRequest(model, cluster, args.global_batch_size, efficiency=eff, schedules=args.schedules,
                            features=features, require_features=args.require_features, tp=args.tp, pp=args.pp,
-                           mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven, max_vp=args.max_vp,
+                           mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven,
+                           max_vp=4 if args.max_vp is None else args.max_vp, vp=args.vp, cp=args.cp,
                            recompute=args.recompute, budgets=args.budgets,
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
                            time_limit=args.time_limit, precision=args.precision,
