@@ -39,6 +39,14 @@ class PlanRequest:
     precision: str = "bf16"
     #: FP8's scaling recipe (Megatron-LM's --fp8-recipe), with ``precision="fp8"``
     fp8_recipe: str = "tensorwise"
+    #: --fp8-param-gather: the GEMM weights held (and all-gathered) as TE's FP8 parameters
+    fp8_param_gather: bool = False
+    #: gradients reduced (and their buffer held) in fp32 (Megatron-LM --accumulate-allreduce-grads-in-fp32),
+    #: or in bf16 as NVIDIA's recipes run
+    grad_reduce_in_fp32: bool = True
+    #: --tp-comm-overlap: Transformer Engine's userbuffers hide the tensor-parallel all-gathers and
+    #: reduce-scatters behind the GEMMs (Efficiency.tp_comm_overlap of them)
+    tp_comm_overlap: bool = False
     #: whose exchanges synchronise the device (planner/search.py ``Planner.exchange_sync``):
     #: "megatron" (Megatron-Core's 1F1B), "all", "none"
     exchange_sync: str = "megatron"
@@ -105,6 +113,9 @@ class PlanRequest:
                                "(Megatron-LM's names)")
         if self.exchange_sync not in ("megatron", "all", "none"):
             raise PlannerError(f"exchange_sync {self.exchange_sync!r}: one of megatron, all, none")
+        if self.fp8_param_gather and self.precision != "fp8":
+            raise PlannerError("--fp8-param-gather needs --precision fp8 (the parameters are TE's FP8 weights); add "
+                               "--precision fp8 or drop --fp8-param-gather")
         if self.precision != "fp8":
             return
         if not gpu.has_fp8:
@@ -203,6 +214,12 @@ class PlanRequest:
 
     def with_(self, **changes) -> "PlanRequest":
         return replace(self, **changes)
+
+    @property
+    def static_options(self) -> dict:
+        """How parameters and gradients are held (``layout.rank_static``'s keywords)."""
+        return {"precision": self.precision, "grad_reduce_in_fp32": self.grad_reduce_in_fp32,
+                "fp8_params": self.fp8_param_gather}
 
 
 @dataclass(frozen=True)

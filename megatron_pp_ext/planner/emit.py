@@ -133,9 +133,13 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
             f.append("--moe-grouped-gemm")
     f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]
     if req.precision in ("bf16", "fp8"):  # bf16 params, fp32 gradient buffers: what the memory model counts
-        f += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+        f += ["--bf16"] + (["--accumulate-allreduce-grads-in-fp32"] if req.grad_reduce_in_fp32 else [])
     if req.precision == "fp8":   # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients
         f += ["--fp8-format", "hybrid", "--fp8-recipe", req.fp8_recipe]
+        if req.fp8_param_gather:
+            f.append("--fp8-param-gather")
+    if req.tp_comm_overlap and c.tp > 1:
+        f.append("--tp-comm-overlap")
     if c.distributed_optimizer:
         f.append("--use-distributed-optimizer")
     if c.grad_dp > 1 and req.efficiency.dp_overlap:

@@ -231,8 +231,8 @@ class VocabParallelEstimator(BaseFeature):
     def apply(self, req: PlanRequest, cand: Candidate, option: str, est: Estimate) -> None:
         model, p = req.model, cand.pp
         statics = rank_static(model, cand.tp, cand.dp, est.costs.placement,
-                              distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
-                              vocab_shards=p, ep=cand.ep, etp=cand.etp)
+                              distributed_optimizer=cand.distributed_optimizer,
+                              vocab_shards=p, ep=cand.ep, etp=cand.etp, **req.static_options)
         held = p + (2 if option == "alg1" else 1)
         # every rank holds the whole sequence's final-norm output (gathered over tp under
         # sequence parallelism) beside its logits shard

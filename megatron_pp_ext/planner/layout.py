@@ -44,7 +44,8 @@ def stage_parts(model: ModelSpec, stages: int) -> tuple[StagePart, ...]:
 
 @lru_cache(maxsize=4096)
 def rank_static(model: ModelSpec, tp: int, dp: int, placement: tuple[int, ...], *,
-                distributed_optimizer: bool, precision: str = "bf16", vocab_shards: int = 0,
+                distributed_optimizer: bool, precision: str = "bf16", grad_reduce_in_fp32: bool = True,
+                fp8_params: bool = False, vocab_shards: int = 0,
                 bucket_size: int | None = None, ep: int = 1, etp: int | None = None) -> tuple[StaticMemory, ...]:
     """Static memory of every pipeline rank. ``vocab_shards`` > 0: the word embedding and the
     output layer are split over all pipeline ranks (vocabulary parallelism) instead of sitting
@@ -73,7 +74,8 @@ def rank_static(model: ModelSpec, tp: int, dp: int, placement: tuple[int, ...], 
         out.append(static_memory(dense, dp=dp, distributed_optimizer=distributed_optimizer,
                                  precision=precision, bucket_size=bucket_size,
                                  expert_chunks=expert if any(expert) else None, expert_dp=edp,
-                                 fp8_weight_numel=fp8_numel))
+                                 fp8_weight_numel=fp8_numel, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                 fp8_params=fp8_params))
     return tuple(out)
 
 

@@ -310,6 +310,8 @@ class StaticMemory:
     #: Transformer Engine's FP8 copies of the GEMM weights under FP8 (both layouts: the forward's
     #: and the transposed one the input gradient reads), kept across the microbatches of a step
     fp8_weights: float = 0.0
+    #: elements held as FP8 parameters (--fp8-param-gather): gathered at 1 byte
+    fp8_param_numel: int = 0
 
     @property
     def total(self) -> float:
@@ -324,14 +326,15 @@ class StaticMemory:
 def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_optimizer: bool = False,
                   precision: str = "bf16", grad_reduce_in_fp32: bool = True,
                   bucket_size: int | None = None, expert_chunks: Sequence[Sequence[int]] | None = None,
-                  expert_dp: int = 1, fp8_weight_numel: int = 0) -> StaticMemory:
+                  expert_dp: int = 1, fp8_weight_numel: int = 0, fp8_params: bool = False) -> StaticMemory:
     """Parameter, gradient and optimizer bytes of one rank holding ``chunks`` (one tensor-size
     list per model chunk; each chunk is its own DDP module and buffer, as with virtual
     pipelining).
 
     bf16: bf16 params, fp32 grads (``grad_reduce_in_fp32``), fp32 master + Adam m, v.
     fp8: the same, plus 2 bytes per element of the ``fp8_weight_numel`` GEMM weights (TE's FP8
-    copies in both layouts).
+    copies in both layouts); with ``fp8_params`` (--fp8-param-gather) those weights are TE's FP8
+    parameters (1 byte in the parameter buffer) and only the transposed copy (1 byte) is extra.
     fp32: fp32 params and grads, Adam m, v. The distributed optimizer shards master/m/v over
     ``dp`` and makes the param buffer contiguous (padded).
 
@@ -364,7 +367,11 @@ def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_o
         if g == 1:
             n_exp = group_n
     fp8 = 2.0 * fp8_weight_numel if precision == "fp8" else 0.0
-    return StaticMemory(int(n), params, grads, optimizer, n_exp, fp8)
+    if precision == "fp8" and fp8_params:
+        params -= (p_bytes - 1) * fp8_weight_numel
+        fp8 = 1.0 * fp8_weight_numel
+    return StaticMemory(int(n), params, grads, optimizer, n_exp, fp8,
+                        fp8_weight_numel if precision == "fp8" and fp8_params else 0)
 
 
 def is_fp8_gemm_weight(name: str) -> bool:

@@ -175,6 +175,7 @@ def estimate_to_dict(e: Estimate, req) -> dict:
         "model_tflops_per_gpu": e.model_flops / e.iteration_time / req.cluster.num_gpus / 1e12,
         "precision": req.precision,
         "peak_memory_bytes": e.peak_bytes, "peak_rank": e.peak_rank, "usable_bytes": e.usable_bytes,
+        "fits": e.fits, "overflow_bytes": max(0.0, e.overflow),
         "time_breakdown_s": dict(e.time), "memory_per_rank": [m.to_dict() for m in e.memory],
         # per rank (all its stages), seconds: what `mppx train --costs F,B,W,COMM` builds the same order from
         "rank_costs_s": [[sum(getattr(e.costs, k)[s] for s in e.costs.stages_of(r)) for k in ("t_f", "t_b", "t_w")]
@@ -187,6 +188,21 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     if e.candidate.cp > 1:   # per rank: the ring exchange the attention does not hide, one microbatch's F+B
         d["cp_ring_exposed_s_per_microbatch"] = list(e.costs.detail.get("cp_exposed", []))
     return d
+
+
+def nothing_fits_to_dict(req, error) -> dict:
+    """``mppx plan --json`` when no configuration fits: no plans, the reason, and the configuration
+    that overflows memory least with its predicted time (``closest``, ``fits`` false)."""
+    return {
+        "model": {k: getattr(req.model, k) for k in req.model.__dataclass_fields__},
+        "cluster": {"gpu": req.cluster.gpu.__dict__, "nodes": req.cluster.nodes,
+                    "gpus_per_node": req.cluster.gpus_per_node, "usable_bytes": req.cluster.usable_bytes},
+        "global_batch_size": req.global_batch, "precision": req.precision,
+        "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
+        "plans": [], "fits": False, "error": str(error),
+        "closest": estimate_to_dict(error.closest, req) if getattr(error, "closest", None) is not None else None,
+        "derived": efficiency_rules(req.cluster.gpu, req.efficiency), "disclaimer": DISCLAIMER,
+    }
 
 
 def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slurm: bool = True) -> dict:
@@ -220,5 +236,5 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
     return doc
 
 
-__all__ = ["format_report", "result_to_dict", "estimate_to_dict", "plan_row", "model_line", "HEADERS", "MOE_HEADERS",
+__all__ = ["format_report", "result_to_dict", "nothing_fits_to_dict", "estimate_to_dict", "plan_row", "model_line", "HEADERS", "MOE_HEADERS",
            "DISCLAIMER"]

@@ -93,6 +93,15 @@ class PlanResult:
         return self.plans[0]
 
 
+class NothingFits(PlannerError):
+    """No configuration fits: the one-line reason, and the configuration that overflows memory
+    least (``closest``, simulated; None when none got as far as memory)."""
+
+    def __init__(self, message: str, closest: Estimate | None = None):
+        super().__init__(message)
+        self.closest = closest
+
+
 class Planner:
     """One search over one request (see the module doc). Reuse a :class:`SimCache` across
     searches to share simulations."""
@@ -103,6 +112,7 @@ class Planner:
         self.rej = Rejections()
         self._nccl_mem = None   # NCCL's communicator figures (runtime/ncclmem.py), read at first use
         self._costs: dict = {}
+        self._closest_miss: tuple[float, Candidate] | None = None
         self.stats = Counter()
         model, cl = req.model, req.cluster
         self.N = cl.num_gpus
@@ -278,7 +288,7 @@ class Planner:
         with its all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no
         full recomputation, and several model chunks per rank at pp > 1 (interleaved or V)."""
         req = self.req
-        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.precision == "bf16"
+        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.precision in ("bf16", "fp8")
                 and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
 
     def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False, cp=1):
@@ -329,6 +339,8 @@ class Planner:
         if got is not None:
             return got
         model, cl, eff = self.req.model, self.req.cluster, self.req.efficiency
+        if self.req.tp_comm_overlap and cand.tp > 1:
+            eff = eff.with_(tp_overlap=max(eff.tp_overlap, eff.tp_comm_overlap))
         model = per_rank_model(model, cand.cp)     # per rank a microbatch holds seq/cp tokens
         S = len(placement)
         parts = stage_parts(model, S)
@@ -441,8 +453,8 @@ class Planner:
         """Memory and time of ``cand`` from its pipeline figures (before feature variants)."""
         req, model, cl, eff = self.req, self.req.model, self.req.cluster, self.req.efficiency
         statics = rank_static(model, cand.tp, cand.grad_dp, costs.placement,
-                              distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
-                              ep=cand.ep, etp=cand.etp)
+                              distributed_optimizer=cand.distributed_optimizer, ep=cand.ep, etp=cand.etp,
+                              **req.static_options)
         nccl = self._nccl_bytes(cand, costs)
         memory = [RankMemory(statics[r], pipe.peak_units[r] * costs.unit_bytes, costs.transient[r], nccl=nccl[r])
                   for r in range(cand.pp)]
@@ -450,7 +462,9 @@ class Planner:
         for r in range(cand.pp):
             n, n_exp = statics[r].num_params, statics[r].expert_params
             rs, ag = dp_times(n, cl, cand.tp, cand.grad_dp, distributed_optimizer=cand.distributed_optimizer,
-                              expert_params=n_exp, edp=cand.edp, precision=req.precision)
+                              expert_params=n_exp, edp=cand.edp, precision=req.precision,
+                              grad_bytes=4.0 if req.grad_reduce_in_fp32 else 2.0,
+                              fp8_params=statics[r].fp8_param_numel)
             if eff.dp_overlap:
                 st = costs.stages_of(r)
                 last_bw = sum(costs.t_b[s] + costs.t_w[s] for s in st)
@@ -661,9 +675,9 @@ class Planner:
                     what = _describe(cand)
                 # static memory alone
                 statics = rank_static(req.model, cand.tp, cand.grad_dp, costs.placement,
-                                      distributed_optimizer=cand.distributed_optimizer, precision=req.precision,
+                                      distributed_optimizer=cand.distributed_optimizer,
                                       vocab_shards=cand.pp if cand.feature("vocab-parallel") else 0,
-                                      ep=cand.ep, etp=cand.etp)
+                                      ep=cand.ep, etp=cand.etp, **req.static_options)
                 worst = max(range(cand.pp), key=lambda r: statics[r].total)
                 if statics[worst].total > self.usable:
                     self.rej.add("memory", what, f"OOM before activations on rank {worst} by "
@@ -679,6 +693,7 @@ class Planner:
                     if best is not None:
                         self.rej.add("memory", what, f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)} "
                                      "(closed-form peak of the schedule, not simulated)")
+                        self._near_miss(best)
                         continue
                     est = self.estimate(cand, costs, exp)
                     self._apply_sim_features(est, feats)
@@ -711,6 +726,7 @@ class Planner:
                 if best is not None:
                     self.rej.add("memory", what, f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)} "
                                  "(peak of the same schedule simulated for a similar configuration)")
+                    self._near_miss(best)
                     continue
             try:
                 pipe = self.cache.pipeline(cand.schedule, cand.pp, cand.m, cand.vp, costs.t_f, costs.t_b, costs.t_w,
@@ -732,6 +748,7 @@ class Planner:
                 best = min(variants or [est], key=lambda v: v.overflow)
                 self.rej.add("memory", _describe(best.candidate),
                              f"OOM on rank {best.peak_rank} by {fmt_bytes(best.overflow)}")
+                self._near_miss(best)
                 continue
             plans = _dedupe(plans + fitting)[:top * 4]
         self.cache.save()
@@ -739,8 +756,22 @@ class Planner:
         self.stats.update({k: v for k, v in self.cache.stats.items()})
         self.stats["seconds"] = round(time.process_time() - t0, 3)
         if not plans:
-            raise PlannerError(self._nothing_fits())
+            raise NothingFits(self._nothing_fits(), self._closest())
         return PlanResult(req, plans[:top], self.rej, dict(self.stats), complete)
+
+    def _near_miss(self, est: Estimate) -> None:
+        """Remember the candidate that overflows memory least (what ``NothingFits`` reports)."""
+        if self._closest_miss is None or est.overflow < self._closest_miss[0]:
+            self._closest_miss = (est.overflow, est.candidate)
+
+    def _closest(self) -> Estimate | None:
+        """The least-overflowing candidate, simulated (its time is the schedule's, its memory over)."""
+        if self._closest_miss is None:
+            return None
+        try:
+            return self.evaluate(self._closest_miss[1])
+        except (PlannerError, ScheduleError):
+            return None
 
     def _nothing_fits(self) -> str:
         req, model = self.req, self.req.model
@@ -816,4 +847,4 @@ def plan(req: PlanRequest, *, cache: SimCache | None = None, baseline: bool = Fa
     return result
 
 
-__all__ = ["Planner", "PlanResult", "Rejections", "plan"]
+__all__ = ["Planner", "PlanResult", "Rejections", "plan", "NothingFits"]

@@ -92,6 +92,9 @@ class Efficiency:
     #: which posts receives early and waits on the GPU. Measured as the gap between an exchange's
     #: end and the next compute kernel (``mppx calibrate``, docs/planner.md)
     exchange_sync_us: float = 0.0
+    #: share of the tensor-parallel all-gathers and reduce-scatters Transformer Engine's userbuffers
+    #: hide behind the GEMMs with --tp-comm-overlap (replaces ``tp_overlap`` for such a plan)
+    tp_comm_overlap: float = 0.85
     #: the pipeline link's measured point-to-point bandwidth, GB/s (0: the GPU preset's link)
     p2p_gbps: float = 0.0
     #: FP8 GEMMs (Transformer Engine): their own curve, x as for ``gemm_max``/``gemm_half``
@@ -120,9 +123,10 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
                 raise bad(name, "a finite number >= 0")
-        if not (isinstance(self.tp_overlap, (int, float)) and math.isfinite(self.tp_overlap)
-                and 0 <= self.tp_overlap <= 1):
-            raise bad("tp_overlap", "a fraction in [0, 1]")
+        for name in ("tp_overlap", "tp_comm_overlap"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1):
+                raise bad(name, "a fraction in [0, 1]")
 
     def gemm(self, x: float) -> float:
         return self.gemm_max * x / (x + self.gemm_half)
@@ -592,7 +596,7 @@ def _dp_link(cluster: ClusterSpec, tp: int, dp: int) -> tuple[float, float]:
 
 def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
              distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1,
-             precision: str = "bf16") -> tuple[float, float]:
+             precision: str = "bf16", grad_bytes: float = 4.0, fp8_params: float = 0.0) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds for ``num_params`` parameters of one
     rank: reduce-scatter of fp32 grads + all-gather of the (``precision``) params with the distributed
     optimizer, one all-reduce of fp32 grads without it. ``expert_params`` of them (the expert
@@ -602,11 +606,13 @@ def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
     for n, ranks in ((num_params - expert_params, dp), (expert_params, edp)):
         if ranks <= 1 or n <= 0:
             continue
+        # the dense buffer's FP8 parameters (--fp8-param-gather) are gathered at 1 byte
+        f8 = n * min(1.0, fp8_params / num_params) if num_params else 0.0
         if distributed_optimizer:
-            out[0] += _collective(4.0 * n, ranks, bw, lat, 1.0)
-            out[1] += _collective(act_bytes(precision) * n, ranks, bw, lat, 1.0)
+            out[0] += _collective(grad_bytes * n, ranks, bw, lat, 1.0)
+            out[1] += _collective(act_bytes(precision) * (n - f8) + f8, ranks, bw, lat, 1.0)
         else:
-            out[0] += _collective(4.0 * n, ranks, bw, lat, 2.0)
+            out[0] += _collective(grad_bytes * n, ranks, bw, lat, 2.0)
     return out[0], out[1]
 
 

@@ -119,6 +119,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--fp8-recipe", metavar="R",
                    help="FP8 scaling recipe with --precision fp8, as Megatron-LM names it: delayed, tensorwise "
                         "(current scaling, NVIDIA's recipes' choice; default), blockwise, mxfp8 (Blackwell)")
+    s.add_argument("--fp8-param-gather", action="store_true",
+                   help="with --precision fp8: hold and all-gather the GEMM weights as Transformer Engine's FP8 "
+                        "parameters (Megatron-LM's flag)")
+    s.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce (and hold) gradients in bf16 instead of fp32, as NVIDIA's recipes do (the plan "
+                        "then emits no --accumulate-allreduce-grads-in-fp32)")
+    s.add_argument("--tp-comm-overlap", action="store_true",
+                   help="Transformer Engine's userbuffers overlap the tensor-parallel collectives with the GEMMs "
+                        "(Megatron-LM's flag; the hidden share is the efficiency's tp_comm_overlap)")
     s.add_argument("--memory-model", choices=("gpu", "cpu"), default="gpu",
                    help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
                         "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
@@ -229,6 +238,8 @@ def build_request(args):
                            distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
                            time_limit=args.time_limit, precision=args.precision,
                            fp8_recipe=args.fp8_recipe or "tensorwise", runtime=args.memory_model,
+                           fp8_param_gather=args.fp8_param_gather, grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+                           tp_comm_overlap=args.tp_comm_overlap,
                            overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy)
     except PlannerError as e:
         raise CLIError(str(e)) from None
@@ -261,6 +272,10 @@ def run(args) -> int:
         result = plan(req, cache=cache, baseline=not args.no_baseline)
         verdict = bpipe_estimate(req, cache=cache) if args.explain_bpipe else None
     except PlannerError as e:
+        from ...planner.report import nothing_fits_to_dict
+        from ...planner.search import NothingFits
+        if args.json and isinstance(e, NothingFits):   # the document still says what came closest
+            print(json.dumps(nothing_fits_to_dict(req, e), indent=2))
         raise CLIError(str(e)) from None
     if args.emit_flags:
         write_text(args.emit_flags, flags_text(result.best, req), "--emit-flags")

@@ -1,0 +1,227 @@
+"""The planner held against NVIDIA's published H100 recipes (Megatron-Bridge's performance tables).
+
+    python benchmarks/recipes.py                 # prints the table (docs/benchmarks/published.md has it)
+    python benchmarks/recipes.py --no-search     # the pinned rows only (seconds)
+
+Every row of ``benchmarks/data/nvidia_recipes_h100.json`` is ``mppx plan`` pinned to the recipe:
+its model preset at the recipe's sequence, H100s, tp/pp/cp/vp/ep/etp, micro and global batch,
+precision (``fp8-cs``: --precision fp8 --fp8-recipe tensorwise), recomputation and the settings
+the recipe turns on that the planner models (FP8 parameters, gradients reduced in bf16, TP
+communication overlap, the overlapped expert all-to-all), evaluated for exactly that
+configuration (:meth:`Planner.evaluate`) -- the same request as::
+
+    mppx plan --model M --seq S --gpu h100 --gpus N --tp T --pp P --cp C --vp V --ep E --etp 1 \\
+        --mbs B --global-batch-size G --precision fp8 --fp8-param-gather --grad-reduce-in-bf16 \\
+        --tp-comm-overlap --recompute none --schedules interleaved-1f1b --features none --json
+
+Beside it, the planner's own best plan for the same model, GPUs, precision and batch (a search
+over every registered schedule, layout and feature, with the recipe's overlaps) and its predicted
+gain over the recipe: a prediction, not a measurement.
+
+Which rows fitted which constant: :data:`FITTED` (every other row only shows them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_pp_ext.planner import Candidate, Planner, PlannerError, PlanRequest, SimCache, get_model, make_cluster
+from megatron_pp_ext.planner.search import plan
+
+DATA = Path(__file__).resolve().parent / "data" / "nvidia_recipes_h100.json"
+GIB = 2 ** 30
+#: the goal: tokens/s/GPU within 10% on every row
+GOAL = 0.10
+#: the H100 efficiency constants fitted on these rows (release, model) -> constants; timing.py's
+#: DEFAULT_EFFICIENCY["h100"] holds the values
+FITTED = {("25.11", "llama3-8b"): ("fp8_gemm_max",), ("26.02", "gpt-oss-120b"): ("gemm_max",)}
+
+
+def load() -> dict:
+    with open(DATA, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass
+class Recipe:
+    release: str
+    model: str
+    gpus: int
+    precision: str
+    global_batch: int
+    mbs: int
+    seq: int
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    ep: int
+    etp: int
+    measured: float            # tokens/s/GPU
+    measured_tflops: float
+    settings: dict
+    notes: list
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.release}"
+
+    @property
+    def fitted(self) -> tuple[str, ...]:
+        return FITTED.get((self.release, self.model), ())
+
+
+def recipes(data: dict | None = None) -> list[Recipe]:
+    data = data or load()
+    out = []
+    for r in data["rows"]:
+        out.append(Recipe(r["release"], r["model"], r["gpus"], "fp8" if r["precision"].startswith("fp8") else "bf16",
+                          r["global_batch"], r["micro_batch"], r["seq"], r["tp"], r["pp"], r["cp"], r["vp"], r["ep"],
+                          r["recipe"]["etp"], float(r["tokens_per_s_per_gpu"]), float(r["model_tflops_per_gpu"]),
+                          r["recipe"], r["recipe_notes"]))
+    return out
+
+
+def request(r: Recipe, **changes) -> PlanRequest:
+    """The pinned request of a recipe row."""
+    model = get_model(r.model).with_(seq=r.seq)
+    st = r.settings
+    kw = dict(precision=r.precision, fp8_recipe="tensorwise", fp8_param_gather=st["fp8_param_gather"],
+              grad_reduce_in_fp32=st["grad_reduce_in_fp32"], tp_comm_overlap=st["tp_comm_overlap"],
+              tp=(r.tp,), pp=(r.pp,), cp=(r.cp,), mbs=(r.mbs,), recompute=(st["recompute"],), features=(),
+              schedules=(schedule_of(r),), uneven_layers=True, top=1, time_limit=60.0,
+              overlap=st["overlap_moe_expert_parallel_comm"])
+    if model.is_moe:
+        kw.update(ep=(r.ep,), etp=(r.etp,))
+    if r.vp > 1:
+        kw["vp"] = r.vp
+    kw.update(changes)
+    return PlanRequest(model, make_cluster("h100", r.gpus), r.global_batch, **kw)
+
+
+def schedule_of(r: Recipe) -> str:
+    return "interleaved-1f1b" if r.vp > 1 else "1f1b"
+
+
+@dataclass
+class Predicted:
+    tokens: float
+    tflops: float
+    peak_gib: float
+    usable_gib: float
+    fits: bool
+    iteration_s: float
+
+
+def predict(r: Recipe, cache: SimCache) -> Predicted:
+    req = request(r)
+    dp = r.gpus // (r.tp * r.pp * r.cp)
+    m = r.global_batch // (dp * r.mbs)
+    cand = Candidate(r.tp, r.pp, dp, r.vp, schedule_of(r), r.mbs, m, r.settings["recompute"], None, True, (),
+                     r.ep if req.model.is_moe else 1, r.etp if req.model.is_moe else None,
+                     overlap=r.settings["overlap_moe_expert_parallel_comm"], cp=r.cp)
+    est = Planner(req, cache).evaluate(cand)
+    d = {"tokens": r.global_batch * r.seq / est.iteration_time / r.gpus,
+         "tflops": est.model_flops / est.iteration_time / r.gpus / 1e12}
+    return Predicted(d["tokens"], d["tflops"], est.peak_bytes / GIB, est.usable_bytes / GIB, est.fits,
+                     est.iteration_time)
+
+
+@dataclass
+class Best:
+    label: str
+    tokens: float
+    fits: bool
+
+
+def best_plan(r: Recipe, cache: SimCache, time_limit: float) -> Best | None:
+    """The planner's own best plan for the recipe's model, GPUs, precision and batch: every
+    schedule and feature, tp/pp/cp/ep free (cp 1 or the recipe's), the recipe's overlaps."""
+    req = request(r, tp=None, pp=None, mbs=None, ep=None, etp=None, cp=tuple(sorted({1, r.cp})), vp=None,
+                  schedules=None, features=None, recompute=("none", "full"), time_limit=time_limit, top=1)
+    try:
+        res = plan(req, cache=cache)
+    except PlannerError:
+        return None
+    e = res.best
+    c = e.candidate
+    feats = ",".join(f"{n}={o}" for n, o in c.features) or "-"
+    ex = f" ep{c.ep}" if req.model.is_moe else ""
+    label = (f"{c.label()} tp{c.tp} pp{c.pp} cp{c.cp} dp{c.dp}{ex} mbs{c.mbs} rc={c.recompute} {feats}"
+             + (" paired" if c.overlap else ""))
+    return Best(label, r.global_batch * r.seq / e.iteration_time / r.gpus, e.fits)
+
+
+@dataclass
+class Result:
+    recipe: Recipe
+    pred: Predicted
+    best: Best | None
+
+    @property
+    def err(self) -> float:
+        return self.pred.tokens / self.recipe.measured - 1
+
+
+def evaluate(search: bool = True, time_limit: float = 30.0) -> list[Result]:
+    cache = SimCache(disk=False)
+    out = []
+    for r in recipes():
+        out.append(Result(r, predict(r, cache), best_plan(r, cache, time_limit) if search else None))
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def table(results: list[Result]) -> list[str]:
+    head = ["recipe", "GPUs", "precision", "tp/pp/cp/vp/ep", "mbs / batch", "measured tokens/s/GPU",
+            "predicted", "error", "memory GiB (of usable)", "fits", "fitted on it"]
+    rows = []
+    for x in results:
+        r = x.recipe
+        rows.append([r.label, str(r.gpus), "fp8-cs" if r.precision == "fp8" else "bf16",
+                     f"{r.tp}/{r.pp}/{r.cp}/{r.vp}/{r.ep}", f"{r.mbs} / {r.global_batch}", f"{r.measured:,.0f}",
+                     f"{x.pred.tokens:,.0f}", _pct(x.err), f"{x.pred.peak_gib:.1f} ({x.pred.usable_gib:.1f})",
+                     "yes" if x.pred.fits else "**no**", ", ".join(r.fitted) or "shown"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if any(x.best for x in results):
+        lines += ["", "The planner's own best plan for the same model, GPUs, precision and batch (**a prediction**, "
+                  "beside the recipe's predicted figure, not its measured one):", "",
+                  "| recipe | best plan | predicted tokens/s/GPU | predicted gain over the recipe |",
+                  "|---|---|---|---|"]
+        for x in results:
+            if x.best is None:
+                lines.append(f"| {x.recipe.label} | (nothing found within the time limit) | | |")
+                continue
+            lines.append(f"| {x.recipe.label} | {x.best.label} | {x.best.tokens:,.0f} | "
+                         f"{_pct(x.best.tokens / x.pred.tokens - 1)} (predicted) |")
+    return lines
+
+
+def summary(results: list[Result]) -> list[str]:
+    shown = [x for x in results if not x.recipe.fitted]
+    within = sum(abs(x.err) <= GOAL for x in results)
+    return [f"tokens/s/GPU within {GOAL:.0%}: {within} of {len(results)} rows (worst {_pct(max((x.err for x in results), key=abs))}); "
+            f"the rows no constant was fitted on: {sum(abs(x.err) <= GOAL for x in shown)} of {len(shown)}; "
+            f"planned within memory: {sum(x.pred.fits for x in results)} of {len(results)}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-search", action="store_true", help="pinned rows only")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="CPU seconds per best-plan search")
+    args = ap.parse_args(argv)
+    res = evaluate(search=not args.no_search, time_limit=args.time_limit)
+    print("\n".join(table(res) + [""] + summary(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
