@@ -147,22 +147,27 @@ class Efficiency:
 #: The A100's dropout_rng_ps and exchange_sync_us are fitted to published A100 runs
 #: (docs/benchmarks/published.md: table 6 of the Zero Bubble paper's forward times of the 1.5B and
 #: 6.2B models, and those models' 1F1B iteration times; the other rows are held to them). The H100's
-#: curves are its own (see DERIVED for what no H100 measurement fixed); the other GPUs derive theirs
-#: by the rules in DERIVED, which the report prints.
+#: fp8_gemm_max and fp8_gemm_half are fitted to NVIDIA's H100 recipes (the 26.02 llama3-70b and
+#: llama3.1-405b rows of docs/benchmarks/published.md; the other rows are held to them); its bf16
+#: curves are estimates (DERIVED says so). The other GPUs derive theirs by the rules in DERIVED, which
+#: the report prints.
 DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
                        attn_half=8.0, hbm=0.75, layer_overhead_us=40.0, dropout_rng_ps=7.5,
                        exchange_sync_us=1200.0, source="a100 preset"),
     "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
                        attn_half=12.0, hbm=0.75, layer_overhead_us=30.0, dropout_rng_ps=2.2,
-                       exchange_sync_us=700.0, fp8_gemm_max=0.55, fp8_gemm_half=8.0e5, source="h100 preset"),
+                       exchange_sync_us=1200.0, fp8_gemm_max=0.82, fp8_gemm_half=5.5e6, source="h100 preset"),
 }
 _HOST_RULE = ("the A100's (fitted on the Zero Bubble A100 1F1B rows): a host-side cost, not measured on this GPU "
               "(measure it: docs/planner.md#calibration)")
 #: GPU -> (the preset its efficiencies come from, {field: rule}): every value not measured on the GPU
 #: itself, with the rule that derived it
 DERIVED: dict[str, tuple[str, dict[str, str]]] = {
-    "h100": ("h100", {"dropout_rng_ps": "the A100's scaled by the fp32 (CUDA-core) throughput",
+    "h100": ("h100", {"bf16 curves (gemm_max, gemm_half, flash_fwd, flash_bwd)": "estimates from public H100 "
+                      "kernel figures, not fitted to a measurement (the FP8 curve is: NVIDIA's recipes)",
+                      "tp_comm_overlap": "an estimate of what TE's userbuffers hide, not measured",
+                      "dropout_rng_ps": "the A100's scaled by the fp32 (CUDA-core) throughput",
                       "exchange_sync_us": _HOST_RULE}),
     "h200": ("h100", {"all curves": "the H100's (the same GH100 compute; its faster HBM enters through hbm_gbps)",
                       "exchange_sync_us": _HOST_RULE}),
