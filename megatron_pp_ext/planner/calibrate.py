@@ -134,8 +134,9 @@ def _from_mppx_train(doc: dict, path: str) -> dict:
     c, lay = doc["config"], doc["layout"]
     prof = doc.get("profile")
     if not prof:
-        why = ("--profile-iters 0" if c.get("profile_iters") == 0 else
-               "no profiling window (pp 1, --schedule mcore, a feature or --emulate-compute turn it off)")
+        why = ("the run had --profile-iters 0" if c.get("profile_iters") == 0 else
+               "the run had no profiling window: --pp 1, --schedule mcore, some features and --emulate-compute have "
+               "none")
         raise CalibrateError(f"{path}: no profile section ({why}); re-run with --profile-iters K (e.g. "
                              "--profile-iters 3, and --iters >= K + 2) and one of our schedules at --pp >= 2")
     if not prof.get("costs_ms"):
