@@ -237,3 +237,27 @@ def test_megatron_lm_bad_runs_are_one_line(tmp_path, capsys):
 def test_unwritable_out_is_one_line(tmp_path, capsys):
     err = _error(capsys, _write(tmp_path, _summary()), "--out", str(tmp_path / "no" / "cal.json"))
     assert "--out" in err and "cannot write" in err, err
+
+
+def test_megatron_lm_writer_glue(tmp_path, capsys):
+    """step._write_profile (what _reschedule calls on the first rank at the end of the window):
+    the dtype's name and bytes, the window in Megatron-LM's iteration numbers, the file calibrate reads."""
+    import torch
+
+    from megatron_pp_ext.megatron_lm.flags import MegatronPlan, PipelineOptions
+    from megatron_pp_ext.megatron_lm.step import _write_profile
+
+    out = tmp_path / "p.json"
+    plan = MegatronPlan(PipelineOptions(schedule="zb-h1", profile_start=4, profile_iters=3, profile_out=str(out)),
+                        pp=3, chunks=1, placement=(0, 1, 2), layers_per_stage=(2, 3, 2), microbatches=6)
+    args = types.SimpleNamespace(micro_batch_size=1, tensor_model_parallel_size=1, context_parallel_size=1,
+                                 bf16=True, num_layers=7, hidden_size=64, seq_length=32)
+    prof = types.SimpleNamespace(start=4, iters=3)
+    report = {"costs_ms": {"F": [2.0, 3.0, 4.0], "B": [2.0, 3.3, 4.0], "W": [1.0, 1.5, 1.0], "comm": 0.1},
+              "error": None, "before": 20.0, "after": 19.0}
+    _write_profile(args, plan, prof, report, (32, 1, 64), torch.bfloat16, torch.device("cpu"))
+    assert f"measurements written to {out}" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["window"] == [4, 6] and doc["p2p_message"] == {"shape": [32, 1, 64], "dtype": "bf16", "bytes": 4096}
+    cal = calibrate_file(str(out))
+    assert cal["stage_times"]["layers"] == 3 and cal["stage_times"]["f_ms"] == 3.0 and cal["precision"] == "bf16"
