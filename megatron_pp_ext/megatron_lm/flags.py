@@ -9,7 +9,8 @@
 Our flags: ``--pipeline-schedule NAME`` (any registered schedule, or ``mcore`` for
 Megatron-Core's own function), ``--pipeline-memory-budget B``, ``--pipeline-costs F,B,W[,COMM]``,
 ``--pipeline-profile-iters K`` / ``--pipeline-profile-start-iter N`` (re-generate the schedule
-from the F/B/W/comm times measured over a window of iterations), ``--pipeline-layers-per-stage``,
+from the F/B/W/comm times measured over a window of iterations; ``--pipeline-profile-out FILE``
+writes them as JSON for ``mppx calibrate``), ``--pipeline-layers-per-stage``,
 ``--allow-padding-num-layers`` (uneven layer split instead of an error), ``--layout-independent-init``,
 ``--p2p-strategy {channels,pairwise,batched}`` (the runtime's point-to-point on NCCL, runtime/p2pstrategy.py).
 
@@ -98,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "F/B/W and p2p times (default 0: keep the schedule)")
     add("--pipeline-profile-start-iter", type=int, default=None, metavar="N",
         help="first profiled iteration, counted from 0 (default 1: after one warm-up iteration)")
+    add("--pipeline-profile-out", default=None, metavar="FILE",
+        help="with --pipeline-profile-iters: also write the window's measurements (per-stage F/B/W, the p2p "
+             "message's time and bytes, the run's sizes) as JSON to FILE, for 'mppx calibrate'")
     add("--pipeline-layers-per-stage", default=None, metavar="N,N,...",
         help="transformer layers of every pipeline stage, in stage order (pp x chunks entries summing to "
              "--num-layers); default: an even split")
@@ -195,6 +199,7 @@ class PipelineOptions:
     costs: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)
     profile_start: int = 1
     profile_iters: int = 0
+    profile_out: str | None = None       # --pipeline-profile-out FILE (JSON of the window, for mppx calibrate)
     layers_per_stage: tuple[int, ...] | None = None
     allow_padding: bool = False
     layout_independent_init: bool = False
@@ -344,6 +349,16 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
     if start is not None and iters is None:
         raise MegatronLMFlagError("--pipeline-profile-start-iter needs --pipeline-profile-iters K (how many "
                                   "iterations to time)")
+    profile_out = get("pipeline_profile_out")
+    if profile_out is not None:
+        if not iters:
+            raise MegatronLMFlagError(f"--pipeline-profile-out {profile_out} writes what the profiling window "
+                                      "measured: it needs --pipeline-profile-iters K (e.g. 3)")
+        folder = os.path.dirname(os.path.abspath(profile_out))
+        if os.path.isdir(profile_out) or not os.path.isdir(folder):
+            raise MegatronLMFlagError(f"--pipeline-profile-out {profile_out}: "
+                                      + ("a directory; give a file name, e.g. profile.json" if os.path.isdir(profile_out)
+                                         else f"the folder {folder} does not exist; create it or give another path"))
     lps = _parse_lps(get("pipeline_layers_per_stage"))
     if schedule is None:
         for name, value, what, example in (
@@ -395,6 +410,7 @@ def resolve(args: argparse.Namespace) -> PipelineOptions:
                                   "own schedule uses its own: add --pipeline-schedule NAME, or drop --p2p-strategy")
     opts = PipelineOptions(schedule=schedule, memory_budget=budget, costs=costs, a2a_time=a2a, p2p_strategy=strategy,
                            profile_start=1 if start is None else int(start), profile_iters=int(iters or 0),
+                           profile_out=profile_out,
                            layers_per_stage=lps, allow_padding=bool(get("allow_padding_num_layers", False)),
                            layout_independent_init=bool(get("layout_independent_init", False)),
                            te_wgrad_split=bool(get("pipeline_te_wgrad_split", False)), features=features,

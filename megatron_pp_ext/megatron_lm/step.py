@@ -201,8 +201,8 @@ def _make_train_step(orig: Callable) -> Callable:
 
 def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     """End of the profiling window: the measured per-stage F/B/W (medians over ranks and
-    iterations) and p2p latency become the cost model the schedule is re-generated for."""
-    from megatron.core import parallel_state as ps
+    iterations) and p2p latency become the cost model the schedule is re-generated for; with
+    --pipeline-profile-out the first rank also writes them as JSON (for ``mppx calibrate``)."""
     from megatron.training import get_args
 
     from ..schedule import ScheduleError, simulate
@@ -217,28 +217,53 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     comm = measure_p2p_latency(executor_p2p(fb.executor), shape, dtype, dev)
     lat = torch.tensor([comm], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
+    report = {"costs_ms": None, "error": None, "before": None, "after": None}
     try:
-        cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
-    except ValueError as e:
-        print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
-        return
-    old = fb.executor.last_schedule
-    new = ForwardBackward(plan, costs=cost)
-    try:
-        sched = new.executor.schedule_for(plan.pp, plan.microbatches)
-    except ScheduleError as e:
-        print0(f"megatron_pp_ext: profiling: the generator refused the measured costs ({e}); keeping the schedule")
-        return
-    fb.executor = new.executor
-    fb._call = None   # re-wrapped at the next call
-    try:
-        before = simulate(old, cost).makespan if old is not None else float("nan")
-    except ScheduleError:
-        before = float("nan")
-    after = simulate(sched, cost).makespan
-    print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
-          f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
-          f"{before:.4g} -> {after:.4g} ms")
+        try:
+            cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
+        except ValueError as e:
+            report["error"] = str(e)
+            print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
+            return
+        report["costs_ms"] = {"F": list(cost.t_f), "B": list(cost.t_b), "W": list(cost.t_w), "comm": cost.comm}
+        old = fb.executor.last_schedule
+        try:
+            report["before"] = simulate(old, cost).makespan if old is not None else None
+        except ScheduleError:
+            pass
+        new = ForwardBackward(plan, costs=cost)
+        try:
+            sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+        except ScheduleError as e:
+            report["error"] = f"the generator refused the measured costs ({e}); keeping the schedule"
+            print0(f"megatron_pp_ext: profiling: {report['error']}")
+            return
+        fb.executor = new.executor
+        fb._call = None   # re-wrapped at the next call
+        before = report["before"] if report["before"] is not None else float("nan")
+        after = report["after"] = simulate(sched, cost).makespan
+        print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
+               f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
+               f"{before:.4g} -> {after:.4g} ms")
+    finally:
+        if plan.options.profile_out and torch.distributed.get_rank() == 0:
+            _write_profile(args, plan, prof, report, shape, dtype, dev)
+
+
+def _write_profile(args, plan: MegatronPlan, prof, report: dict, shape, dtype, dev) -> None:
+    """--pipeline-profile-out: the window's measurements as JSON (megatron_lm/profile_out.py)."""
+    from .profile_out import profile_document, write_profile
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    path = plan.options.profile_out
+    doc = profile_document(args, plan, report["costs_ms"], message_shape=tuple(int(x) for x in shape),
+                           window=[prof.start, prof.start + prof.iters - 1], dtype=name, device=dev.type,
+                           simulated_ms_before=report["before"], simulated_ms_after=report["after"],
+                           error=report["error"])
+    why = write_profile(path, doc)
+    print("megatron_pp_ext: profiling: " + (f"measurements written to {path} (mppx calibrate {path})" if why is None
+                                             else f"could not write --pipeline-profile-out {path} ({why})"),
+          flush=True)
 
 
 def make_evaluate(orig: Callable) -> Callable:

@@ -1,0 +1,263 @@
+"""``mppx calibrate``: a profiled run -> a planner calibration file that ``mppx plan
+--calibration`` accepts.
+
+* a real ``mppx train --profile-iters`` run (pp 2, 4 tiny layers, gloo) -> ``mppx calibrate`` ->
+  ``mppx plan --calibration``: the round trip;
+* summary.json documents as the trainer writes them (trainer/report.py ``finish``: ``config``,
+  ``layout``, ``schedule``, ``profile``): the stage chosen (interior stages, the most common layer
+  count), the message bandwidth, the precision;
+* Megatron-LM's ``--pipeline-profile-out`` document (megatron_lm/profile_out.py) -> a calibration;
+  the flag's checks;
+* every bad input is one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext.cli import main
+from megatron_pp_ext.planner import default_efficiency, get_gpu
+from megatron_pp_ext.planner.calibrate import calibrate_file, pick_stages
+from megatron_pp_ext.planner.presets import ModelSpec
+from megatron_pp_ext.planner.timing import calibration_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _summary(*, layers=(1, 2, 2, 2, 2, 2, 2, 1), F=None, B=None, W=None, comm=0.5, profile=True, **config) -> dict:
+    """A summary.json with the keys ``mppx train`` writes that calibrate reads (values as a
+    pp 4 zbv run would have them)."""
+    n = len(layers)
+    cfg = {"model": "gpt", "layers": sum(layers), "hidden": 64, "heads": 4, "kv_heads": None, "ffn": None,
+           "vocab": 256, "seq": 32, "micro_batch_size": 2, "global_batch_size": None, "pp": 4, "tp": 1, "vp": None,
+           "schedule": "zbv", "profile_iters": 2, "iters": 4, "bf16": False, "fp16": False, "num_experts": None}
+    cfg.update(config)
+    prof = None
+    if profile:
+        prof = {"window": [2, 3], "changed": True,
+                "costs_ms": {"F": F or [1.0 + 0.5 * s for s in range(n)], "B": B or [2.0] * n,
+                             "W": W or [1.0] * n, "comm": comm}}
+    return {"config": cfg,
+            "layout": {"world": 4, "pp": 4, "tp": 1, "dp": 1, "chunks": 2, "placement": [0, 1, 2, 3, 3, 2, 1, 0],
+                       "layers_per_stage": list(layers), "microbatches": 8, "device": "cpu", "launch": "local",
+                       "transformer_impl": "local"},
+            "schedule": {"name": cfg["schedule"], "label": cfg["schedule"], "runtime": cfg["schedule"],
+                         "figure": cfg["schedule"], "memory_budget": None, "costs": [1.0, 1.0, 1.0, 0.0]},
+            "iterations": 4, "profile": prof, "status": 0}
+
+
+def _write(tmp_path, doc, name="summary.json") -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    return str(p)
+
+
+def _model(layers=14, experts=None) -> ModelSpec:
+    extra = {"num_experts": experts, "moe_topk": 2} if experts else {}
+    return ModelSpec("custom", layers, 64, 4, 4, 256, 256, 32, **extra)
+
+
+def _accepted(doc: dict, model: ModelSpec | None = None):
+    """What ``mppx plan --calibration`` does with the document (load_calibration's parse)."""
+    base = default_efficiency(get_gpu("h100"))
+    return calibration_from_dict(doc, base, model or _model(), where="cal.json", precision=doc["precision"])
+
+
+def _error(capsys, *argv) -> str:
+    rc = main(["calibrate", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    assert err.startswith("mppx: error: ") and err.count("\n") == 1 and not out, err
+    return err
+
+
+# --- the round trip: a real profiled run ---------------------------------------------------
+
+def test_profiled_train_run_round_trips_into_the_planner(tmp_path, capsys):
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "megatron_pp_ext.cli", "train", "--pp", "2", "--schedule", "zb-h1",
+                        "--layers", "4", "--iters", "4", "--profile-iters", "2", "--reference-iters", "0",
+                        "--no-progress", "--out", "run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = tmp_path / "run" / "summary.json"
+    costs = json.loads(summary.read_text())["profile"]["costs_ms"]
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", str(summary), "--out", str(cal)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"wrote {cal}: stage_times of 2 layer(s) at micro batch 1, tp 1"), err
+    doc = json.loads(cal.read_text())
+    st = doc["stage_times"]
+    # two stages: the first one (its embedding lookup included, and said so)
+    assert st == {"micro_batch_size": 1, "tp": 1, "layers": 2, "f_ms": costs["F"][0], "b_ms": costs["B"][0],
+                  "w_ms": costs["W"][0], "p2p_ms": costs["comm"]}
+    assert "embedding" in doc["measured"]["stage"]
+    assert doc["precision"] == "fp32" and doc["measured"]["iterations"] == [2, 3]
+    assert doc["measured"]["source"] == str(summary) and "--schedule zb-h1" in doc["measured"]["command"]
+    assert doc["efficiency"]["p2p_gbps"] == pytest.approx(4 * 32 * 64 / (costs["comm"] * 1e-3) / 1e9, rel=1e-3)
+    # mppx plan takes it: the calibrated efficiency, the measured mbs and tp
+    rc = main(["plan", "--calibration", str(cal), "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
+               "--vocab", "256", "--gpus", "2", "--global-batch-size", "4", "--precision", "fp32",
+               "--memory-model", "cpu", "--pp", "2", "--top", "2", "--no-cache", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["plans"] and all(p["micro_batch_size"] == 1 and p["tp"] == 1 for p in plan["plans"])
+    eff = plan["efficiency"]
+    assert eff["source"] == f"calibrated from {cal}" and eff["p2p_gbps"] == doc["efficiency"]["p2p_gbps"]
+    assert eff["stage_times"]["f"] == pytest.approx(st["f_ms"] * 1e-3) and eff["stage_times"]["layers"] == 2
+
+
+# --- summary.json: which stage, which figures ------------------------------------------------
+
+def test_interior_stages_of_the_most_common_layer_count(tmp_path, capsys):
+    # V placement, 8 stages: 0 and 7 hold the embedding and the loss; 1-6: one stage of 3 layers
+    layers = (1, 2, 2, 3, 2, 2, 2, 1)
+    F = [9.0, 2.0, 2.2, 3.0, 2.4, 2.6, 2.8, 9.0]
+    path = _write(tmp_path, _summary(layers=layers, F=F, bf16=True))
+    assert main(["calibrate", path]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["stage_times"] == {"micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.4, "b_ms": 2.0,
+                                  "w_ms": 1.0, "p2p_ms": 0.5}
+    note = doc["measured"]["stage"]
+    assert note.startswith("median of stages 1, 2, 4, 5, 6 of 8 (2 layers each)"), note
+    assert "different layer counts (3 layers: 1 stage)" in note and "most common count, 2 layers" in note
+    assert doc["precision"] == "bf16" and doc["measured"]["layers_per_stage"] == list(layers)
+    assert list(doc["efficiency"]) == ["p2p_gbps"]
+    assert doc["efficiency"]["p2p_gbps"] == pytest.approx(4 * 32 * 2 * 64 / 0.5e-3 / 1e9, rel=1e-3)
+    assert "exchange_sync_us" in doc["measured"]["not_measured"]
+    assert "exchange_sync_us" not in doc["efficiency"]
+    eff = _accepted(doc)
+    assert (eff.stage_times.layers, eff.stage_times.f, eff.stage_times.p2p) == (2, 2.4e-3, 0.5e-3)
+    assert eff.p2p_gbps == doc["efficiency"]["p2p_gbps"]
+
+
+@pytest.mark.parametrize("layers,chosen", [
+    ((2, 2, 2, 2), [1, 2]), ((1, 3, 3, 1), [1, 2]), ((2, 2), [0]), ((0, 2), [1]), ((1, 2, 3, 2, 3, 1), [2, 4])])
+def test_pick_stages(layers, chosen):
+    assert pick_stages(list(layers))[0] == chosen
+
+
+# --- Megatron-LM's --pipeline-profile-out ------------------------------------------------------
+
+def _megatron_doc(tmp_path, **over):
+    from megatron_pp_ext.megatron_lm.flags import MegatronPlan, PipelineOptions
+    from megatron_pp_ext.megatron_lm.profile_out import profile_document, write_profile
+
+    args = types.SimpleNamespace(micro_batch_size=2, tensor_model_parallel_size=2, context_parallel_size=1,
+                                 sequence_parallel=True, num_moe_experts=None, bf16=True, fp16=False, fp8=None,
+                                 num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups=None,
+                                 ffn_hidden_size=256, seq_length=32, padded_vocab_size=256)
+    for k, v in over.items():
+        setattr(args, k, v)
+    plan = MegatronPlan(PipelineOptions(schedule="zbv", profile_iters=3, profile_out="p.json"), pp=2, chunks=2,
+                        placement=(0, 1, 1, 0), layers_per_stage=None, microbatches=4, v=True)
+    costs = {"F": [3.0, 2.0, 2.2, 4.0], "B": [3.0, 2.5, 2.7, 4.0], "W": [1.0, 1.2, 1.4, 1.0], "comm": 0.25}
+    doc = profile_document(args, plan, costs, message_shape=(32, 2, 64), window=[1, 3], dtype="bf16", device="cuda",
+                           simulated_ms_before=30.0, simulated_ms_after=28.0,
+                           argv=["pretrain_gpt.py", "--pipeline-schedule", "zbv"])
+    path = tmp_path / "profile.json"
+    assert write_profile(str(path), doc) is None
+    return str(path)
+
+
+def test_megatron_lm_profile_becomes_a_calibration(tmp_path, capsys):
+    path = _megatron_doc(tmp_path)
+    doc = calibrate_file(path)
+    assert doc["stage_times"] == {"micro_batch_size": 2, "tp": 2, "layers": 2, "f_ms": 2.1, "b_ms": 2.6,
+                                  "w_ms": 1.3, "p2p_ms": 0.25}
+    assert doc["precision"] == "bf16" and doc["measured"]["command"] == "pretrain_gpt.py --pipeline-schedule zbv"
+    assert doc["measured"]["iterations"] == [1, 3] and doc["measured"]["from"].startswith("Megatron-LM")
+    assert doc["efficiency"]["p2p_gbps"] == pytest.approx(32 * 2 * 64 * 2 / 0.25e-3 / 1e9, rel=1e-3)
+    eff = _accepted(doc, _model(layers=8))
+    assert eff.stage_times.tp == 2 and eff.stage_times.mbs == 2
+    # a plan at another precision refuses it (the planner's rule)
+    from megatron_pp_ext.planner import PlannerError
+    with pytest.raises(PlannerError, match="measured at bf16"):
+        calibration_from_dict(doc, default_efficiency(get_gpu("h100")), _model(8), precision="fp8")
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", path, "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == doc
+
+
+def test_megatron_lm_profile_out_flag():
+    from megatron_pp_ext.megatron_lm import MegatronLMFlagError, build_parser, resolve
+
+    def opts(*argv):
+        return resolve(build_parser().parse_args(list(argv)))
+    o = opts("--pipeline-schedule", "zbv", "--pipeline-profile-iters", "3", "--pipeline-profile-out", "p.json")
+    assert o.profile_out == "p.json" and o.profile_iters == 3
+    for argv, text in ((["--pipeline-schedule", "zbv", "--pipeline-profile-out", "p.json"],
+                        "needs --pipeline-profile-iters K"),
+                       (["--pipeline-schedule", "zbv", "--pipeline-profile-iters", "3", "--pipeline-profile-out",
+                         "/nonexistent-dir/p.json"], "the folder /nonexistent-dir does not exist")):
+        with pytest.raises(MegatronLMFlagError, match=text):
+            opts(*argv)
+
+
+# --- bad input: one line, exit status 2 ---------------------------------------------------------
+
+@pytest.mark.parametrize("content,text", [
+    (None, "no such file; expected the summary.json of 'mppx train --profile-iters K'"),
+    ("{not json", "not JSON"),
+    ({"loss": 1.0}, "not a profile; expected the summary.json"),
+    ({"stage_times": {}}, "already a calibration file"),
+    (_summary(profile=False), "no profile section (the run had no profiling window: --pp 1, --schedule mcore"),
+    (_summary(profile=False, profile_iters=0), "no profile section (the run had --profile-iters 0); re-run with --profile-iters K"),
+    (_summary(num_experts=8), "an MoE run (8 experts): stage_times hold a dense model's layers and the planner "
+                              "refuses them"),
+    (_summary(W=[0.0] * 8, schedule="1f1b"), "W time is 0: the run's schedule (1f1b) does not split"),
+    (_summary(fp16=True), "an fp16 run"),
+    (_summary(F=[1.0, 2.0]), "costs_ms.F must list 8 finite times"),
+    (_summary(comm=0.0), "no p2p time was measured"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, content, text):
+    path = str(tmp_path / "summary.json") if content is None else _write(tmp_path, content)
+    err = _error(capsys, path)
+    assert path in err and text in err, err
+
+
+def test_megatron_lm_bad_runs_are_one_line(tmp_path, capsys):
+    err = _error(capsys, _megatron_doc(tmp_path, context_parallel_size=2))
+    assert "context parallel size 2" in err, err
+    err = _error(capsys, _megatron_doc(tmp_path, num_moe_experts=4))
+    assert "an MoE run (4 experts)" in err, err
+    err = _error(capsys, _megatron_doc(tmp_path, bf16=False, fp16=True))
+    assert "an --fp16 run" in err, err
+
+
+def test_unwritable_out_is_one_line(tmp_path, capsys):
+    err = _error(capsys, _write(tmp_path, _summary()), "--out", str(tmp_path / "no" / "cal.json"))
+    assert "--out" in err and "cannot write" in err, err
+
+
+def test_megatron_lm_writer_glue(tmp_path, capsys):
+    """step._write_profile (what _reschedule calls on the first rank at the end of the window):
+    the dtype's name and bytes, the window in Megatron-LM's iteration numbers, the file calibrate reads."""
+    import torch
+
+    from megatron_pp_ext.megatron_lm.flags import MegatronPlan, PipelineOptions
+    from megatron_pp_ext.megatron_lm.step import _write_profile
+
+    out = tmp_path / "p.json"
+    plan = MegatronPlan(PipelineOptions(schedule="zb-h1", profile_start=4, profile_iters=3, profile_out=str(out)),
+                        pp=3, chunks=1, placement=(0, 1, 2), layers_per_stage=(2, 3, 2), microbatches=6)
+    args = types.SimpleNamespace(micro_batch_size=1, tensor_model_parallel_size=1, context_parallel_size=1,
+                                 bf16=True, num_layers=7, hidden_size=64, seq_length=32)
+    prof = types.SimpleNamespace(start=4, iters=3)
+    report = {"costs_ms": {"F": [2.0, 3.0, 4.0], "B": [2.0, 3.3, 4.0], "W": [1.0, 1.5, 1.0], "comm": 0.1},
+              "error": None, "before": 20.0, "after": 19.0}
+    _write_profile(args, plan, prof, report, (32, 1, 64), torch.bfloat16, torch.device("cpu"))
+    assert f"measurements written to {out}" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["window"] == [4, 6] and doc["p2p_message"] == {"shape": [32, 1, 64], "dtype": "bf16", "bytes": 4096}
+    cal = calibrate_file(str(out))
+    assert cal["stage_times"]["layers"] == 3 and cal["stage_times"]["f_ms"] == 3.0 and cal["precision"] == "bf16"
