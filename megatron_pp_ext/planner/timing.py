@@ -161,7 +161,7 @@ DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
                        exchange_sync_us=1200.0, fp8_gemm_max=0.82, fp8_gemm_half=5.5e6, source="h100 preset"),
 }
 _HOST_RULE = ("the A100's (fitted on the Zero Bubble A100 1F1B rows): a host-side cost, not measured on this GPU "
-              "(measure it: docs/planner.md#calibration)")
+              "(measure it: docs/planner.md#calibration-file)")
 #: GPU -> (the preset its efficiencies come from, {field: rule}): every value not measured on the GPU
 #: itself, with the rule that derived it
 DERIVED: dict[str, tuple[str, dict[str, str]]] = {
@@ -187,7 +187,7 @@ def default_efficiency(gpu: GPUSpec) -> Efficiency:
     base = DERIVED.get(gpu.name, (gpu.name, {}))[0]
     eff = DEFAULT_EFFICIENCY.get(base)
     if eff is None:
-        return Efficiency(source="generic (no preset: calibrate, docs/planner.md#calibration)")
+        return Efficiency(source="generic (no preset: calibrate, docs/planner.md#calibration-file)")
     return eff if base == gpu.name else eff.with_(source=f"{gpu.name}: derived from the {base} preset")
 
 
@@ -758,7 +758,7 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         raise PlannerError(f"--calibration {path}: efficiency.p2p_latency_us is no longer a field: a pipeline message "
                            "is its bytes over the measured link (stage_times.p2p_ms or efficiency.p2p_gbps) and "
                            "Megatron's synchronise after each exchange is efficiency.exchange_sync_us; rename it "
-                           "(docs/planner.md#calibration)")
+                           "(docs/planner.md#calibration-file)")
     bad = set(over) - _EFF_FIELDS
     if bad:
         raise PlannerError(f"--calibration {path}: unknown efficiency fields {sorted(bad)}; known: "
