@@ -153,3 +153,29 @@ def test_on_h100_megatrons_interleaving_beats_its_1f1b_as_nvidias_recipes_choose
         assert all(base > 1.03 * t[("interleaved-1f1b", v)] for v in want), (name, t)
         if len(want) > 1:
             assert t[("interleaved-1f1b", 4)] <= t[("interleaved-1f1b", 2)]
+
+
+def test_emitted_flags_carry_the_costs_the_plan_timed_its_order_with():
+    """The run builds the order the plan timed: generated schedules' flags carry --pipeline-costs (the
+    plan's per-rank F,B,W,COMM relative to F); without them Megatron-LM builds zbv's order for 1,1,1,0,
+    1.28x slower under the plan's own costs."""
+    from megatron_pp_ext.planner.emit import megatron_flags
+    from megatron_pp_ext.schedule import CostModel, ScheduleRequest, schedule_info, simulate
+    req = PlanRequest(get_model("llama2-7b"), make_cluster("h100", 16), global_batch=64, features=(), tp=(2,),
+                      pp=(4,), mbs=(1,), schedules=("zbv", "interleaved-zb"), top=2)
+    pl = Planner(req, SimCache(disk=False))
+    plans = pl.run().plans
+    assert {e.candidate.schedule for e in plans} == {"zbv", "interleaved-zb"}
+    for est in plans:
+        c = est.candidate
+        flags = megatron_flags(est, req)
+        spec = flags[flags.index("--pipeline-costs") + 1]
+        sc = pl.stage_costs(c)
+        real = CostModel(tuple(sc.t_f), tuple(sc.t_b), tuple(sc.t_w), sc.comm, tuple(sc.act))
+        run = CostModel.from_spec(spec, c.pp * c.vp, c.vp)
+        build = schedule_info(c.schedule).generate
+        planned = simulate(build(ScheduleRequest(c.pp, c.m, c.vp, real, None)), real).makespan
+        emitted = simulate(build(ScheduleRequest(c.pp, c.m, c.vp, run, None)), real).makespan
+        naive = simulate(build(ScheduleRequest(c.pp, c.m, c.vp, CostModel.uniform(c.pp * c.vp, c.vp), None)),
+                         real).makespan
+        assert emitted <= 1.03 * planned < naive, (c.schedule, planned, emitted, naive)

@@ -155,8 +155,8 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     if needs_plugin(est, req):
         f += ["--pipeline-schedule", c.schedule]
         f += layer_impl_flags(c.schedule, req.model, fp8=req.precision == "fp8")
-        if c.overlap:
-            f += pair_cost_flags(est)
+        # the order the run builds is the one the plan timed: its generator gets the plan's costs
+        f += pair_cost_flags(est) if c.overlap else cost_flags(est)
         if req.p2p_strategy != "channels":   # (the plan was timed under it)
             f += ["--p2p-strategy", req.p2p_strategy]
     if uneven and c.schedule_placement() != "loop":  # the V placement refuses Megatron's layout flags
@@ -187,20 +187,28 @@ def uses_unverified_te_split(est: Estimate, req: PlanRequest) -> bool:
         est.candidate.schedule, req.model, fp8=req.precision == "fp8")
 
 
-def pair_cost_flags(est: Estimate) -> list[str]:
-    """``--pipeline-costs F,B,W,COMM`` and ``--pipeline-a2a-time T`` of a paired plan: the predicted
-    per-rank times (mean over ranks) relative to F, so that the run pairs its schedule as the plan
-    did (schedule/passes/pairing.py decides from them)."""
+def _per_rank(est: Estimate, values) -> float:
+    """Mean over the pipeline ranks of a rank's total of ``values`` (per stage)."""
     c = est.costs
     ranks = sorted(set(c.placement))
+    return sum(sum(values[s] for s in c.stages_of(r)) for r in ranks) / len(ranks)
 
-    def per_rank(values) -> float:
-        return sum(sum(values[s] for s in c.stages_of(r)) for r in ranks) / len(ranks)
 
-    f = per_rank(c.t_f)
-    rel = [per_rank(c.t_b) / f, per_rank(c.t_w) / f, c.comm / f]
-    return ["--pipeline-costs", ",".join(f"{x:.4g}" for x in [1.0] + rel),
-            "--pipeline-a2a-time", f"{per_rank(c.a2a) / f:.4g}"]
+def cost_flags(est: Estimate) -> list[str]:
+    """``--pipeline-costs F,B,W,COMM``: the plan's predicted per-rank times (mean over ranks)
+    relative to F, so that the run's generator builds the order the plan timed (without them it
+    builds the order of costs 1,1,1,0, up to 1.28x slower for zbv under the plan's own costs)."""
+    c = est.costs
+    f = _per_rank(est, c.t_f)
+    rel = [_per_rank(est, c.t_b) / f, _per_rank(est, c.t_w) / f, c.comm / f]
+    return ["--pipeline-costs", ",".join(f"{x:.4g}" for x in [1.0] + rel)]
+
+
+def pair_cost_flags(est: Estimate) -> list[str]:
+    """:func:`cost_flags` and ``--pipeline-a2a-time T`` of a paired plan (relative to F), so that the
+    run pairs its schedule as the plan did (schedule/passes/pairing.py decides from them)."""
+    f = _per_rank(est, est.costs.t_f)
+    return cost_flags(est) + ["--pipeline-a2a-time", f"{_per_rank(est, est.costs.a2a) / f:.4g}"]
 
 
 def megatron_flags(est: Estimate, req: PlanRequest) -> list[str]:
