@@ -179,3 +179,20 @@ def test_emitted_flags_carry_the_costs_the_plan_timed_its_order_with():
         naive = simulate(build(ScheduleRequest(c.pp, c.m, c.vp, CostModel.uniform(c.pp * c.vp, c.vp), None)),
                          real).makespan
         assert emitted <= 1.03 * planned < naive, (c.schedule, planned, emitted, naive)
+
+
+def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsys):
+    """Measured stage times faster than the planned layers' FLOPs at 100% of the peak (measured for
+    another model, sequence, precision or GPU) are one line, exit 2, as layer points are; a stage_times.seq
+    other than the plan's too."""
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        for st, want in (({"f_ms": 2, "b_ms": 2, "w_ms": 2}, "need at least"),
+                         ({"f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "seq": 2048}, "sequence of 2048 tokens")):
+            path = Path(d) / "cal.json"
+            path.write_text(json.dumps({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 4, "p2p_ms": 0.4,
+                                                        **st}}))
+            rc, _, err = _cli(capsys, ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64",
+                                       "--top", "1", "--no-baseline", "--calibration", str(path)])
+            assert rc == 2 and want in err and len(err.strip().splitlines()) == 1

@@ -256,6 +256,9 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
         "precision": run["precision"],
         "measured": measured,
     }
+    seq = run["model"].get("seq") if isinstance(run["model"], dict) else None
+    if isinstance(seq, int) and seq > 0:   # (the planner refuses the times for another sequence)
+        out["stage_times"]["seq"] = seq
     if eff:
         out = {"efficiency": eff, **out}
     return out

@@ -640,7 +640,7 @@ _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
 _TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times", "precision", "measured")
-_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms")
+_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms", "seq")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
 _LAYER_KEYS = ("mbs", "tp", "forward_ms")
 #: layer points: microbatch sizes and tp the planner's models describe
@@ -814,11 +814,12 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         except PlannerError as e:
             raise PlannerError(f"--calibration {path}: {str(e).removeprefix('calibration: ')}") from None
     if "stage_times" in doc:
-        eff = eff.with_(stage_times=_stage_times(doc["stage_times"], path, model))
+        eff = eff.with_(stage_times=_stage_times(doc["stage_times"], path, model, cluster, precision))
     return eff.with_(source=f"calibrated from {path}")
 
 
-def _stage_times(st, path: str, model: ModelSpec | None) -> StageTimes:
+def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | None = None,
+                 precision: str = "bf16") -> StageTimes:
     """``stage_times`` of a calibration document, every field checked (one line naming it)."""
     if not isinstance(st, dict):
         raise PlannerError(f"--calibration {path}: stage_times must be an object with {', '.join(_STAGE_KEYS)}")
@@ -851,8 +852,31 @@ def _stage_times(st, path: str, model: ModelSpec | None) -> StageTimes:
         if sizes["layers"] > model.num_layers:
             raise PlannerError(f"--calibration {path}: stage_times.layers={sizes['layers']}: more than the model's "
                                f"{model.num_layers} layers")
+        seq = st.get("seq")
+        if seq is not None and seq != model.seq:
+            raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {seq!r} tokens, the "
+                               f"plan's is {model.seq}: plan --seq {seq} or measure at {model.seq}")
+        if cluster is not None:
+            _check_stage_speed(times, sizes, model, cluster, precision, path)
     return StageTimes(sizes["micro_batch_size"], sizes["tp"], sizes["layers"], times["f_ms"], times["b_ms"],
                       times["w_ms"], times["p2p_ms"])
+
+
+def _check_stage_speed(times: dict, sizes: dict, model: ModelSpec, cluster: ClusterSpec, precision: str,
+                       path: str) -> None:
+    """Measured stage times no GPU could reach for this model are refused: F and B each do at least
+    the layers' GEMMs and causal attention, W their GEMMs, at 100% of the peak (a stage measured for
+    another model, sequence, precision or GPU)."""
+    mbs, tp, n = sizes["micro_batch_size"], sizes["tp"], sizes["layers"]
+    gemm = n * linear_flops(model, mbs) / tp / peak_flops(cluster.gpu, precision)
+    attn = n * attention_flops(model, mbs) / 2 / tp / peak_flops(cluster.gpu, bf16_part(precision))
+    for key, floor in (("f_ms", gemm + attn), ("b_ms", gemm + attn), ("w_ms", gemm)):
+        if times[key] < floor:
+            raise PlannerError(
+                f"--calibration {path}: stage_times.{key}={times[key] * 1e3:.4g}: {n} layers of {model.name} at "
+                f"micro-batch {mbs}, tp {tp}, sequence {model.seq} need at least {floor * 1e3:.3g} ms at 100% of the "
+                f"{cluster.gpu.name}'s {precision} peak; measured for another model, sequence (--seq), precision "
+                "(--precision) or GPU? Measure the planned one (mppx calibrate)")
 
 
 def _known(entry: dict, keys: tuple[str, ...], path: str) -> None:
