@@ -141,6 +141,15 @@ BRIDGE_SUPPORTED_TEXT = "megatron-bridge 0.6.x"
 
 # --- which Megatron-Core, without importing it -------------------------------------------------
 
+def megatron_lm_requires_one_queue(*, tp: int, cp: int, blackwell: bool, ep_overlap: bool = False,
+                                   fsdp: bool = False) -> bool:
+    """Whether Megatron-LM's argument checks demand ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware
+    queue per GPU): tensor or context parallelism on a GPU before Blackwell, unless FSDP or the
+    overlapped expert-parallel all-to-all is on (``megatron/training/arguments.py`` since core_v0.14,
+    through core_v0.19 and main)."""
+    return (tp > 1 or cp > 1) and not blackwell and not (fsdp or ep_overlap)
+
+
 def megatron_core_location() -> str | None:
     """Directory of the ``megatron.core`` that ``import megatron.core`` loads (None: none).
     Found without importing it (a Megatron-LM checkout on ``sys.path`` wins over a wheel, as for

@@ -388,7 +388,7 @@ def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
 
 def test_plan_refuses_stage_times_of_another_microbatch_size(capsys, tmp_path):
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "f_ms": 1, "b_ms": 2, "w_ms": 1,
+    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "f_ms": 1000, "b_ms": 2000, "w_ms": 1000,
                                                 "p2p_ms": 0.1}}))
     line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--mbs", "1")
     assert "stage_times.micro_batch_size=2: the times were measured at mbs 2, but --mbs 1 is planned" in line

@@ -266,6 +266,20 @@ def _bash_array(name: str, flags: list[str]) -> str:
     return "\n".join(out)
 
 
+def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
+    compat.megatron_lm_requires_one_queue); elsewhere the default queues, which vocabulary
+    parallelism and BPipe need (the planner plans them only there)."""
+    from ..compat import megatron_lm_requires_one_queue
+    c = est.candidate
+    if megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell, ep_overlap=c.overlap):
+        return ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
+                "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell).",
+                "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-LM does not require one queue for this",
+            "# layout, and vocabulary parallelism and BPipe need more than one."]
+
+
 def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None, time_limit: str = "04:00:00",
                  partition: str | None = None) -> str:
     """An ``sbatch`` script running the plan with torchrun on every node. Paths come from
@@ -310,9 +324,7 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
         'CHECKPOINT_DIR="${CHECKPOINT_DIR:-$PWD/checkpoints/$SLURM_JOB_NAME}"',
         'TRAIN_ITERS="${TRAIN_ITERS:-1000}"',
         "",
-        "# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
-        "# with the GEMMs it overlaps (Megatron-LM requires it for sequence parallelism).",
-        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+    ] + _queue_lines(est, req) + [
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
         'export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"',

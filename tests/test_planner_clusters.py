@@ -1,4 +1,5 @@
-"""The planner's FP8, its GPU presets and Megatron-Core's synchronised exchange (docs/planner.md)."""
+"""The planner on today's clusters: FP8, GPU presets, Megatron-Core's synchronised exchange, the emitted
+flags and what Megatron-LM demands of them (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -196,3 +197,26 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
             rc, _, err = _cli(capsys, ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64",
                                        "--top", "1", "--no-baseline", "--calibration", str(path)])
             assert rc == 2 and want in err and len(err.strip().splitlines()) == 1
+
+
+def test_vocab_parallelism_and_bpipe_are_not_planned_where_megatron_lm_demands_one_hardware_queue():
+    """Megatron-LM demands CUDA_DEVICE_MAX_CONNECTIONS=1 at tp or cp > 1 before Blackwell, under which
+    vocabulary parallelism and BPipe hang (and are refused at start-up): the planner does not offer them
+    there, and its SLURM script exports one queue exactly where Megatron-LM demands it."""
+    from megatron_pp_ext.planner import plan
+    from megatron_pp_ext.planner.emit import slurm_script
+    for gpu, tp, allowed in (("h100", 2, False), ("h100", 1, True), ("b200", 2, True)):
+        kw = dict(tp=(tp,), pp=(4,), mbs=(1,), recompute=("none",), schedules=("1f1b",),
+                  features=("vocab-parallel", "bpipe"), top=5)
+        res = plan(PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, **kw), cache=SimCache(disk=False),
+                   baseline=False)
+        script = slurm_script(res.best, res.request)
+        assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in script) == (gpu == "h100" and tp > 1)
+        for feature in ("vocab-parallel", "bpipe"):
+            req = PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, require_features=(feature,), **kw)
+            if allowed:
+                best = plan(req, cache=SimCache(disk=False), baseline=False).best
+                assert feature in {n for n, _ in best.candidate.features}
+            else:
+                with pytest.raises(PlannerError):
+                    plan(req, cache=SimCache(disk=False), baseline=False)
