@@ -220,3 +220,18 @@ def test_vocab_parallelism_and_bpipe_are_not_planned_where_megatron_lm_demands_o
             else:
                 with pytest.raises(PlannerError):
                     plan(req, cache=SimCache(disk=False), baseline=False)
+
+
+@pytest.mark.parametrize("outputs,want", [
+    (["--emit-flags", "{d}/x.txt", "--emit-slurm", "{d}/./x.txt"], "both name"),
+    (["--json", "--emit-flags", "/dev/stdout"], "--emit-flags"),
+    (["--emit-flags", "{d}/missing/x.txt"], "--emit-flags {d}/missing/x.txt: cannot write"),
+])
+def test_plan_output_paths_are_checked_before_the_search(capsys, tmp_path, outputs, want):
+    """The same file for the flags and the script, standard output by another name beside --json, an
+    unwritable path: one line, exit 2, before any search (the search here would fit nothing)."""
+    argv = ["plan", "--model", "llama2-7b", "--gpus", "1", "--global-batch-size", "8192", "--top", "1",
+            "--no-baseline"] + [o.format(d=tmp_path) for o in outputs]
+    rc, out, err = _cli(capsys, argv)
+    assert rc == 2 and want.format(d=tmp_path) in err and len(err.strip().splitlines()) == 1 and not out
+    assert not (tmp_path / "x.txt").exists()

@@ -318,6 +318,31 @@ def _chunks_message(e: Exception) -> bool:
     return "--chunks" in str(e)
 
 
+def is_stdout(path: str) -> bool:
+    """'-' or a name of standard output (/dev/stdout, /dev/fd/1, /proc/self/fd/1)."""
+    if path == "-":
+        return True
+    try:
+        return os.path.exists(path) and os.path.samefile(path, "/dev/stdout")
+    except OSError:
+        return False
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse an output path that cannot be written, before any work is spent on what goes in it
+    (a file that did not exist is removed again)."""
+    if is_stdout(path):
+        return
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot write ({e.strerror or e}); give a writable file path") from None
+    if not existed:
+        os.remove(path)
+
+
 def write_text(path: str, text: str, flag: str = "-o") -> None:
     """Write ``text`` to ``path`` ('-' = stdout); an OSError becomes a CLIError naming the flag."""
     if path == "-":

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from ..core import CLIError, int_at_least, register_command, write_text
+from ..core import CLIError, check_writable, int_at_least, is_stdout, register_command, write_text
 
 _ARCH = {
     "gpt": dict(gated_mlp=False, norm="layernorm", bias=True, position="learned", tied_embeddings=True, dropout=True),
@@ -246,11 +247,19 @@ def build_request(args):
 
 
 def _check_outputs(args) -> None:
-    """Standard output carries one document: the JSON, the flags or the SLURM script."""
-    to_stdout = [flag for flag, path in (("--emit-flags", args.emit_flags), ("--emit-slurm", args.emit_slurm))
-                 if path == "-"]
+    """Standard output carries one document: the JSON, the flags or the SLURM script; the two files
+    are different files; each can be written -- all before the search."""
+    outs = [(flag, path) for flag, path in (("--emit-flags", args.emit_flags), ("--emit-slurm", args.emit_slurm))
+            if path]
+    to_stdout = [flag for flag, path in outs if is_stdout(path)]
+    files = [(flag, path) for flag, path in outs if not is_stdout(path)]
+    if len(files) == 2 and os.path.abspath(files[0][1]) == os.path.abspath(files[1][1]):
+        raise CLIError(f"--emit-flags and --emit-slurm both name {files[1][1]}: the script would overwrite the flags; "
+                       "give them different files")
+    for flag, path in files:
+        check_writable(path, flag)
     if args.json and to_stdout:
-        raise CLIError(f"{to_stdout[0]} - with --json: standard output carries the JSON, which holds the best "
+        raise CLIError(f"{to_stdout[0]} {'-' if '-' in (args.emit_flags, args.emit_slurm) else 'to standard output'} with --json: standard output carries the JSON, which holds the best "
                        "plan's flags (plans[0].megatron_flags) and the SLURM script (slurm_script); give a file name (e.g. "
                        f"{to_stdout[0]} best.{'txt' if to_stdout[0] == '--emit-flags' else 'sbatch'}) or drop --json")
     if len(to_stdout) > 1:
@@ -283,7 +292,7 @@ def run(args) -> int:
         write_text(args.emit_slurm, slurm_script(result.best, req), "--emit-slurm")
     if args.json:
         print(json.dumps(result_to_dict(result, bpipe=verdict), indent=2))
-    elif "-" not in (args.emit_flags, args.emit_slurm):
+    elif not any(path and is_stdout(path) for path in (args.emit_flags, args.emit_slurm)):
         print(format_report(result, bpipe=verdict))
     return 0
 
