@@ -235,3 +235,21 @@ def test_plan_output_paths_are_checked_before_the_search(capsys, tmp_path, outpu
     rc, out, err = _cli(capsys, argv)
     assert rc == 2 and want.format(d=tmp_path) in err and len(err.strip().splitlines()) == 1 and not out
     assert not (tmp_path / "x.txt").exists()
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--precision", "fp32"], "--precision fp32: flash"),
+    (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: overlapped pairs hide an MoE"),
+])
+def test_plan_refuses_what_it_would_otherwise_ignore(capsys, extra, want):
+    """fp32 with flash attention (its kernels run bf16/fp16 only) and overlapped MoE pairs on a dense model:
+    one line, exit 2, naming the fix (they were planned, or ignored, without a word)."""
+    rc, _, err = _cli(capsys, ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64",
+                               "--no-baseline"] + extra)
+    assert rc == 2 and want in err and len(err.strip().splitlines()) == 1
+
+
+def test_nothing_fits_says_its_rejections_in_words(capsys):
+    rc, _, err = _cli(capsys, ["plan", "--model", "llama2-70b", "--gpus", "4", "--gpu", "a100",
+                               "--global-batch-size", "64", "--no-baseline", "--time-limit", "30"])
+    assert rc == 2 and "rejected: " in err and "{'" not in err

@@ -117,6 +117,13 @@ class PlanRequest:
                                "(Megatron-LM's names)")
         if self.exchange_sync not in ("megatron", "all", "none"):
             raise PlannerError(f"exchange_sync {self.exchange_sync!r}: one of megatron, all, none")
+        if self.precision == "fp32" and self.model.flash_attention and self.runtime == "gpu":
+            raise PlannerError("--precision fp32: flash (and Transformer Engine's fused) attention runs in bf16/fp16 "
+                               "only; add --no-flash-attention (the unfused attention is planned) or plan --precision "
+                               "bf16")
+        if self.overlap and not self.model.is_moe:
+            raise PlannerError("--overlap-moe-expert-parallel-comm: overlapped pairs hide an MoE model's expert "
+                               "all-to-all, and this model is dense; drop the flag or plan an MoE model (--num-experts)")
         if self.fp8_param_gather and self.precision != "fp8":
             raise PlannerError("--fp8-param-gather needs --precision fp8 (the parameters are TE's FP8 weights); add "
                                "--precision fp8 or drop --fp8-param-gather")

@@ -781,19 +781,20 @@ class Planner:
         min_gpus = max(1, math.ceil(need / self.usable))
         ex = (self.rej.examples("memory") or self.rej.examples("schedule")
               or self.rej.examples("divisibility") or ["-"])[0]
+        counts = ", ".join(f"{n} {cat}" for cat, n in c.most_common())
         if c.get("time limit"):  # not proved that nothing fits: the search ran out of time first
             return (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
                     f"of CPU (at most half of the limit costing candidates, the rest simulating them), before any "
-                    f"configuration of {model.name} was found to fit ({dict(c)} rejected); raise --time-limit "
+                    f"configuration of {model.name} was found to fit (rejected: {counts}); raise --time-limit "
                     "(default 120)")
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
-                    f"Megatron's divisibility rules in the searched ranges ({dict(c)} rejected, e.g. {ex}); "
+                    f"Megatron's divisibility rules in the searched ranges (rejected: {counts}; e.g. {ex}); "
                     "widen or change --tp, --pp, --ep, --etp, --mbs, --cp, or the GPU count")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
-                f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch}: "
-                f"{dict(c)} rejected, e.g. {ex}. Parameters, gradients and optimizer states alone need "
+                f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch} (rejected: {counts}; "
+                f"e.g. {ex}). Parameters, gradients and optimizer states alone need "
                 f"{fmt_bytes(need)} in all (about {min_gpus}+ GPUs before activations): use more GPUs "
                 "(--gpus), GPUs with more memory (--memory), or allow full recomputation/offload")
 
