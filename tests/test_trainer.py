@@ -419,3 +419,16 @@ def test_a_config_naming_two_strategies_is_refused_where_it_is_planned():
     from megatron_pp_ext.trainer.config import TrainConfig, TrainConfigError, make_plan
     with pytest.raises(TrainConfigError, match="--emulate-nccl pairwise contradicts --p2p-strategy channels"):
         make_plan(TrainConfig(emulate_nccl="pairwise", p2p_strategy="channels", progress=False))
+
+
+def test_bpipe_is_not_refused_under_one_hardware_queue():
+    """BPipe sends one message per eviction or fetch and runs under CUDA_DEVICE_MAX_CONNECTIONS=1
+    (tests/runtime/test_bpipe_runtime.py, under the emulated one queue); vocabulary parallelism is
+    still refused with it."""
+    from megatron_pp_ext.runtime.ncclenv import check_nccl_environment
+    from megatron_pp_ext.trainer.features import one_queue_hangs
+    from megatron_pp_ext.features.vocab.config import VocabParallelConfig
+    assert one_queue_hangs((("bpipe", None),)) == []
+    check_nccl_environment(gpu=False, emulating=True, one_queue_hangs=one_queue_hangs((("bpipe", None),)),
+                           env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert [f for f, _ in one_queue_hangs((("vocab_parallel", VocabParallelConfig()),))] == ["--enable-vocab-parallel"]

@@ -20,7 +20,7 @@ from runtime_helpers import GPU_PATH_ENV
 
 @pytest.fixture(scope="module")
 def pool6():
-    p = RetryingPool(6, timeout=240, env=GPU_PATH_ENV)
+    p = RetryingPool(6, timeout=240, env={**GPU_PATH_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     yield p
     p.close()
 

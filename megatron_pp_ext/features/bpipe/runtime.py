@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ...runtime.communicators import warm_up_pairs
 from ...runtime.stepwrap import wrap_in_step
 from .schedule_pass import BPIPE_KINDS, RECV_EVICT, RECV_FETCH, SEND_EVICT, SEND_FETCH
-from .store import PartnerStore
+from .store import PartnerStore, pack
 
 __all__ = ["BPipeRuntime", "BPipeGroups"]
 
@@ -266,7 +266,8 @@ class BPipeRuntime:
                 hdr = torch.zeros(MAX_RECORDS + 1, dtype=torch.int64)
                 hdr[0] = len(views)
                 hdr[1:len(views) + 1] = torch.tensor([v.numel() for v in views], dtype=torch.int64)
-                works = [_isend(hdr, peer, g.header)] + [_isend(v, peer, g.evict) for v in views]
+                flat = pack(views)         # one message per transfer (store.layout says why)
+                works = [_isend(hdr, peer, g.header)] + ([_isend(flat, peer, g.evict)] if flat is not None else [])
                 self._sends.append((key, works, views, before))
                 pending.extend(works)
             elif op.kind == RECV_EVICT:

@@ -20,7 +20,7 @@ import torch
 
 from ..offload.store import ALIGN, ActivationStore, DiscardedActivationError
 
-__all__ = ["PartnerStore", "MissingFetchError"]
+__all__ = ["PartnerStore", "MissingFetchError", "layout", "pack"]
 
 
 def _shared(full: torch.Tensor) -> bool:
@@ -30,6 +30,33 @@ def _shared(full: torch.Tensor) -> bool:
         return False
     st = full.untyped_storage()
     return count(st._cdata) > 2      # ``full`` and ``st`` itself
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of a group's storages lies in the one message of its transfer (offsets
+    aligned to ``ALIGN`` bytes, so a storage received there is read in place), and its bytes.
+    One message per eviction or fetch: several on one communicator would queue behind each
+    other, and under one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) a message queued
+    behind one the partner has not received yet holds every later kernel of its rank."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-int(n) // ALIGN) * ALIGN
+    return offsets, at
+
+
+def pack(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one message of an eviction: the byte views at their :func:`layout` offsets (None
+    when there is nothing to send)."""
+    if not views:
+        return None
+    offsets, total = layout([int(v.numel()) for v in views])
+    if len(views) == 1 and total == views[0].numel():
+        return views[0]
+    flat = torch.empty(total, dtype=torch.uint8, device=views[0].device)
+    for v, off in zip(views, offsets):
+        flat[off:off + v.numel()].copy_(v)
+    return flat
 
 
 class MissingFetchError(DiscardedActivationError):
@@ -49,7 +76,8 @@ class PartnerStore(ActivationStore):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.wait_fetch: Callable[[Hashable], None] | None = None
-        self._held: dict[Hashable, list[torch.Tensor]] = {}
+        self._held: dict[Hashable, list[torch.Tensor]] = {}     # key -> [the one message held]
+        self._held_bytes: dict[Hashable, int] = {}               # key -> the partner's bytes in it
         self._sent: set[int] = set()                       # records whose eviction is under way
         self._incoming: dict[int, torch.Tensor] = {}       # record -> its fetch buffer
         self.evicted_bytes = 0
@@ -99,18 +127,17 @@ class PartnerStore(ActivationStore):
         g = self._groups.get(key)
         if g is None:
             return []
-        out = []
-        for rec in g.records.values():
-            if rec.state not in ("remote", "evicting"):
-                continue
-            lo = rec.lo // ALIGN * ALIGN
-            n = rec.hi - lo
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._track(buf, n, key)
-            self._incoming[id(rec)] = buf
+        recs = [rec for rec in g.records.values() if rec.state in ("remote", "evicting")]
+        if not recs:
+            return []
+        sizes = [rec.hi - rec.lo // ALIGN * ALIGN for rec in recs]
+        offsets, total = layout(sizes)
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)   # one message (see layout)
+        for rec, n, off in zip(recs, sizes, offsets):
+            self._track(flat, n, key)
+            self._incoming[id(rec)] = (flat, off, n)
             rec.state = "fetching"
-            out.append(buf)
-        return out
+        return [flat]
 
     def fetch_end(self, key: Hashable) -> int:
         """The fetch of group ``key`` has arrived: its buffers become the saved storages."""
@@ -119,40 +146,45 @@ class PartnerStore(ActivationStore):
         if g is None:
             return 0
         for rec in g.records.values():
-            buf = self._incoming.pop(id(rec), None)
-            if buf is None or rec.state != "fetching":
+            got = self._incoming.pop(id(rec), None)
+            if got is None or rec.state != "fetching":
                 continue
-            rec.full = buf
-            rec.base = rec.lo // ALIGN * ALIGN
+            flat, off, n = got
+            rec.full = flat                         # read in place: byte lo of the storage at off
+            rec.base = rec.lo // ALIGN * ALIGN - off
             rec.state = "device"
             rec.synced = True
-            moved += int(buf.numel())
+            moved += n
         self.fetched_bytes += moved
         return moved
 
     # -- the holding side ----------------------------------------------------------------------
     def hold(self, key: Hashable, sizes: list[int]) -> list[torch.Tensor]:
         """Buffers for the partner's group ``key`` (tracked as device bytes of this rank)."""
-        bufs = []
+        if not sizes:
+            self._held[key] = []
+            return []
+        offsets, total = layout(sizes)
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)   # one message (see layout)
         for n in sizes:
-            buf = torch.empty(int(n), dtype=torch.uint8, device=self.device)
-            self._track(buf, int(n), ("partner", key))
-            bufs.append(buf)
-        self._held[key] = bufs
-        return bufs
+            self._track(flat, int(n), ("partner", key))
+        self._held[key] = [flat]
+        self._held_bytes[key] = sum(int(n) for n in sizes)
+        return [flat]
 
     def held(self, key: Hashable) -> list[torch.Tensor]:
         return self._held[key]
 
     def release_held(self, key: Hashable) -> None:
         self._held.pop(key, None)
+        self._held_bytes.pop(key, None)
 
     @property
     def held_keys(self) -> list:
         return list(self._held)
 
     def partner_bytes(self) -> int:
-        return sum(int(b.numel()) for bufs in self._held.values() for b in bufs)
+        return sum(self._held_bytes.values())
 
     # -- reading ---------------------------------------------------------------------------------
     def _materialize(self, p):

@@ -23,10 +23,8 @@ __all__ = ["BPipeTrainFeature"]
 @dataclass(frozen=True)
 class BPipeTrainFeature:
     name: str = "bpipe"
-    #: shown by the emulation of NCCL's rules (tests/runtime/test_bpipe_runtime.py at pp 4 and 6)
-    one_queue_hang: str = ("its evictions and fetches go one tensor at a time over one communicator per pair: a "
-                           "transfer queued behind one the partner has not received yet holds every later kernel of "
-                           "its rank, while the partner waits for that rank's activations")
+    # (no ``one_queue_hang``: one message per eviction or fetch runs under CUDA_DEVICE_MAX_CONNECTIONS=1,
+    # tests/runtime/test_bpipe_runtime.py under the emulated one hardware queue)
 
     def add_arguments(self, parser) -> None:
         add_bpipe_arguments(parser)
