@@ -542,4 +542,6 @@ def test_plan_answers_within_its_time_limit(capsys, argv):
     # a plan, or one line saying the limit stopped it: 1 s of search and the baseline's tenth,
     # plus the set-up and one candidate's costing past the check
     assert spent < 1.1 + 2, spent
-    assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1 and "--time-limit 1" in err), err
+    # (or, where the parameters alone overflow every GPU, the one line that says so without searching)
+    assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1
+                       and ("--time-limit 1" in err or "optimizer states alone need" in err)), err

@@ -66,10 +66,8 @@ def test_closed_form_matches_the_simulated_iteration(cache):
 
 def test_bpipe_balances_1f1b_memory_to_half(cache):
     """Rank x and p-1-x share their in-flight activations: rank 0 keeps ceil((p+1)/2) units."""
-    # (one_queue_rule=False: the BPipe papers' tp 8 on A100s, where Megatron-LM demands one hardware queue)
     req = PlanRequest(get_model("gpt3-175b").with_(flash_attention=False), make_cluster("a100", 64), 512,
-                      recompute=("none",), schedules=("1f1b",), features=(), tp=(8,), pp=(8,), mbs=(1,),
-                      one_queue_rule=False)
+                      recompute=("none",), schedules=("1f1b",), features=(), tp=(8,), pp=(8,), mbs=(1,))
     res = plan(req.with_(features=("bpipe",), require_features=("bpipe",), top=1), cache=cache)
     est = res.best
     _, _, new = BPipeEstimator().transfer(req, est.candidate, est)

@@ -199,20 +199,21 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
             assert rc == 2 and want in err and len(err.strip().splitlines()) == 1
 
 
-def test_vocab_parallelism_and_bpipe_are_not_planned_where_megatron_lm_demands_one_hardware_queue():
+def test_vocab_parallelism_is_not_planned_where_megatron_lm_demands_one_hardware_queue():
     """Megatron-LM demands CUDA_DEVICE_MAX_CONNECTIONS=1 at tp or cp > 1 before Blackwell, under which
-    vocabulary parallelism and BPipe hang (and are refused at start-up): the planner does not offer them
-    there, and its SLURM script exports one queue exactly where Megatron-LM demands it."""
+    vocabulary parallelism hangs (and is refused at start-up): the planner does not offer it there; BPipe,
+    which runs under one queue, it does; its SLURM script exports one queue exactly where Megatron-LM
+    demands it."""
     from megatron_pp_ext.planner import plan
     from megatron_pp_ext.planner.emit import slurm_script
-    for gpu, tp, allowed in (("h100", 2, False), ("h100", 1, True), ("b200", 2, True)):
+    for gpu, tp, vocab in (("h100", 2, False), ("h100", 1, True), ("b200", 2, True)):
         kw = dict(tp=(tp,), pp=(4,), mbs=(1,), recompute=("none",), schedules=("1f1b",),
                   features=("vocab-parallel", "bpipe"), top=5)
         res = plan(PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, **kw), cache=SimCache(disk=False),
                    baseline=False)
         script = slurm_script(res.best, res.request)
         assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in script) == (gpu == "h100" and tp > 1)
-        for feature in ("vocab-parallel", "bpipe"):
+        for feature, allowed in (("vocab-parallel", vocab), ("bpipe", True)):
             req = PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, require_features=(feature,), **kw)
             if allowed:
                 best = plan(req, cache=SimCache(disk=False), baseline=False).best
@@ -250,6 +251,19 @@ def test_plan_refuses_what_it_would_otherwise_ignore(capsys, extra, want):
 
 
 def test_nothing_fits_says_its_rejections_in_words(capsys):
-    rc, _, err = _cli(capsys, ["plan", "--model", "llama2-70b", "--gpus", "4", "--gpu", "a100",
-                               "--global-batch-size", "64", "--no-baseline", "--time-limit", "30"])
+    rc, _, err = _cli(capsys, ["plan", "--model", "llama2-70b", "--gpus", "8", "--gpu", "a100",
+                               "--global-batch-size", "64", "--no-baseline", "--time-limit", "30", "--tp", "8",
+                               "--pp", "1", "--recompute", "none", "--features", "none"])
     assert rc == 2 and "rejected: " in err and "{'" not in err
+
+
+def test_a_model_whose_states_alone_overflow_the_cluster_is_refused_before_the_search(capsys):
+    """Not "raise --time-limit" when no layout can fit at any limit: parameters, gradients and optimizer
+    states spread over every GPU are over the cluster's memory, an O(1) check, one line, exit 2."""
+    import time
+    t0 = time.process_time()
+    rc, _, err = _cli(capsys, ["plan", "--layers", "100000", "--hidden", "4096", "--heads", "32", "--arch", "llama",
+                               "--gpus", "8", "--global-batch-size", "64", "--time-limit", "10", "--no-baseline",
+                               "--no-cache"])
+    assert rc == 2 and "can fit 8 x h100" in err and "--time-limit" not in err and "--gpus" in err
+    assert time.process_time() - t0 < 5

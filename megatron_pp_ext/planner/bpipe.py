@@ -91,7 +91,6 @@ def bpipe_estimate(req: PlanRequest, *, tp: int | None = None, pp: int | None = 
     buys); ``req.recompute`` limits the recomputation modes, e.g. ("none", "full") for the
     BPipe papers' setups. ``threshold``: the relative gain below which it "does not pay"."""
     cache = cache if cache is not None else SimCache()
-    req = req.with_(one_queue_rule=False)   # (the question is BPipe itself; the explanation says where it runs)
     common = dict(schedules=("1f1b",), top=1)
     if tp is None or pp is None:
         free = plan(req.with_(features=(), require_features=(), **common), cache=cache).best.candidate
@@ -116,11 +115,6 @@ def bpipe_estimate(req: PlanRequest, *, tp: int | None = None, pp: int | None = 
     curve = mfu_curve(req, tp)
     v = BPipeVerdict(gain is not None and gain > threshold, gain, base, bp, off, off_gain, cf, curve)
     v.explanation = _explain(req, v)
-    from .features import one_queue_layout
-    if one_queue_layout(req.with_(one_queue_rule=True), v.baseline.candidate):
-        v.explanation.insert(1, f"Megatron-LM demands one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) at tp={tp} on "
-                                f"the {req.cluster.gpu.name}, under which BPipe's transfers hang: mppx plan does not "
-                                "offer BPipe at this layout, and this estimate is of BPipe itself (docs/bpipe.md).")
     return v
 
 

@@ -47,10 +47,6 @@ class PlanRequest:
     #: --tp-comm-overlap: Transformer Engine's userbuffers hide the tensor-parallel all-gathers and
     #: reduce-scatters behind the GEMMs (Efficiency.tp_comm_overlap of them)
     tp_comm_overlap: bool = False
-    #: leave out the features that hang under the one hardware queue Megatron-LM demands at tp or
-    #: cp > 1 before Blackwell (planner/features.py one_queue_layout); False: estimate them anyway
-    #: (the BPipe estimator's question is BPipe itself)
-    one_queue_rule: bool = True
     #: whose exchanges synchronise the device (planner/search.py ``Planner.exchange_sync``):
     #: "megatron" (Megatron-Core's 1F1B), "all", "none"
     exchange_sync: str = "megatron"

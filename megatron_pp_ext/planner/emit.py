@@ -269,7 +269,7 @@ def _bash_array(name: str, flags: list[str]) -> str:
 def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
     compat.megatron_lm_requires_one_queue); elsewhere the default queues, which vocabulary
-    parallelism and BPipe need (the planner plans them only there)."""
+    parallelism needs (the planner plans it only there)."""
     from ..compat import megatron_lm_requires_one_queue
     c = est.candidate
     if megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell, ep_overlap=c.overlap):
@@ -277,7 +277,7 @@ def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
                 "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell).",
                 "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
     return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-LM does not require one queue for this",
-            "# layout, and vocabulary parallelism and BPipe need more than one."]
+            "# layout, and vocabulary parallelism needs more than one."]
 
 
 def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None, time_limit: str = "04:00:00",

@@ -33,10 +33,10 @@ from .timing import embedding_times, output_times
 
 def one_queue_layout(req: PlanRequest, cand: Candidate) -> bool:
     """Whether Megatron-LM runs ``cand`` with one hardware queue per GPU (compat's rule: tp or cp > 1
-    before Blackwell): the features whose pre-posted collectives hang under it (vocabulary
-    parallelism, BPipe; runtime/ncclenv.py refuses them there) are not planned for it."""
+    before Blackwell): vocabulary parallelism, whose side-channel collectives hang under it (the
+    integration refuses it there), is not planned for it."""
     from ..compat import megatron_lm_requires_one_queue
-    return req.one_queue_rule and req.runtime == "gpu" and megatron_lm_requires_one_queue(
+    return req.runtime == "gpu" and megatron_lm_requires_one_queue(
         tp=cand.tp, cp=cand.cp, blackwell=req.cluster.gpu.blackwell, ep_overlap=cand.overlap)
 
 
@@ -280,7 +280,7 @@ class BPipeEstimator(BaseFeature):
     schedules = ("1f1b",)
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.schedule not in self.schedules or cand.vp != 1 or cand.pp < 4 or one_queue_layout(req, cand):
+        if cand.schedule not in self.schedules or cand.vp != 1 or cand.pp < 4:
             return ()
         return ("on",)
 

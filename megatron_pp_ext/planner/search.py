@@ -643,8 +643,23 @@ class Planner:
         return est
 
     # -- the search ---------------------------------------------------------------------------
+    def static_floor(self) -> tuple[float, int]:
+        """(bytes of parameters, gradients and optimizer states of the whole model, spread as thinly
+        as any layout could: the distributed optimizer over every GPU; the GPUs that needs at least)."""
+        req = self.req
+        n_params = model_num_params(req.model)
+        grads = 4 if req.grad_reduce_in_fp32 else 2
+        need = n_params * (2 + grads + 12 / max(1, self.N)) if req.distributed_optimizer else n_params * (14 + grads)
+        return need, max(1, math.ceil(need / self.usable))
+
     def run(self) -> PlanResult:
         req = self.req
+        need, min_gpus = self.static_floor()
+        if need > self.N * self.usable:   # no layout, at any --time-limit (O(1), before the search)
+            raise NothingFits(f"no configuration of {req.model.name} can fit {self.N} x {req.cluster.gpu.name} "
+                              f"({fmt_bytes(self.usable)} usable each): parameters, gradients and optimizer states "
+                              f"alone need {fmt_bytes(need)} in all, {fmt_bytes(need / self.N)} per GPU at best; use "
+                              f"about {min_gpus}+ GPUs (--gpus) or GPUs with more memory (--memory)")
         t0 = time.process_time()
         heap: list = []
         seq = itertools.count()
@@ -776,9 +791,7 @@ class Planner:
     def _nothing_fits(self) -> str:
         req, model = self.req, self.req.model
         c = self.rej.counts
-        n_params = model_num_params(model)
-        need = n_params * (6 + 12 / max(1, self.N)) if req.distributed_optimizer else n_params * 18
-        min_gpus = max(1, math.ceil(need / self.usable))
+        need, min_gpus = self.static_floor()
         ex = (self.rej.examples("memory") or self.rej.examples("schedule")
               or self.rej.examples("divisibility") or ["-"])[0]
         counts = ", ".join(f"{n} {cat}" for cat, n in c.most_common())
