@@ -545,3 +545,10 @@ def test_plan_answers_within_its_time_limit(capsys, argv):
     # (or, where the parameters alone overflow every GPU, the one line that says so without searching)
     assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1
                        and ("--time-limit 1" in err or "optimizer states alone need" in err)), err
+
+
+def test_overlapped_pairs_with_a_zero_all_to_all_time_say_so(capsys):
+    """--a2a-time 0 was given: the message says there is nothing to hide, not that the time is missing."""
+    line = one_line_error(capsys, "simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "16",
+                          "--overlap-moe-expert-parallel-comm", "--a2a-time", "0")
+    assert "--a2a-time 0: there is no all-to-all time to hide" in line

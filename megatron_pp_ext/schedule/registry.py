@@ -124,6 +124,9 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
     cost = request.cost_model(pp * v, v)
     if a2a_time is not None:
         cost = cost.with_a2a(a2a_time, v)
+        if overlap and not cost.a2a:
+            raise ScheduleError("--overlap-moe-expert-parallel-comm with --a2a-time 0: there is no all-to-all time "
+                                "to hide; give the measured time (--a2a-time T > 0) or drop the flag")
     cost.check_scale(microbatches, "--costs")
     with _cyclic_gc_paused():
         if budget is not None and cost.holds_extra:
