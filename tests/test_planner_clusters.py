@@ -267,3 +267,10 @@ def test_a_model_whose_states_alone_overflow_the_cluster_is_refused_before_the_s
                                "--no-cache"])
     assert rc == 2 and "can fit 8 x h100" in err and "--time-limit" not in err and "--gpus" in err
     assert time.process_time() - t0 < 5
+
+
+def test_a_gemm_point_with_both_sizes_is_refused():
+    from megatron_pp_ext.planner.timing import Efficiency
+    with pytest.raises(PlannerError, match="not both"):
+        calibration_from_dict({"gemm_points": [{"x": 1e6, "tokens": 10, "hidden_per_tp": 10, "efficiency": 0.5}]},
+                              Efficiency())

@@ -776,6 +776,9 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
     for p in _entries(doc, "gemm_points", path):
         e = _num(p, "efficiency", path)
         _known(p, _GEMM_KEYS, path)
+        if "x" in p and ("tokens" in p or "hidden_per_tp" in p):
+            raise PlannerError(f"--calibration {path}: gemm point {p}: give x, or tokens and hidden_per_tp, not both "
+                               "(one of them would be ignored)")
         x = _num(p, "x", path) if "x" in p else _num(p, "tokens", path) * _num(p, "hidden_per_tp", path)
         if not (math.isfinite(x) and x > 0) or not 0 < e <= 1:
             raise PlannerError(f"--calibration {path}: gemm point {p}: need x (or tokens x hidden_per_tp) > 0 and "
