@@ -274,3 +274,26 @@ def test_a_gemm_point_with_both_sizes_is_refused():
     with pytest.raises(PlannerError, match="not both"):
         calibration_from_dict({"gemm_points": [{"x": 1e6, "tokens": 10, "hidden_per_tp": 10, "efficiency": 0.5}]},
                               Efficiency())
+
+
+def test_the_gpu_preset_table_in_the_docs_is_the_presets():
+    """docs/planner.md#gpu-presets quotes GPU_PRESETS: memory, bf16/fp8/fp4 peaks, HBM, the two NVLink rates,
+    the NVLink domain and the network, row by row."""
+    from pathlib import Path
+    from megatron_pp_ext.planner import GPU_PRESETS
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    section = doc.split("### GPU presets", 1)[1].split("\n###", 1)[0]
+    table = "\n".join(ln for ln in section.splitlines() if ln.startswith("|"))
+    rows = {ln.split("|")[1].strip().split()[0].strip("`"): [c.strip() for c in ln.strip().strip("|").split("|")]
+            for ln in table.splitlines() if ln.startswith("| `")}
+    assert set(rows) == set(GPU_PRESETS)
+
+    def num(x):
+        return None if x == "-" else float(x)
+    for name, g in GPU_PRESETS.items():
+        _, mem, peaks, hbm, links, domain, net = rows[name]
+        assert num(mem) == g.memory_gib and [num(p) for p in peaks.split(" / ")] == [g.peak_tflops, g.fp8_tflops,
+                                                                                      g.fp4_tflops]
+        assert num(hbm) == g.hbm_gbps / 1000 and [num(x) for x in links.split(" / ")] == [g.nvlink_gbps,
+                                                                                           g.nvlink_p2p_gbps]
+        assert domain == ("node" if not g.nvlink_domain else f"{g.nvlink_domain} GPUs") and num(net) == g.net_gbps
