@@ -14,12 +14,13 @@ def pinned():
     return {(x.recipe.release, x.recipe.model): x for x in recipes.evaluate(search=False)}
 
 
-def test_dense_recipes_within_ten_percent_and_the_shown_rows_too(pinned):
-    """The dense rows (two fitted the H100 FP8 curve, three only show it) within the goal."""
+def test_dense_recipes_within_five_percent_and_the_shown_rows_too(pinned):
+    """The dense rows (two fitted the H100 FP8 curve, three only show it) within 5%, what README and
+    docs/planner.md say (the goal is 10%)."""
     dense = [x for x in pinned.values() if x.recipe.ep == 1]
     assert len(dense) == 5 and sum(bool(x.recipe.fitted) for x in dense) == 2
     for x in dense:
-        assert abs(x.err) <= recipes.GOAL, (x.recipe.label, x.err)
+        assert abs(x.err) <= 0.05, (x.recipe.label, x.err)
 
 
 def test_recipes_that_ran_as_published_plan_within_memory(pinned):
