@@ -633,6 +633,19 @@ def _megatron_lm_path() -> str | None:
     return None
 
 
+def megatron_lm_or_skip() -> str:
+    """The Megatron-LM tree whose parser and validate_args the emitted flags go through, or a skip
+    saying what is missing."""
+    import importlib.util
+    mlm = _megatron_lm_path()
+    if mlm is None:
+        pytest.skip("needs Megatron-LM's megatron/training (MEGATRON_LM_DIR=checkout, or megatron-core 0.19+)")
+    missing = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's Python requirements are missing ({', '.join(missing)})")
+    return mlm
+
+
 _VALIDATE = r"""
 import argparse, json, sys
 import megatron_pp_ext.megatron_lm as m
@@ -673,15 +686,9 @@ def test_emitted_flags_pass_megatron_lm_validation(tmp_path):
     megatron.training) and its Python requirements."""
     from test_planner_published import published_flag_cases
 
-    import importlib.util
     import os
 
-    mlm = _megatron_lm_path()
-    if mlm is None:
-        pytest.skip("needs Megatron-LM's megatron/training (MEGATRON_LM_DIR=checkout, or megatron-core 0.19+)")
-    missing = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"Megatron-LM's Python requirements are missing ({', '.join(missing)})")
+    mlm = megatron_lm_or_skip()
     cases = []
     for req, e in _emitted_moe_plans():
         c = e.candidate

@@ -11,16 +11,11 @@ from megatron_pp_ext.planner.candidates import Candidate
 from megatron_pp_ext.planner.emit import megatron_flags
 from megatron_pp_ext.planner.search import Planner
 
+from test_bad_input import one_line_error
+
 FAST = ["--time-limit", "10", "--no-cache", "--no-baseline"]
 
 
-def one_line_error(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    assert rc == 2, (argv, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mppx: error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def _costs(model, cp: int, gpus: int = 64):
@@ -160,19 +155,13 @@ def test_cp_and_vp_flags_pass_megatron_lm_validation(tmp_path):
     """The flags of a cp=2 plan and of a --vp 5 plan through Megatron-LM's own parser and
     validate_args (as tests/test_planner.py does for the MoE and published layouts): it derives
     the context-parallel size, dp = GPUs / (tp*cp*pp) and the 5 virtual stages from them."""
-    import importlib.util
     import os
     import subprocess
     import sys
 
-    from test_planner import _VALIDATE, _megatron_lm_path
+    from test_planner import _VALIDATE, megatron_lm_or_skip
 
-    mlm = _megatron_lm_path()
-    if mlm is None:
-        pytest.skip("needs Megatron-LM's megatron/training (MEGATRON_LM_DIR=checkout, or megatron-core 0.19+)")
-    missing = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"Megatron-LM's Python requirements are missing ({', '.join(missing)})")
+    mlm = megatron_lm_or_skip()
     cases = []
     for sched, cp, vp, tp, pp, gb in (("interleaved-1f1b", 2, None, 8, 4, 64), ("1f1b", 2, None, 8, 4, 64),
                                       ("interleaved-1f1b", 1, 5, 4, 8, 256), ("interleaved-1f1b", 4, 2, 4, 2, 64)):
