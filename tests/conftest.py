@@ -6,7 +6,7 @@ The parity matrices marked ``@pytest.mark.pairwise`` (schedule x layout x model 
 feature row, run against pp=1) run their *pairwise* subset by default: every pair of values of two
 of their parameters at least once (every schedule on every layout and with every row, each with
 both model variants somewhere), not every triple; ``MPPX_TEST_COVERING=full`` runs the whole cross
-product (by hand). Why: CI's time budget; the subset keeps 133 of the 236 cases of those three
+product (by hand). Why: CI's time budget; the subset keeps 160 of the 280 cases of those four
 matrices, and the cases it leaves out test only interactions of three parameters or more
 (docs/tests.md#the-pairwise-matrices).
 
@@ -16,13 +16,16 @@ least once (greedy: a case is kept when it brings a value not seen yet) -- inste
 cross product. The first venv runs every case; the second one is there to catch what another
 megatron-core release does differently, which shows on any case that takes the changed path, so
 each schedule, layout, precision and feature row still runs there once. The cases left out are
-reported by pytest as "deselected" in the summary line, never skipped silently.
+reported by pytest as "deselected" in the summary line (under pytest-xdist, in a line of their
+own at the end), never skipped silently.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
+
+import pytest
 
 
 def covering_subset(items: list) -> tuple[list, list]:
@@ -92,6 +95,27 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=dropped)
         gone = set(map(id, dropped))
         items[:] = [i for i in items if id(i) not in gone]
+    if hasattr(config, "workeroutput"):   # a pytest-xdist worker: tell the controller (below)
+        config.workeroutput["mppx_deselected"] = len(dropped)
+
+
+# Under pytest-xdist (-n N) the workers collect and deselect; the controller's summary line has no
+# "deselected" then, so the count the workers report is printed at the end of the run.
+_WORKER_DESELECTED: list = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    n = getattr(node, "workeroutput", {}).get("mppx_deselected")
+    if n is not None:
+        _WORKER_DESELECTED.append(n)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _WORKER_DESELECTED:   # (every worker collects every test: the same count)
+        mode = os.environ.get("MPPX_TEST_COVERING", "").strip() or "pairwise"
+        terminalreporter.write_line(f"{max(_WORKER_DESELECTED)} deselected by the workers ({mode} subsets: "
+                                    "docs/tests.md#the-pairwise-matrices)")
 
 
 def pytest_sessionstart(session):

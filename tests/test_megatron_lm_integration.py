@@ -102,7 +102,7 @@ def _needs_checkout():
 
 
 pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(1800)]   # (the first test sets up the launches of several: LAUNCH_TIMEOUT each)
 
 COMMON = """--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16
   --micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant
@@ -153,17 +153,21 @@ def launch(cmd: list, cwd: Path, timeout: float, *, what: str, env: dict | None 
     return p.returncode, out
 
 
-#: seconds one launch of a few runs may take (each is well under a minute on a quiet 2-core machine)
-LAUNCH_TIMEOUT = float(os.environ.get("MPPX_LAUNCH_TIMEOUT", "420"))
+#: seconds a launch may take per run, and for its start-up and exit (a run takes 2-20 s on a quiet
+#: 2-core machine, the start-up and exit of a 4-rank launch about 12 s)
+RUN_TIMEOUT = float(os.environ.get("MPPX_LAUNCH_TIMEOUT", "60"))
+START_TIMEOUT = 120.0
 
 
 def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]], common: list[str] = COMMON) -> dict:
+    names = [n for n, _ in runs]
+    assert len(set(names)) == len(names), f"{name}: two runs of one name"
     spec = {"script": str(SCRIPT), "common": common, "out": str(tmp / f"{name}.json"),
             "runs": [{"name": n, "args": a} for n, a in runs]}
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_port()), "-m", "megatron_pp_ext.megatron_lm.multirun", str(tmp / f"{name}.spec.json")]
-    rc, out = launch(cmd, tmp, LAUNCH_TIMEOUT, what=name)
+    rc, out = launch(cmd, tmp, START_TIMEOUT + RUN_TIMEOUT * len(runs), what=name)
     (tmp / f"{name}.log").write_text(out)
     assert rc == 0, f"{name} launch failed:\n{_tail(out)}"
     out = json.loads((tmp / f"{name}.json").read_text())
@@ -178,14 +182,16 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("megatron_lm")
 
 
-# Four-rank launches, each a few configurations (a launch's start-up is seconds; each launch has
-# its own time limit, so a slow or hung run fails its own tests, not every test of the module).
+# The runs, grouped by what they test (the fixtures below), start in few launches: one launch's
+# start-up and exit cost about 12 s of a 2-core machine, more than most runs. The 4-rank runs share
+# two launches (the dense model; the launch scripts' flag set and the MoE pairs), the 2-rank and
+# 1-rank references one each. A launch has a time limit per run (MPPX_LAUNCH_TIMEOUT) and names the
+# run going on when it is reached; a run that fails ends its launch (the ranks may be out of step).
 
-@pytest.fixture(scope="module")
-def sched4(work) -> dict:
+def _sched4() -> list:
     """Our schedules at pp=4 through Megatron-LM's loop (loop, interleaved and V placements, the
     Megatron-LM spelling of V-Half, bf16) and Megatron-Core's own 1F1B."""
-    return multirun(work, "sched4", 4, [
+    return [
         ("mcore-1f1b", UNTIE + PP4),
         ("zb-h1", UNTIE + PP4 + ["--pipeline-schedule", "zb-h1"]),
         ("interleaved-zb", UNTIE + PP4 + ["--pipeline-schedule", "interleaved-zb",
@@ -200,64 +206,93 @@ def sched4(work) -> dict:
         # in tests/runtime/test_runtime_model.py, and the flags through validate_args in test_planner_published.)
         ("mcore-interleaved-layout", UNTIE + PP4 + ["--num-layers", "6", "--pipeline-model-parallel-layout",
                                                     "E|t*1|t*1|t*1|t*1|t*1|t*1|L"]),
-    ])
+    ]
 
 
-@pytest.fixture(scope="module")
-def layout4(work) -> dict:
+def _layout4() -> list:
     """tp=2 x pp=2 (GPT and LLaMA shapes) and tied embeddings under the V placement."""
-    return multirun(work, "layout4", 4, [
+    return [
         ("zbv-tp2", UNTIE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                              "--pipeline-schedule", "zbv"]),
         ("llama-zbv-tp2", LLAMA + TP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
         ("zbv-tied", PP4 + ["--pipeline-schedule", "zbv"]),
         ("mcore-1f1b-tied", PP4),
-    ])
+    ]
 
 
-@pytest.fixture(scope="module")
-def feat4(work) -> dict:
+def _feat4() -> list:
     """Activation offload, BPipe and vocabulary parallelism at pp=4."""
-    return multirun(work, "feat4", 4, [
+    return [
         ("1f1b-offload", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--activation-offload", "full"]),
         ("1f1b-bpipe", UNTIE + PP4 + ["--pipeline-schedule", "1f1b", "--bpipe"]),
         ("zbv-vocab", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
-    ])
+    ]
 
 
-@pytest.fixture(scope="module")
-def ckpt4(work) -> dict:
+def _ckpt4(work: Path) -> list:
     """A checkpoint saved under zbv after 2 iterations, resumed under zbv and Megatron-Core's 1F1B."""
     ck = str(work / "ckpt_zbv")
-    return multirun(work, "ckpt4", 4, [
+    return [
         ("zbv-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--save", ck, "--save-interval", "2",
                                     "--exit-interval", "2"]),
         ("zbv-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--load", ck]),
         ("mcore-load", UNTIE + PP4 + ["--load", ck]),
-    ])
+    ]
 
 
-@pytest.fixture(scope="module")
-def vocab_ckpt4(work) -> dict:
+def _vocab_ckpt4(work: Path) -> list:
     """The same with vocabulary parallelism (its shards in the checkpoint)."""
     ck = str(work / "ckpt_zbv-vocab")
-    return multirun(work, "vocab_ckpt4", 4, [
+    return [
         ("zbv-vocab-save", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--save", ck,
                                           "--save-interval", "2", "--exit-interval", "2"]),
         ("zbv-vocab-load", UNTIE + PP4 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel", "--load", ck]),
-    ])
+    ]
 
 
 @pytest.fixture(scope="module")
-def world4(sched4, layout4) -> dict:
-    """Every run of the schedule and layout launches, by name."""
-    return {**sched4, **layout4}
+def dense4(work) -> dict:
+    """The 4-rank runs of the dense model, in one launch, by name (the checkpoints are saved before
+    they are loaded: runs go in order)."""
+    return multirun(work, "dense4", 4, _sched4() + _layout4() + _feat4() + _ckpt4(work) + _vocab_ckpt4(work))
+
+
+@pytest.fixture(scope="module")
+def sched4(dense4) -> dict:
+    return dense4
+
+
+@pytest.fixture(scope="module")
+def layout4(dense4) -> dict:
+    return dense4
+
+
+@pytest.fixture(scope="module")
+def feat4(dense4) -> dict:
+    return dense4
+
+
+@pytest.fixture(scope="module")
+def ckpt4(dense4) -> dict:
+    return dense4
+
+
+@pytest.fixture(scope="module")
+def vocab_ckpt4(dense4) -> dict:
+    return dense4
+
+
+@pytest.fixture(scope="module")
+def world4(dense4) -> dict:
+    """Every run of the schedule and layout groups, by name."""
+    return dense4
 
 
 @pytest.fixture(scope="module")
 def world1(work, ckpt4) -> dict:
-    """Plain Megatron-LM at pp=1 (the references, the tiny-moe preset's too), and the V checkpoint
-    resumed at pp=1."""
+    """One rank, one launch: plain Megatron-LM at pp=1 (the references, the tiny-moe preset's and
+    the launch scripts' flag set's too), and the V checkpoint resumed at pp=1 (after ``ckpt4``).
+    (pp1 first: test_patched_pretrain_gpt_runs_zbv_without_launcher reads its log.)"""
     return multirun(work, "world1", 1, [
         ("pp1", UNTIE),
         ("pp1-tied", []),
@@ -265,16 +300,20 @@ def world1(work, ckpt4) -> dict:
         ("pp1-load", UNTIE + ["--load", str(work / "ckpt_zbv")]),
         ("pp1-6-layers", UNTIE + ["--num-layers", "6"]),
         ("moe-pp1", _tiny_moe() + ["--pipeline-model-parallel-size", "1"]),   # (tests of the MoE rows)
+        ("user-pp1", UNTIE + SCRIPTS),                                          # (scripts_ref)
     ])
 
 
 @pytest.fixture(scope="module")
 def world2(work) -> dict:
-    """Plain Megatron-LM at pp=1 and tp=2: the references of the tp=2 runs."""
+    """Two ranks, one launch: plain Megatron-LM at pp=1 and tp=2 (the references of the tp=2 runs,
+    with the launch scripts' flag set too), and the tiny-moe preset at pp=2 (``moe2``)."""
     return multirun(work, "world2", 2, [
         ("pp1-tp2", UNTIE + TP2),
         ("pp1-llama-tp2", LLAMA + TP2),
-    ])
+        ("user-pp1-tp2", UNTIE + SCRIPTS + SP + TP2),
+        ("user-pp1-llama-tp2", LLAMA + SCRIPTS + SP + TP2),
+    ] + _moe2())
 
 
 #: what scripts/common.sh launches (bf16, distributed optimizer, clipping; sequence parallelism at
@@ -285,12 +324,11 @@ SP = ["--sequence-parallel"]
 PP2TP2 = ["--pipeline-model-parallel-size", "2"] + TP2
 
 
-@pytest.fixture(scope="module")
-def scripts4(work) -> dict:
+def _scripts4() -> list:
     """The launch scripts' flag set on 4 ranks: tp=2 x pp=2 with sequence parallelism (zbv, v-half,
     interleaved-zb, 1f1b with activation offload), and vocabulary parallelism at pp=4 (tp=1) and at
     pp=2 x tp=2 with sequence parallelism (LLaMA)."""
-    return multirun(work, "scripts4", 4, [
+    return [
         ("user-zbv", UNTIE + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "zbv"]),
         ("user-v-half", UNTIE + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "v-half"]),
         ("user-interleaved-zb", UNTIE + SCRIPTS + SP + PP2TP2 + ["--pipeline-schedule", "interleaved-zb",
@@ -303,18 +341,24 @@ def scripts4(work) -> dict:
                                                                      "--enable-vocab-parallel"]),
         ("user-mcore", UNTIE + SCRIPTS + SP + PP2TP2),                 # Megatron-Core's own 1F1B, same layout
         ("user-llama-mcore", LLAMA + SCRIPTS + SP + PP2TP2),
-    ])
+    ]
 
 
 @pytest.fixture(scope="module")
-def scripts_ref(work, scripts4) -> dict:
-    """Plain Megatron-LM at pp=1 with the same flags (tp=2 with sequence parallelism; tp=1)."""
-    two = multirun(work, "scripts2", 2, [
-        ("user-pp1-tp2", UNTIE + SCRIPTS + SP + TP2),
-        ("user-pp1-llama-tp2", LLAMA + SCRIPTS + SP + TP2),
-    ])
-    one = multirun(work, "scripts1", 1, [("user-pp1", UNTIE + SCRIPTS)])
-    return {**two, **one}
+def user4(work) -> dict:
+    """The 4-rank runs of the launch scripts' flag set and of the MoE pairs (``pairs4``), in one launch."""
+    return multirun(work, "user4", 4, _scripts4() + _pairs4())
+
+
+@pytest.fixture(scope="module")
+def scripts4(user4) -> dict:
+    return user4
+
+
+@pytest.fixture(scope="module")
+def scripts_ref(world1, world2) -> dict:
+    """Plain Megatron-LM at pp=1 with the launch scripts' flags (tp=2 with sequence parallelism; tp=1)."""
+    return {**world1, **world2}
 
 
 def _lm_source(rel: str) -> str:
@@ -663,19 +707,23 @@ def _tiny_moe(ep: int = 1) -> list[str]:
 EXPERT_BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
 
 
-@pytest.fixture(scope="module")
-def moe2(work) -> dict:
+def _moe2() -> list:
     """The tiny-moe preset at pp=2 (ep=1): zbv (V placement; the experts' weight gradients in W) and
     Megatron-Core's own 1F1B, plain and with the DeepSeek-V3-like router (expert bias, sigmoid
     scores), and v-half with it."""
     moe = _tiny_moe()
-    return multirun(work, "moe2", 2, [
+    return [
         ("moe-mcore", moe),
         ("moe-zbv", moe + ["--pipeline-schedule", "zbv"]),
         ("moe-mcore-bias", moe + EXPERT_BIAS),
         ("moe-zbv-bias", moe + ["--pipeline-schedule", "zbv"] + EXPERT_BIAS),
         ("moe-v-half-bias", moe + ["--pipeline-schedule", "v-half"] + EXPERT_BIAS),
-    ])
+    ]
+
+
+@pytest.fixture(scope="module")
+def moe2(world2) -> dict:
+    return world2
 
 
 
@@ -728,18 +776,22 @@ PAIRS = ["--overlap-moe-expert-parallel-comm", "--pipeline-a2a-time", "0.3"]
 MTP = ["--mtp-num-layers", "1"]
 
 
-@pytest.fixture(scope="module")
-def pairs4(work) -> dict:
+def _pairs4() -> list:
     """dualpipev and zbv with their overlapped pairs (Megatron-LM's --overlap-moe-expert-parallel-comm)
     through Megatron-LM's loop, zbv also with multi-token prediction; Megatron-Core's own 1F1B
     (unpaired) on the same model as the reference."""
-    return multirun(work, "pairs4", 4, [
+    return [
         ("mcore-moe", PAIR_MOE),
         ("zb-h1-moe", PAIR_MOE + ["--pipeline-schedule", "zb-h1"]),   # (test_moe_launch_script_matches_megatron)
         ("dualpipev-pairs", PAIR_MOE + ["--pipeline-schedule", "dualpipev"] + PAIRS),
         ("zbv-pairs", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS),
         ("zbv-pairs-mtp", PAIR_MOE + ["--pipeline-schedule", "zbv"] + PAIRS + MTP),
-    ])
+    ]
+
+
+@pytest.fixture(scope="module")
+def pairs4(user4) -> dict:
+    return user4
 
 
 @pytest.mark.parametrize("run", ["dualpipev-pairs", "zbv-pairs"])

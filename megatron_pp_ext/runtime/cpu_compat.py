@@ -33,7 +33,12 @@ the CPU, as scoped and reversible patches:
 * the "CUDA" RNG (``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and Megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``) is the CPU default
   generator, so forking the model-parallel RNG tracker really changes the RNG that CPU
-  dropout draws from, and recomputation restores it exactly.
+  dropout draws from, and recomputation restores it exactly;
+* ``torch.compile`` runs eagerly (the compiler's ``force_eager`` stance): Megatron-Core wraps its
+  fused kernels (SwiGLU, GeLU, bias-dropout, RoPE, the router, ...) in ``torch.compile``, and on
+  a CPU inductor compiles C++ for each of them in every process, for every new shape: measured
+  16 s of a 23.6 s LLaMA run at tp=2 x pp=2 with an empty compile cache, with the same losses to
+  the bit eagerly. A CPU run checks schedules, not kernel speed.
 
 It is **inactive whenever CUDA is used**: with a CUDA device available it does nothing and
 returns an inactive handle (``handle.active is False``), and it refuses to start while a
@@ -226,6 +231,7 @@ class CpuCompat:
         self.reason = reason
         self._saved: list[tuple[Any, str, Any]] = []
         self._mode: _CudaToCpuMode | None = None
+        self._stance: Any = None
         self._filter: _RngWarningFilter | None = None
         self._logger: logging.Logger | None = None
         self._owner = False
@@ -304,6 +310,7 @@ class CpuCompat:
         if DistributedOptimizer is not None and hasattr(DistributedOptimizer, "_set_main_param_and_optimizer_states"):
             self._patch(DistributedOptimizer, "_set_main_param_and_optimizer_states",
                         _keep_torch_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states))
+        self._stance = torch.compiler.set_stance("force_eager")   # (module doc; restored by close)
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
 
@@ -321,6 +328,9 @@ class CpuCompat:
             for obj, name, old in reversed(self._saved):
                 setattr(obj, name, old)
             self._saved.clear()
+            if self._stance is not None:
+                self._stance.__exit__(None, None, None)
+                self._stance = None
             if self._logger is not None and self._filter is not None:
                 self._logger.removeFilter(self._filter)
             with _LOCK:

@@ -336,14 +336,10 @@ class WorkerPool:
             self.cpu_compat = (not torch.cuda.is_available()) if cpu_compat is None else bool(cpu_compat)
         # fork (cheap: the preloaded modules are inherited) unless this process already ran a
         # process group whose threads survive: then fork from a clean forkserver (one
-        # start-up of a few seconds, the preload imported there once); NCCL: spawn (CUDA)
-        if backend == "nccl" or start_method == "spawn":
-            self.start_method = "spawn"
-        else:
-            self.start_method = "forkserver" if _fork_unsafe_threads() else "fork"
-        self._ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            self._ctx.set_forkserver_preload(list(preload))
+        # start-up of a few seconds, the preload imported there once); NCCL: spawn (CUDA).
+        # Checked again before every fork (:meth:`_fork`): a process group this process runs
+        # after the pool started (a test in the same process) makes later forks unsafe.
+        self._set_start_method("spawn" if backend == "nccl" or start_method == "spawn" else "fork")
         self._tmp = tempfile.mkdtemp(prefix="mppx_pool_")
         weakref.finalize(self, shutil.rmtree, self._tmp, True)  # also if close() is never called
         self._ids = itertools.count()
@@ -361,8 +357,18 @@ class WorkerPool:
         for i in range(self.size):
             self._fork(i)
 
+    def _set_start_method(self, method: str) -> None:
+        if method == "fork" and _fork_unsafe_threads():
+            method = "forkserver"
+        self.start_method = method
+        self._ctx = mp.get_context(method)
+        if method == "forkserver":
+            self._ctx.set_forkserver_preload(list(self.preload))
+
     def _fork(self, i: int) -> None:
         """Start worker ``i`` (at start-up, or in the place of one that asked to be recycled)."""
+        if self.start_method == "fork":
+            self._set_start_method("fork")   # (forkserver from now on if fork became unsafe)
         # Objects that exist now live as long as the workers: keep them out of the workers'
         # collections (the per-configuration gc.collect() then only scans new objects).
         gc.freeze()

@@ -218,15 +218,17 @@ def test_workers_exit_when_the_parent_side_goes_away():
 def test_forks_from_a_clean_server_after_a_process_group_left_threads():
     """A gloo process group leaves its event-loop threads behind after destroy_process_group; a
     child forked next to them crashes in its own gloo set-up. The pool then forks from a
-    forkserver instead (in a fresh interpreter, so this test leaves no threads behind)."""
+    forkserver instead (in a fresh interpreter, so this test leaves no threads behind); a pool
+    started before the process group does so from its next fork on (a restart here)."""
     import subprocess
     import sys
     code = """
-import os, torch, torch.distributed as dist
+import os, tempfile, torch, torch.distributed as dist
 from megatron_pp_ext.runtime.pool import WorkerPool, _fork_unsafe_threads
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
 assert not _fork_unsafe_threads()
-dist.init_process_group("gloo", rank=0, world_size=1)
+early = WorkerPool(2, timeout=120)
+assert early.start_method == "fork", early.start_method
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 t = torch.ones(1)
 kept = dist.new_group([0])   # a subgroup someone still refers to keeps its threads running
 dist.all_reduce(t, group=kept)
@@ -238,8 +240,13 @@ try:
     from test_runtime_pool import world_info
     got = pool.run(world_info, 2, tag="x")
     assert [g["rank"] for g in got] == [0, 1], got
+    early.restart()
+    assert early.start_method == "forkserver", early.start_method
+    got = early.run(world_info, 2, tag="y")
+    assert [g["rank"] for g in got] == [0, 1], got
 finally:
     pool.close()
+    early.close()
 print("ok")
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
