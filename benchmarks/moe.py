@@ -87,7 +87,7 @@ def doc_tables(quick: bool = False) -> str:
            "F = B = W = 1 per rank (costs 1,1,1,0), so `--a2a-time` T is an all-to-all share T of F + B. Each cell: "
            "makespan unpaired → paired (speed-up, peak activation units of the busiest rank unpaired → paired); "
            "`mppx simulate --schedule NAME --pp P --microbatches M --a2a-time T [--overlap-moe-expert-parallel-comm]` "
-           "(interleaved schedules with `--vp 2`).", "",
+           "(interleaved schedules with `--chunks 2`).", "",
            "| schedule | p | m | " + " | ".join(f"all-to-all {s:.0%} of F+B" for s in SHARES) + " |",
            "|---|---|---|" + "---|" * len(SHARES)]
     for p, m in SIZES[:1] if quick else SIZES:

@@ -240,6 +240,19 @@ def test_launcher_refuses_a_bad_key_in_one_line_before_importing_bridge():
     assert r.stdout.strip() == "bridge imported: False"
 
 
+@pytest.mark.parametrize("module", ["megatron_pp_ext.bridge", "megatron_pp_ext.bridge.launch"])
+def test_both_module_spellings_run_the_launcher(module):
+    """``-m megatron_pp_ext.bridge.launch`` (what a torchrun command may name) is the launcher too:
+    it once imported the module and exited 0 on every rank without training."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", module, "--recipe", "r", "mppx.bogus=1"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("megatron_pp_ext.bridge: error: mppx.bogus=1: unknown key"), \
+        r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "usage: python -m megatron_pp_ext.bridge --recipe NAME" in r.stdout
+
+
 def test_bridge_version_gate(tmp_path, monkeypatch):
     """Megatron-Bridge outside 0.6.x is refused in one line (MPPX_ALLOW_UNSUPPORTED_MEGATRON=1: a warning)."""
     from megatron_pp_ext import compat

@@ -4,6 +4,10 @@ and the planner's time per p2p strategy."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -136,3 +140,34 @@ def test_bad_figures_are_refused_in_one_line_before_any_process(monkeypatch, tmp
     rc = main(["plan", "--model", "llama2-7b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "64"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "NCCL_BUFFSIZE='lots'" in err
+
+
+@pytest.mark.parametrize("doc,msg", [
+    ({"checks": [1]}, '"checks" is not a list of checks'),
+    ({"checks": 5}, '"checks" is not a list of checks'),
+    ({"checks": [{"name": MEASURED_CHECK, "status": "measured", "data": [1]}]}, "needs per_communicator_bytes"),
+    ([1, 2], "needs per_communicator_bytes"),
+])
+def test_a_malformed_file_is_one_line(tmp_path, doc, msg):
+    """A results file that is JSON but not the GPU check's (or a plain pair of numbers) is refused
+    in one line naming the variable, never a traceback from walking it."""
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=f"^MPPX_NCCL_MEMORY={f}: .*{re.escape(msg)}"):
+        nccl_memory({"MPPX_NCCL_MEMORY": str(f)})
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero")
+def test_an_endless_file_is_read_with_a_bound():
+    with pytest.raises(ValueError, match="^MPPX_NCCL_MEMORY=/dev/zero: larger than 16 MiB"):
+        nccl_memory({"MPPX_NCCL_MEMORY": "/dev/zero"})
+
+
+def test_mppx_plan_says_it_in_one_line(tmp_path):
+    f = tmp_path / "c1.json"
+    f.write_text(json.dumps({"checks": [1]}))
+    r = subprocess.run([sys.executable, "-m", "megatron_pp_ext.cli", "plan", "--model", "llama2-7b", "--gpus", "16",
+                        "--global-batch-size", "64", "--top", "1"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, MPPX_NCCL_MEMORY=str(f)))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stderr.startswith(f"mppx: error: MPPX_NCCL_MEMORY={f}: "), r.stderr

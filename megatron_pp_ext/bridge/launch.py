@@ -5,8 +5,10 @@
     torchrun --nproc-per-node 8 -m megatron_pp_ext.bridge --recipe vanilla_gpt_pretrain_config \\
         mppx.schedule=zbv model.pipeline_model_parallel_size=4 train.train_iters=100 ...
 
-In this order: the ``mppx.*`` settings are taken off the command line (a bad one ends the run
-with one line before anything is imported), the recipe function is looked up in
+In this order: the ``mppx.*`` settings are taken off the command line (an unknown key or a key
+without its value ends the run with one line before anything is imported; a bad value, such as
+an unknown schedule or costs that are not numbers, ends it with one line once the recipe's
+config is built and the settings are checked against it), the recipe function is looked up in
 ``megatron.bridge.recipes`` and called, Bridge applies the rest as its own ``KEY=VALUE``
 overrides (Hydra syntax; an unknown key is Bridge's one-line error), then
 :func:`megatron_pp_ext.bridge.install` and Bridge's ``pretrain(cfg, forward_step)``.
@@ -168,3 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as e:
         print(e.msg, file=sys.stderr)
         raise
+
+
+if __name__ == "__main__":   # (``python -m megatron_pp_ext.bridge.launch`` and ``torchrun -m`` of it)
+    main()

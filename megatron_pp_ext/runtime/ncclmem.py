@@ -91,23 +91,35 @@ def nccl_memory(env: Mapping[str, str] | None = None) -> NCCLMemory:
                       f"model ({channels} channel(s) x {NCCL_STEPS} x {chunk} B chunk per connection, link {link})")
 
 
+#: the largest file read as MPPX_NCCL_MEMORY (the GPU check's results.json is a few hundred KiB;
+#: a device such as /dev/zero has no end)
+_MAX_FILE = 16 << 20
+
+
 def _measured(path: str) -> NCCLMemory:
+    hint = ("give the GPU check's results.json or {\"per_communicator_bytes\": N, \"per_connection_bytes\": N}")
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"MPPX_NCCL_MEMORY={path}: cannot read it as JSON ({e}); give the GPU check's results.json "
-                         "or {\"per_communicator_bytes\": N, \"per_connection_bytes\": N}") from None
+            text = f.read(_MAX_FILE + 1)
+        if len(text) > _MAX_FILE:
+            raise ValueError(f"MPPX_NCCL_MEMORY={path}: larger than {_MAX_FILE >> 20} MiB; {hint}")
+        doc = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: cannot read it as JSON ({e}); {hint}") from None
     data = doc
     if isinstance(doc, dict) and "checks" in doc:   # the GPU check's results.json
-        data = next((c.get("data") or {} for c in doc["checks"]
+        checks = doc["checks"]
+        if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
+            raise ValueError(f"MPPX_NCCL_MEMORY={path}: \"checks\" is not a list of checks as the GPU check "
+                             f"writes them; {hint}")
+        data = next((c.get("data") for c in checks
                      if c.get("name") == MEASURED_CHECK and c.get("status") == "measured"), None)
         if data is None:
             raise ValueError(f"MPPX_NCCL_MEMORY={path}: its results have no measured {MEASURED_CHECK!r} check (run "
                              "the GPU check's nccl step on a GPU)")
     try:
         a, b = float(data["per_communicator_bytes"]), float(data["per_connection_bytes"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError):
         raise ValueError(f"MPPX_NCCL_MEMORY={path}: needs per_communicator_bytes and per_connection_bytes") from None
     if not (a >= 0 and b >= 0 and a < 2 ** 40 and b < 2 ** 40):
         raise ValueError(f"MPPX_NCCL_MEMORY={path}: per_communicator_bytes and per_connection_bytes must be >= 0")
