@@ -78,6 +78,21 @@ def test_a_tiny_w_or_comm_is_accepted():
     assert simulate(s, c).makespan > 0
 
 
+def test_simulate_says_a_comm_below_the_resolution_counts_as_0():
+    """A COMM of 1e-12 is accepted (no schedule can depend on it) and simulated as 0: the output
+    says so under the header that shows it, not only a makespan equal to comm 0's."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "megatron_pp_ext.cli", "simulate", "--schedule", "zbv", "--pp", "4",
+           "--microbatches", "8", "--comm-model", "nccl-batched", "--costs"]
+    tiny = subprocess.run(cmd + ["1,1,1,1e-12"], capture_output=True, text=True, timeout=120).stdout
+    zero = subprocess.run(cmd + ["1,1,1,0"], capture_output=True, text=True, timeout=120).stdout
+    assert "note      COMM=1e-12 is below the simulator's resolution (1e-09) and counts as 0" in tiny, tiny
+    assert "note" not in zero
+    makespan = [ln for ln in tiny.splitlines() if ln.startswith("makespan")]
+    assert makespan and makespan == [ln for ln in zero.splitlines() if ln.startswith("makespan")]
+
+
 def test_tiny_but_resolvable_costs_give_the_scaled_result():
     s, c = build_schedule("zb-h1", 4, 8, costs=(1, 2, 1, 0))
     s2, c2 = build_schedule("zb-h1", 4, 8, costs=(1e-6, 2e-6, 1e-6, 0))

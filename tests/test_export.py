@@ -73,6 +73,29 @@ def test_json_malformed_input(text, match):
         loads_json_with_cost(text)
 
 
+@pytest.mark.parametrize("where,value,match", [
+    ("placement", [0.7, 1], "'placement' must be a list of rank numbers"),
+    ("stage", "0", "stage must be an integer"), ("stage", 0.0, "stage must be an integer"),
+    ("stage", False, "stage must be an integer"), ("microbatch", 1.5, "microbatch must be an integer"),
+    ("microbatch", True, "microbatch must be an integer"), ("rank", "0", "rank must be an integer"),
+    ("peer", 1.0, "peer must be an integer or null"),
+    ("comm", "0", "field 'comm' must be a number"), ("t_f", [1, "1"], "field 't_f' must be a list of numbers"),
+])
+def test_json_indices_and_times_must_be_json_numbers(where, value, match):
+    """A wrongly typed index or time is refused, never converted: placement [0.7, 1] was read as
+    [0, 1], microbatch 1.5 as 1, a comm time "0" as 0."""
+    import json
+    d = json.loads(dumps_json(build_schedule("1f1b", 2, 2, with_comm=True)[0], CostModel.uniform(2)))
+    if where == "placement":
+        d["placement"] = value
+    elif where in ("comm", "t_f"):
+        d["cost"][where] = value
+    else:
+        d["ops"][0][0][where] = value
+    with pytest.raises(ScheduleError, match=match):
+        loads_json_with_cost(json.dumps(d))
+
+
 # --- torch CSV -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", schedule_names())

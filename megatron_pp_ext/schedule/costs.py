@@ -253,6 +253,16 @@ def check_cost_numbers(vals: Sequence[float], spec: object = None) -> None:
                             f"below {MAX_TOTAL_TIME:g}); give the costs in a larger unit, e.g. --costs 1,2,1")
 
 
+def resolution_note(w: float, comm: float) -> str | None:
+    """The line to print when a W or COMM of ``--costs`` is positive but below the simulator's
+    resolution (:data:`MIN_TIME`): it is accepted and counts as 0 (a schedule cannot depend on it)."""
+    tiny = [f"{name}={v:g}" for name, v in (("W", w), ("COMM", comm)) if 0 < v < MIN_TIME]
+    if not tiny:
+        return None
+    return (f"note      {' and '.join(tiny)} is below the simulator's resolution ({MIN_TIME:g}) and counts as 0; "
+            "give the costs in a smaller unit to time it")
+
+
 def per_stage_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
     """``value`` for each of ``n`` stages: one number for all, or ``n`` numbers; every one
     >= 0. ``what`` names the quantity in the error (e.g. "offload fraction")."""

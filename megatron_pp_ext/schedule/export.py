@@ -126,10 +126,29 @@ def cost_to_dict(cost: CostModel) -> dict:
 _HELD = ("transient_f", "transient_b", "transient_w", "msg", "a2a")
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def cost_from_dict(d: dict) -> CostModel:
-    """Inverse of :func:`cost_to_dict`."""
+    """Inverse of :func:`cost_to_dict`. Numbers must be JSON numbers (a string "0", true or null
+    where a time belongs is refused, not converted)."""
     if not isinstance(d, dict):
         raise ScheduleError(f"cost model: expected a JSON object, got {type(d).__name__}")
+    for key in ("t_f", "t_b", "t_w", "act", "w_fraction_per_stage", *_HELD):
+        v = d.get(key)
+        if v is not None and not (isinstance(v, list) and all(_is_number(x) for x in v)):
+            raise ScheduleError(f"cost model: field {key!r} must be a list of numbers, got {v!r:.80}")
+    for key in ("comm", "w_fraction"):
+        if key in d and not _is_number(d[key]):
+            raise ScheduleError(f"cost model: field {key!r} must be a number, got {d[key]!r:.80}")
+    for key in ("bytes_per_unit", "bytes_per_message"):
+        if d.get(key) is not None and not _is_number(d[key]):
+            raise ScheduleError(f"cost model: field {key!r} must be a number or null, got {d[key]!r:.80}")
     try:
         return CostModel(
             t_f=tuple(d["t_f"]), t_b=tuple(d["t_b"]), t_w=tuple(d["t_w"]), comm=d.get("comm", 0.0),
@@ -190,6 +209,21 @@ def check_runs_under(schedule: Schedule, cost: CostModel | None, model: str) -> 
                             model=model, waits=e.waits) from None
 
 
+def _bad_op_fields(o) -> str | None:
+    """What is wrong with an op's JSON object, or None: its indices must be JSON integers (a
+    microbatch 1.5 or "0", or true, was once read as 1, 0 or 1)."""
+    if not isinstance(o, dict):
+        return "an op must be an object with kind, stage, microbatch, rank and optionally peer"
+    for key in ("stage", "microbatch", "rank"):
+        if key in o and not _is_index(o[key]):
+            return f"{key} must be an integer, got {o[key]!r:.40}"
+    if o.get("peer") is not None and not _is_index(o["peer"]):
+        return f"peer must be an integer or null, got {o['peer']!r:.40}"
+    if "pair" in o and not (isinstance(o["pair"], list) and len(o["pair"]) == 2 and all(map(_is_index, o["pair"]))):
+        return f"pair must be [stage, microbatch] integers, got {o['pair']!r:.40}"
+    return None
+
+
 def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, CostModel | None]:
     """Schedule and cost model (None when the JSON holds none) from :func:`dumps_json` text.
 
@@ -223,6 +257,9 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
             raise ScheduleError(f"schedule JSON: ops of rank {r} must be a list")
         lst = []
         for i, o in enumerate(rank_ops):
+            bad = _bad_op_fields(o)
+            if bad:
+                raise ScheduleError(f"schedule JSON: op {i} of rank {r} ({o!r:.120}): {bad}")
             try:
                 op = Op.from_dict(o)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -239,10 +276,9 @@ def loads_json_with_cost(text: str, *, check: bool = True) -> tuple[Schedule, Co
         raise ScheduleError("schedule JSON: 'meta' is nested too deeply") from None
     if not isinstance(meta, dict):
         raise ScheduleError("schedule JSON: 'meta' must be an object")
-    try:
-        placement = tuple(int(x) for x in d["placement"])
-    except (TypeError, ValueError, OverflowError):
-        raise ScheduleError("schedule JSON: 'placement' must be a list of rank numbers") from None
+    if not all(_is_index(x) for x in d["placement"]):
+        raise ScheduleError("schedule JSON: 'placement' must be a list of rank numbers (integers)")
+    placement = tuple(d["placement"])
     _check_size("schedule JSON", len(placement), d["num_microbatches"])
     sched = Schedule(d["name"], d["num_microbatches"], placement, ops, meta)
     cost = cost_from_dict(d["cost"]) if d.get("cost") is not None else None

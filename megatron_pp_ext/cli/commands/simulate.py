@@ -7,6 +7,7 @@ import json
 
 from ..core import (add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, format_table,
                     parse_bytes, parse_costs, register_command, simulate_under_model)
+from ...schedule.costs import resolution_note
 
 
 def configure(parser):
@@ -99,6 +100,9 @@ def run(args) -> int:
           + (f", budget {doc['memory_budget']:g} units" if doc["memory_budget"] is not None else "")
           + (", with send/recv" if doc["with_comm"] else "")
           + (f", comm model {doc['comm_model']}" if doc["comm_model"] != "eager" else "") + ")")
+    note = resolution_note(c["W"], c["comm"])
+    if note:
+        print(note)
     print(f"makespan  {doc['makespan']:g}")
     ov = doc.get("overlap")
     if ov is not None:
