@@ -183,3 +183,37 @@ def test_docs_quote_the_comm_benchmark_and_its_worst_cases_are_what_the_simulato
         got = simulate(s, c, comm_model="nccl-pairwise").makespan / simulate(s, c).makespan
         assert f"{got:.2f}" == f"{ratio:.2f}", (costs, got)
     assert re.search(r"1\.06x already at latency 0\.3 F without W: p=2, m=8, costs 1,1,0,0\.3", doc)
+
+
+def _pairwise_deadlocks(name: str, p: int, m: int, costs: tuple) -> bool | None:
+    """Whether ``name`` deadlocks under nccl-pairwise (None: it does not build at this size)."""
+    info = schedule_info(name)
+    kw = {"chunks": info.min_chunks, **({"memory_budget": 0.75 * p} if info.uses_budget else {})}
+    try:
+        s, c = build_schedule(name, p, m, costs=costs, with_comm=True, **kw)
+    except ScheduleError:
+        return None
+    try:
+        simulate(s, c, comm_model="nccl-pairwise")
+    except DeadlockError:
+        return True
+    return False
+
+
+def test_pairwise_deadlocks_only_where_the_docs_say():
+    """docs/schedules.md's pairwise row and its fallback advice: 1f1b, interleaved-1f1b, zb-h1, zb-h2,
+    grouped-interleaved and dualpipev run under nccl-pairwise with or without W; zbv, v-half, v-min,
+    v-budget and interleaved-zb deadlock in some configurations where W takes no time (zbv at p=2,
+    m=6 with 1,1,0,0, the row's example) and in none here where it takes time."""
+    assert _pairwise_deadlocks("zbv", 2, 6, (1, 1, 0, 0)) is True
+    never = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "grouped-interleaved", "dualpipev")
+    with_w = ("zbv", "v-half", "v-min", "v-budget", "interleaved-zb")
+    found = []
+    for p, m in ((2, 6), (4, 9)):   # (zbv deadlocks at the first without W, interleaved-zb at the second with 1,3,0,0)
+        for name in never:
+            if _pairwise_deadlocks(name, p, m, (1, 1, 0, 0)):
+                found.append((name, p, m))
+        for name in with_w:
+            if _pairwise_deadlocks(name, p, m, (1, 2, 1, 0.3)):
+                found.append((name, p, m, "W > 0"))
+    assert not found, found
