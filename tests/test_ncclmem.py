@@ -29,7 +29,7 @@ def test_the_model_is_nccls_p2p_buffers_and_follows_its_environment():
     assert nccl_memory({"NCCL_P2P_NET_CHUNKSIZE": str(1 << 16)}).per_connection == 1 * MiB
     for env, msg in (({"NCCL_BUFFSIZE": "lots"}, "NCCL_BUFFSIZE='lots'"),
                      ({"NCCL_BUFFSIZE": "inf"}, "NCCL_BUFFSIZE='inf'"), ({"NCCL_BUFFSIZE": "nan"}, "NCCL_BUFFSIZE='nan'"),
-                     ({"NCCL_BUFFSIZE": "0"}, "NCCL_BUFFSIZE=0: must be >= 1"),
+                     ({"NCCL_BUFFSIZE": "0"}, "NCCL_BUFFSIZE=0: NCCL reads 0; must be >= 1"),
                      ({"MPPX_NCCL_P2P_LINK": "wifi"}, "MPPX_NCCL_P2P_LINK='wifi'")):
         with pytest.raises(ValueError, match=msg):
             nccl_memory(env)
@@ -171,3 +171,29 @@ def test_mppx_plan_says_it_in_one_line(tmp_path):
                        env=dict(os.environ, MPPX_NCCL_MEMORY=str(f)))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert r.stderr.startswith(f"mppx: error: MPPX_NCCL_MEMORY={f}: "), r.stderr
+
+
+@pytest.mark.parametrize("value,read", [("0x800000", 8 << 20), ("010", 8), ("1.9", 1), ("1e30", 1), ("  4194304", 4 << 20)])
+def test_nccl_variables_are_read_as_nccl_reads_them(value, read):
+    """NCCL reads its integer variables with strtoll(value, NULL, 0): hex and octal, and the digits
+    before anything else ("1.9" and "1e30" are 1). A hex value was refused, "1.9" read by rounding."""
+    from megatron_pp_ext.runtime.ncclmem import _int_env
+    assert _int_env({"NCCL_BUFFSIZE": value}, "NCCL_BUFFSIZE", 0) == read
+
+
+@pytest.mark.parametrize("value,msg", [("abc", "NCCL reads an integer here"), ("-5", "NCCL reads -5; must be >= 1"),
+                                       ("99999999999999999999", "more than 1 TiB")])
+def test_nccl_variables_out_of_the_models_range_are_one_line(value, msg):
+    with pytest.raises(ValueError, match=f"^NCCL_BUFFSIZE={re.escape(value) if value != 'abc' else '.abc.'}: .*{msg}"):
+        nccl_memory({"NCCL_BUFFSIZE": value})
+
+
+@pytest.mark.parametrize("doc,msg", [
+    ({"per_communicator_bytes": True, "per_connection_bytes": "7"}, "must be numbers"),
+    ({"per_communicator_bytes": 1, "per_connection_bytes": 2, "extra": 1}, "unknown key(s) extra"),
+])
+def test_measured_figures_must_be_numbers_and_nothing_else(tmp_path, doc, msg):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        nccl_memory({"MPPX_NCCL_MEMORY": str(f)})

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -57,16 +58,27 @@ class NCCLMemory:
     source: str          # "model (...)" or "measured (<file>)"
 
 
+#: how NCCL reads its integer variables: ``strtoll(value, NULL, 0)`` -- leading blanks, a sign,
+#: then hex (0x...), octal (0...) or decimal digits, the rest ignored ("1.9" and "1e30" are 1)
+_STRTOLL = re.compile(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
+#: the largest value the model takes (1 TiB of buffer: beyond any GPU's memory)
+_MAX_VALUE = 1 << 40
+
+
 def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
     v = env.get(name, "").strip()
     if not v:
         return default
-    try:
-        n = int(float(v))
-    except (ValueError, OverflowError):   # (nan; inf)
-        raise ValueError(f"{name}={v!r}: NCCL reads an integer here; fix or unset it") from None
+    m = _STRTOLL.match(v)
+    if m is None:
+        raise ValueError(f"{name}={v!r}: NCCL reads an integer here; fix or unset it")
+    digits = m.group(2)
+    n = int(digits, 16 if digits[:2] in ("0x", "0X") else 8 if digits.startswith("0") and len(digits) > 1 else 10)
+    n = -n if m.group(1) == "-" else n
     if n < 1:
-        raise ValueError(f"{name}={v}: must be >= 1; fix or unset it")
+        raise ValueError(f"{name}={v}: NCCL reads {n}; must be >= 1; fix or unset it")
+    if n > _MAX_VALUE:
+        raise ValueError(f"{name}={v}: NCCL reads {n}, more than 1 TiB; fix or unset it")
     return n
 
 
@@ -107,6 +119,10 @@ def _measured(path: str) -> NCCLMemory:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"MPPX_NCCL_MEMORY={path}: cannot read it as JSON ({e}); {hint}") from None
     data = doc
+    plain = ("per_communicator_bytes", "per_connection_bytes")
+    if isinstance(doc, dict) and "checks" not in doc and set(doc) - set(plain):
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: unknown key(s) {', '.join(sorted(set(doc) - set(plain)))}; "
+                         f"{hint}")
     if isinstance(doc, dict) and "checks" in doc:   # the GPU check's results.json
         checks = doc["checks"]
         if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
@@ -118,9 +134,13 @@ def _measured(path: str) -> NCCLMemory:
             raise ValueError(f"MPPX_NCCL_MEMORY={path}: its results have no measured {MEASURED_CHECK!r} check (run "
                              "the GPU check's nccl step on a GPU)")
     try:
-        a, b = float(data["per_communicator_bytes"]), float(data["per_connection_bytes"])
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError):
+        raw = [data[k] for k in plain]
+    except (KeyError, TypeError, IndexError):
         raise ValueError(f"MPPX_NCCL_MEMORY={path}: needs per_communicator_bytes and per_connection_bytes") from None
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in raw):
+        raise ValueError(f"MPPX_NCCL_MEMORY={path}: per_communicator_bytes and per_connection_bytes must be numbers "
+                         f"(bytes), got {raw[0]!r:.30} and {raw[1]!r:.30}")
+    a, b = float(raw[0]), float(raw[1])
     if not (a >= 0 and b >= 0 and a < 2 ** 40 and b < 2 ** 40):
         raise ValueError(f"MPPX_NCCL_MEMORY={path}: per_communicator_bytes and per_connection_bytes must be >= 0")
     return NCCLMemory(a, b, f"measured ({path})")
