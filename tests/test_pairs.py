@@ -218,3 +218,14 @@ def test_bad_overlap_input_is_one_line_exit_2(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mppx: error:") and needle in err and "\n" not in err
+
+
+def test_meta_names_the_pairs_the_ops_hold():
+    """After the pass, ``meta["overlap_pairs"]`` lists exactly the pairs in the ops, whichever policy
+    won: dualpipev at p=4, m=8, all-to-all 0.5 pairs forward-first (29 pairs), and its meta kept
+    the generator's 25 published pairs."""
+    s, _ = build_schedule("dualpipev", 4, 8, costs=(1, 1, 1, 0), with_comm=True, overlap=True, a2a_time=0.5)
+    held = sorted([r, f.stage, f.microbatch, b.stage, b.microbatch] for r, ops in enumerate(s.ops) for op in ops
+                  if op.kind in PAIR_KINDS for f, b in (halves(op),))
+    assert s.meta["overlap_policy"] == "forward-first" and len(held) == s.meta["overlap_count"] == 29
+    assert sorted(map(list, s.meta["overlap_pairs"])) == held

@@ -27,7 +27,7 @@ from typing import Callable
 
 from ..costs import CostModel
 from ..ir import Op, Schedule, ScheduleError, op_kind
-from ..pairs import PAIR_KINDS, pair
+from ..pairs import PAIR_KINDS, halves, pair
 from ..simresult import DeadlockError
 
 __all__ = ["pair_overlapped", "POLICIES", "REFINE_MAX_PAIRS"]
@@ -236,6 +236,12 @@ def pair_overlapped(schedule: Schedule, cost: CostModel, *, memory_budget: float
     if fusion is not None and sum(len(f) for f in fusion) <= REFINE_MAX_PAIRS:
         fused = _refine(schedule, cost, fusion, fused.meta["overlap_policy"], makespan, limit)
     fused.meta["overlap_unpaired_makespan"] = base.makespan
+    # meta["overlap_pairs"] names the pairs this schedule holds (the generator's published ones were
+    # a suggestion the chosen policy may not have followed): (rank, F stage, F microbatch, backward
+    # stage, backward microbatch), as the torch CSV's OVERLAP_F_B cells and the published policy read it
+    fused.meta["overlap_pairs"] = [[r, f.stage, f.microbatch, b.stage, b.microbatch]
+                                   for r, ops in enumerate(fused.ops) for op in ops if op.kind in PAIR_KINDS
+                                   for f, b in (halves(op),)]
     return fused
 
 
