@@ -483,3 +483,15 @@ def test_readme_tour_commands_run(capsys, tmp_path, monkeypatch):
     for argv in cmds:
         rc, _, err = run_cli(capsys, *argv)
         assert rc == 0, (argv, err)
+
+
+def test_compare_json_and_viz_name_the_comm_model(capsys, tmp_path):
+    """Their makespans are the ones under --comm-model: compare's JSON carries it, viz's printed line
+    and default figure title say it (they showed a makespan under nccl-batched without a word)."""
+    import json
+    assert main(["compare", "--comm-model", "nccl-batched", "--costs", "1,1,1,0.05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["comm_model"] == "nccl-batched"
+    svg = tmp_path / "v.svg"
+    assert main(["viz", "--schedule", "zbv", "--comm-model", "nccl-batched", "--costs", "1,1,1,0.1", "-o", str(svg)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("makespan 42.1 under nccl-batched)")
+    assert "makespan 42.1 under nccl-batched" in svg.read_text()

@@ -229,3 +229,18 @@ def test_meta_names_the_pairs_the_ops_hold():
                   if op.kind in PAIR_KINDS for f, b in (halves(op),))
     assert s.meta["overlap_policy"] == "forward-first" and len(held) == s.meta["overlap_count"] == 29
     assert sorted(map(list, s.meta["overlap_pairs"])) == held
+
+
+def test_simulate_says_the_unpaired_makespan_is_compute_only_under_a_comm_model(capsys):
+    """The overlap line's unpaired makespan is the compute-only one the pass compared (50.8); under
+    a comm model the makespan above it is not (68.9 paired, 95.5 unpaired under nccl-batched), so
+    the line says so and how to get the comparable figure."""
+    args = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "16", "--costs", "1,1,1,0.1",
+            "--a2a-time", "0.5", "--overlap-moe-expert-parallel-comm"]
+    assert main(args + ["--comm-model", "nccl-batched"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("overlap"))
+    assert line.endswith("unpaired makespan 50.8 (compute only, as the pairs were chosen: rerun without "
+                         "--overlap-moe-expert-parallel-comm for the unpaired schedule under nccl-batched)"), line
+    assert main(args) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("overlap"))
+    assert "compute only" not in line, line

@@ -150,7 +150,8 @@ def _text_color(rgb: tuple[float, float, float]) -> str:
 
 @_literal_text
 def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, title: str | None = None, *,
-                  result: SimResult | None = None, memory_budget: float | None = None, dpi: int = 110) -> SimResult:
+                  result: SimResult | None = None, memory_budget: float | None = None, dpi: int = 110,
+                  title_suffix: str = "") -> SimResult:
     """Draw ``schedule`` under ``cost`` to ``path`` (PNG/SVG by extension).
 
     Top: one lane per rank, one box per compute op (F, B, W, BW coloured distinctly, the
@@ -158,7 +159,8 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
     ops are not drawn (their effect on timing is). Bottom: the activation memory of every
     rank over time (units), with the memory budget as a dashed line when there is one.
     ``result``: a simulation of the same schedule and cost to reuse; ``memory_budget``: the
-    dashed line (default: the schedule's own budget from its meta). Returns the simulation used.
+    dashed line (default: the schedule's own budget from its meta); ``title_suffix``: appended to
+    the default title (e.g. the comm model ``result`` was simulated under). Returns the simulation used.
     """
     path = check_figure_path(path)
     compute_per_rank = [sum(op_kind(op.kind).category == "compute" for op in ops) for ops in schedule.ops]
@@ -214,7 +216,7 @@ def plot_timeline(schedule: Schedule, cost: CostModel, path: str | os.PathLike, 
     if title is None:
         title = (f"{schedule.name}: p={p}, m={schedule.num_microbatches}, v={v} | "
                  f"bubble {result.bubble_rate:.1%} | peak {result.max_peak_memory:g} units | "
-                 f"makespan {result.makespan:g}")
+                 f"makespan {result.makespan:g}{title_suffix}")
     ax.set_title(title, fontsize=10, loc="left")
 
     handles = [Patch(facecolor=_kind_color(k, extra), label=k) for k in kinds_seen]

@@ -174,8 +174,8 @@ def run(args) -> int:
         f, b, w, comm = parse_costs(args.costs)
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "chunks": args.chunks,
                           "costs": {"F": f, "B": b, "W": w, "comm": comm},
-                          "memory_budget": args.memory_budget, "rows": rows, "skipped": skipped,
-                          "figure": args.output}, indent=2))
+                          "memory_budget": args.memory_budget, "comm_model": comm_model_of(args), "rows": rows,
+                          "skipped": skipped, "figure": args.output}, indent=2))
         return 0
     print(_config_line(args))
     print()

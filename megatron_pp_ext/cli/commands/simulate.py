@@ -107,7 +107,9 @@ def run(args) -> int:
     ov = doc.get("overlap")
     if ov is not None:
         print(f"overlap   {ov['pairs']} forward-backward pairs ({ov['policy']}), the all-to-all "
-              f"({c['a2a']:g} per microbatch) hidden; unpaired makespan {ov['unpaired_makespan']:g}")
+              f"({c['a2a']:g} per microbatch) hidden; unpaired makespan {ov['unpaired_makespan']:g}"
+              + (" (compute only, as the pairs were chosen: rerun without --overlap-moe-expert-parallel-comm for "
+                 f"the unpaired schedule under {doc['comm_model']})" if doc["with_comm"] else ""))
     print(f"bubble    {doc['bubble_rate']:.2%} (busiest rank)")
     print(f"peak mem  {doc['max_peak_memory']:g} units (busiest rank)"
           + (f" = {_size(max(doc['peak_memory_bytes']))}" if "peak_memory_bytes" in doc else ""))

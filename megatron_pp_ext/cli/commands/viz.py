@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..core import add_comm_model_argument, add_schedule_arguments, build_from_args, register_command, simulate_under_model
+from ..core import (add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, register_command,
+                    simulate_under_model)
 
 
 def configure(parser):
@@ -23,9 +24,13 @@ def run(args) -> int:
     per_rank = args.microbatches * chunks * (3 if info.split_backward else 2)
     check_figure_size(args.pp, per_rank, microbatches=args.microbatches)  # before building anything
     sched, cost = build_from_args(args)
-    res = plot_timeline(sched, cost, args.output, title=args.title, result=simulate_under_model(sched, cost, args))
+    model = comm_model_of(args)
+    under = f" under {model}" if model != "eager" else ""   # (the makespan is the one under this model)
+    res = plot_timeline(sched, cost, args.output, title=args.title, result=simulate_under_model(sched, cost, args),
+                        title_suffix=under)
     print(f"wrote {args.output} ({sched.name}: pp={sched.num_ranks}, microbatches={sched.num_microbatches}, "
-          f"bubble {res.bubble_rate:.1%}, peak {res.max_peak_memory:g} units, makespan {res.makespan:g})")
+          f"bubble {res.bubble_rate:.1%}, peak {res.max_peak_memory:g} units, makespan {res.makespan:g}"
+          + under + ")")
     return 0
 
 
