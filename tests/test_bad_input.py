@@ -567,3 +567,13 @@ def test_overlapped_pairs_with_a_zero_all_to_all_time_say_so(capsys):
     line = one_line_error(capsys, "simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "16",
                           "--overlap-moe-expert-parallel-comm", "--a2a-time", "0")
     assert "--a2a-time 0: there is no all-to-all time to hide" in line
+
+
+@pytest.mark.parametrize("feature,pp,least", [("bpipe", "2", 4), ("bpipe", "1", 4), ("vocab-parallel", "1", 2)])
+def test_a_required_feature_no_pinned_pp_can_have_is_named(capsys, feature, pp, least):
+    """BPipe is planned at pp >= 4 and vocabulary parallelism at pp >= 2: --require-features with a
+    --pp that has no such size names both flags, not "the cluster is too small, use more GPUs"."""
+    line = one_line_error(capsys, "plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64",
+                          "--no-baseline", "--top", "1", "--require-features", feature, "--pp", pp)
+    assert line == (f"mppx: error: --require-features {feature}: {feature} is planned at pp >= {least} only, and "
+                    f"--pp {pp} has no such size; give --pp {least} or more or drop --require-features {feature}")

@@ -199,9 +199,10 @@ class VocabParallelEstimator(BaseFeature):
     name = "vocab-parallel"
     description = "vocabulary parallelism over the pipeline ranks (Alg. 1/2), model-based"
     flag = "--enable-vocab-parallel"
+    min_pp = 2
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.pp < 2 or cand.cp > 1 or one_queue_layout(req, cand):   # (not planned with context parallelism)
+        if cand.pp < self.min_pp or cand.cp > 1 or one_queue_layout(req, cand):   # (not with context parallelism)
             return ()
         return ("alg1", "alg2")
 
@@ -278,9 +279,10 @@ class BPipeEstimator(BaseFeature):
     memory_only = True
     conflicts = ("offload",)
     schedules = ("1f1b",)
+    min_pp = 4
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.schedule not in self.schedules or cand.vp != 1 or cand.pp < 4:
+        if cand.schedule not in self.schedules or cand.vp != 1 or cand.pp < self.min_pp:
             return ()
         return ("on",)
 

@@ -139,6 +139,11 @@ class Planner:
                 raise PlannerError(f"--require-features {f}: {f} is planned with {', '.join(planned_with)} only, "
                                    f"and --schedules {','.join(self.schedules)} has none of them; add "
                                    f"{planned_with[0]} to --schedules or drop --require-features {f}")
+            min_pp = getattr(get_feature(f), "min_pp", 1)
+            if req.pp and max(req.pp) < min_pp:   # (not "the cluster is too small": no pp asked for can have it)
+                raise PlannerError(f"--require-features {f}: {f} is planned at pp >= {min_pp} only, and --pp "
+                                   f"{','.join(map(str, req.pp))} has no such size; give --pp {min_pp} or more "
+                                   f"or drop --require-features {f}")
         self.model_flops = req.global_batch * model_flops_per_sample(model)
         # MFU against the bf16 peak under FP8 too (as NVIDIA quotes it): an FP8 plan's MFU compares with a bf16 one
         self.peak_flops = self.N * peak_flops(cl.gpu, bf16_part(req.precision))
