@@ -577,3 +577,22 @@ def test_a_required_feature_no_pinned_pp_can_have_is_named(capsys, feature, pp, 
                           "--no-baseline", "--top", "1", "--require-features", feature, "--pp", pp)
     assert line == (f"mppx: error: --require-features {feature}: {feature} is planned at pp >= {least} only, and "
                     f"--pp {pp} has no such size; give --pp {least} or more or drop --require-features {feature}")
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"efficiency": {"gemm_max": 1e-300}}, "efficiency gemm_max=1e-300: must be a fraction of peak in [0.001, 1]"),
+    ({"efficiency": {"layer_overhead_us": 1e300}}, "efficiency layer_overhead_us=1e+300: must be a number from 0 to 1e+06"),
+    ({"efficiency": {"gemm_half": 1e300}}, "efficiency gemm_half=1e+300: must be a number in (0, 1e12]"),
+    ({"efficiency": {"p2p_gbps": 1e9}}, "efficiency p2p_gbps=1000000000.0: must be a number from 0 to 100000"),
+    ({"layer_points": [{"mbs": 1, "tp": 1, "forward_ms": 1e9}]}, "below 0.001 of the GPU's peak; check forward_ms"),
+])
+def test_absurd_calibration_values_are_one_line(capsys, tmp_path, doc, needle):
+    """Values no measurement gives (an efficiency of 1e-300, an overhead of 1e300 us, a layer taking
+    11 days) printed iteration times of 300 digits; each is refused in one line naming the field."""
+    import json
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps(doc))
+    line = one_line_error(capsys, "plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64",
+                          "--top", "1", "--no-baseline", "--calibration", str(f))
+    assert needle in line, line
+

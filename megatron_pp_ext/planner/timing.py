@@ -63,6 +63,10 @@ class StageTimes:
         return mbs == self.mbs and tp == self.tp
 
 
+#: the smallest fraction of a GPU's peak an efficiency may be (below it: not a kernel's, a unit slip)
+MIN_FRACTION = 1e-3
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak that kernels reach; the MFU(microbatch, hidden) curve of the planner.
@@ -107,23 +111,26 @@ class Efficiency:
     source: str = "default"
 
     def __post_init__(self) -> None:
-        """Fractions of peak in (0, 1] (an efficiency above 1 would report an MFU no GPU reaches),
-        the half-points > 0, the overhead >= 0 and the overlap in [0, 1]."""
+        """Fractions of peak in [0.001, 1] (an efficiency above 1 would report an MFU no GPU reaches,
+        one below 0.1% is no kernel's: a file in other units), the half-points in (0, 1e12] (beyond
+        any model's b*s*h/tp), the per-op times at most a second, the link at most 100 TB/s, and the
+        overlaps in [0, 1]: a calibration value outside gave iteration times of 300 digits."""
         def bad(name: str, rule: str) -> PlannerError:
             return PlannerError(f"efficiency {name}={getattr(self, name)!r}: must be {rule} (--calibration "
                                 "or Efficiency(...)); see docs/planner.md")
         for name in ("gemm_max", "flash_fwd", "flash_bwd", "attn_bmm", "hbm", "fp8_gemm_max"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1):
-                raise bad(name, "a fraction of peak in (0, 1]")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and MIN_FRACTION <= v <= 1):
+                raise bad(name, f"a fraction of peak in [{MIN_FRACTION:g}, 1]")
         for name in ("gemm_half", "attn_half", "fp8_gemm_half"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise bad(name, "a finite number > 0")
-        for name in ("layer_overhead_us", "dropout_rng_ps", "exchange_sync_us", "p2p_gbps"):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1e12):
+                raise bad(name, "a number in (0, 1e12]")
+        for name, hi in (("layer_overhead_us", 1e6), ("dropout_rng_ps", 1e6), ("exchange_sync_us", 1e6),
+                         ("p2p_gbps", 1e5)):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-                raise bad(name, "a finite number >= 0")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= hi):
+                raise bad(name, f"a number from 0 to {hi:g}")
         for name in ("tp_overlap", "tp_comm_overlap"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1):
@@ -799,6 +806,9 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         if t_gemm <= 0:
             raise PlannerError(f"--calibration: layer point {p} is faster than the modelled non-GEMM work")
         e = linear_flops(model, mbs) / tp / (peak_flops(cluster.gpu, precision) * t_gemm)
+        if e < MIN_FRACTION:
+            raise PlannerError(f"--calibration {path}: layer point {p} implies a GEMM efficiency of {e:.3g}, below "
+                               f"{MIN_FRACTION:g} of the GPU's peak; check forward_ms (milliseconds) and the model")
         if not 0 < e <= 1:
             raise PlannerError(f"--calibration {path}: layer point {p} implies a GEMM efficiency of {e:.3g}, above "
                                f"the GPU's peak ({peak_flops(cluster.gpu, precision) / 1e12:g} TFLOPS); check "
