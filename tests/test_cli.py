@@ -495,3 +495,17 @@ def test_compare_json_and_viz_name_the_comm_model(capsys, tmp_path):
     assert main(["viz", "--schedule", "zbv", "--comm-model", "nccl-batched", "--costs", "1,1,1,0.1", "-o", str(svg)]) == 0
     assert capsys.readouterr().out.rstrip().endswith("makespan 42.1 under nccl-batched)")
     assert "makespan 42.1 under nccl-batched" in svg.read_text()
+
+
+def test_simulate_json_has_no_float_noise(capsys):
+    """Sums of the simulator's rounded times left noise in the JSON (a makespan of 26.933333311, a
+    peak of 4.999999995 units beside 1F1B's 5.0); floats are written at 8 significant digits, and an
+    input below that resolution (a COMM of 1e-12) keeps its value."""
+    import json
+    assert main(["simulate", "--schedule", "interleaved-zb", "--chunks", "3", "--pp", "5", "--microbatches", "7",
+                 "--costs", "1,1,1,0.1", "--comm-model", "nccl-channels", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["makespan"], doc["max_peak_memory"]) == (26.933333, 5.0)
+    assert main(["simulate", "--schedule", "zbv", "--pp", "4", "--microbatches", "8", "--costs", "1,1,1,1e-12",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["costs"]["comm"] == 1e-12

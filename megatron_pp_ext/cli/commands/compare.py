@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..core import (CLIError, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
+from ..core import (CLIError, simulator_json, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
                     parse_costs, register_command)
 
 DEFAULT_BUDGET = "0.5x"
@@ -172,10 +172,10 @@ def run(args) -> int:
                                              f"F:B:W = {f:g}:{b:g}:{w:g}, comm {comm:g}")
     if args.json:
         f, b, w, comm = parse_costs(args.costs)
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "chunks": args.chunks,
-                          "costs": {"F": f, "B": b, "W": w, "comm": comm},
-                          "memory_budget": args.memory_budget, "comm_model": comm_model_of(args), "rows": rows,
-                          "skipped": skipped, "figure": args.output}, indent=2))
+        print(json.dumps(simulator_json({"pp": args.pp, "microbatches": args.microbatches, "chunks": args.chunks,
+                                         "costs": {"F": f, "B": b, "W": w, "comm": comm},
+                                         "memory_budget": args.memory_budget, "comm_model": comm_model_of(args),
+                                         "rows": rows, "skipped": skipped, "figure": args.output}), indent=2))
         return 0
     print(_config_line(args))
     print()

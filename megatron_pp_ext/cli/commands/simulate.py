@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..core import (add_comm_model_argument, add_schedule_arguments, build_from_args, comm_model_of, format_table,
-                    parse_bytes, parse_costs, register_command, simulate_under_model)
+                    parse_bytes, parse_costs, register_command, simulate_under_model, simulator_json)
 from ...schedule.costs import resolution_note
 
 
@@ -91,7 +91,7 @@ def run(args) -> int:
     with progress(f"mppx simulate {args.schedule}") as bar:
         doc = simulate_report(args, bar)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(simulator_json(doc), indent=2))
         return 0
     c = doc["costs"]
     print(f"schedule  {doc['schedule']}  (pp={doc['pp']}, microbatches={doc['microbatches']}, "
