@@ -596,3 +596,32 @@ def test_absurd_calibration_values_are_one_line(capsys, tmp_path, doc, needle):
                           "--top", "1", "--no-baseline", "--calibration", str(f))
     assert needle in line, line
 
+
+
+_PLAN = ("plan", "--model", "llama2-7b", "--gpus", "16", "--global-batch-size", "64", "--tp", "2", "--pp", "4",
+         "--mbs", "1", "--no-baseline", "--top", "3")
+_COMPARE = ("compare", "--pp", "2", "--microbatches", "4")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (_COMPARE + ("--schedules", ""), "--schedules '': no name given; omit --schedules for all of them"),
+    (_COMPARE + ("--schedules", "zbv,zbv"), "--schedules zbv,zbv: zbv given twice"),
+    (_PLAN + ("--schedules", ","), "--schedules ',': no name given"),
+    (_PLAN + ("--schedules", "mcore"), "unknown schedule 'mcore' (--schedules); available: 1f1b,"),
+    (_PLAN + ("--features", ""), "--features '': no name given; omit --features for all of them, or give none"),
+    (_PLAN + ("--features", "none,offload"), "--features none,offload: none means no feature at all"),
+    (_PLAN + ("--require-features", "none"), "unknown feature 'none' (--require-features); available: offload,"),
+])
+def test_name_lists_are_read_one_way_everywhere(capsys, argv, needle):
+    """plan's and compare's --schedules / --features / --require-features go through one reader: an
+    empty list, a name twice, 'none' beside a name and an unknown name are one line naming the flag
+    given (compare ran every schedule for --schedules '', plan for ','; errors named --schedule or
+    --features for another flag)."""
+    assert needle in one_line_error(capsys, *argv)
+
+
+def test_compare_json_memory_budget_is_the_units_it_ran_with(capsys):
+    import json
+    for given, units in (("3", 3.0), ("0.5x", 2.0)):
+        assert main(["compare", "--memory-budget", given, "--pp", "4", "--microbatches", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["memory_budget"] == units

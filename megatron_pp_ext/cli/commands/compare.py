@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..core import (CLIError, simulator_json, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
+from ..core import (CLIError, name_list, simulator_json, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
                     parse_costs, register_command)
 
 DEFAULT_BUDGET = "0.5x"
@@ -66,16 +66,7 @@ def compare_rows(args) -> tuple[list[dict], list[dict]]:
 
     costs = parse_costs(args.costs)
     budget_units = parse_memory_budget(args.memory_budget, args.pp)
-    names = schedule_names()
-    if args.schedules is not None and not [n for n in args.schedules.split(",") if n.strip()]:
-        if args.schedules.strip():
-            raise CLIError(f"--schedules {args.schedules!r}: no schedule named; give names such as 1f1b,zbv "
-                           "('mppx schedules' lists them)")
-    if args.schedules:
-        wanted = [n.strip() for n in args.schedules.split(",") if n.strip()]
-        for n in wanted:
-            schedule_info(n)  # unknown names raise, naming --schedule and the choices
-        names = wanted
+    names = list(name_list(args.schedules, "--schedules", schedule_names(), "schedule") or schedule_names())
     from ..progress import progress
 
     rows, skipped = [], []
@@ -153,6 +144,7 @@ def _config_line(args) -> str:
 
 def run(args) -> int:
     from ...extensions import compare_views
+    from ...schedule import parse_memory_budget
     for view in compare_views():
         if view.active(args):
             return view.run(args)
@@ -174,7 +166,8 @@ def run(args) -> int:
         f, b, w, comm = parse_costs(args.costs)
         print(json.dumps(simulator_json({"pp": args.pp, "microbatches": args.microbatches, "chunks": args.chunks,
                                          "costs": {"F": f, "B": b, "W": w, "comm": comm},
-                                         "memory_budget": args.memory_budget, "comm_model": comm_model_of(args),
+                                         "memory_budget": parse_memory_budget(args.memory_budget, args.pp),
+                                         "comm_model": comm_model_of(args),
                                          "rows": rows, "skipped": skipped, "figure": args.output}), indent=2))
         return 0
     print(_config_line(args))

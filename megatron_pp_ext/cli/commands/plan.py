@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from ..core import CLIError, check_writable, int_at_least, is_stdout, register_command, write_text
+from ..core import CLIError, check_writable, int_at_least, is_stdout, name_list, register_command, write_text
 
 _ARCH = {
     "gpt": dict(gated_mlp=False, norm="layernorm", bias=True, position="learned", tied_embeddings=True, dropout=True),
@@ -85,11 +85,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--global-batch-size", type=int_at_least(1, 1024), required=True, metavar="G",
                    help="sequences per iteration")
-    s.add_argument("--schedules", type=_names, metavar="A,B", help="schedules to consider (default: all registered)")
-    s.add_argument("--features", type=_names, metavar="A,B",
+    s.add_argument("--schedules", metavar="A,B", help="schedules to consider (default: all registered)")
+    s.add_argument("--features", metavar="A,B",
                    help="features to consider: offload, vocab-parallel, bpipe (default: all; 'none' for none)")
-    s.add_argument("--require-features", type=_names, default=(), metavar="A,B",
-                   help="only plans using all of these features")
+    s.add_argument("--require-features", metavar="A,B", help="only plans using all of these features")
     s.add_argument("--tp", type=_int_list("--tp"), metavar="1,2,..", help="tensor-parallel sizes to try")
     s.add_argument("--pp", type=_int_list("--pp"), metavar="1,2,..", help="pipeline-parallel sizes to try")
     s.add_argument("--mbs", type=_int_list("--mbs"), metavar="1,2,..", help="microbatch sizes to try")
@@ -224,15 +223,17 @@ def build_request(args):
         eff = default_efficiency(cluster.gpu)
         if args.calibration:
             eff = load_calibration(args.calibration, eff, model, cluster, precision=args.precision)
-        features = None
-        if args.features is not None:
-            features = () if args.features == ("none",) else args.features
+        from ...planner import feature_names
+        from ...schedule import schedule_names
+        schedules = name_list(args.schedules, "--schedules", schedule_names(), "schedule")
+        features = name_list(args.features, "--features", feature_names(), "feature", none_ok=True)
+        required = name_list(args.require_features, "--require-features", feature_names(), "feature") or ()
         uneven = {"auto": None, "on": True, "off": False}[args.uneven_layers]
         if args.vp is not None and args.max_vp is not None:
             raise CLIError(f"--vp {args.vp} with --max-vp {args.max_vp}: --vp pins the chunk count, --max-vp bounds "
                            "a search of it; pick one")
-        return PlanRequest(model, cluster, args.global_batch_size, efficiency=eff, schedules=args.schedules,
-                           features=features, require_features=args.require_features, tp=args.tp, pp=args.pp,
+        return PlanRequest(model, cluster, args.global_batch_size, efficiency=eff, schedules=schedules,
+                           features=features, require_features=required, tp=args.tp, pp=args.pp,
                            mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven,
                            max_vp=4 if args.max_vp is None else args.max_vp, vp=args.vp, cp=args.cp,
                            recompute=args.recompute, budgets=args.budgets,
