@@ -9,7 +9,7 @@ import argparse
 import math
 from typing import Sequence
 
-__all__ = ["CLIError", "int_at_least", "format_table", "a2a_time", "add_overlap_arguments"]
+__all__ = ["CLIError", "int_at_least", "format_table", "a2a_time", "add_overlap_arguments", "name_list"]
 
 
 class CLIError(Exception):
@@ -65,3 +65,30 @@ def add_overlap_arguments(parser) -> None:
     parser.add_argument("--a2a-time", type=a2a_time, default=None, metavar="T",
                         help="expert all-to-all time (dispatch and combine) of one microbatch's forward on a "
                              "rank, part of F (its backward's, the same, part of B), in the units of --costs")
+
+
+def name_list(text: str | None, flag: str, known: Sequence[str], kind: str, *,
+              none_ok: bool = False) -> tuple[str, ...] | None:
+    """A comma-separated list of names given to ``flag`` (None when the flag was not given): every
+    name known, none twice, at least one ("" and "," name nothing: omit the flag for all of them).
+    ``kind``: what a name is (schedule, feature). ``none_ok``: ``none`` alone means the empty list
+    (``--features none``), never beside a name."""
+    if text is None:
+        return None
+    names = [x.strip() for x in text.split(",")]
+    if not any(names):
+        raise CLIError(f"{flag} {text!r}: no name given; omit {flag} for all of them"
+                       + (", or give none for none" if none_ok else "") + f" ({', '.join(known)})")
+    names = [n for n in names if n]
+    if none_ok and "none" in names:
+        if len(names) > 1:
+            raise CLIError(f"{flag} {text}: none means no {kind} at all; "
+                           "give it alone or drop it")
+        return ()
+    for n in names:
+        if n not in known:
+            raise CLIError(f"unknown {kind} {n!r} ({flag}); available: {', '.join(known)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CLIError(f"{flag} {text}: {', '.join(twice)} given twice; name each once")
+    return tuple(names)

@@ -625,3 +625,14 @@ def test_compare_json_memory_budget_is_the_units_it_ran_with(capsys):
     for given, units in (("3", 3.0), ("0.5x", 2.0)):
         assert main(["compare", "--memory-budget", given, "--pp", "4", "--microbatches", "8", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["memory_budget"] == units
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--comm-model", "nccl"), "--vocab-layouts compares the layouts' compute and memory; --comm-model nccl would "
+                               "change nothing here"),
+    (("--schedules", "zbv,zbv"), "--schedules zbv,zbv: zbv given twice"),
+])
+def test_vocab_layouts_view_refuses_what_it_would_ignore(capsys, extra, needle):
+    """compare --vocab-layouts printed the same table with --comm-model as without, without a word;
+    its --schedules goes through the same name-list reader as compare's and plan's."""
+    assert needle in one_line_error(capsys, "compare", "--vocab-layouts", "32000", *extra)

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..clibase import CLIError, add_overlap_arguments, format_table, int_at_least  # noqa: F401 - the CLI's own names
+from ..clibase import CLIError, add_overlap_arguments, format_table, int_at_least, name_list  # noqa: F401 - the CLI's own names
 from ..schedule import ScheduleError
 
 PROG = "mppx"
@@ -316,33 +316,6 @@ def build_from_args(args: argparse.Namespace, name: str | None = None, *, chunks
 
 def _chunks_message(e: Exception) -> bool:
     return "--chunks" in str(e)
-
-
-def name_list(text: str | None, flag: str, known: Sequence[str], kind: str, *,
-              none_ok: bool = False) -> tuple[str, ...] | None:
-    """A comma-separated list of names given to ``flag`` (None when the flag was not given): every
-    name known, none twice, at least one ("" and "," name nothing: omit the flag for all of them).
-    ``kind``: what a name is (schedule, feature). ``none_ok``: ``none`` alone means the empty list
-    (``--features none``), never beside a name."""
-    if text is None:
-        return None
-    names = [x.strip() for x in text.split(",")]
-    if not any(names):
-        raise CLIError(f"{flag} {text!r}: no name given; omit {flag} for all of them"
-                       + (", or give none for none" if none_ok else "") + f" ({', '.join(known)})")
-    names = [n for n in names if n]
-    if none_ok and "none" in names:
-        if len(names) > 1:
-            raise CLIError(f"{flag} {text}: none means no {kind} at all; "
-                           "give it alone or drop it")
-        return ()
-    for n in names:
-        if n not in known:
-            raise CLIError(f"unknown {kind} {n!r} ({flag}); available: {', '.join(known)}")
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise CLIError(f"{flag} {text}: {', '.join(twice)} given twice; name each once")
-    return tuple(names)
 
 
 def simulator_json(obj):

@@ -43,17 +43,20 @@ def parse_vocab_layouts(text: str) -> tuple[int, int, int, int]:
 
 
 def run_compare(args) -> int:
-    from ...clibase import CLIError
-    from ...schedule.registry import schedule_info
+    from ...clibase import CLIError, name_list
+    from ...schedule.registry import schedule_names
     from .costs import GPTShape, compare_vocab_layouts, format_rows
 
     V, H, L, S = parse_vocab_layouts(args.vocab_layouts)
     if L < args.pp * 2:
         raise CLIError(f"{FLAG} {args.vocab_layouts}: {L} layers is fewer than 2 per pipeline rank (--pp {args.pp}), "
                        "which the V schedules need")
-    names = [n.strip() for n in (args.schedules or DEFAULT_SCHEDULES).split(",") if n.strip()]
-    for n in names:
-        schedule_info(n)
+    model = getattr(args, "comm_model", None)
+    if model not in (None, "eager"):
+        raise CLIError(f"{FLAG} compares the layouts' compute and memory; --comm-model {model} would change nothing "
+                       "here: drop it, or compare the schedules under it without " + FLAG)
+    names = list(name_list(args.schedules, "--schedules", schedule_names(), "schedule")
+                 or DEFAULT_SCHEDULES.split(","))
     shape = GPTShape(num_layers=L, hidden=H, vocab=V, seq=S)
     rows = []
     for n in names:
