@@ -29,6 +29,8 @@ import shlex
 import statistics
 from collections import Counter
 
+from ..textfile import read_text_bounded
+
 __all__ = ["CalibrateError", "PROFILE_FORMAT", "read_profile", "calibration_from_profile", "calibrate_file",
            "pick_stages"]
 
@@ -50,8 +52,7 @@ def _sig(x: float, digits: int = 4) -> float:
 def read_profile(path: str) -> tuple[str, dict]:
     """``(kind, document)`` of a profile file: kind ``"mppx-train"`` or ``"megatron-lm"``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(_MAX_FILE + 1)
+        text = read_text_bounded(path, _MAX_FILE)
     except FileNotFoundError:
         raise CalibrateError(f"{path}: no such file; {_EXPECTED}") from None
     except IsADirectoryError:
@@ -59,7 +60,7 @@ def read_profile(path: str) -> tuple[str, dict]:
                              "DIR/summary.json)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CalibrateError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e}); {_EXPECTED}") from None
-    if len(text) > _MAX_FILE:
+    if text is None:
         raise CalibrateError(f"{path}: larger than {_MAX_FILE >> 20} MiB; {_EXPECTED}")
     try:
         doc = json.loads(text)

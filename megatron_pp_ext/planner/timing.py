@@ -40,6 +40,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from ..textfile import read_text_bounded
 from .presets import ClusterSpec, GPUSpec, ModelSpec, PlannerError
 
 
@@ -712,9 +713,8 @@ def load_calibration(path: str, base: Efficiency, model: ModelSpec | None = None
     """Read a calibration JSON file (format in docs/planner.md) into an :class:`Efficiency`:
     :func:`calibration_from_dict` of its contents. Errors name the file and the field."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(_MAX_FILE + 1)   # (a device such as /dev/zero has no end)
-        if len(text) > _MAX_FILE:
+        text = read_text_bounded(path, _MAX_FILE)
+        if text is None:
             raise PlannerError(f"--calibration {path}: larger than {_MAX_FILE >> 20} MiB; not a calibration file")
         doc = json.loads(text)
     except OSError as e:

@@ -39,6 +39,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..textfile import read_text_bounded
+
 __all__ = ["NCCLMemory", "nccl_memory", "held_strategy", "connections_per_rank", "placement_channels", "communicator_bytes",
            "MEASURED_CHECK", "NCCL_STEPS"]
 
@@ -111,9 +113,8 @@ _MAX_FILE = 16 << 20
 def _measured(path: str) -> NCCLMemory:
     hint = ("give the GPU check's results.json or {\"per_communicator_bytes\": N, \"per_connection_bytes\": N}")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(_MAX_FILE + 1)
-        if len(text) > _MAX_FILE:
+        text = read_text_bounded(path, _MAX_FILE)
+        if text is None:
             raise ValueError(f"MPPX_NCCL_MEMORY={path}: larger than {_MAX_FILE >> 20} MiB; {hint}")
         doc = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

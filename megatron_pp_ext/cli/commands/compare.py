@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..core import (CLIError, name_list, simulator_json, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
-                    parse_costs, register_command)
+from ..core import (CLIError, add_comm_model_argument, add_config_arguments, comm_model_of, deadlock_reason, format_table,
+                    name_list, parse_costs, register_command, simulator_json)
 
 DEFAULT_BUDGET = "0.5x"
 
