@@ -39,8 +39,8 @@ if [ $# -eq 0 ]; then
     # more rows beside the ones run here and through Megatron-LM's loop: the first venv runs them.
     # Nor mppx train's own tests, tests/test_trainer*.py: the trainer launches the runtime tested
     # here, and what it does with Megatron-Core -- checkpoints with the distributed optimizer,
-    # offload, BPipe, vocabulary parallelism, MoE -- runs here through Megatron-LM's loop: ckpt4,
-    # vocab_ckpt4, feat4, scripts4, moe2, pairs4 in tests/test_megatron_lm_integration.py)
+    # offload, BPipe, vocabulary parallelism, MoE -- runs here through Megatron-LM's loop:
+    # the dense4, user4 and world2 launches in tests/test_megatron_lm_integration.py)
     set -- -q tests/runtime/test_runtime_parity.py tests/runtime/test_runtime_executor.py \
         tests/runtime/test_runtime_model.py tests/runtime/test_runtime_moe.py tests/runtime/test_runtime_overlap.py \
         tests/runtime/test_runtime_training_config.py tests/runtime/test_runtime_sync_order.py \

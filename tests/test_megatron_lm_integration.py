@@ -258,40 +258,9 @@ def dense4(work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sched4(dense4) -> dict:
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def layout4(dense4) -> dict:
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def feat4(dense4) -> dict:
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def ckpt4(dense4) -> dict:
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def vocab_ckpt4(dense4) -> dict:
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def world4(dense4) -> dict:
-    """Every run of the schedule and layout groups, by name."""
-    return dense4
-
-
-@pytest.fixture(scope="module")
-def world1(work, ckpt4) -> dict:
+def world1(work, dense4) -> dict:
     """One rank, one launch: plain Megatron-LM at pp=1 (the references, the tiny-moe preset's and
-    the launch scripts' flag set's too), and the V checkpoint resumed at pp=1 (after ``ckpt4``).
+    the launch scripts' flag set's too), and the V checkpoint resumed at pp=1 (after ``dense4``, which saves it).
     (pp1 first: test_patched_pretrain_gpt_runs_zbv_without_launcher reads its log.)"""
     return multirun(work, "world1", 1, [
         ("pp1", UNTIE),
@@ -307,7 +276,7 @@ def world1(work, ckpt4) -> dict:
 @pytest.fixture(scope="module")
 def world2(work) -> dict:
     """Two ranks, one launch: plain Megatron-LM at pp=1 and tp=2 (the references of the tp=2 runs,
-    with the launch scripts' flag set too), and the tiny-moe preset at pp=2 (``moe2``)."""
+    with the launch scripts' flag set too), and the tiny-moe preset at pp=2 (``_moe2``)."""
     return multirun(work, "world2", 2, [
         ("pp1-tp2", UNTIE + TP2),
         ("pp1-llama-tp2", LLAMA + TP2),
@@ -346,13 +315,8 @@ def _scripts4() -> list:
 
 @pytest.fixture(scope="module")
 def user4(work) -> dict:
-    """The 4-rank runs of the launch scripts' flag set and of the MoE pairs (``pairs4``), in one launch."""
+    """The 4-rank runs of the launch scripts' flag set and of the MoE pairs (``_pairs4``), in one launch."""
     return multirun(work, "user4", 4, _scripts4() + _pairs4())
-
-
-@pytest.fixture(scope="module")
-def scripts4(user4) -> dict:
-    return user4
 
 
 @pytest.fixture(scope="module")
@@ -428,82 +392,82 @@ SCHEDULE_RUNS = [("mcore-1f1b", "pp1"), ("zb-h1", "pp1"), ("interleaved-zb", "pp
 
 
 @pytest.mark.parametrize("name,ref", SCHEDULE_RUNS, ids=[n for n, _ in SCHEDULE_RUNS])
-def test_schedule_matches_megatron_pp1_bit_for_bit(world4, world1, world2, name, ref):
+def test_schedule_matches_megatron_pp1_bit_for_bit(dense4, world1, world2, name, ref):
     refs = {**world1, **world2}
-    train, evals = losses(world4[name])
+    train, evals = losses(dense4[name])
     ref_train, ref_eval = losses(refs[ref])
     assert len(train) == 4 and len(evals) == 2
     assert train == ref_train, f"{name}: {[float.fromhex(x) for x in train]} != {[float.fromhex(x) for x in ref_train]}"
     assert evals == ref_eval
     # gradient norms: the same up to the order of the cross-rank sum
-    for a, b in zip(world4[name]["grad_norm"], refs[ref]["grad_norm"]):
+    for a, b in zip(dense4[name]["grad_norm"], refs[ref]["grad_norm"]):
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 1e-5 * float.fromhex(b)
 
 
 @pytest.mark.parametrize("name,ref", [("zbv-tp2", "pp1"), ("llama-zbv-tp2", "pp1-llama")])
-def test_tensor_parallel_against_tp1_within_two_ulps(world4, world1, name, ref):
+def test_tensor_parallel_against_tp1_within_two_ulps(dense4, world1, name, ref):
     """tp=2 against tp=1 is not bit for bit, with Megatron's own schedules as with ours: a
     RowParallelLinear sums two half-width products (an all-reduce) where tp=1 does one GEMM, and
     the vocabulary-parallel cross entropy reduces its max and sum over ranks. The losses agree
     within 2 float32 ulps (observed: 0 or 1)."""
-    for a, b in zip(sum(losses(world4[name]), []), sum(losses(world1[ref]), [])):
+    for a, b in zip(sum(losses(dense4[name]), []), sum(losses(world1[ref]), [])):
         assert ulps(a, b) <= 2, (name, a, b)
 
 
-def test_tied_embeddings_under_v_placement(layout4, world1):
+def test_tied_embeddings_under_v_placement(dense4, world1):
     """The embedding and the output layer of tied embeddings get the sum of their gradients,
     (sum over microbatches of the embedding's) + (sum of the output layer's), as in Megatron-LM's
     own pp > 1 runs (its embedding all-reduce): bit for bit with Megatron's 1F1B at pp=4. At pp=1
     one parameter accumulates both per microbatch, in another order: within 2 float32 ulps."""
-    assert losses(layout4["zbv-tied"]) == losses(layout4["mcore-1f1b-tied"])
-    for a, b in zip(sum(losses(layout4["zbv-tied"]), []), sum(losses(world1["pp1-tied"]), [])):
+    assert losses(dense4["zbv-tied"]) == losses(dense4["mcore-1f1b-tied"])
+    for a, b in zip(sum(losses(dense4["zbv-tied"]), []), sum(losses(world1["pp1-tied"]), [])):
         assert ulps(a, b) <= 2, (a, b)
-    assert losses(layout4["zbv-tied"])[0] != losses(world1["pp1"])[0]  # (tying does change the model)
+    assert losses(dense4["zbv-tied"])[0] != losses(world1["pp1"])[0]  # (tying does change the model)
 
 
-def test_bf16_under_the_v_placement(sched4):
+def test_bf16_under_the_v_placement(dense4):
     """--bf16: Megatron-LM wraps every chunk in its Float16Module (from core_v0.19 through the model
     builder), whose casts assume the loop placement; ours follow each chunk's own stage, so zbv
     trains, with the losses of zb-h1 (the same stages in the loop placement) bit for bit."""
-    zbv, zbh1 = losses(sched4["zbv-bf16"]), losses(sched4["zb-h1-bf16"])
+    zbv, zbh1 = losses(dense4["zbv-bf16"]), losses(dense4["zb-h1-bf16"])
     assert zbv == zbh1
     assert all(math.isfinite(float.fromhex(x)) for x in zbv[0] + zbv[1])
 
 
-def test_activation_offload_is_exact(feat4, world1):
-    assert losses(feat4["1f1b-offload"]) == losses(world1["pp1"])
-    metrics = feat4["1f1b-offload"]["feature_metrics"]
+def test_activation_offload_is_exact(dense4, world1):
+    assert losses(dense4["1f1b-offload"]) == losses(world1["pp1"])
+    metrics = dense4["1f1b-offload"]["feature_metrics"]
     assert metrics[0]["peak_offloaded_bytes"] > 0      # rank 0 (pp rank 0) moved activations to the host
 
 
-def test_bpipe_is_exact(feat4, world1):
-    assert losses(feat4["1f1b-bpipe"]) == losses(world1["pp1"])
-    metrics = feat4["1f1b-bpipe"]["feature_metrics"]
+def test_bpipe_is_exact(dense4, world1):
+    assert losses(dense4["1f1b-bpipe"]) == losses(world1["pp1"])
+    metrics = dense4["1f1b-bpipe"]["feature_metrics"]
     assert metrics[3]["peak_partner_bytes"] > 0        # rank 3 holds what rank 0 evicted
 
 
-def test_vocabulary_parallel_matches_within_softmax_rounding(feat4, world1):
-    (train, evals), (ref_train, ref_eval) = losses(feat4["zbv-vocab"]), losses(world1["pp1"])
+def test_vocabulary_parallel_matches_within_softmax_rounding(dense4, world1):
+    (train, evals), (ref_train, ref_eval) = losses(dense4["zbv-vocab"]), losses(world1["pp1"])
     assert train[0] == ref_train[0]     # the same initial model (shards cut from the full tensors)
     for a, b in zip(train + evals, ref_train + ref_eval):
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b))
 
 
-def test_checkpoint_saved_under_v_resumes_anywhere(sched4, ckpt4, world1):
-    full, _ = losses(sched4["zbv"])
-    saved, _ = losses(ckpt4["zbv-save"])
+def test_checkpoint_saved_under_v_resumes_anywhere(dense4, world1):
+    full, _ = losses(dense4["zbv"])
+    saved, _ = losses(dense4["zbv-save"])
     assert saved == full[:2]
-    for name, run in (("zbv", ckpt4["zbv-load"]), ("mcore 1F1B", ckpt4["mcore-load"]), ("pp=1", world1["pp1-load"])):
+    for name, run in (("zbv", dense4["zbv-load"]), ("mcore 1F1B", dense4["mcore-load"]), ("pp=1", world1["pp1-load"])):
         assert losses(run)[0] == full[2:], f"resumed under {name}"
 
 
-def test_vocabulary_parallel_checkpoint_resumes_exactly(feat4, vocab_ckpt4):
+def test_vocabulary_parallel_checkpoint_resumes_exactly(dense4):
     """The shards save under the plain model's keys (Megatron-Core distributed checkpoint);
     a resumed vocabulary-parallel run continues with exactly the uninterrupted one's losses."""
-    full, _ = losses(feat4["zbv-vocab"])
-    saved, _ = losses(vocab_ckpt4["zbv-vocab-save"])
+    full, _ = losses(dense4["zbv-vocab"])
+    saved, _ = losses(dense4["zbv-vocab-save"])
     assert saved == full[:2]
-    assert losses(vocab_ckpt4["zbv-vocab-load"])[0] == full[2:]
+    assert losses(dense4["zbv-vocab-load"])[0] == full[2:]
 
 
 def test_flag_error_ends_the_run_with_one_line(work):
@@ -617,7 +581,7 @@ def _rel(a: str, b: str) -> float:
 
 
 @pytest.mark.parametrize("name,mcore,pp1", USER_RUNS, ids=[n for n, _, _ in USER_RUNS])
-def test_scripts_flag_set_matches_megatron(scripts4, scripts_ref, name, mcore, pp1):
+def test_scripts_flag_set_matches_megatron(user4, scripts_ref, name, mcore, pp1):
     """bf16, the distributed optimizer, both overlaps, --clip-grad 1.0 and sequence parallelism at
     tp=2 (what the launch scripts run, plus the overlaps):
 
@@ -630,7 +594,7 @@ def test_scripts_flag_set_matches_megatron(scripts4, scripts_ref, name, mcore, p
       bf16, moves some weights by one bf16 ulp (2^-8 relative) from then on, Megatron's own
       pipeline alike. Measured: losses within 2e-5, gradient norms within 1.3e-3 at the fourth
       iteration: bounds 1e-4 and 5e-3."""
-    got, own, ref = scripts4[name], scripts4[mcore], scripts_ref[pp1]
+    got, own, ref = user4[name], user4[mcore], scripts_ref[pp1]
     assert losses(got) == losses(own), name
     assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"])), name
     (train, evals), (ref_train, ref_eval) = losses(got), losses(ref)
@@ -640,21 +604,21 @@ def test_scripts_flag_set_matches_megatron(scripts4, scripts_ref, name, mcore, p
     assert all(_rel(a, b) <= 5e-3 for a, b in zip(got["grad_norm"], ref["grad_norm"])), name
 
 
-def test_scripts_flag_set_with_vocabulary_parallelism(scripts4, scripts_ref):
+def test_scripts_flag_set_with_vocabulary_parallelism(user4, scripts_ref):
     """The same flags (tp=1, so no sequence parallelism) with vocabulary parallelism at pp=4: the
     first loss bit for bit (the same initial model: shards cut from the full tensors), then within
     the softmax's reduction-order rounding carried through bf16 (measured <= 7.1e-5: bound 1e-3)."""
-    (train, evals), (ref_train, ref_eval) = losses(scripts4["user-zbv-vocab"]), losses(scripts_ref["user-pp1"])
+    (train, evals), (ref_train, ref_eval) = losses(user4["user-zbv-vocab"]), losses(scripts_ref["user-pp1"])
     assert train[0] == ref_train[0]
     assert all(_rel(a, b) <= 1e-3 for a, b in zip(train + evals, ref_train + ref_eval)), (train, ref_train)
 
 
-def test_scripts_flag_set_with_vocabulary_and_sequence_parallelism(scripts4, scripts_ref):
+def test_scripts_flag_set_with_vocabulary_and_sequence_parallelism(user4, scripts_ref):
     """LLaMA, the scripts' flags with sequence parallelism at pp=2 x tp=2 and vocabulary parallelism
     (the last stage gathers the sequence shards, the first scatters the summed lookup) against
     plain Megatron-LM at pp=1 x tp=2 with the same flags: the same bound as above, for the same
     reason (the softmax statistics reduced per shard, carried through bf16)."""
-    got, ref = scripts4["user-llama-zbv-vocab-sp"], scripts_ref["user-pp1-llama-tp2"]
+    got, ref = user4["user-llama-zbv-vocab-sp"], scripts_ref["user-pp1-llama-tp2"]
     (train, evals), (ref_train, ref_eval) = losses(got), losses(ref)
     assert len(train) == 4 and len(evals) == 2
     assert all(_rel(a, b) <= 1e-3 for a, b in zip(train + evals, ref_train + ref_eval)), (train, ref_train)
@@ -721,11 +685,6 @@ def _moe2() -> list:
     ]
 
 
-@pytest.fixture(scope="module")
-def moe2(world2) -> dict:
-    return world2
-
-
 
 
 def _moe_equal(got: dict, ref: dict) -> None:
@@ -737,22 +696,22 @@ def _moe_equal(got: dict, ref: dict) -> None:
                                                                                            ref["grad_norm"])
 
 
-def test_moe_launch_script_matches_megatron(moe2, world1, pairs4):
+def test_moe_launch_script_matches_megatron(world2, world1, user4):
     """MoE through Megatron-LM's training loop with our schedules: the launch scripts' tiny-moe preset
     (bf16, distributed optimizer, --clip-grad 1.0, 4 experts top-2, alltoall dispatcher) at ep=1: zbv
     (V placement; the experts' weight gradients in W) against Megatron-Core's own 1F1B at pp=2 and
     against plain Megatron-LM at pp=1, with layout-independent initialisation; ep=2 (dp=2, the experts
     split, experts initialised by their global index): zb-h1 against Megatron-Core's 1F1B at the same
     layout (the V placement at ep=2: test_pairs_through_megatron_lm_loop_*). Losses bit for bit."""
-    _moe_equal(moe2["moe-zbv"], moe2["moe-mcore"])
-    _moe_equal(moe2["moe-zbv"], world1["moe-pp1"])
-    got, own = pairs4["zb-h1-moe"], pairs4["mcore-moe"]
+    _moe_equal(world2["moe-zbv"], world2["moe-mcore"])
+    _moe_equal(world2["moe-zbv"], world1["moe-pp1"])
+    got, own = user4["zb-h1-moe"], user4["mcore-moe"]
     assert losses(got) == losses(own), (losses(got), losses(own))
     assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"]))
-    assert losses(got) != losses(moe2["moe-zbv"])   # ep=2 really changed the run
+    assert losses(got) != losses(world2["moe-zbv"])   # ep=2 really changed the run
 
 
-def test_moe_expert_bias_through_megatron_lm_loop(moe2):
+def test_moe_expert_bias_through_megatron_lm_loop(world2):
     """The DeepSeek-V3-like router through Megatron-LM's own training loop: the tiny-moe preset with
     --moe-router-enable-expert-bias --moe-router-score-function sigmoid (the flags `mppx plan` emits
     for its DeepSeek-V3 preset). Megatron-LM calls the schedule without a pg_collection, so the
@@ -760,9 +719,9 @@ def test_moe_expert_bias_through_megatron_lm_loop(moe2):
     finalize_model_grads when the expert bias is on. zbv and v-half at pp=2 against Megatron-Core's
     own 1F1B at pp=2; the expert bias (updated from the token counts every step) really changes the
     run against the plain router."""
-    _moe_equal(moe2["moe-zbv-bias"], moe2["moe-mcore-bias"])
-    _moe_equal(moe2["moe-v-half-bias"], moe2["moe-mcore-bias"])
-    assert losses(moe2["moe-zbv-bias"]) != losses(moe2["moe-zbv"]), "the expert-bias flags did not change the run"
+    _moe_equal(world2["moe-zbv-bias"], world2["moe-mcore-bias"])
+    _moe_equal(world2["moe-v-half-bias"], world2["moe-mcore-bias"])
+    assert losses(world2["moe-zbv-bias"]) != losses(world2["moe-zbv"]), "the expert-bias flags did not change the run"
 
 
 # --- overlapped pairs and multi-token prediction -------------------------------------------------
@@ -789,29 +748,24 @@ def _pairs4() -> list:
     ]
 
 
-@pytest.fixture(scope="module")
-def pairs4(user4) -> dict:
-    return user4
-
-
 @pytest.mark.parametrize("run", ["dualpipev-pairs", "zbv-pairs"])
-def test_pairs_through_megatron_lm_loop_match_megatron(pairs4, run):
+def test_pairs_through_megatron_lm_loop_match_megatron(user4, run):
     """dualpipev's pairs (F&BW) and zbv's (F&B, their W later), V placement, run through Megatron-Core's
     fine-grained plan inside Megatron-LM's loop, with layout-independent initial weights (experts by
     global index): every training and validation loss equals Megatron-Core's own 1F1B at pp=2
     (unpaired) on the same model bit for bit, the gradient norms within 1e-6 (a sum of squares per
     rank, added in another order, as for the dense schedules)."""
-    got, own = pairs4[run], pairs4["mcore-moe"]
+    got, own = user4[run], user4["mcore-moe"]
     assert losses(got) == losses(own), (run, losses(got), losses(own))
     assert all(_rel(a, b) <= 1e-6 for a, b in zip(got["grad_norm"], own["grad_norm"])), run
     assert len(losses(got)[0]) == 4
 
 
-def test_pairs_with_mtp_through_megatron_lm_loop(pairs4):
+def test_pairs_with_mtp_through_megatron_lm_loop(user4):
     """zbv's pairs with one MTP layer (built on rank 0's last chunk, where the V placement's last stage
     is) through Megatron-LM's loop: the MTP layer and loss join the run -- the first iteration's token
     loss is the run without MTP's, bit for bit (the same model and forward), the later ones differ (its
     gradients trained the shared layers); its numerics against pp=1 and against unpaired are
     tests/runtime/test_runtime_overlap.py's."""
-    got, plain = losses(pairs4["zbv-pairs-mtp"]), losses(pairs4["zbv-pairs"])
+    got, plain = losses(user4["zbv-pairs-mtp"]), losses(user4["zbv-pairs"])
     assert len(got[0]) == 4 and got[0][0] == plain[0][0] and got[0][1:] != plain[0][1:], (got, plain)
