@@ -12,7 +12,7 @@ from __future__ import annotations
 #: (layer, the packages and modules in it), lowest first
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("megatron_pp_ext.layers", "megatron_pp_ext._lazy", "megatron_pp_ext.layer_pattern",
-              "megatron_pp_ext.clibase", "megatron_pp_ext.extensions")),
+              "megatron_pp_ext.clibase", "megatron_pp_ext.extensions", "megatron_pp_ext.textfile")),
     ("schedule core", ("megatron_pp_ext.schedule",)),
     ("version layer", ("megatron_pp_ext.compat",)),
     ("runtime and planner", ("megatron_pp_ext.runtime", "megatron_pp_ext.planner")),
