@@ -30,6 +30,24 @@ def test_one_message_costs_its_latency_under_every_model():
         assert simulate(s, c, comm_model=name).makespan == 6.5, name
 
 
+def test_comm_wait_counts_consumer_waits_as_batch_waits():
+    """The JSON's comm_wait_per_rank under every model: rank 1's forward waits 1.25 for the
+    activation, rank 0's backward 3.5 for the gradient (after its forward ends at 1) -- in a batch
+    under the batch-end models (where rank 1's last batch, its send, holds it 0.25 more), right
+    before the reader under the consumer-wait ones."""
+    s = _two_ranks([Op("F", 0, 0, 0), Op("SEND_F", 0, 0, 0, 1), Op("RECV_B", 0, 0, 0, 1), Op("BW", 0, 0, 0)],
+                   [Op("RECV_F", 1, 0, 1, 0), Op("F", 1, 0, 1), Op("BW", 1, 0, 1), Op("SEND_B", 1, 0, 1, 0)])
+    c = CostModel.uniform(2, 1, f=1, b=2, w=0, comm=0.25)
+    for name in ["eager"] + NCCL:   # (not the validator's blocking proof: its batches wait for every partner)
+        batch_end = name != "eager" and comm_model(name).recv_wait == "batch-end"
+        assert simulate(s, c, comm_model=name).to_dict()["comm_wait_per_rank"] == [3.5, 1.5 if batch_end else 1.25], name
+    sched, cost = build_schedule("1f1b", 4, 8, costs=(1, 1, 1, 0.05), with_comm=True)
+    for name in ("nccl-batched-consumer", "nccl-pairwise", "nccl-channels"):
+        d = simulate(sched, cost, comm_model=name).to_dict()
+        # at most the rank's idle time (1e-9: the simulator rounds its times to 9 decimals)
+        assert all(0 < w <= d["makespan"] - b + 1e-9 for w, b in zip(d["comm_wait_per_rank"], d["busy_per_rank"])), name
+
+
 def test_a_batch_holds_the_compute_until_every_transfer_ends():
     """Rank 0 posts its receive of the gradient early, in the same batch as its send: with waits
     at the batch end its next forward waits for rank 1's whole backward; at the consumer (or on a

@@ -51,6 +51,17 @@ def _latest(ready: list, t: float, first: int, more: tuple) -> tuple[float, int]
     return t, -1
 
 
+def _recv_delay(pl: tuple, ready: list, received: bytearray, base: float, t: float) -> float:
+    """How long a compute op starting at ``t`` (its stream free at ``base``) waited for a received
+    tensor: the time past the latest of ``base`` and its inputs made on its own rank."""
+    local = base
+    keys = (pl[3],) if pl[4] < 0 else (pl[3], pl[4]) + (pl[5] or ())
+    for k in keys:
+        if k >= 0 and not received[k] and ready[k] > local:
+            local = ready[k]
+    return t - local if t > local else 0.0
+
+
 def _ids(first: int, more: tuple) -> tuple:
     """A comm op's key ids from its need0 / make0 field and its needs / makes tuple."""
     return more if first == -2 else (first,) if first >= 0 else ()
@@ -71,6 +82,9 @@ def run(prep: Prepared, model: str) -> SimResult:
     busy = [0.0] * p
     messages = [0] * p
     comm_wait = [0.0] * p
+    consumer_wait = [0.0] * p                 # compute held for a received tensor before its reader
+    received = bytearray(prep.n_ids)          # key id -> 1 when a comm op delivered it
+    track = bool(prep.n_comm) and model != "blocking"
     mem_events: list[list] = [[] for _ in range(p)]
     ptr = [0] * p
     ready = [-1.0] * prep.n_ids               # key id -> when the key is there (-1: not yet)
@@ -101,9 +115,10 @@ def run(prep: Prepared, model: str) -> SimResult:
                 stack.append(q)
 
     def publish(first: int, more: tuple, t: float) -> None:
-        """The keys of an op (coded as in :func:`_latest`) are there at ``t``; wake who waits."""
+        """The keys of a comm op (coded as in :func:`_latest`) are there at ``t``; wake who waits."""
         for k in ((first,) if first >= 0 else more if first == -2 else ()):
             ready[k] = t
+            received[k] = 1
             if wait_on[k] is not None:
                 wake(k)
 
@@ -136,6 +151,7 @@ def run(prep: Prepared, model: str) -> SimResult:
 
         def set_ready(i: int, rank: int, t: float) -> None:
             ready[i] = t
+            received[i] = 1
             if wait_on[i] is not None:
                 wake(i)
 
@@ -184,7 +200,7 @@ def run(prep: Prepared, model: str) -> SimResult:
             sid = pl[0]
             if sid >= 0:
                 if sid == 0:
-                    t = t_free if t_free > t_last else t_last
+                    t = base = t_free if t_free > t_last else t_last
                 else:
                     t = sf[sid]
                     if t_last > t:
@@ -215,6 +231,8 @@ def run(prep: Prepared, model: str) -> SimResult:
                                     t = kt
                             if blocked >= 0:
                                 break
+                if track and sid == 0 and t > base:
+                    consumer_wait[r] += _recv_delay(pl, ready, received, base, t)
                 dur = pl[1]
                 end = round(t + dur, 9)
                 st_r[i] = t
@@ -430,11 +448,11 @@ def run(prep: Prepared, model: str) -> SimResult:
             msg += f"\nNCCL streams ({nccl.name}):\n" + "\n".join(stuck)
             waits = [ln.strip() for ln in stuck] or waits
         raise DeadlockError(msg, model=nccl.name if streams is not None else model, waits=tuple(waits))
-    return _result(prep, model, starts, ends, busy, messages, comm_wait, mem_events, ready, recv_fix)
+    return _result(prep, model, starts, ends, busy, messages, comm_wait, mem_events, ready, recv_fix, consumer_wait)
 
 
 def _result(prep: Prepared, model: str, starts, ends, busy, messages, comm_wait, mem_events, ready,
-            recv_fix) -> SimResult:
+            recv_fix, consumer_wait) -> SimResult:
     """The SimResult of a finished run: receive ends (eager), the makespan, each rank's memory
     timeline and peak (with the transients and message buffers of buffers.py)."""
     schedule, cost, p = prep.schedule, prep.cost, len(prep.plans)
@@ -464,7 +482,7 @@ def _result(prep: Prepared, model: str, starts, ends, busy, messages, comm_wait,
         peaks.append(peak)
         timelines.append(tl)
     return SimResult(makespan, busy, peaks, timelines, LazyTimes(schedule.ops, starts, ends), messages, comm_wait,
-                     cost.bytes_per_unit, cost.bytes_per_message)
+                     cost.bytes_per_unit, cost.bytes_per_message, [round(w, 9) for w in consumer_wait])
 
 
 def _deadlock_message(schedule: Schedule, ptr: list[int]) -> str:

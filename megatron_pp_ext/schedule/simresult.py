@@ -41,6 +41,8 @@ class SimResult:
     comm_wait: list[float] = field(default_factory=list)  # compute-stream time blocked in comm batches
     bytes_per_unit: float | None = None
     bytes_per_message: float | None = None
+    recv_wait: list[float] = field(default_factory=list)  # compute-stream time waiting for a received
+    #   tensor right before the op that reads it (models that wait at the consumer)
 
     @property
     def num_ranks(self) -> int:
@@ -86,5 +88,7 @@ class SimResult:
         if self.comm_bytes is not None:
             d["comm_bytes_per_rank"] = self.comm_bytes
         if self.comm_wait:
-            d["comm_wait_per_rank"] = self.comm_wait
+            # in batches (batch-end models) and before the op that reads a received tensor (consumer waits)
+            rw = self.recv_wait or [0.0] * len(self.comm_wait)
+            d["comm_wait_per_rank"] = [round(a + b, 9) for a, b in zip(self.comm_wait, rw)]
         return d
