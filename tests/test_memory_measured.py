@@ -98,3 +98,18 @@ def test_an_moe_run_holds_what_the_model_predicts(tmp_path, precision):
                             "--moe-router-topk", "2", *(["--bf16"] if precision == "bf16" else []))
     for r, (m, p) in enumerate(zip(steady, rec["predicted_peak_bytes"])):
         assert abs(m / p - 1) <= GOAL, (r, m, p)
+
+
+def test_the_memory_line_says_when_its_ratio_means_nothing():
+    """One iteration (a fresh --iters 1, or a resume that adds one) prints no ratio -- its peak holds
+    what the first iteration allocates for later ones (106x after a resume) --, and CPU ranks
+    predicted under 8 MiB are flagged as within the measure's resolution; a GPU's are not."""
+    from megatron_pp_ext.trainer.report import CPU_RESOLVED_BYTES, memory_line
+    MiB = 1 << 20
+    one = memory_line([14 * MiB], [135 * 1024], 1, "rss_high_water_mark", False)
+    assert "not compared" in one and "/" not in one
+    small = memory_line([2 * MiB, MiB], [MiB, MiB], 3, "rss_high_water_mark", False)
+    assert "(2.00)" in small and "within the CPU measure's resolution" in small
+    big = memory_line([9 * MiB, 9 * MiB], [CPU_RESOLVED_BYTES, 10 * MiB], 3, "rss_high_water_mark", False)
+    assert "(1.12)" in big and "resolution" not in big
+    assert "resolution" not in memory_line([MiB], [MiB], 3, "cuda_max_memory_allocated", True)
