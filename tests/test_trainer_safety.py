@@ -324,6 +324,21 @@ def test_a_save_failing_mid_run_is_one_line(pool, tmp_path):
     assert not (tmp_path / "ck" / ckpt.TRACKER).exists()
 
 
+def test_an_emulated_nccl_hang_is_one_line_that_admits_a_slow_step():
+    """Every rank of a hung (or, under a tiny MPPX_NCCL_TIMEOUT, merely slow) emulated run raises;
+    the launcher reports the first rank's hang report alone -- not four tracebacks -- and the report
+    says a CPU step slower than the timeout reads the same."""
+    from megatron_pp_ext.runtime.nccl_rules import hang_verdict
+    from megatron_pp_ext.trainer.launcher import _rank_failure
+    report = ("emulated NCCL (channels): rank {r} waited 0.1 s for receive ('act', 6, 0) from rank 1 on stream "
+              "(1, 0, 'act'), which is stuck at receive ('act', 6, 0) from rank 1: " + hang_verdict(0.1))
+    tb = {r: ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+              f"megatron_pp_ext.runtime.nccl_rules.NCCLHangError: {report.format(r=r)}\n") for r in range(4)}
+    err = _rank_failure(tb, "details")
+    assert str(err) == report.format(r=0) and not err.details
+    assert "raise MPPX_NCCL_TIMEOUT" in str(err) and "took longer than 0.1 s" in str(err)
+
+
 # --- verdicts: a diverged or untrained run is never a match ----------------------------------------------
 
 def test_a_diverging_run_stops_fails_and_keeps_its_last_good_checkpoint(capsys, pool, tmp_path):

@@ -55,6 +55,12 @@ class NCCLHangError(RuntimeError):
     """A wait of the emulated NCCL path did not end: the run would hang on a GPU."""
 
 
+def hang_verdict(timeout: float, what: str = "this order hangs on a GPU") -> str:
+    """The end of a hang report: a timeout cannot tell a hang from a CPU step slower than it."""
+    return (f"{what} (or a step of this CPU run took longer than {timeout:g} s: raise MPPX_NCCL_TIMEOUT, "
+            "default 60, to tell them apart)")
+
+
 # --- the functions this module replaces, kept for the emulation itself ---------------------------
 _COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                 "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
@@ -134,10 +140,11 @@ class DeviceQueue:
             later = [self._labels[s] for s in sorted(self._labels) if s > seq and self._labels[s]]
             held = f"{len(later)} op(s) issued after it, the first {later[0]}" if later else "every op issued after it"
             return (f"{head}rank {self.rank}: {label} did not end within {self.timeout:g} s, and it holds {held}: "
-                    "this order hangs on a GPU with one hardware queue")
+                    + hang_verdict(self.timeout, "this order hangs on a GPU with one hardware queue"))
         why = self._waiting.get(self._next)
         return (f"{head}rank {self.rank} waited {self.timeout:g} s to start {label}; the queue is held by "
-                f"{why() if why is not None else 'nothing'}: this order hangs on a GPU with one hardware queue")
+                f"{why() if why is not None else 'nothing'}: "
+                + hang_verdict(self.timeout, "this order hangs on a GPU with one hardware queue"))
 
 
 # --- communicators and their streams --------------------------------------------------------------
@@ -232,7 +239,7 @@ def wait_job(job: _Job, stream: Stream, *, rank: int, timeout: float, queue: "De
     if not job.done.wait(timeout):
         stuck = stream.current.what if stream.current is not None else "nothing (its queue is empty)"
         raise NCCLHangError(f"{who}: rank {rank} waited {timeout:g} s for {job.what} on stream {stream.label}, which "
-                            f"is stuck at {stuck}: this order hangs on a GPU")
+                            f"is stuck at {stuck}: " + hang_verdict(timeout))
     if job.error is not None:
         if isinstance(job.error, NCCLHangError):
             raise job.error

@@ -152,11 +152,13 @@ def train(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> int:
 
 
 def _failure_line(tracebacks: dict) -> str | None:
-    """The message of a :class:`~.errors.RunFailure` among the ranks' tracebacks (the first rank's),
+    """The message of a :class:`~.errors.RunFailure` (or of the NCCL emulation's hang report, which
+    names the wait, its stream and what holds it) among the ranks' tracebacks (the first rank's),
     else None: what the user can act on, in one line, without the tracebacks of the others."""
+    from ..runtime.nccl_rules import NCCLHangError
     from .errors import RunFailure
 
-    names, todo = set(), [RunFailure]
+    names, todo = set(), [RunFailure, NCCLHangError]
     while todo:
         cls = todo.pop()
         names.add(cls.__name__)
