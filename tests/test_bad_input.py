@@ -359,8 +359,9 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
     ({"gemm_points": [{"x": 1e5, "efficiency": float("nan")}]}, "efficiency must be a finite number"),
     ({"gemm_points": [{"y": 1}]}, "has no 'efficiency'"),
     ({"gemm_points": 7}, "must be a list"),
-    ({"layer_points": [{"mbs": 1, "forward_ms": float("nan")}]}, "forward_ms"),
-    ({"layer_points": [{"mbs": 0, "forward_ms": 3}]}, "mbs and tp"),
+    ({"layer_points": [{"mbs": 1, "tp": 1, "forward_ms": float("nan")}]}, "forward_ms"),
+    ({"layer_points": [{"mbs": 0, "tp": 1, "forward_ms": 3}]}, "mbs and tp"),
+    ({"layer_points": [{"mbs": 1, "forward_ms": 3}]}, "has no 'tp'"),     # (not silently tp 1)
     # nothing in the file is ignored: a field at the wrong level, an empty file, a point out
     # of range or not whole is refused, not dropped, truncated or reported as "calibrated from FILE"
     ({"gemm_max": 0.6}, "unknown keys ['gemm_max']; gemm_max go(es) under \"efficiency\""),
@@ -379,20 +380,25 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
      "which \"efficiency\" already sets"),
     ({"efficiency": {"gemm_max": 0.4}, "gemm_points": [{"x": 1e6, "efficiency": 0.5}]}, "at or above gemm_max=0.4"),
     # measured stage times (the shape of table 6): every time there, finite and > 0
-    ({"stage_times": {"micro_batch_size": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms is missing"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 0, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms=0"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": -2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.b_ms=-2"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": float("nan"), "p2p_ms": 0.1}},
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms is missing"),
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 0, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms=0"),
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": -2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.b_ms=-2"),
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": float("nan"), "p2p_ms": 0.1}},
      "stage_times.w_ms=nan"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1}}, "stage_times.p2p_ms is missing"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": "fast"}},
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1}}, "stage_times.p2p_ms is missing"),
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": "fast"}},
      "stage_times.p2p_ms='fast'"),
     ({"stage_times": {"f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.micro_batch_size is missing"),
-    ({"stage_times": {"micro_batch_size": 1.5, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+    # no default for the sizes: 4 measured layers read as 1 planned 4x slower (13.9 s against 3.5 s)
+    ({"stage_times": {"micro_batch_size": 1, "layers": 4, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+     "stage_times.tp is missing: give the tensor-parallel size the times were measured at"),
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+     "stage_times.layers is missing"),
+    ({"stage_times": {"micro_batch_size": 1.5, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.micro_batch_size=1.5: a whole number"),
-    ({"stage_times": {"micro_batch_size": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1, "t_f": 1}},
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1, "t_f": 1}},
      "stage_times: unknown keys ['t_f']"),
-    ({"stage_times": {"micro_batch_size": 1, "layers": 99, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 99, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.layers=99: more than the model's 32 layers"),
 ])
 def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
@@ -403,12 +409,25 @@ def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
 
 def test_plan_refuses_stage_times_of_another_microbatch_size(capsys, tmp_path):
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "f_ms": 1000, "b_ms": 2000, "w_ms": 1000,
+    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "tp": 1, "layers": 1, "f_ms": 1000, "b_ms": 2000, "w_ms": 1000,
                                                 "p2p_ms": 0.1}}))
     line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--mbs", "1")
     assert "stage_times.micro_batch_size=2: the times were measured at mbs 2, but --mbs 1 is planned" in line
     line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--tp", "2")
     assert "stage_times.tp=1" in line
+
+
+def test_a_stage_times_size_no_layout_allows_is_named(capsys, tmp_path):
+    """The search takes tp and the micro-batch size from stage_times: when no layout allows them,
+    the error names stage_times.tp / stage_times.micro_batch_size, not flags the user never gave."""
+    base = {"micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "p2p_ms": 0.4}
+    slow = {"f_ms": 2000.0, "b_ms": 2000.0, "w_ms": 1500.0}   # (128 sequences: above the GPU's peak otherwise)
+    for key, value, more in (("tp", 3, {}), ("micro_batch_size", 128, slow)):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({"stage_times": dict(base, **{key: value}, **more)}))
+        line = one_line_error(capsys, "plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64", "--top", "1",
+                              "--no-baseline", "--calibration", str(path))
+        assert f"stage_times.{key}={value}" in line and "--tp" not in line and "--mbs" not in line, line
 
 
 def test_planner_library_refuses_the_same_values():

@@ -807,9 +807,13 @@ class Planner:
                     "(default 120)")
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
+            st = req.efficiency.stage_times
+            fix = ("widen or change --pp, --ep, --etp, --cp, or the GPU count; tp and the micro-batch size are "
+                   f"those of --calibration stage_times (stage_times.tp={st.tp}, stage_times.micro_batch_size="
+                   f"{st.mbs}): measure at sizes this model and batch allow" if st is not None else
+                   "widen or change --tp, --pp, --ep, --etp, --mbs, --cp, or the GPU count")
             return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
-                    f"Megatron's divisibility rules in the searched ranges (rejected: {counts}; e.g. {ex}); "
-                    "widen or change --tp, --pp, --ep, --etp, --mbs, --cp, or the GPU count")
+                    f"Megatron's divisibility rules in the searched ranges (rejected: {counts}; e.g. {ex}); {fix}")
         return (f"no configuration of {model.name} fits {self.N} x {req.cluster.gpu.name} "
                 f"({fmt_bytes(self.usable)} usable each) with global batch {req.global_batch} (rejected: {counts}; "
                 f"e.g. {ex}). Parameters, gradients and optimizer states alone need "

@@ -795,7 +795,7 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
         if model is None or cluster is None:
             raise PlannerError("--calibration: layer_points need the planned model and cluster")
         _known(p, _LAYER_KEYS, path)
-        mbs, tp, ms = _num(p, "mbs", path), _num(p, "tp", path, 1), _num(p, "forward_ms", path)
+        mbs, tp, ms = _num(p, "mbs", path), _num(p, "tp", path), _num(p, "forward_ms", path)
         if not (1 <= mbs <= _MAX_MBS and 1 <= tp <= _MAX_TP and mbs == int(mbs) and tp == int(tp) and ms > 0):
             raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be whole numbers (mbs 1 to "
                                f"{_MAX_MBS}, tp 1 to {_MAX_TP}) and forward_ms > 0")
@@ -840,13 +840,16 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
     if unknown:
         raise PlannerError(f"--calibration {path}: stage_times: unknown keys {unknown}; known: "
                            f"{', '.join(_STAGE_KEYS)}")
-    for key in ("micro_batch_size", "f_ms", "b_ms", "w_ms", "p2p_ms"):
-        if key not in st:
-            raise PlannerError(f"--calibration {path}: stage_times.{key} is missing: give the measured "
-                               + ("microbatch size" if key == "micro_batch_size" else "time in milliseconds, > 0"))
+    what = {"micro_batch_size": "microbatch size", "tp": "tensor-parallel size",
+            "layers": "number of transformer layers the stage held"}
+    for key in ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms"):
+        if key not in st:   # (no defaults: 4 measured layers read as 1 planned 4x too slow)
+            raise PlannerError(f"--calibration {path}: stage_times.{key} is missing: give the "
+                               + (f"{what[key]} the times were measured at" if key in what
+                                  else "measured time in milliseconds, > 0"))
     sizes = {}
-    for key, default, hi in (("micro_batch_size", None, _MAX_MBS), ("tp", 1, _MAX_TP), ("layers", 1, 1 << 16)):
-        v = st.get(key, default)
+    for key, hi in (("micro_batch_size", _MAX_MBS), ("tp", _MAX_TP), ("layers", 1 << 16)):
+        v = st[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) \
                 or not 1 <= v <= hi:
             raise PlannerError(f"--calibration {path}: stage_times.{key}={v!r}: a whole number from 1 to {hi}")
