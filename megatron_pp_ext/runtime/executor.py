@@ -121,6 +121,21 @@ def _event_times(timings: list, ev0) -> list:
 _NOTED: set = set()
 
 
+def sync_after_batch(config, strategy: str | None, feature_ops: bool, backend: str) -> tuple[bool, str | None]:
+    """Whether the batched strategy synchronises the device after each batch (Megatron-Core's
+    ``batch_p2p_sync``), and a note when it is dropped. A device-wide sync waits for every stream,
+    the features' pre-posted collectives too (vocabulary parallelism's broadcasts), which may need
+    this very rank later: a hang; so not with feature ops. The note is for NCCL runs only: on CPU
+    processes (gloo, NCCL emulated) there is no device to synchronise and nobody set the flag
+    (it is Megatron-Core's default)."""
+    sync = bool(getattr(config, "batch_p2p_sync", False)) and strategy == "batched"
+    if not (sync and feature_ops):
+        return sync, None
+    note = ("megatron_pp_ext: batch_p2p_sync is not applied with feature ops in the schedule: "
+            "torch.cuda.synchronize() would also wait for their collectives posted ahead") if backend == "nccl" else None
+    return False, note
+
+
 def _note_once(text: str) -> None:
     if text not in _NOTED:
         _NOTED.add(text)
@@ -423,13 +438,9 @@ class ScheduleExecutor:
                            "receiver, activations or gradients); batch_p2p_comm / overlap_p2p_comm are not used: "
                            "a batch holds the compute until all its transfers end and per-pair streams hold an "
                            "early receive behind every op between two ranks (docs/schedules.md, NCCL)")
-            sync = bool(getattr(config, "batch_p2p_sync", False)) and strategy == "batched"
-            if sync and self.op_handlers:
-                # a device-wide sync waits for every stream, the features' pre-posted collectives too
-                # (vocabulary parallelism's broadcasts), which may need this very rank later: a hang
-                sync = False
-                _note_once("megatron_pp_ext: batch_p2p_sync is not applied with feature ops in the schedule: "
-                           "torch.cuda.synchronize() would also wait for their collectives posted ahead")
+            sync, note = sync_after_batch(config, strategy, bool(self.op_handlers), dist.get_backend(pp_group))
+            if note:
+                _note_once(note)
             p2p = make_p2p(pp_group, strategy, num_stages=num_stages, num_microbatches=m,
                            emulate_nccl=self.emulate_nccl, defer_recvs=self.defer_receives,
                            sync_after_batch=sync, timeout=self.nccl_timeout)

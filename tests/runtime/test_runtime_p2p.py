@@ -35,3 +35,19 @@ def test_tags_keep_crossed_messages_apart(pool):
 def test_message_keys_match_between_send_and_receive():
     assert message_key("SEND_F", 2, 5) == message_key("RECV_F", 3, 5) == ("act", 2, 5)
     assert message_key("SEND_B", 3, 1) == message_key("RECV_B", 2, 1) == ("grad", 3, 1)
+
+
+def test_batch_p2p_sync_with_feature_ops_is_dropped_and_noted_on_nccl_only():
+    """Megatron-Core's batch_p2p_sync (its default) under the batched strategy: kept without
+    feature ops, dropped with them (a device sync would wait for their pre-posted collectives);
+    the note is for NCCL runs -- a CPU run (gloo, NCCL emulated) has no device to synchronise."""
+    from types import SimpleNamespace
+
+    from megatron_pp_ext.runtime.executor import sync_after_batch
+    on = SimpleNamespace(batch_p2p_sync=True)
+    assert sync_after_batch(on, "batched", False, "gloo") == (True, None)
+    assert sync_after_batch(on, "channels", True, "nccl") == (False, None)
+    assert sync_after_batch(on, "batched", True, "gloo") == (False, None)
+    sync, note = sync_after_batch(on, "batched", True, "nccl")
+    assert not sync and "batch_p2p_sync is not applied" in note
+    assert sync_after_batch(SimpleNamespace(batch_p2p_sync=False), "batched", True, "nccl") == (False, None)
