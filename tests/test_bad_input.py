@@ -588,6 +588,39 @@ def test_overlapped_pairs_with_a_zero_all_to_all_time_say_so(capsys):
     assert "--a2a-time 0: there is no all-to-all time to hide" in line
 
 
+@pytest.mark.parametrize("argv,needle", [
+    # flags that would do nothing are refused, not ignored
+    (["--pp", "2", "--a2a-time", "0.3"], "--a2a-time 0.3 times the all-to-all that overlapped pairs hide, and "
+                                         "nothing is paired without --overlap-moe-expert-parallel-comm"),
+    (["--pp", "2", "--mtp-loss-scaling-factor", "5"], "--mtp-loss-scaling-factor 5 scales the multi-token prediction "
+                                                      "loss, and there is none without --mtp-num-layers N"),
+    (["--model", "llama", "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+      "--expert-model-parallel-size", "2", "--pp", "2", "--nproc", "4", "--layers", "4", "--schedule", "dualpipev",
+      "--global-batch-size", "8", "--overlap-moe-expert-parallel-comm", "--a2a-time", "0"],
+     "--a2a-time 0: there is no all-to-all time to hide"),
+])
+def test_train_refuses_flags_that_would_do_nothing(capsys, argv, needle):
+    assert needle in one_line_error(capsys, "train", *argv, "--no-progress")
+
+
+def test_an_emulated_strategy_is_said_and_a_contradicting_environment_refused(capsys, monkeypatch, tmp_path):
+    """MPPX_EMULATE_NCCL=batched with --emulate-nccl channels ran channels without a word; the
+    header names the emulated strategy, and --pp 1 says what --emulate-nccl still does."""
+    from megatron_pp_ext.trainer.config import TrainConfig, make_plan
+    from megatron_pp_ext.trainer.report import header_lines
+    monkeypatch.setenv("MPPX_EMULATE_NCCL", "batched")
+    line = one_line_error(capsys, "train", "--pp", "2", "--p2p-strategy", "channels", "--emulate-nccl",
+                          "--no-progress", "--out", str(tmp_path / "a"))
+    assert "MPPX_EMULATE_NCCL=batched contradicts --emulate-nccl channels" in line
+    plan = make_plan(TrainConfig(pp=2, emulate_nccl="batched", progress=False, out=str(tmp_path / "b")))
+    assert "gloo, NCCL's rules emulated: batched strategy" in header_lines(plan, {}, "synthetic", 0.0)[1]
+    monkeypatch.delenv("MPPX_EMULATE_NCCL")
+    plan = make_plan(TrainConfig(pp=1, emulate_nccl="channels", progress=False, out=str(tmp_path / "c")))
+    assert any("--emulate-nccl emulates NCCL's rules for the collectives only" in n for n in plan.notes)
+    plain = make_plan(TrainConfig(pp=2, progress=False, out=str(tmp_path / "d")))
+    assert "emulated" not in header_lines(plain, {}, "synthetic", 0.0)[1]
+
+
 @pytest.mark.parametrize("feature,pp,least", [("bpipe", "2", 4), ("bpipe", "1", 4), ("vocab-parallel", "1", 2)])
 def test_a_required_feature_no_pinned_pp_can_have_is_named(capsys, feature, pp, least):
     """BPipe is planned at pp >= 4 and vocabulary parallelism at pp >= 2: --require-features with a

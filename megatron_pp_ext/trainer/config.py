@@ -23,7 +23,8 @@ from ..runtime.ncclenv import check_nccl_environment
 from ..runtime.p2pstrategy import NCCL_STRATEGIES
 from .errors import TrainConfigError
 from .moe import add_moe_arguments, check_moe, moe_from_args, moe_spec_fields
-from .overlap import add_frontier_arguments, check_frontier, frontier_from_args, mtp_spec_fields
+from .overlap import (MTP_LOSS_SCALING_DEFAULT, add_frontier_arguments, check_frontier, frontier_from_args,
+                      mtp_spec_fields)
 from .options import add_training_arguments, check_training_options, options_from_args, run_options
 
 __all__ = ["TrainConfig", "TrainConfigError", "Plan", "Launch", "make_plan", "add_arguments",
@@ -118,7 +119,7 @@ class TrainConfig:
     a2a_time: float | None = None
     delay_wgrad_compute: bool = False
     mtp_num_layers: int | None = None
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_loss_scaling_factor: float = MTP_LOSS_SCALING_DEFAULT
     # run
     device: str = "auto"
     out: str = "mppx-train"
@@ -462,6 +463,7 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
     if c.emulate_nccl and c.p2p_strategy and c.emulate_nccl != c.p2p_strategy:
         _fail(f"--emulate-nccl {c.emulate_nccl} contradicts --p2p-strategy {c.p2p_strategy}: name the strategy "
               f"once (--p2p-strategy {c.p2p_strategy} --emulate-nccl)")
+    _check_emulation_env(c)
     if c.emulate_nccl and mcore:
         _fail("--emulate-nccl emulates our executor's NCCL path; --schedule mcore runs Megatron-Core's own "
               "point-to-point: drop one of them")
@@ -492,6 +494,9 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
         if not mcore:
             notes.append(f"--pp 1: no pipeline, so --schedule {c.schedule} does not apply; running Megatron-Core's "
                          "forward_backward_no_pipelining")
+        if c.emulate_nccl:
+            notes.append("--pp 1: no point-to-point, so --emulate-nccl emulates NCCL's rules for the collectives "
+                         "only (tensor and data parallelism; none on one process)")
         chunks, runtime_schedule, figure_schedule = 1, None, None
 
     # -- processes and batch -----------------------------------------------------------
@@ -946,6 +951,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except ValueError as e:  # a feature's flag error (names the flag and the fix)
         raise TrainConfigError(str(e)) from None
     return _config_from_args(args).replace(features=features)
+
+
+def _check_emulation_env(c) -> None:
+    """MPPX_EMULATE_NCCL (the switch of pretrain_gpt.py runs and test suites) naming another strategy
+    than the run's flags is refused: the flags would win without a word."""
+    from ..runtime.ncclenv import emulated_strategy
+    try:
+        env = emulated_strategy()
+    except ValueError as e:
+        _fail(str(e))
+    raw = os.environ.get("MPPX_EMULATE_NCCL", "").strip()
+    ours = c.emulate_nccl or c.p2p_strategy
+    if env is not None and raw != "1" and ours and ours != env:
+        flag = "--emulate-nccl" if c.emulate_nccl else "--p2p-strategy"
+        _fail(f"MPPX_EMULATE_NCCL={raw} contradicts {flag} {ours}: mppx train takes the strategy from its flags "
+              f"(--emulate-nccl STRATEGY); unset MPPX_EMULATE_NCCL or name the same strategy")
 
 
 def _strategy_from_args(args: argparse.Namespace) -> dict:

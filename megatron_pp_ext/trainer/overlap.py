@@ -22,6 +22,8 @@ from ..clibase import add_overlap_arguments
 __all__ = ["add_frontier_arguments", "frontier_from_args", "check_frontier", "mtp_spec_fields", "OVERLAP_FLAG"]
 
 OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
+#: Megatron-LM's default --mtp-loss-scaling-factor
+MTP_LOSS_SCALING_DEFAULT = 0.1
 
 
 def add_frontier_arguments(parser: argparse.ArgumentParser, whole: Callable[[str], int],
@@ -34,7 +36,7 @@ def add_frontier_arguments(parser: argparse.ArgumentParser, whole: Callable[[str
     g.add_argument("--mtp-num-layers", type=whole, default=None, metavar="N",
                    help="multi-token prediction: N MTP layers (the kind of the last decoder layer) and their loss on "
                         "the last stage, where Megatron-Core puts them (V placement: rank 0's last chunk)")
-    g.add_argument("--mtp-loss-scaling-factor", type=number, default=0.1, metavar="S",
+    g.add_argument("--mtp-loss-scaling-factor", type=number, default=MTP_LOSS_SCALING_DEFAULT, metavar="S",
                    help="weight of the MTP loss (default: 0.1, as in Megatron-LM)")
 
 
@@ -55,6 +57,9 @@ def check_frontier(c: Any, *, pp: int, mcore: bool, layers: int, moe_pattern: tu
             return f"--mtp-num-layers with {_feature_flags(c)}: not supported together yet; drop one of them"
     if not (math.isfinite(c.mtp_loss_scaling_factor) and c.mtp_loss_scaling_factor >= 0):
         return f"--mtp-loss-scaling-factor {c.mtp_loss_scaling_factor}: must be a finite number >= 0, e.g. 0.1"
+    if c.mtp_num_layers is None and c.mtp_loss_scaling_factor != MTP_LOSS_SCALING_DEFAULT:
+        return (f"--mtp-loss-scaling-factor {c.mtp_loss_scaling_factor:g} scales the multi-token prediction loss, and "
+                "there is none without --mtp-num-layers N: add it or drop the flag")
     if c.delay_wgrad_compute:
         if not c.overlap_moe_expert_parallel_comm:
             return f"--delay-wgrad-compute needs {OVERLAP_FLAG} (Megatron-Core's rule); add it or drop the flag"
@@ -62,6 +67,9 @@ def check_frontier(c: Any, *, pp: int, mcore: bool, layers: int, moe_pattern: tu
                 "--transformer-impl transformer_engine), which mppx train does not run with --num-experts; the local "
                 "layers' B/W split already runs the weight gradients of a pair's backward in their W op: drop the flag")
     if not c.overlap_moe_expert_parallel_comm:
+        if c.a2a_time is not None:   # (a flag that would do nothing is refused, not ignored)
+            return (f"--a2a-time {c.a2a_time:g} times the all-to-all that overlapped pairs hide, and nothing is paired "
+                    f"without {OVERLAP_FLAG}: add it or drop --a2a-time")
         return None
     f = OVERLAP_FLAG
     if c.num_experts is None:
@@ -80,6 +88,9 @@ def check_frontier(c: Any, *, pp: int, mcore: bool, layers: int, moe_pattern: tu
     if c.a2a_time is None:
         return (f"{f} pairs forwards and backwards where the hidden all-to-all pays: give its time with --a2a-time T "
                 "(per microbatch and rank, in the units of --costs; e.g. 0.3 for 30%% of F)".replace("%%", "%"))
+    if not (math.isfinite(c.a2a_time) and c.a2a_time > 0):
+        return (f"{f} with --a2a-time {c.a2a_time:g}: there is no all-to-all time to hide; give the measured time "
+                "(--a2a-time T > 0) or drop the flag")
     if mcore or pp < 2:
         return (f"{f} runs the pairs of our schedules (Megatron-Core's combined 1F1B needs bf16 and --vp): use "
                 "--pp >= 2 with one of them, e.g. --schedule dualpipev")

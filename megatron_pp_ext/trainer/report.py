@@ -307,6 +307,20 @@ class RankZeroLog:
         return summary
 
 
+def emulated_nccl(plan) -> str | None:
+    """The p2p strategy whose NCCL rules a CPU run emulates (--emulate-nccl, else MPPX_EMULATE_NCCL,
+    which the executor reads), None when it emulates nothing."""
+    if plan.device != "cpu":
+        return None
+    if plan.cfg.emulate_nccl:
+        return plan.cfg.emulate_nccl
+    from ..runtime.ncclenv import emulated_strategy
+    try:
+        return emulated_strategy()
+    except ValueError:
+        return None
+
+
 def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
     c = plan.cfg
     lines = []
@@ -318,6 +332,9 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
                  + (f", dropout {c.dropout:g}" if c.dropout else "")
                  + (", Transformer Engine layers" if plan.transformer_impl == "transformer_engine" else ""))
     backend = "NCCL" if plan.device == "cuda" else "gloo"
+    emulated = emulated_nccl(plan)
+    if emulated:
+        backend += f", NCCL's rules emulated: {emulated} strategy"
     how = (f"{plan.world} local processes" if not plan.launch.external
            else f"{plan.world} processes ({plan.launch.mode})")
     lines.append(f"layout: pp {c.pp} x tp {c.tp} x dp {plan.dp} on {how}, {plan.device} ({backend}); "

@@ -191,9 +191,12 @@ def pair_overlapped(schedule: Schedule, cost: CostModel, *, memory_budget: float
         raise ScheduleError("pairs are chosen on a compute-only schedule, before send/recv are placed")
     if schedule.meta.get("forward_only"):
         raise ScheduleError(f"{flag}: a forward-only schedule has no backward to pair")
-    if not cost.a2a or not any(cost.a2a):
+    if not cost.a2a:
         raise ScheduleError(f"{flag} hides the expert all-to-all behind the compute of another microbatch: give its "
                             "time with --a2a-time (per microbatch and rank, in the units of --costs)")
+    if not any(cost.a2a):
+        raise ScheduleError(f"{flag} with an all-to-all time of 0 (--a2a-time 0): there is no all-to-all time to "
+                            "hide; give the measured time (--a2a-time T > 0) or drop the flag")
     base = _run(schedule, cost)
     if base is None:   # (the generator's schedule itself is validated later)
         raise ScheduleError(f"schedule {schedule.name!r} cannot run; nothing to pair")
