@@ -109,6 +109,28 @@ def _plan(strategy: str, *extra: str) -> dict:
     return json.loads(out.getvalue())
 
 
+def test_the_planner_sizes_nccl_buffers_for_the_link_it_times_the_pipeline_on(monkeypatch):
+    """8 GPUs at tp 2 pp 4 fit one node: the p2p time is NVLink's, and so is NCCL's chunk (512 KiB:
+    8 MiB a connection); on 16 GPUs the network's (128 KiB: 2 MiB). MPPX_NCCL_P2P_LINK overrides."""
+    monkeypatch.delenv("MPPX_NCCL_MEMORY", raising=False)
+    monkeypatch.delenv("MPPX_NCCL_P2P_LINK", raising=False)
+
+    def rank0(gpus: str) -> float:
+        from megatron_pp_ext.cli import main
+        import contextlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "--model", "llama2-7b", "--gpus", gpus, "--global-batch-size", "64", "--top", "1",
+                         "--tp", "2", "--pp", "4", "--mbs", "1", "--features", "none", "--no-baseline",
+                         "--schedules", "1f1b", "--json", "--no-cache"]) == 0
+        return json.loads(out.getvalue())["plans"][0]["memory_per_rank"][0]["nccl_buffers"]
+
+    assert rank0("8") == 2 * 8 * MiB and rank0("16") == 2 * 2 * MiB   # (rank 0: two channels, one each way)
+    monkeypatch.setenv("MPPX_NCCL_P2P_LINK", "net")
+    assert rank0("8") == 2 * 2 * MiB
+
+
 def test_the_planner_times_each_strategy_under_its_model_and_counts_its_communicators(monkeypatch):
     monkeypatch.delenv("MPPX_NCCL_MEMORY", raising=False)
     ch, bt = _plan("channels"), _plan("batched")

@@ -503,10 +503,16 @@ class Planner:
         if self.req.runtime != "gpu" or cand.pp < 2:
             return [0.0] * cand.pp
         from ..runtime.ncclmem import communicator_bytes, held_strategy, nccl_memory
-        if self._nccl_mem is None:   # (read once per search: MPPX_NCCL_MEMORY may name a file)
-            self._nccl_mem = nccl_memory()
+        from .timing import pipeline_in_node
+        # NCCL's chunk follows the link the time model puts the pipeline on (MPPX_NCCL_P2P_LINK overrides)
+        link = "nvl" if pipeline_in_node(self.req.cluster, cand.tp, cand.grad_dp, cand.pp) else "net"
+        if self._nccl_mem is None:
+            self._nccl_mem = {}
+        mem = self._nccl_mem.get(link)
+        if mem is None:   # (read once per search and link: MPPX_NCCL_MEMORY may name a file)
+            mem = self._nccl_mem[link] = nccl_memory(link=link)
         strategy = held_strategy(self.req.p2p_strategy, megatron_own=self.megatron_run(cand))
-        return [float(b) for b in communicator_bytes(strategy, costs.placement, mem=self._nccl_mem)]
+        return [float(b) for b in communicator_bytes(strategy, costs.placement, mem=mem)]
 
     def _variants(self, base: Estimate) -> list[Estimate]:
         """``base`` and its memory-only feature variants that should be tried."""

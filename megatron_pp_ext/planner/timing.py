@@ -585,6 +585,12 @@ def output_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: i
                      {"gemm": gemm, "cross_entropy_f": ce_f})
 
 
+def pipeline_in_node(cluster: ClusterSpec, tp: int, dp: int, pp: int) -> bool:
+    """Whether pipeline neighbours (tp*dp ranks apart in Megatron's tp-dp-pp order) talk over NVLink:
+    only when the whole grid fits in one node. The link of the p2p time and of NCCL's buffers."""
+    return tp * dp * pp <= cluster.nvlink_size
+
+
 def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int, pp: int, *,
              sequence_parallel: bool = True, precision: str = "bf16", link_gbps: float = 0.0) -> float:
     """One pipeline message (activation or gradient of one microbatch), per tp rank. Pipeline
@@ -593,7 +599,7 @@ def p2p_time(model: ModelSpec, cluster: ClusterSpec, mbs: int, tp: int, dp: int,
     link, which paces a pipeline whose ranks wait for their neighbours."""
     g = cluster.gpu
     nbytes = act_bytes(precision) * model.seq * mbs * model.hidden / (tp if sequence_parallel else 1)
-    inside = tp * dp * pp <= cluster.nvlink_size
+    inside = pipeline_in_node(cluster, tp, dp, pp)
     if link_gbps:   # measured (the calibration's p2p_gbps)
         return nbytes / (link_gbps * 1e9) + (g.nvlink_latency_us if inside else g.net_latency_us) * 1e-6
     if inside:

@@ -13,7 +13,8 @@ with NCCL's defaults and environment variables:
 
 * ``chunk``: ``NCCL_P2P_NET_CHUNKSIZE`` (default 128 KiB: pipeline neighbours on other nodes;
   ``NCCL_P2P_NVL_CHUNKSIZE`` 512 KiB over NVLink, ``NCCL_P2P_PCI_CHUNKSIZE`` 128 KiB over PCIe
-  apply within a node -- set ``MPPX_NCCL_P2P_LINK=nvl|pci|net`` to pick), at most
+  apply within a node: the planner picks the link it times the pipeline on, a run ``net``;
+  ``MPPX_NCCL_P2P_LINK=nvl|pci|net`` overrides both), at most
   ``NCCL_BUFFSIZE`` / 8 (default 4 MiB / 8);
 * ``channels_per_peer``: ``NCCL_NCHANNELS_PER_NET_PEER`` (2: NCCL's default for network peers up
   to 2.2x; newer versions choose it, typically the same), within ``NCCL_MIN_P2P_NCHANNELS`` (1)
@@ -84,13 +85,14 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
     return n
 
 
-def nccl_memory(env: Mapping[str, str] | None = None) -> NCCLMemory:
-    """The figures in force: measured (``MPPX_NCCL_MEMORY``), else NCCL's defaults and environment."""
+def nccl_memory(env: Mapping[str, str] | None = None, *, link: str = "net") -> NCCLMemory:
+    """The figures in force: measured (``MPPX_NCCL_MEMORY``), else NCCL's defaults and environment
+    for ``link`` (the planner's: where it puts the pipeline; ``MPPX_NCCL_P2P_LINK`` overrides)."""
     env = os.environ if env is None else env
     path = env.get("MPPX_NCCL_MEMORY", "").strip()
     if path:
         return _measured(path)
-    link = env.get("MPPX_NCCL_P2P_LINK", "net").strip() or "net"
+    link = env.get("MPPX_NCCL_P2P_LINK", "").strip() or link
     if link not in _CHUNKS:
         raise ValueError(f"MPPX_NCCL_P2P_LINK={link!r}: use net, pci or nvl (the link between pipeline neighbours), "
                          "or unset it (net)")
