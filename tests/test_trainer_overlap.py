@@ -97,3 +97,18 @@ def test_train_with_pairs_and_mtp_end_to_end(tmp_path):
     assert close_to_pp1(out, tmp_path / "out" / "summary.json", why, 1e-6)["iterations"] == 3
     recs = [json.loads(ln) for ln in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_mtp_layers_count_in_the_memory_model_and_the_host_check(tmp_path):
+    """The MTP layers run on the last stage (rank 0 of a V schedule at pp 2): its predicted peak
+    holds their activations (measured/predicted read 2.21 there when they were left out), the other
+    rank's does not change, and 10 million of them are refused before any process, as 10 million
+    decoder layers are."""
+    from megatron_pp_ext.trainer.config import TrainConfigError
+    base = dict(pp=2, schedule="zbv", progress=False)
+    plain = make_plan(TrainConfig(**base, out=str(tmp_path / "a"))).memory_prediction["predicted_peak_bytes"]
+    mtp = make_plan(TrainConfig(**base, mtp_num_layers=4, out=str(tmp_path / "b"))).memory_prediction
+    mtp = mtp["predicted_peak_bytes"]
+    assert mtp[1] == plain[1] and mtp[0] > 1.5 * plain[0], (plain, mtp)
+    with pytest.raises(TrainConfigError, match="--mtp-num-layers 10000000: the model does not fit this machine"):
+        make_plan(TrainConfig(**base, mtp_num_layers=10_000_000, out=str(tmp_path / "c")))

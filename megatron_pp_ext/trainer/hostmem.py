@@ -4,8 +4,8 @@ any process starts.
 A model far too large for the machine (``--hidden 4000000``: 64 TB for one weight matrix) used to
 fail on every worker with an allocator traceback (or thrash the machine). The check is a lower
 bound, so it never refuses a run that fits: every parameter once (split over the pipeline and
-tensor ranks, repeated on every data-parallel rank) with its fp32 weight, gradient and two Adam
-moments (16 bytes), plus one microbatch's activations of one layer (the attention scores of
+tensor ranks, repeated on every data-parallel rank; the multi-token prediction layers too) with its
+fp32 weight, gradient and two Adam moments (16 bytes), plus one microbatch's activations of one layer (the attention scores of
 Megatron-Core's local layers, s x s per head, included).
 """
 
@@ -37,8 +37,10 @@ def lower_bound_bytes(c, *, layers: int, kv_heads: int, ffn: int, dp: int) -> di
     per_layer = h * (h + 2 * kv_heads * (h // max(1, a))) + h * h + mlp
     embed = v * h * (1 if c.tie_embeddings else 2) + (s * h if c.model == "gpt" else 0)
     act = b * (34 * s * h + 4 * a * s * s)           # one layer, one microbatch, fp32
-    model = f"--hidden {h}, --layers {layers}" + (f", --num-experts {c.num_experts}" if c.num_experts else "")
-    return {model: float(layers * per_layer * _BYTES_PER_PARAM * dp),
+    mtp = getattr(c, "mtp_num_layers", None) or 0     # each: a layer and its 2h x h projection
+    model = (f"--hidden {h}, --layers {layers}" + (f", --num-experts {c.num_experts}" if c.num_experts else "")
+             + (f", --mtp-num-layers {mtp}" if mtp else ""))
+    return {model: float((layers * per_layer + mtp * (per_layer + 2 * h * h)) * _BYTES_PER_PARAM * dp),
             f"--vocab {v}": float(embed * _BYTES_PER_PARAM * dp), f"--seq {s}": float(act)}
 
 

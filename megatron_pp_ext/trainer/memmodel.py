@@ -58,7 +58,7 @@ def _inputs(c, *, layers: int, layers_per_stage, kv_heads: int, ffn: int, transf
                       gated_mlp=llama, norm="rmsnorm" if llama else "layernorm", bias=not llama,
                       position="rope" if llama else "learned", tied_embeddings=c.tie_embeddings,
                       dropout=c.dropout > 0, flash_attention=transformer_impl == "transformer_engine",
-                      vocab_divisible_by=1, **moe)
+                      vocab_divisible_by=1, mtp_num_layers=c.mtp_num_layers or 0, **moe)
     setting = MemorySetting(mbs=c.micro_batch_size, tp=c.tp, sequence_parallel=bool(c.sequence_parallel and c.tp > 1),
                             precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
                             attention=_attention(c, transformer_impl, device),
