@@ -50,6 +50,7 @@ if [ $# -eq 0 ]; then
         tests/test_megatron_lm_integration.py \
         tests/test_planner.py::test_emitted_flags_pass_megatron_lm_validation \
         tests/test_planner_cp.py::test_cp_and_vp_flags_pass_megatron_lm_validation \
+        tests/test_megatron_lm.py::test_every_argument_read_around_the_schedule_is_in_the_table \
         -k "not test_steady_state_matches_pp1_bit_exact and not test_more_paired_schedules"
 fi
 echo "megatron-core $("$VENV/bin/python" -c 'from megatron_pp_ext.compat import megatron_core_version as v; print(".".join(map(str, v())))') ($VENV): pytest $*"

@@ -365,6 +365,11 @@ def test_uneven_interleaved_split_leaves_megatron_one_layout_flag():
     (["--pipeline-schedule", "zbv"], {"nccl_communicator_config_path": "nccl.yaml"},
      "--nccl-communicator-config-path with"),
     (["--pipeline-schedule", "zbv"], {"inprocess_restart": True}, "--inprocess-restart with --pipeline-schedule zbv"),
+    (["--pipeline-schedule", "zbv"], {"use_megatron_fsdp": True}, "--use-megatron-fsdp with --pipeline-schedule zbv"),
+    (["--pipeline-schedule", "zbv"], {"hybrid_context_parallel": True}, "--hybrid-context-parallel with"),
+    (["--pipeline-schedule", "zbv"], {"use_ring_exchange_p2p": True}, "--use-ring-exchange-p2p with"),
+    (["--pipeline-schedule", "zbv"], {"mtp_standalone": True}, "--mtp-standalone with"),
+    (["--pipeline-schedule", "zbv"], {"high_priority_a2a_comm_stream": True}, "--high-priority-a2a-comm-stream with"),
     (["--pipeline-schedule", "1f1b", "--bpipe"], {"mtp_num_layers": 1, "pipeline_model_parallel_size": 4},
      "--mtp-num-layers with bpipe: not supported together yet"),
     (["--pipeline-schedule", "zbv", "--bpipe"], {"pipeline_model_parallel_size": 4},
@@ -804,3 +809,59 @@ def test_p2p_strategy_reaches_the_executor_megatron_lm_calls(monkeypatch):
 def parse_flag(flag: str):
     """The choices of one of our flags."""
     return tuple(next(a for a in build_parser()._actions if flag in a.option_strings).choices)
+
+
+#: the arguments Megatron-Core's schedules read (``config.NAME``) and Megatron-LM's train_step reads
+#: (``args.NAME``), with their flags: run in a process of its own (one import of Megatron-LM)
+_WALK = r"""
+import argparse, ast, json, pathlib, re, sys, warnings
+warnings.filterwarnings("ignore")
+import megatron_pp_ext.megatron_lm as m
+m.install()
+import megatron
+from megatron.training.arguments import add_megatron_arguments
+parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+flags = {}
+for a in parser._actions:
+    if a.option_strings:
+        flags.setdefault(a.dest, [o for o in a.option_strings if o.startswith("--")])
+base = pathlib.Path(megatron.__path__[0])
+read = {}
+for path in sorted((base / "core" / "pipeline_parallel").glob("*.py")):
+    for name in re.findall(r"config\.(\w+)", path.read_text()):
+        read.setdefault(name, set()).add(path.name)
+text = (base / "training" / "training.py").read_text()
+for fn in ast.parse(text).body:
+    if isinstance(fn, ast.FunctionDef) and fn.name == "train_step":
+        for name in re.findall(r"args\.(\w+)", ast.get_source_segment(text, fn)):
+            read.setdefault(name, set()).add("training.py train_step")
+print("WALK " + json.dumps({n: {"flags": flags[n], "where": sorted(w)} for n, w in read.items() if n in flags}))
+"""
+
+
+def test_every_argument_read_around_the_schedule_is_in_the_table(tmp_path):
+    """docs/megatron_lm.md#megatron-lm-arguments-around-the-schedule-function names every argument
+    whose value Megatron-Core's pipeline_parallel/ schedules or Megatron-LM's train_step read (works,
+    refused or irrelevant, with the test that shows it): a Megatron-LM that reads a new one fails
+    here until it is classified."""
+    from test_planner import megatron_lm_or_skip
+
+    mlm = megatron_lm_or_skip()
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if mlm:
+        env["PYTHONPATH"] = os.pathsep.join([mlm] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("WALK ")), None)
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-3000:]
+    import json
+    read = json.loads(line[5:])
+    assert len(read) >= 20, read   # (the walk itself works: core_v0.19 has 36)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "megatron_lm.md").read_text()
+    section = doc.split("### Megatron-LM arguments around the schedule function", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(--[\w-]+)", "\n".join(ln.split("|")[1] for ln in section.splitlines()
+                                                      if ln.startswith("| `"))))
+    missing = {n: v for n, v in read.items() if not set(v["flags"]) & named}
+    assert not missing, ("arguments read around the schedule function and missing from docs/megatron_lm.md's table "
+                         "(add a row: works / refused / irrelevant, with its test): "
+                         + "; ".join(f"{v['flags'][0]} ({', '.join(v['where'])})" for v in missing.values()))

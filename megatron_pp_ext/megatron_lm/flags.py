@@ -785,6 +785,22 @@ def _around_schedule(args: argparse.Namespace, opts: PipelineOptions) -> str | N
     if get("nccl_communicator_config_path"):
         return (f"--nccl-communicator-config-path with {opts.flag}: megatron_pp_ext's pipeline communicators do not "
                 "take the pipeline group's NCCL options yet; drop it (or set the NCCL_* environment variables)")
+    if get("use_megatron_fsdp"):
+        return (f"--use-megatron-fsdp with {opts.flag}: megatron_pp_ext's executor drives the data-parallel hooks of "
+                "Megatron-Core's DDP and distributed optimizer, not Megatron FSDP's; drop it (use "
+                "--use-distributed-optimizer)")
+    if get("hybrid_context_parallel"):
+        return (f"--hybrid-context-parallel with {opts.flag}: it runs Megatron-Core's own hybrid context-parallel "
+                "schedule function, which megatron_pp_ext replaces; drop it (plain --context-parallel-size works)")
+    if get("use_ring_exchange_p2p"):
+        return (f"--use-ring-exchange-p2p with {opts.flag}: Megatron-Core's ring-exchange point-to-point is not "
+                "megatron_pp_ext's, which runs on communicators of its own; drop it")
+    if get("mtp_standalone"):
+        return (f"--mtp-standalone with {opts.flag}: it gives the multi-token prediction layers a pipeline stage of "
+                "their own, and megatron_pp_ext places them on the last stage with the loss; drop it")
+    if get("high_priority_a2a_comm_stream"):
+        return (f"--high-priority-a2a-comm-stream with {opts.flag}: the overlapped pairs' streams are not yet "
+                "verified with stream priorities on a GPU; drop it")
     return None
 
 
