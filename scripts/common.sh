@@ -218,6 +218,21 @@ mppx_dry_run() {
     return 1
 }
 
+# mppx_queue_env: CUDA_DEVICE_MAX_CONNECTIONS for TRAIN_ARGS. One hardware queue (1) by default, for
+# Megatron-LM's tensor-parallel overlap before Blackwell; left unset with --enable-vocab-parallel,
+# which hangs under one queue (the integration lifts Megatron-LM's rule, a speed rule, for it:
+# docs/vocab.md#one-hardware-queue). A value in the environment is kept either way (and
+# CUDA_DEVICE_MAX_CONNECTIONS=1 with vocabulary parallelism is refused at start-up).
+mppx_queue_env() {
+    local a
+    for a in "${TRAIN_ARGS[@]}"; do
+        if [ "$a" = --enable-vocab-parallel ]; then
+            return 0
+        fi
+    done
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+}
+
 # mppx_entry: the training script and how it is started (launcher: no patch needed; the patched
 # pretrain_gpt.py runs under it as well).
 # MPPX_PRETRAIN_SCRIPT: another pretrain_gpt.py to run (default $MEGATRON_LM_DIR/pretrain_gpt.py),

@@ -32,9 +32,9 @@ if mppx_dry_run; then
 fi
 mppx_entry || exit 2
 
-# Megatron-LM needs one CUDA connection per device for its tensor-parallel overlap
-# (pre-Blackwell); our p2p batches do not need more.
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# one CUDA connection per device for Megatron-LM's tensor-parallel overlap, except with vocabulary
+# parallelism (scripts/common.sh: mppx_queue_env)
+mppx_queue_env
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export PYTHONPATH="$MEGATRON_LM_DIR${PYTHONPATH:+:$PYTHONPATH}"

@@ -865,3 +865,56 @@ def test_every_argument_read_around_the_schedule_is_in_the_table(tmp_path):
     assert not missing, ("arguments read around the schedule function and missing from docs/megatron_lm.md's table "
                          "(add a row: works / refused / irrelevant, with its test): "
                          + "; ".join(f"{v['flags'][0]} ({', '.join(v['where'])})" for v in missing.values()))
+
+
+@pytest.mark.parametrize("vocab", [True, False])
+def test_vocabulary_parallelism_lifts_megatron_lms_one_queue_speed_rule(fake_megatron, monkeypatch, capsys, vocab):
+    """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at tp > 1 before Blackwell (a rule for the
+    speed of its tensor-parallel overlap); vocabulary parallelism hangs under one queue. With
+    --enable-vocab-parallel the check sees 1 and the run keeps the environment's queues (unset
+    again after the check, before CUDA starts), with a note; without it Megatron-LM's rule stands."""
+    from megatron_pp_ext.megatron_lm import integration
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    seen = []
+
+    def megatrons_rule(args, defaults={}):  # noqa: B006 - (core_v0.19's assertion, on a Hopper GPU)
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", "Using tensor model parallelism ... to 1"
+        return args
+    monkeypatch.setattr(fake_megatron.initialize, "validate_args", megatrons_rule)
+    integration.install(cpu_compat=False)
+    try:
+        ns = build_parser().parse_args(["--pipeline-schedule", "1f1b"] + (["--enable-vocab-parallel"] if vocab else []))
+        for k, v in vars(margs(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)).items():
+            setattr(ns, k, v)
+        if vocab:
+            fake_megatron.initialize.validate_args(ns)
+            assert seen == ["1"] and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+            assert "CUDA_DEVICE_MAX_CONNECTIONS left unset with --enable-vocab-parallel" in capsys.readouterr().out
+        else:
+            with pytest.raises(AssertionError, match="Using tensor model parallelism"):
+                fake_megatron.initialize.validate_args(ns)
+            assert seen == [None]
+    finally:
+        integration.uninstall()
+
+
+def test_scripts_leave_one_queue_off_with_vocabulary_parallelism():
+    """The launch scripts export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's tensor-parallel overlap)
+    except for a run with --enable-vocab-parallel, which hangs under one queue; a value the user set
+    is kept."""
+    def queue(args: str, preset: str | None = None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+        if preset is not None:
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = preset
+        r = subprocess.run(["bash", "-c", f'source "{SCRIPTS}/common.sh"; TRAIN_ARGS=({args}); mppx_queue_env; '
+                                          'echo "${CUDA_DEVICE_MAX_CONNECTIONS-unset}"'],
+                           capture_output=True, text=True, env=env, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+    assert queue("--pipeline-schedule zbv --tensor-model-parallel-size 2") == "1"
+    assert queue("--pipeline-schedule zbv --enable-vocab-parallel") == "unset"
+    assert queue("--enable-vocab-parallel", preset="8") == "8" and queue("", preset="4") == "4"
+    for script in ("pretrain_torchrun.sh", "pretrain_slurm.sbatch"):
+        text = (SCRIPTS / script).read_text()
+        assert "\nmppx_queue_env\n" in text and "export CUDA_DEVICE_MAX_CONNECTIONS" not in text, script

@@ -199,28 +199,32 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
             assert rc == 2 and want in err and len(err.strip().splitlines()) == 1
 
 
-def test_vocab_parallelism_is_not_planned_where_megatron_lm_demands_one_hardware_queue():
-    """Megatron-LM demands CUDA_DEVICE_MAX_CONNECTIONS=1 at tp or cp > 1 before Blackwell, under which
-    vocabulary parallelism hangs (and is refused at start-up): the planner does not offer it there; BPipe,
-    which runs under one queue, it does; its SLURM script exports one queue exactly where Megatron-LM
-    demands it."""
+def test_vocab_parallelism_is_planned_under_megatron_lms_one_queue_rule_without_one_queue():
+    """Megatron-LM demands CUDA_DEVICE_MAX_CONNECTIONS=1 at tp or cp > 1 before Blackwell (for the speed
+    of its tensor-parallel overlap), under which vocabulary parallelism hangs: the integration lifts
+    that rule for it, so it is planned at every layout, and the SLURM script leaves the variable unset
+    for a vocabulary-parallel plan (saying why), exports one queue for any other plan exactly where
+    Megatron-LM demands it; BPipe, which runs under one queue, is planned everywhere too."""
     from megatron_pp_ext.planner import plan
     from megatron_pp_ext.planner.emit import slurm_script
-    for gpu, tp, vocab in (("h100", 2, False), ("h100", 1, True), ("b200", 2, True)):
+    for gpu, tp in (("h100", 2), ("h100", 1), ("b200", 2)):
         kw = dict(tp=(tp,), pp=(4,), mbs=(1,), recompute=("none",), schedules=("1f1b",),
                   features=("vocab-parallel", "bpipe"), top=5)
-        res = plan(PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, **kw), cache=SimCache(disk=False),
-                   baseline=False)
-        script = slurm_script(res.best, res.request)
-        assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in script) == (gpu == "h100" and tp > 1)
-        for feature, allowed in (("vocab-parallel", vocab), ("bpipe", True)):
+        for feature in ("vocab-parallel", "bpipe"):   # (a BPipe plan may add vocabulary parallelism)
             req = PlanRequest(get_model("llama2-7b"), make_cluster(gpu, 16), 64, require_features=(feature,), **kw)
-            if allowed:
-                best = plan(req, cache=SimCache(disk=False), baseline=False).best
-                assert feature in {n for n, _ in best.candidate.features}
-            else:
-                with pytest.raises(PlannerError):
-                    plan(req, cache=SimCache(disk=False), baseline=False)
+            best = plan(req, cache=SimCache(disk=False), baseline=False).best
+            names = {n for n, _ in best.candidate.features}
+            assert feature in names
+            script = slurm_script(best, req)
+            one_queue = gpu == "h100" and tp > 1 and "vocab-parallel" not in names
+            assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in script) == one_queue, (gpu, tp, names)
+            if gpu == "h100" and tp > 1 and "vocab-parallel" in names:
+                assert "CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs" in script
+    # BPipe alone at tp 2 on an H100: Megatron-LM's one queue, exported
+    req = PlanRequest(get_model("llama2-7b"), make_cluster("h100", 16), 64, tp=(2,), pp=(4,), mbs=(1,),
+                      recompute=("none",), schedules=("1f1b",), features=("bpipe",), require_features=("bpipe",))
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in slurm_script(plan(req, cache=SimCache(disk=False),
+                                                                       baseline=False).best, req)
 
 
 @pytest.mark.parametrize("outputs,want", [

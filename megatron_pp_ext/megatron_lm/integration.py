@@ -28,6 +28,8 @@ running the script), or pass the script's ``globals()`` as ``namespace``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from typing import Any, Callable
 
@@ -63,7 +65,8 @@ def _make_validate_args(orig: Callable) -> Callable:
         no_overlap = opts is not None and opts.active and getattr(args, "overlap_p2p_comm", None) is False
         if no_overlap:
             args.overlap_p2p_comm = True
-        out = orig(args, defaults)
+        with _speed_rule_lifted(opts, args):
+            out = orig(args, defaults)
         args = out if isinstance(out, argparse.Namespace) else args
         if no_overlap:
             args.overlap_p2p_comm = False
@@ -99,6 +102,41 @@ def _make_validate_args(orig: Callable) -> Callable:
             print0(f"megatron_pp_ext: note: {note}")
         return out
     return validate_args
+
+
+#: the note of a run whose one-hardware-queue rule was lifted (:func:`_speed_rule_lifted`)
+QUEUE_NOTE = ("CUDA_DEVICE_MAX_CONNECTIONS left unset with {flags}, which hang under one hardware queue: Megatron-LM "
+              "asks for one queue at tensor or context parallel size > 1 before Blackwell only so that its tensor-"
+              "parallel communication is scheduled before the GEMMs it overlaps (\"necessary for a speedup but not "
+              "for correctness\", megatron/core/tensor_parallel/layers.py): that overlap may be lost "
+              "(docs/vocab.md#one-hardware-queue)")
+
+
+@contextlib.contextmanager
+def _speed_rule_lifted(opts, args):
+    """Megatron-LM's ``validate_args`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` at tp or cp > 1
+    before Blackwell, a rule for the speed of its tensor-parallel overlap (as it waives it itself
+    for FSDP and the overlapped expert all-to-all). Features that hang under one queue
+    (vocabulary parallelism) need more, so for them the rule is lifted: the check sees 1, the
+    run keeps the queues the environment gives it (the variable is restored before CUDA starts)."""
+    from ..runtime.ncclenv import one_hardware_queue
+    from ..trainer.features import one_queue_hangs
+    hangs = one_queue_hangs(opts.features) if opts is not None and opts.active else []
+    model_parallel = max(int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                         int(getattr(args, "context_parallel_size", 1) or 1)) > 1
+    if not hangs or not model_parallel or one_hardware_queue():
+        yield
+        return
+    before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = before
+    print0("megatron_pp_ext: note: " + QUEUE_NOTE.format(flags=", ".join(f for f, _ in hangs)))
 
 
 def _make_transformer_config(orig: Callable) -> Callable:

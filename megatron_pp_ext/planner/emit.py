@@ -268,11 +268,18 @@ def _bash_array(name: str, flags: list[str]) -> str:
 
 def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
-    compat.megatron_lm_requires_one_queue); elsewhere the default queues, which vocabulary
-    parallelism needs (the planner plans it only there)."""
+    compat.megatron_lm_requires_one_queue), except with vocabulary parallelism, which hangs under
+    one queue: the integration lifts Megatron-LM's rule, a rule for the speed of its tensor-parallel
+    overlap (megatron_lm/integration.py); elsewhere the default queues."""
     from ..compat import megatron_lm_requires_one_queue
     c = est.candidate
-    if megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell, ep_overlap=c.overlap):
+    required = megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell,
+                                              ep_overlap=c.overlap)
+    if required and any(name == "vocab-parallel" for name, _ in c.features):
+        return ["# CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs under one hardware queue.",
+                "# Megatron-LM asks for one at tp/cp > 1 before Blackwell only for the speed of its tensor-parallel",
+                "# overlap; megatron_pp_ext lifts that rule for this run (docs/vocab.md#one-hardware-queue)."]
+    if required:
         return ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
                 "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell).",
                 "export CUDA_DEVICE_MAX_CONNECTIONS=1"]

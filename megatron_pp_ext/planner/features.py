@@ -31,15 +31,6 @@ from .presets import PlannerError
 from .timing import embedding_times, output_times
 
 
-def one_queue_layout(req: PlanRequest, cand: Candidate) -> bool:
-    """Whether Megatron-LM runs ``cand`` with one hardware queue per GPU (compat's rule: tp or cp > 1
-    before Blackwell): vocabulary parallelism, whose side-channel collectives hang under it (the
-    integration refuses it there), is not planned for it."""
-    from ..compat import megatron_lm_requires_one_queue
-    return req.runtime == "gpu" and megatron_lm_requires_one_queue(
-        tp=cand.tp, cp=cand.cp, blackwell=req.cluster.gpu.blackwell, ep_overlap=cand.overlap)
-
-
 class FeatureEstimator(Protocol):
     name: str
     description: str
@@ -202,7 +193,7 @@ class VocabParallelEstimator(BaseFeature):
     min_pp = 2
 
     def options(self, req: PlanRequest, cand: Candidate) -> tuple[str, ...]:
-        if cand.pp < self.min_pp or cand.cp > 1 or one_queue_layout(req, cand):   # (not with context parallelism)
+        if cand.pp < self.min_pp or cand.cp > 1:   # (not with context parallelism)
             return ()
         return ("alg1", "alg2")
 
