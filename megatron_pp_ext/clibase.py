@@ -55,16 +55,21 @@ def a2a_time(text: str) -> float:
     return value
 
 
-def add_overlap_arguments(parser) -> None:
+def add_overlap_arguments(parser, *, train: bool = False) -> None:
     """``--overlap-moe-expert-parallel-comm`` and ``--a2a-time`` on ``parser`` (or an argument group):
-    the schedule commands and ``mppx train`` take them with the same meaning."""
+    the schedule commands and ``mppx train`` take them with the same meaning; a training run
+    (``train``) measures the time when it is not given."""
+    needs = ("without --a2a-time the profiling window measures the all-to-all and pairs from it; before "
+             "that, or without a window, the schedule's published pairs (dualpipev's) or none" if train else
+             "needs --a2a-time")
     parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                         help="run forwards and backwards of other microbatches as overlapped pairs where that "
-                             "pays, the expert all-to-all of each hidden behind the other's compute (MoE "
-                             "models; needs --a2a-time)")
+                             f"pays, the expert all-to-all of each hidden behind the other's compute (MoE "
+                             f"models; {needs})")
     parser.add_argument("--a2a-time", type=a2a_time, default=None, metavar="T",
                         help="expert all-to-all time (dispatch and combine) of one microbatch's forward on a "
-                             "rank, part of F (its backward's, the same, part of B), in the units of --costs")
+                             "rank, part of F (its backward's, the same, part of B), in the units of --costs"
+                             + ("; an override of the measured time (no profiling window then)" if train else ""))
 
 
 def name_list(text: str | None, flag: str, known: Sequence[str], kind: str, *,

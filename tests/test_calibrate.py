@@ -261,3 +261,12 @@ def test_megatron_lm_writer_glue(tmp_path, capsys):
     assert doc["window"] == [4, 6] and doc["p2p_message"] == {"shape": [32, 1, 64], "dtype": "bf16", "bytes": 4096}
     cal = calibrate_file(str(out))
     assert cal["stage_times"]["layers"] == 3 and cal["stage_times"]["f_ms"] == 3.0 and cal["precision"] == "bf16"
+    assert "a2a_ms" not in doc and "overlap_pairs" not in doc
+    # --overlap-moe-expert-parallel-comm alone: the measured all-to-all and the pairs made from it
+    a2a = {"forward": [1.0, 1.0, 1.0], "backward": [1.2, 1.2, 1.2], "a2a": [1.1, 1.1, 1.1], "per_rank": [1.1, 1.1, 1.1]}
+    report.update(a2a_ms=a2a, pairs={"from": "measured", "count": 4, "policy": "forward-first"})
+    report["costs_ms"]["a2a"] = a2a["a2a"]
+    _write_profile(args, plan, prof, report, (32, 1, 64), torch.bfloat16, torch.device("cpu"))
+    doc = json.loads(out.read_text())
+    assert doc["a2a_ms"] == a2a and doc["overlap_pairs"]["count"] == 4 and doc["costs_ms"]["a2a"] == a2a["a2a"]
+    assert calibrate_file(str(out))["stage_times"]["f_ms"] == 3.0   # (calibrate reads it as before)

@@ -416,16 +416,31 @@ def test_megatron_lm_overlap_flag_pairs_our_schedule():
      "needs --expert-model-parallel-size >= 2"),
     (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3"], {"num_experts": 2},
      "one expert per expert-parallel rank"),
-    (["--pipeline-schedule", "dualpipev"], {}, "give the all-to-all time the pairs hide with --pipeline-a2a-time"),
     (["--pipeline-schedule", "1f1b", "--pipeline-a2a-time", "0.1"], {"global_batch_size": 16},
      "schedule '1f1b' cannot pair"),
     (["--pipeline-schedule", "dualpipev", "--pipeline-a2a-time", "0.3", "--pipeline-profile-iters", "2"], {},
-     "--pipeline-profile-iters with --overlap-moe-expert-parallel-comm"),
+     "drop --pipeline-a2a-time to have the window measure the all-to-all too"),
 ])
 def test_megatron_lm_overlap_errors(argv, kw, needle):
     with pytest.raises(MegatronLMFlagError) as e:
         _pairs(*argv, **kw)
     assert needle in str(e.value)
+
+
+def test_megatron_lm_overlap_flag_alone():
+    """Megatron-LM's flag without --pipeline-a2a-time: dualpipev's published pairs (zbv: none, said
+    in a note); with a profiling window the run starts unpaired and pairs from the measured time."""
+    from megatron_pp_ext.megatron_lm.step import _overlap
+    _, plan = _pairs("--pipeline-schedule", "dualpipev")
+    assert plan.overlap and not plan.measure_a2a and _overlap(plan) == {"overlap_moe": True, "a2a_time": None}
+    assert any("the 6 pairs dualpipev publishes" in n for n in plan.notes), plan.notes
+    _, plan = _pairs("--pipeline-schedule", "zbv")
+    assert plan.overlap and any("no pairs: zbv publishes none" in n and "it runs unpaired" in n
+                                for n in plan.notes), plan.notes
+    _, plan = _pairs("--pipeline-schedule", "dualpipev", "--pipeline-profile-iters", "2")
+    assert plan.measure_a2a and _overlap(plan) == {}
+    assert _overlap(plan, measured=True) == {"overlap_moe": True, "a2a_time": None}
+    assert any("the profiling window measures (iterations 1..2" in n for n in plan.notes), plan.notes
 
 
 def test_pipeline_a2a_time_needs_the_overlap_flag():

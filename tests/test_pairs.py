@@ -15,7 +15,7 @@ from megatron_pp_ext.schedule.commmodel import comm_model_names
 from megatron_pp_ext.schedule.export import from_torch_csv, loads_json_with_cost, dumps_json, to_torch_csv
 from megatron_pp_ext.schedule.ir import ScheduleError, loop_placement, op_parts
 from megatron_pp_ext.schedule.pairs import PAIR_KINDS, count_pairs, halves, pair, pair_time
-from megatron_pp_ext.schedule.passes.pairing import pair_overlapped
+from megatron_pp_ext.schedule.passes.pairing import PairingDoesNotPay, pair_overlapped, published_pairs
 from megatron_pp_ext.schedule.simresult import DeadlockError
 from megatron_pp_ext.schedule.validate import validate_comm_model
 
@@ -157,11 +157,30 @@ def test_pairing_respects_a_memory_budget():
 def test_pairing_refuses_in_one_line_what_cannot_pay():
     with pytest.raises(ScheduleError, match="--a2a-time"):
         build_schedule("dualpipev", 4, 8, overlap=True)
-    with pytest.raises(ScheduleError, match="schedule '1f1b' cannot pair"):
+    with pytest.raises(PairingDoesNotPay, match="schedule '1f1b' cannot pair"):
         build_schedule("1f1b", 4, 16, a2a_time=0.2, overlap=True)
     with pytest.raises(ScheduleError, match="forward-only"):
         s = Schedule("fo", 1, (0,), [[Op("F", 0, 0, 0)]], {"forward_only": True})
         pair_overlapped(s, CostModel.uniform(1, 1).with_a2a(0.5, 1))
+
+
+def test_without_an_all_to_all_time_a_run_takes_the_published_pairs_or_none():
+    """What training runs do with the flag alone (without_a2a="published"): DualPipeV's own pairs as
+    they are, no pairs where the generator names none; a measured a2a in a CostModel pairs by cost."""
+    plain, c = build_schedule("dualpipev", 4, 8)
+    s, _ = build_schedule("dualpipev", 4, 8, overlap=True, without_a2a="published", with_comm=True)
+    assert s.meta["overlap_policy"] == "published" and count_pairs(s) == s.meta["overlap_count"] > 0
+    named = {tuple(x) for x in plain.meta["overlap_pairs"]}
+    assert {(op.rank, op.stage, op.microbatch, *op.pair) for ops in s.ops for op in ops
+            if op.kind in PAIR_KINDS} == named
+    z, _ = build_schedule("zbv", 4, 8, overlap=True, without_a2a="published")
+    assert count_pairs(z) == 0 and z.meta["overlap_policy"] == "none"
+    assert published_pairs(build_schedule("1f1b", 2, 4)[0]).meta["overlap_count"] == 0
+    measured = CostModel.uniform(8, 2).with_(a2a=(0.2,) * 8)   # (a profiled cost model: a2a per stage)
+    m, _ = build_schedule("dualpipev", 4, 8, costs=measured, overlap=True, without_a2a="published")
+    assert "overlap_unpaired_makespan" in m.meta and count_pairs(m) > 0
+    with pytest.raises(ValueError, match="without_a2a"):
+        build_schedule("dualpipev", 4, 8, overlap=True, without_a2a="guess")
 
 
 # --- export and figures ----------------------------------------------------------------------------

@@ -109,8 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="(reference alias) allow --num-layers that does not divide into the stages: the extra layers go "
              "to the middle stages (the first and last also hold the embedding and the loss)")
     add("--pipeline-a2a-time", type=float, default=None, metavar="T",
-        help="with --overlap-moe-expert-parallel-comm: the expert all-to-all time of one microbatch's forward on a "
-             "rank (part of F, and the same within B), in --pipeline-costs units: what the pairing decides with")
+        help="with --overlap-moe-expert-parallel-comm (which works without it): the expert all-to-all time of one "
+             "microbatch's forward on a rank (part of F, and the same within B), in --pipeline-costs units, to pair "
+             "by instead of the time --pipeline-profile-iters measures (without either: the schedule's published "
+             "pairs, e.g. dualpipev's, or none)")
     from ..runtime.p2pstrategy import NCCL_STRATEGIES
     add("--p2p-strategy", default=None, choices=NCCL_STRATEGIES,
         help="how megatron_pp_ext's runtime sends and receives on NCCL: channels (the default: one communicator per "
@@ -476,6 +478,9 @@ class MegatronPlan:
     notes: list[str] = field(default_factory=list)
     #: overlapped pairs (--overlap-moe-expert-parallel-comm with one of our schedules)
     overlap: bool = False
+    #: the flag without --pipeline-a2a-time, with --pipeline-profile-iters: the window measures the
+    #: all-to-all and the schedule is paired from it; until the window ends it runs unpaired
+    measure_a2a: bool = False
     #: Transformer Engine's layers defer their weight gradients (delay_wgrad_compute) for the split
     te_wgrad_split: bool = False
 
@@ -626,6 +631,7 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
     gbs = int(args.global_batch_size)  # (with a ramp-up or a step schedule: the final size)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     m = gbs // (int(args.micro_batch_size) * dp)
+    built = None
     if opts.schedule is not None:
         # every batch size the run trains with (ramp-up, step schedule, the final one last): each
         # number of microbatches is built and proven now, not met at the iteration that reaches it
@@ -682,27 +688,57 @@ def check_megatron_args(args: argparse.Namespace, opts: PipelineOptions,
         if train_iters is not None and end >= int(train_iters):
             notes.append(f"the profiling window (iterations {opts.profile_start}..{end - 1}) does not end before "
                          f"--train-iters {train_iters}: the schedule is never re-generated")
-    overlap = bool(overlap_of(args, opts))
+    overlap = _overlap_flag(args, opts)
+    measure = overlap and measures_a2a(args, opts)
     if overlap:
-        notes.append(f"{OVERLAP}: forwards and backwards of other microbatches run as overlapped pairs where that "
-                     "pays, through Megatron-Core's fine-grained schedule plan (--pipeline-a2a-time "
-                     f"{opts.a2a_time:g})")
+        head = (f"{OVERLAP}: forwards and backwards of other microbatches run as overlapped pairs through "
+                "Megatron-Core's fine-grained schedule plan")
+        if opts.a2a_time is not None:
+            notes.append(f"{head} where that pays by the all-to-all time given with --pipeline-a2a-time "
+                         f"{opts.a2a_time:g} (--pipeline-costs units)")
+        elif measure:
+            end = opts.profile_start + opts.profile_iters - 1
+            notes.append(f"{head} where that pays by the all-to-all time the profiling window measures (iterations "
+                         f"{opts.profile_start}..{end}: dispatch and combine of Megatron-Core's alltoall dispatcher, "
+                         f"timed in every F and B); until the window ends {opts.schedule} runs unpaired, so that F, B "
+                         "and the all-to-all inside them are timed apart")
+        else:
+            from ..schedule.pairs import count_pairs
+            n = count_pairs(built[0]) if built is not None else 0
+            why = ("no all-to-all time is measured (--pipeline-profile-iters K would) or given "
+                   "(--pipeline-a2a-time T)")
+            notes.append(f"{head}: the {n} pairs {opts.schedule} publishes ({why} to choose others by)" if n else
+                         f"{OVERLAP}: no pairs: {opts.schedule} publishes none, and {why} to choose them by; it runs "
+                         "unpaired")
     if opts.te_wgrad_split:
         notes.append(f"{TE_SPLIT_FLAG}: Transformer Engine's layers defer their weight gradients to W "
                      "(delay_wgrad_compute); this path has not been verified on a GPU yet")
     return MegatronPlan(options=opts, pp=pp, chunks=chunks if pp > 1 else 1, placement=placement,
                         layers_per_stage=lps, microbatches=m, v=v and pp > 1, notes=notes, overlap=overlap,
+                        measure_a2a=measure,
                         te_wgrad_split=opts.te_wgrad_split)
 
 
 OVERLAP = "--overlap-moe-expert-parallel-comm"
 
 
+def _overlap_flag(args: argparse.Namespace, opts: PipelineOptions) -> bool:
+    return opts.schedule is not None and bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
+
+
+def measures_a2a(args: argparse.Namespace, opts: PipelineOptions) -> bool:
+    """The flag without --pipeline-a2a-time and with a profiling window: the window measures the
+    all-to-all (trainer/profile.py), and the schedule runs unpaired until it ends."""
+    return _overlap_flag(args, opts) and opts.a2a_time is None and opts.profile_iters > 0
+
+
 def overlap_of(args: argparse.Namespace, opts: PipelineOptions) -> dict:
-    """``build_schedule``'s ``overlap`` / ``a2a_time`` for Megatron-LM's flags (empty without pairs)."""
-    if opts.schedule is None or not getattr(args, "overlap_moe_expert_parallel_comm", False):
+    """``build_schedule``'s ``overlap`` / ``a2a_time`` / ``without_a2a`` for Megatron-LM's flags, for
+    the schedule the run starts with: empty without pairs, and while the all-to-all is still to be
+    measured; the published pairs (or none) without a time."""
+    if not _overlap_flag(args, opts) or measures_a2a(args, opts):
         return {}
-    return {"overlap": True, "a2a_time": opts.a2a_time}
+    return {"overlap": True, "a2a_time": opts.a2a_time, "without_a2a": "published"}
 
 
 def _check_overlap(args: argparse.Namespace, opts: PipelineOptions) -> str | None:
@@ -720,14 +756,13 @@ def _check_overlap(args: argparse.Namespace, opts: PipelineOptions) -> str | Non
         return (f"{OVERLAP} with one expert per expert-parallel rank (--num-experts = --expert-model-parallel-size "
                 f"{ep}): Megatron-Core's plan frees the tokens the single local expert keeps for its backward; use at "
                 f"least two experts per rank")
-    if opts.a2a_time is None:
-        return (f"{OVERLAP} with {opts.flag}: give the all-to-all time the pairs hide with --pipeline-a2a-time T "
-                "(per microbatch and rank, in --pipeline-costs units; e.g. 0.3)")
     if opts.features:
         return f"{OVERLAP} with {', '.join(n for n, _ in opts.features)}: not supported together yet; drop one of them"
-    if opts.profile_iters:
-        return (f"--pipeline-profile-iters with {OVERLAP}: the measured F and B cannot tell the hidden all-to-all "
-                "apart; drop --pipeline-profile-iters")
+    if opts.profile_iters and opts.a2a_time is not None:
+        return (f"--pipeline-profile-iters with {OVERLAP} and --pipeline-a2a-time {opts.a2a_time:g}: the window "
+                "re-generates the schedule from measured milliseconds, and the given time is in --pipeline-costs "
+                "units; drop --pipeline-a2a-time to have the window measure the all-to-all too, or drop "
+                "--pipeline-profile-iters")
     from .. import compat
     if not compat.has_fine_grained_plan():
         return (f"{OVERLAP} with {opts.flag} runs through Megatron-Core's fine-grained schedule plan, which this "

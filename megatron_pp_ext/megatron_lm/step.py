@@ -17,9 +17,13 @@ from .placement import check_model_placed
 from . import state as _st
 
 
-def _overlap(plan: MegatronPlan) -> dict:
-    """The executor's overlapped pairs (--overlap-moe-expert-parallel-comm, --pipeline-a2a-time)."""
-    return {"overlap_moe": True, "a2a_time": plan.options.a2a_time} if plan.overlap else {}
+def _overlap(plan: MegatronPlan, measured: bool = False) -> dict:
+    """The executor's overlapped pairs (--overlap-moe-expert-parallel-comm, --pipeline-a2a-time);
+    none while the profiling window is still to measure the all-to-all (``measured``: it has, and
+    the executor's cost model carries it)."""
+    if not plan.overlap or (plan.measure_a2a and not measured):
+        return {}
+    return {"overlap_moe": True, "a2a_time": plan.options.a2a_time}
 
 
 class ForwardBackward:
@@ -27,7 +31,7 @@ class ForwardBackward:
     :class:`~megatron_pp_ext.runtime.executor.ScheduleExecutor` for the run's schedule, plus
     what Megatron-LM's loop needs around it (tied copies on one rank, profiling)."""
 
-    def __init__(self, plan: MegatronPlan, costs=None, features: list | None = None):
+    def __init__(self, plan: MegatronPlan, costs=None, features: list | None = None, paired: bool = False):
         from ..runtime.executor import ScheduleExecutor
         from .flags import _schedule_options
 
@@ -47,7 +51,7 @@ class ForwardBackward:
         else:
             self.executor = ScheduleExecutor(o.schedule, chunks=plan.chunks, costs=costs,
                                              memory_budget=o.memory_budget, options=_schedule_options(o),
-                                             **_overlap(plan))
+                                             **_overlap(plan, measured=paired))
         if not own:
             self.executor.allow_tied_v = True
         if o.p2p_strategy is not None:   # (--p2p-strategy: checked against the schedule by flags.py)
@@ -183,16 +187,26 @@ def _make_train_step(orig: Callable) -> Callable:
         it = kwargs.get("iteration", args[0] if args else None)
         profiling = (prof is not None and it is not None and isinstance(forward_backward_func, ForwardBackward)
                      and prof.active(int(it)))
+        meter = None
         if profiling:
             ex = forward_backward_func.executor
             ex.record_timings = True
             ex.sync_timings = torch.cuda.is_available()
-        out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                   forward_backward_func, *args, **kwargs)
+            if plan.measure_a2a:   # (the flag alone: the window times the expert all-to-all too)
+                from ..runtime.a2a_meter import AllToAllMeter
+                meter = AllToAllMeter("cuda" if torch.cuda.is_available() else "cpu").attach(ex)
+        try:
+            out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                       forward_backward_func, *args, **kwargs)
+        finally:
+            a2a = None
+            if meter is not None:
+                a2a = meter.take()
+                meter.detach()
         if profiling:
             ex.record_timings = False
             ex.sync_timings = False
-            prof.record(ex.last_timings)
+            prof.record(ex.last_timings, a2a=a2a)
             if prof.last(int(it)):
                 _reschedule(prof, forward_backward_func, plan)
         return after_step(out, calls)
@@ -217,7 +231,7 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     comm = measure_p2p_latency(executor_p2p(fb.executor), shape, dtype, dev)
     lat = torch.tensor([comm], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
-    report = {"costs_ms": None, "error": None, "before": None, "after": None}
+    report = {"costs_ms": None, "error": None, "before": None, "after": None, "a2a_ms": None, "pairs": None}
     try:
         try:
             cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
@@ -226,14 +240,35 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
             print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
             return
         report["costs_ms"] = {"F": list(cost.t_f), "B": list(cost.t_b), "W": list(cost.t_w), "comm": cost.comm}
+        measured = prof.a2a_measured
+        if measured is not None:
+            report["costs_ms"]["a2a"] = list(measured["a2a"])
+            report["a2a_ms"] = dict(measured, per_rank=[
+                float(f"{sum(measured['a2a'][s] for s, r in enumerate(plan.placement) if r == rank):.4g}")
+                for rank in range(plan.pp)])
         old = fb.executor.last_schedule
         try:
             report["before"] = simulate(old, cost).makespan if old is not None else None
         except ScheduleError:
             pass
-        new = ForwardBackward(plan, costs=cost)
+        from ..schedule.pairs import count_pairs
+        from ..schedule.passes.pairing import PairingDoesNotPay
+        pairs = plan.measure_a2a and bool(cost.a2a)
         try:
-            sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+            new = ForwardBackward(plan, costs=cost, paired=pairs)
+            try:
+                sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+            except PairingDoesNotPay:
+                new = ForwardBackward(plan, costs=cost)
+                sched = new.executor.schedule_for(plan.pp, plan.microbatches)
+                report["pairs"] = {"from": "measured", "count": 0,
+                                   "why": "no pairing is faster at the measured costs: the run continues unpaired"}
+            else:
+                if plan.measure_a2a:
+                    report["pairs"] = ({"from": "measured", "count": count_pairs(sched),
+                                        "policy": sched.meta.get("overlap_policy")} if pairs else
+                                       {"from": "measured", "count": 0, "why": "the window measured no all-to-all "
+                                        "time: the run continues unpaired"})
         except ScheduleError as e:
             report["error"] = f"the generator refused the measured costs ({e}); keeping the schedule"
             print0(f"megatron_pp_ext: profiling: {report['error']}")
@@ -245,6 +280,14 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
         print0(f"megatron_pp_ext: re-generated {plan.options.schedule} from measured costs (ms per stage: F "
                f"{list(cost.t_f)}, B {list(cost.t_b)}, W {list(cost.t_w)}, p2p {cost.comm}); simulated iteration "
                f"{before:.4g} -> {after:.4g} ms")
+        if measured is not None:
+            print0(f"megatron_pp_ext: expert all-to-all measured (dispatch + combine per microbatch, ms per stage): "
+                   f"forward {measured['forward']}, backward {measured['backward']}; {report['a2a_ms']['per_rank']} "
+                   "ms per rank")
+        p = report["pairs"]
+        if p is not None:
+            print0(f"megatron_pp_ext: {p['count']} overlapped forward-backward pairs ({p['policy']}), paired by the "
+                   "measured all-to-all time" if p.get("count") else f"megatron_pp_ext: no overlapped pairs: {p['why']}")
     finally:
         if plan.options.profile_out and torch.distributed.get_rank() == 0:
             _write_profile(args, plan, prof, report, shape, dtype, dev)
@@ -259,7 +302,7 @@ def _write_profile(args, plan: MegatronPlan, prof, report: dict, shape, dtype, d
     doc = profile_document(args, plan, report["costs_ms"], message_shape=tuple(int(x) for x in shape),
                            window=[prof.start, prof.start + prof.iters - 1], dtype=name, device=dev.type,
                            simulated_ms_before=report["before"], simulated_ms_after=report["after"],
-                           error=report["error"])
+                           error=report["error"], a2a_ms=report.get("a2a_ms"), pairs=report.get("pairs"))
     why = write_profile(path, doc)
     print("megatron_pp_ext: profiling: " + (f"measurements written to {path} (mppx calibrate {path})" if why is None
                                              else f"could not write --pipeline-profile-out {path} ({why})"),

@@ -177,7 +177,11 @@ class ScheduleExecutor:
         overlap_moe: run forwards and backwards as overlapped pairs where that pays
             (``--overlap-moe-expert-parallel-comm``; :mod:`.overlap`: through Megatron-Core's
             fine-grained schedule plan); ``a2a_time``: the expert all-to-all time of one
-            microbatch's forward on a rank, in the units of ``costs`` (what a pair hides).
+            microbatch's forward on a rank, in the units of ``costs`` (what a pair hides), or
+            a ``CostModel`` in ``costs`` with ``a2a`` per stage (a measured one). With neither,
+            the flag works alone, as Megatron's does: the schedule's published pairs (DualPipeV's)
+            run as they are, other schedules run unpaired (``build_schedule(without_a2a=
+            "published")``).
         emulate: a :class:`~megatron_pp_ext.runtime.emulate.ComputeEmulation`: every compute op
             (F, B, W, BW, feature ops) waits its cost-model time instead of computing; the
             bookkeeping and the messages are real (None: compute).
@@ -259,7 +263,8 @@ class ScheduleExecutor:
         if isinstance(self.schedule, str):
             sched, cost = build_schedule(self.schedule, pp, m, chunks=self.chunks, costs=self.costs,
                                          memory_budget=self.memory_budget, with_comm=True, options=self.options,
-                                         overlap=self.overlap_moe, a2a_time=self.a2a_time)
+                                         overlap=self.overlap_moe, a2a_time=self.a2a_time,
+                                         without_a2a="published")
             return sched, cost, sched.meta.get("memory_budget")
         sched = self.schedule if isinstance(self.schedule, Schedule) else self.schedule(pp, m)
         cost = None

@@ -18,7 +18,7 @@ from .catalog import ScheduleInfo, ScheduleRequest, register_schedule, registere
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
 from .passes.comm import PROVEN_EARLY, insert_comm_proven
-from .passes.pairing import pair_overlapped
+from .passes.pairing import pair_overlapped, published_pairs
 from .progress import report
 from .validate import validate
 from . import generators  # noqa: F401  (registers the built-in schedules)
@@ -91,12 +91,19 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
                    costs: Sequence[float] | CostModel = (1.0, 1.0, 1.0, 0.0),
                    memory_budget: float | str | None = None, with_comm: bool = False,
                    options: dict | None = None, overlap: bool = False,
-                   a2a_time: float | None = None) -> tuple[Schedule, CostModel]:
+                   a2a_time: float | None = None, without_a2a: str = "refuse") -> tuple[Schedule, CostModel]:
     """Generate, (optionally) insert send/recv, validate. Returns the schedule and its cost model.
 
     ``a2a_time``: the expert all-to-all time of one microbatch's forward on a rank (``--a2a-time``,
-    part of F and of B); ``overlap``: run forwards and backwards as overlapped pairs where that
-    pays (``--overlap-moe-expert-parallel-comm``, :mod:`.passes.pairing`)."""
+    part of F and of B; a ``CostModel`` in ``costs`` may carry it per stage instead, ``a2a``: a
+    measured one); ``overlap``: run forwards and backwards as overlapped pairs where that pays
+    (``--overlap-moe-expert-parallel-comm``, :mod:`.passes.pairing`). Without any all-to-all time,
+    ``without_a2a`` says what ``overlap`` does: ``"refuse"`` (ScheduleError naming ``--a2a-time``:
+    the simulator and the figures have nothing to pair with) or ``"published"`` (the generator's
+    published pairs as they are, or none: what a training run does until it has measured the
+    all-to-all, :func:`.passes.pairing.published_pairs`)."""
+    if without_a2a not in ("refuse", "published"):
+        raise ValueError(f"without_a2a={without_a2a!r}: expected 'refuse' or 'published'")
     info = schedule_info(name)
     if pp < 1:
         raise ScheduleError(f"--pp {pp}: need at least one pipeline rank")
@@ -128,6 +135,8 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int = 1,
             raise ScheduleError("--overlap-moe-expert-parallel-comm with --a2a-time 0: there is no all-to-all time "
                                 "to hide; give the measured time (--a2a-time T > 0) or drop the flag")
     cost.check_scale(microbatches, "--costs")
+    if overlap and not cost.a2a and without_a2a == "published":
+        overlap = "published"
     with _cyclic_gc_paused():
         if budget is not None and cost.holds_extra:
             return _build_within(info, request, name, cost, budget, with_comm, overlap)
@@ -139,7 +148,7 @@ WITHIN_TRIES = 8
 
 
 def _build_within(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float,
-                  with_comm: bool, overlap: bool = False) -> tuple[Schedule, CostModel]:
+                  with_comm: bool, overlap: bool | str = False) -> tuple[Schedule, CostModel]:
     """A budget over everything a rank holds (``cost`` has transients or message buffers,
     costs.py): the generator, whose trackers count the held activations only, gets the budget
     less the most a transient and one message each way add on a rank (:meth:`CostModel.headroom`);
@@ -196,13 +205,17 @@ def _cyclic_gc_paused():
 
 
 def _build(info: ScheduleInfo, request: ScheduleRequest, name: str, cost: CostModel, budget: float | None,
-           with_comm: bool, overlap: bool = False, pair_budget: float | None = None) -> tuple[Schedule, CostModel]:
+           with_comm: bool, overlap: bool | str = False, pair_budget: float | None = None) -> tuple[Schedule, CostModel]:
+    """(``overlap``: True pairs by the cost model's all-to-all time, ``"published"`` takes the
+    generator's published pairs as they are.)"""
     report(f"{name}: generating")
     sched = info.generate(request)
     sched.meta.setdefault("schedule", name)
     if budget is not None:
         sched.meta["memory_budget"] = budget
-    if overlap:
+    if overlap == "published":
+        sched = published_pairs(sched)
+    elif overlap:
         report(f"{name}: pairing forwards and backwards")
         sched = pair_overlapped(sched, cost, memory_budget=budget if pair_budget is None else pair_budget)
     proven = False

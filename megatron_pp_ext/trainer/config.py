@@ -204,6 +204,12 @@ class Plan:
     emulation: Any = None            # EmulationPlan with --emulate-compute
     memory_prediction: Any = None    # trainer/memmodel.py: predicted_peak_bytes per pipeline rank, ...
     build_cost: Any = None           # the CostModel a budgeted schedule is built with (memmodel.held_cost)
+    #: --overlap-moe-expert-parallel-comm without --a2a-time, with a profiling window: the window
+    #: measures the all-to-all and the schedule is paired from it (trainer/profile.py); until
+    #: then it runs unpaired
+    measure_a2a: bool = False
+    #: where the pairs come from (trainer/overlap.py: overlap_plan); empty without the flag
+    overlap_info: dict = field(default_factory=dict)
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -274,7 +280,8 @@ class Plan:
                          num_microbatches=self.microbatches, micro_batch_size=c.micro_batch_size,
                          seq_length=c.seq, steps=c.iters, eval_iters=0, seed=c.seed, lr=c.lr,
                          ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
-                         overlap_moe=c.overlap_moe_expert_parallel_comm and pipelined, a2a_time=c.a2a_time,
+                         overlap_moe=c.overlap_moe_expert_parallel_comm and pipelined and not self.measure_a2a,
+                         a2a_time=c.a2a_time,
                          config_overrides=self._overrides(), **run_options(c, tp=c.tp))
         if c.features:
             from .features import feature_run_config
@@ -601,34 +608,28 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                                     chunks=chunks, split=info.split_backward)
         try:
             built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=build_costs, memory_budget=budget,
-                                   with_comm=True, overlap=overlap, a2a_time=c.a2a_time)
+                                   with_comm=True, overlap=overlap, a2a_time=c.a2a_time, without_a2a="published")
         except ScheduleError as e:
             msg = str(e).replace("--microbatches", "--global-batch-size (microbatches per iteration)")
             msg = msg.replace("--chunks", "--vp")
             _fail(f"schedule {c.schedule!r} at pp={c.pp}, {m} microbatches per iteration: {msg}")
         if budget is None and built[0].meta.get("memory_budget") is not None and info is not None and info.uses_budget:
             budget = built[0].meta["memory_budget"]
-        if overlap:
-            from ..schedule.pairs import count_pairs
-            meta = built[0].meta
-            notes.append(f"overlapped pairs: {count_pairs(built[0])} forward-backward pairs ({meta['overlap_policy']}) "
-                         f"through Megatron-Core's fine-grained schedule plan, the all-to-all ({c.a2a_time:g} per "
-                         f"microbatch) hidden (the same schedule unpaired: simulated makespan "
-                         f"{meta['overlap_unpaired_makespan']:g} without send/recv)")
     if c.mtp_num_layers:
         notes.append(f"multi-token prediction: {c.mtp_num_layers} MTP layer(s) and their loss (x "
                      f"{c.mtp_loss_scaling_factor:g}) on the last stage, pipeline rank {placement[-1]}")
 
     # -- profiling, reference --------------------------------------------------------------
     ours = pipelined and not mcore
-    if c.profile_iters is None:
-        profile = 3 if ours and c.iters >= 3 + 2 and not overlap else 0
+    given_a2a = overlap and c.a2a_time is not None
+    if c.profile_iters is None:   # (the flag alone: the window measures the all-to-all the pairs hide)
+        profile = 3 if ours and c.iters >= 3 + 2 and not given_a2a else 0
     else:
         profile = c.profile_iters
-        if profile > 0 and overlap:
-            _fail(f"--profile-iters {profile} re-generates the schedule from measured F, B and W, which cannot tell the "
-                  "all-to-all a pair hides from the compute; with --overlap-moe-expert-parallel-comm use "
-                  "--profile-iters 0 (and --costs / --a2a-time)")
+        if profile > 0 and given_a2a:
+            _fail(f"--profile-iters {profile} re-generates the schedule from measured milliseconds, and --a2a-time "
+                  f"{c.a2a_time:g} is in --costs units: drop --a2a-time to have the window measure the all-to-all "
+                  "too, or use --profile-iters 0 to pair by --costs and --a2a-time")
         if profile > 0:
             if not ours:
                 _fail("--profile-iters re-generates one of our schedules from measured costs; it does not apply to "
@@ -674,6 +675,23 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
             _fail(f"--profile-iters {profile}: the run resumes at iteration {resume.iteration + 1} of --iters {c.iters}, "
                   f"too few left for a warm-up, {profile} profiled iterations and one more; use --profile-iters 0")
         profile = 0
+    # -- overlapped pairs without --a2a-time: measured in the window, else the published ones --------
+    measure_a2a = False
+    overlap_info: dict = {}
+    if overlap and pipelined:
+        from .overlap import overlap_plan
+        from ..schedule.pairs import count_pairs
+        measure_a2a = c.a2a_time is None and profile > 0 and ours
+        if measure_a2a and count_pairs(built[0]):   # (the window runs unpaired: trainer/profile.py says why)
+            try:
+                built = build_schedule(figure_schedule, c.pp, m, chunks=chunks, costs=build_costs,
+                                       memory_budget=budget, with_comm=True)
+            except ScheduleError as e:
+                _fail(f"schedule {c.schedule!r} at pp={c.pp}, {m} microbatches per iteration, unpaired for the "
+                      f"profiling window: {e}")
+        first = (resume.iteration if resume is not None else 0) + 2   # (1-based; one warm-up iteration before)
+        note, overlap_info = overlap_plan(c, built[0], measure=measure_a2a, window=(first, first + profile - 1))
+        notes.append(note)
     ref = min(left, 5) if c.reference_iters is None else min(c.reference_iters, left)
     if c.num_experts is not None and c.model == "gpt" and ref:
         # (the reference runs on one process, so at expert parallel size 1: see trainer/moe.py)
@@ -775,7 +793,8 @@ def make_plan(cfg: TrainConfig, launch: Launch | None = None) -> Plan:
                 text_log=os.path.join(out, "train.log"), figure=os.path.join(out, "schedule.png"),
                 summary=os.path.join(out, "summary.json"), notes=tuple(notes), built=built, resume=resume,
                 schedule_factory=factory, feature_summary=feature_summary, transformer_impl=impl,
-                emulation=emulation, build_cost=build_costs if pipelined and not isinstance(build_costs, tuple) else None)
+                emulation=emulation, build_cost=build_costs if pipelined and not isinstance(build_costs, tuple) else None,
+                measure_a2a=measure_a2a, overlap_info=overlap_info)
     # what the memory model predicts for this run (trainer/memmodel.py): the JSON log's predicted_peak_bytes
     from .memmodel import predict
     try:

@@ -164,6 +164,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         records: list[dict] = []
         diverged_at: list[int] = []
         stopped = None
+        a2a_meter = None   # runtime/a2a_meter.py, attached over the profiling window
         try:
             for it in range(start, c.iters):
                 batches = data.microbatches(it, dp_rank * m, m)
@@ -171,6 +172,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 profiling = profiler is not None and profiler.active(it)
                 if profiling:
                     tr.executor.record_timings = True  # (CUDA: event timings, no mid-iteration sync)
+                    if plan.measure_a2a and a2a_meter is None:   # (the flag alone: the all-to-all measured)
+                        from ..runtime.a2a_meter import AllToAllMeter
+                        a2a_meter = AllToAllMeter(device).attach(tr.executor)
                 meter.start_iteration()
                 for f in features:
                     f.start_iteration(batches)
@@ -197,7 +201,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                 _sync(device)
                 dt = time.perf_counter() - t0
                 if profiling:
-                    profiler.record(tr.executor.last_timings)
+                    profiler.record(tr.executor.last_timings, a2a=a2a_meter.take() if a2a_meter is not None else None)
                     tr.executor.record_timings = False
                 loss_sum, tokens = _loss_sums(out) if holds_loss else (0.0, 0.0)
                 aux = _aux_loss_sum() if _tracks_aux_loss(c) else float("nan")
@@ -247,10 +251,15 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                                "last_checkpoint": saved[-1]["directory"] if saved else None}
                     break
                 if profiler is not None and profiler.last(it):
+                    if a2a_meter is not None:
+                        a2a_meter.detach()
+                        a2a_meter = None
                     res = profiler.reschedule(tr, plan, device=device)
                     if log is not None:
                         log.rescheduled(res)
         finally:
+            if a2a_meter is not None:
+                a2a_meter.detach()
             if log is not None:
                 log.close_progress()
             for f in features:
@@ -310,6 +319,9 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
         summary["all_steps_skipped"] = (emu is None and bool(records) and all(r.get("skipped") for r in records))
         if plan.feature_summary:
             summary["features"] = plan.feature_summary
+        if plan.overlap_info:   # (--overlap-moe-expert-parallel-comm: where the pairs came from)
+            from .overlap import overlap_summary
+            summary["overlap"] = overlap_summary(plan.overlap_info, prof)
         return {"records": records, "summary": summary}
 
 

@@ -3,8 +3,18 @@ multi-token prediction, with Megatron-LM's names and rules.
 
 ``--overlap-moe-expert-parallel-comm`` runs forwards and backwards of other microbatches as
 overlapped pairs where that pays (schedule/pairs.py), through Megatron-Core's fine-grained
-schedule plan (runtime/overlap.py), ``--a2a-time T`` being the expert all-to-all time it hides
-(per microbatch and rank, in ``--costs`` units). ``--delay-wgrad-compute`` is Megatron-LM's flag of
+schedule plan (runtime/overlap.py). It works alone, as Megatron's flag does; the expert
+all-to-all time the pairing decides by is, in this order:
+
+* given: ``--a2a-time T`` (per microbatch and rank, in ``--costs`` units), an override that is
+  not measured over (no profiling window then: its times are milliseconds);
+* measured: with a profiling window (the default with one of our schedules and ``--iters`` >= 5)
+  the window times the dispatcher's all-to-alls as it times the ops (trainer/profile.py), and
+  the re-generated schedule is paired from the measured costs; until then it runs unpaired;
+* none yet: the pairs the schedule publishes (DualPipeV's) run as they are, other schedules run
+  unpaired, and a note says so.
+
+``--delay-wgrad-compute`` is Megatron-LM's flag of
 Transformer Engine's deferred weight gradients. ``--mtp-num-layers N`` (and
 ``--mtp-loss-scaling-factor``) adds Megatron-Core's multi-token prediction layers on the last
 stage. Everything that cannot run is refused here, in the parent, in one line naming the flag and
@@ -19,7 +29,8 @@ from typing import Any, Callable
 
 from ..clibase import add_overlap_arguments
 
-__all__ = ["add_frontier_arguments", "frontier_from_args", "check_frontier", "mtp_spec_fields", "OVERLAP_FLAG"]
+__all__ = ["add_frontier_arguments", "frontier_from_args", "check_frontier", "mtp_spec_fields", "OVERLAP_FLAG",
+           "overlap_plan", "overlap_summary"]
 
 OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 #: Megatron-LM's default --mtp-loss-scaling-factor
@@ -29,7 +40,7 @@ MTP_LOSS_SCALING_DEFAULT = 0.1
 def add_frontier_arguments(parser: argparse.ArgumentParser, whole: Callable[[str], int],
                            number: Callable[[str], float]) -> None:
     g = parser.add_argument_group("overlapped pairs and multi-token prediction (Megatron-LM's flags)")
-    add_overlap_arguments(g)
+    add_overlap_arguments(g, train=True)
     g.add_argument("--delay-wgrad-compute", action="store_true",
                    help="Megatron-LM's deferred weight gradients of Transformer Engine layers (with "
                         f"{OVERLAP_FLAG}); the local layers' B/W split defers them already")
@@ -85,12 +96,9 @@ def check_frontier(c: Any, *, pp: int, mcore: bool, layers: int, moe_pattern: tu
                 f"{2 * c.expert_model_parallel_size})")
     if c.moe_token_dispatcher_type != "alltoall":
         return f"{f} overlaps the all-to-all dispatcher (Megatron-Core's rule): add --moe-token-dispatcher-type alltoall"
-    if c.a2a_time is None:
-        return (f"{f} pairs forwards and backwards where the hidden all-to-all pays: give its time with --a2a-time T "
-                "(per microbatch and rank, in the units of --costs; e.g. 0.3 for 30%% of F)".replace("%%", "%"))
-    if not (math.isfinite(c.a2a_time) and c.a2a_time > 0):
+    if c.a2a_time is not None and not (math.isfinite(c.a2a_time) and c.a2a_time > 0):
         return (f"{f} with --a2a-time {c.a2a_time:g}: there is no all-to-all time to hide; give the measured time "
-                "(--a2a-time T > 0) or drop the flag")
+                "(--a2a-time T > 0), drop --a2a-time to have the profiling window measure it, or drop the flag")
     if mcore or pp < 2:
         return (f"{f} runs the pairs of our schedules (Megatron-Core's combined 1F1B needs bf16 and --vp): use "
                 "--pp >= 2 with one of them, e.g. --schedule dualpipev")
@@ -111,6 +119,61 @@ def check_frontier(c: Any, *, pp: int, mcore: bool, layers: int, moe_pattern: tu
         return (f"{f} runs through Megatron-Core's fine-grained schedule plan, which this megatron-core lacks; "
                 "install megatron-core 0.16.1 or later, or drop the flag")
     return None
+
+
+def overlap_plan(c: Any, sched: Any, *, measure: bool, window: tuple[int, int]) -> tuple[str, dict]:
+    """The note line and ``Plan.overlap_info`` of the flag: where the pairs of ``sched`` (the
+    schedule the run starts with) come from (module doc)."""
+    from ..schedule.pairs import count_pairs
+    n, meta, name = count_pairs(sched), sched.meta, c.schedule
+    head = "overlapped pairs:"
+    if c.a2a_time is not None:
+        return (f"{head} {n} forward-backward pairs ({meta.get('overlap_policy')}) through Megatron-Core's fine-grained "
+                f"schedule plan, paired by the all-to-all time given with --a2a-time ({c.a2a_time:g} per microbatch "
+                f"and rank, --costs units) (the same schedule unpaired: simulated makespan "
+                f"{meta.get('overlap_unpaired_makespan', float('nan')):g} without send/recv)",
+                {"pairs_from": "given", "a2a_time": c.a2a_time, "a2a_unit": "--costs units", "pairs": n,
+                 "policy": meta.get("overlap_policy")})
+    if measure:
+        span = f"iteration {window[0]}" if window[0] == window[1] else f"iterations {window[0]}-{window[1]}"
+        return (f"{head} from the all-to-all time the profiling window measures ({span}: "
+                "dispatch and combine of Megatron-Core's alltoall dispatcher, timed in every F and B); until then "
+                f"{name} runs unpaired, so that F, B and the all-to-all inside them are timed apart",
+                {"pairs_from": "measured", "a2a_time": None, "a2a_unit": "ms", "pairs": 0, "initial_pairs": 0,
+                 "window": list(window)})
+    why = ("no all-to-all time is measured (no profiling window: --profile-iters K with --iters >= K + 2 has one) "
+           "or given (--a2a-time T)")
+    if n:
+        return (f"{head} {n} forward-backward pairs, the ones {name} publishes, through Megatron-Core's fine-grained "
+                f"schedule plan: {why} to choose others by",
+                {"pairs_from": "published", "a2a_time": None, "a2a_unit": None, "pairs": n, "policy": "published"})
+    return (f"{head} none: {name} publishes no pairs, and {why} to choose them by; it runs unpaired",
+            {"pairs_from": "none", "a2a_time": None, "a2a_unit": None, "pairs": 0, "policy": "none"})
+
+
+def overlap_summary(info: dict, profile: dict | None) -> dict | None:
+    """``summary.json``'s ``overlap``: ``Plan.overlap_info`` and, when the pairs come from the
+    measurement, what the profiling window measured (``a2a_ms``: per stage forward, backward and
+    the model's mean, per rank) and paired (None without the flag)."""
+    if not info:
+        return None
+    out = dict(info)
+    if info.get("pairs_from") != "measured":
+        return out
+    prof = profile or {}
+    a2a = prof.get("a2a_ms")
+    out["a2a_ms"] = a2a
+    out["a2a_time"] = a2a["per_rank"] if a2a else None
+    pairs = prof.get("pairs")
+    if pairs is None:
+        out["why"] = ("the profiling window did not re-generate the schedule"
+                      + (f" ({prof['error']})" if prof.get("error") else "") + ": the run stayed unpaired")
+        return out
+    out["pairs"] = pairs.get("count", 0)
+    out["policy"] = pairs.get("policy")
+    if pairs.get("why"):
+        out["why"] = pairs["why"]
+    return out
 
 
 def _feature_flags(c: Any) -> str:

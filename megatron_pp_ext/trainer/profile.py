@@ -15,6 +15,23 @@ held up mid-iteration). At the end of the window:
   from the same gathered numbers, re-generates the schedule once with it (same name, chunks
   and memory budget) and swaps in a new executor. If the generator refuses the measured costs
   the run keeps its schedule and says so.
+
+With ``--overlap-moe-expert-parallel-comm`` and no ``--a2a-time`` the window also measures the
+expert all-to-all (:class:`~megatron_pp_ext.runtime.a2a_meter.AllToAllMeter`: dispatch and
+combine of Megatron-Core's alltoall dispatcher in every F, their backward in every B / BW, per op
+and stage). Its per-stage median -- the mean of the forward's and the backward's, as
+``CostModel.a2a`` is one time inside F and the same inside B -- joins the measured cost model,
+and the re-generated schedule is paired by it (:func:`~megatron_pp_ext.schedule.passes.pairing.
+pair_overlapped`), exactly as ``--a2a-time`` pairs it in ``--costs`` units; when no pairing pays
+at the measured costs the run continues unpaired and says so.
+
+In such a run the warm-up and the profiled iterations are **unpaired**, on purpose: a pair is one
+op with one time for two halves, so its F and B could not be taken apart (and a schedule whose
+ops are mostly pairs would leave stages without an F or B sample); on a GPU a pair's all-to-all
+runs beside the other half's compute, so it would be timed slowed down by that compute, not as
+the share of F and B the cost model calls the all-to-all; and the time a pairing then hides is
+judged against the unpaired F and B it came from. The warm-up runs what the window runs, so the
+first profiled iteration is not the first of its executor.
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-__all__ = ["Profiler", "measure_p2p_latency", "executor_p2p"]
+__all__ = ["Profiler", "measure_p2p_latency", "executor_p2p", "a2a_per_stage"]
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -79,6 +96,27 @@ def executor_p2p(executor):
     return p2p
 
 
+def a2a_per_stage(merged: dict, num_stages: int, t_f, t_b) -> dict | None:
+    """The measured all-to-all per stage (ms) from the window's samples (``merged``:
+    ``(A2A_F | A2A_B, stage) -> [seconds per op]``, every rank's lists joined), or None when
+    nothing was measured: ``forward`` / ``backward``, the medians of the F and the backward ops'
+    all-to-all time; ``a2a``, their mean (``CostModel.a2a``: one time inside F, the same inside B,
+    so a pair's two halves count forward + backward), at most the stage's F and B (a median taken
+    apart from F's cannot exceed it in the model). A stage without samples measured 0."""
+    from ..runtime.a2a_meter import A2A_BACKWARD, A2A_FORWARD
+    if not any(merged.get((k, s)) for k in (A2A_FORWARD, A2A_BACKWARD) for s in range(num_stages)):
+        return None
+
+    def med(kind: str, s: int) -> float:
+        vals = merged.get((kind, s))
+        return statistics.median(vals) * 1e3 if vals else 0.0
+
+    fwd = [_sig(med(A2A_FORWARD, s)) for s in range(num_stages)]
+    bwd = [_sig(med(A2A_BACKWARD, s)) for s in range(num_stages)]
+    a2a = [_sig(min((f + b) / 2, t_f[s], t_b[s])) for s, (f, b) in enumerate(zip(fwd, bwd))]
+    return {"forward": fwd, "backward": bwd, "a2a": a2a}
+
+
 def _compute_order(sched) -> list[list[str]]:
     """Per rank, the compute ops in order (communication placement aside)."""
     return [[str(o) for o in r] for r in sched.without(["comm"]).ops]
@@ -92,6 +130,8 @@ class Profiler:
         self.iters = iters
         self.samples: dict[tuple[str, int], list[float]] = defaultdict(list)
         self.result: dict | None = None
+        #: the window's all-to-all per stage (a2a_per_stage), once cost_model ran; None: not measured
+        self.a2a_measured: dict | None = None
 
     def active(self, it: int) -> bool:
         return self.iters > 0 and self.start <= it < self.start + self.iters
@@ -99,14 +139,20 @@ class Profiler:
     def last(self, it: int) -> bool:
         return self.iters > 0 and it == self.start + self.iters - 1
 
-    def record(self, timings) -> None:
+    def record(self, timings, a2a: dict | None = None) -> None:
+        """One profiled iteration: its op timings and (``a2a``: AllToAllMeter.take()) the
+        all-to-all time of its ops."""
         for t in timings or ():
             if t.kind in ("F", "B", "W", "BW"):
                 self.samples[(t.kind, t.stage)].append(t.duration)
+        for key, vals in (a2a or {}).items():
+            self.samples[key].extend(vals)
 
     # -- the re-scheduling -----------------------------------------------------------------
     def cost_model(self, gathered: list[dict], num_stages: int, chunks: int, comm: float):
-        """Per-stage medians (ms) of the gathered samples -> CostModel (identical on every rank)."""
+        """Per-stage medians (ms) of the gathered samples -> CostModel (identical on every rank);
+        with all-to-all samples (:func:`a2a_per_stage`, kept in ``a2a_measured``) its ``a2a``
+        is the measured one (none when it measured 0 everywhere)."""
         from ..schedule import CostModel
         merged: dict[tuple[str, int], list[float]] = defaultdict(list)
         for d in gathered:
@@ -128,12 +174,18 @@ class Profiler:
             t_f.append(_sig(max(f, 1e-6)))
             t_b.append(_sig(max(b, 1e-6)))
             t_w.append(_sig(max(w or 0.0, 0.0)))
-        return CostModel(tuple(t_f), tuple(t_b), tuple(t_w), _sig(comm * 1e3), (1.0 / chunks,) * num_stages)
+        cost = CostModel(tuple(t_f), tuple(t_b), tuple(t_w), _sig(comm * 1e3), (1.0 / chunks,) * num_stages)
+        self.a2a_measured = a2a_per_stage(merged, num_stages, cost.t_f, cost.t_b)
+        if self.a2a_measured is not None and any(self.a2a_measured["a2a"]):
+            cost = cost.with_(a2a=tuple(self.a2a_measured["a2a"]))
+        return cost
 
     def reschedule(self, tr, plan, *, device) -> dict:
         """Gather, build the cost model, re-generate the schedule; swap the executor in ``tr``."""
         from ..runtime.executor import ScheduleExecutor
         from ..schedule import ScheduleError, simulate
+        from ..schedule.pairs import count_pairs
+        from ..schedule.passes.pairing import PairingDoesNotPay
 
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, dict(self.samples))
@@ -153,6 +205,15 @@ class Profiler:
             self.result = result
             return result
         result["costs_ms"] = {"F": list(cost.t_f), "B": list(cost.t_b), "W": list(cost.t_w), "comm": cost.comm}
+        pairs = bool(getattr(plan, "measure_a2a", False))
+        if self.a2a_measured is not None:
+            per_stage = self.a2a_measured["a2a"]
+            result["costs_ms"]["a2a"] = list(per_stage)
+            result["a2a_ms"] = dict(self.a2a_measured, per_rank=[
+                _sig(sum(per_stage[s] for s, r in enumerate(plan.placement) if r == rank))
+                for rank in range(max(plan.placement) + 1)])
+        elif pairs:
+            result["a2a_ms"] = None
         try:
             sim_old = simulate(old, cost)
             result["simulated_ms_before"] = sim_old.makespan
@@ -164,12 +225,30 @@ class Profiler:
             cost = cost.with_(act=held.act, w_fraction_per_stage=held.w_fraction_per_stage,
                               transient_f=held.transient_f, transient_b=held.transient_b,
                               transient_w=held.transient_w, msg=held.msg, bytes_per_unit=held.bytes_per_unit)
-        new_exec = ScheduleExecutor(plan.runtime_schedule, chunks=plan.chunks, costs=cost,
-                                    memory_budget=plan.memory_budget,
-                                    sync_timings=old_exec.sync_timings, op_hook=old_exec.op_hook)
-        new_exec.tensor_observer = getattr(old_exec, "tensor_observer", None)
+        def executor(paired: bool):
+            ex = ScheduleExecutor(plan.runtime_schedule, chunks=plan.chunks, costs=cost,
+                                  memory_budget=plan.memory_budget, sync_timings=old_exec.sync_timings,
+                                  op_hook=old_exec.op_hook, overlap_moe=paired)
+            ex.tensor_observer = getattr(old_exec, "tensor_observer", None)
+            return ex
+
         try:
-            sched = new_exec.schedule_for(plan.cfg.pp, plan.microbatches)
+            new_exec = executor(pairs and bool(cost.a2a))
+            try:
+                sched = new_exec.schedule_for(plan.cfg.pp, plan.microbatches)
+            except PairingDoesNotPay:
+                new_exec = executor(False)
+                sched = new_exec.schedule_for(plan.cfg.pp, plan.microbatches)
+                result["pairs"] = {"from": "measured", "count": 0,
+                                   "why": "no pairing is faster at the measured costs: the run continues unpaired"}
+            else:
+                if pairs and not cost.a2a:
+                    result["pairs"] = {"from": "measured", "count": 0,
+                                       "why": "the window measured no all-to-all time: the run continues unpaired"}
+                elif pairs:
+                    result["pairs"] = {"from": "measured", "count": count_pairs(sched),
+                                       "policy": sched.meta.get("overlap_policy"),
+                                       "unpaired_ms": sched.meta.get("overlap_unpaired_makespan")}
         except ScheduleError as e:
             result["error"] = f"the generator refused the measured costs ({e}); keeping the schedule"
             self.result = result

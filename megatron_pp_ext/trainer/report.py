@@ -209,13 +209,21 @@ class RankZeroLog:
     def rescheduled(self, res: dict) -> None:
         w = res.get("window", ["?", "?"])
         costs = res.get("costs_ms")
-        head = f"profile (iterations {w[0]}-{w[1]}): "
+        head = f"profile (iteration {w[0]}): " if w[0] == w[1] else f"profile (iterations {w[0]}-{w[1]}): "
+
+        def fmt(xs):
+            return "/".join(f"{x:.3g}" for x in xs)
         if costs:
-            def fmt(xs):
-                return "/".join(f"{x:.3g}" for x in xs)
             head += (f"median per stage F {fmt(costs['F'])} ms, B {fmt(costs['B'])} ms, W {fmt(costs['W'])} ms, "
                      f"p2p {costs['comm']:.3g} ms")
         self.line(head)
+        a2a = res.get("a2a_ms")
+        if a2a:
+            self.line(f"  expert all-to-all (measured: dispatch + combine per microbatch): forward {fmt(a2a['forward'])} "
+                      f"ms, backward {fmt(a2a['backward'])} ms per stage; the cost model's a2a {fmt(a2a['a2a'])} ms per "
+                      f"stage, {fmt(a2a['per_rank'])} ms per rank")
+        elif "a2a_ms" in res:
+            self.line("  expert all-to-all: the window timed none (no MoE layer ran Megatron-Core's alltoall dispatcher)")
         if not res.get("changed"):
             self.line(f"  schedule kept: {res.get('error', 'no change')}")
             return
@@ -228,6 +236,14 @@ class RankZeroLog:
         if res.get("same_order"):
             txt += "; same compute order as before (a fixed pattern)"
         self.line(txt)
+        pairs = res.get("pairs")
+        if pairs is not None:
+            if pairs.get("count"):
+                self.line(f"  overlapped pairs: {pairs['count']} forward-backward pairs ({pairs.get('policy')}), paired "
+                          "by the measured all-to-all time (the same schedule unpaired: simulated "
+                          f"{pairs.get('unpaired_ms', float('nan')):.1f} ms without send/recv)")
+            else:
+                self.line(f"  overlapped pairs: none: {pairs.get('why')}")
 
     def profiled_figure(self, sched, cost) -> None:
         try:

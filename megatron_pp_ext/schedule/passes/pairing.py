@@ -17,8 +17,14 @@ time (``CostModel.a2a``) is what a pair hides; the fastest that is faster than t
 unpaired and stays within the memory limit wins, and then, on small schedules, each of its pairs
 is split again where that is faster still. The memory limit is ``memory_budget`` when given,
 else the unpaired schedule's peak plus the transients two microbatches hold at once: a pair
-never costs more activation memory than the schedule had. Nothing pays: ScheduleError naming the
-flag (without an all-to-all time, a pair only delays one of its outputs).
+never costs more activation memory than the schedule had. Nothing pays: :class:`PairingDoesNotPay`
+(a ScheduleError naming the flag; without an all-to-all time, a pair only delays one of its
+outputs).
+
+:func:`published_pairs` is what runs before any all-to-all time is known (``mppx train`` and
+``pretrain_gpt.py`` with the flag alone, until the profiling window has measured it): the pairs
+the generator publishes, as they are (DualPipeV's), or none -- nothing is chosen by a time nobody
+gave.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from ..ir import Op, Schedule, ScheduleError, op_kind
 from ..pairs import PAIR_KINDS, halves, pair
 from ..simresult import DeadlockError
 
-__all__ = ["pair_overlapped", "POLICIES", "REFINE_MAX_PAIRS"]
+__all__ = ["pair_overlapped", "published_pairs", "PairingDoesNotPay", "POLICIES", "REFINE_MAX_PAIRS"]
 
 _BACKWARD = ("B", "BW")
 _EPS = 1e-9
@@ -38,6 +44,11 @@ _EPS = 1e-9
 REFINE_MAX_PAIRS = 96
 
 Fusion = list  # per rank: list of (index of the F, index of the backward) in its op list
+
+
+class PairingDoesNotPay(ScheduleError):
+    """No pairing of the schedule is faster at these costs (within the memory limit): the caller
+    may run it unpaired (a profiled run does, saying so) or refuse (the flags at plan time)."""
 
 
 def _compute_idx(ops: list[Op]) -> list[int]:
@@ -233,8 +244,8 @@ def pair_overlapped(schedule: Schedule, cost: CostModel, *, memory_budget: float
                "no pairing of its neighbouring forwards and backwards is faster at these costs"
                + (f" within --memory-budget {memory_budget:g}" if memory_budget is not None else
                   " without more activation memory than one more microbatch"))
-        raise ScheduleError(f"{flag}: schedule {schedule.name!r} cannot pair: {how}; use dualpipev, or zbv / "
-                            "interleaved-1f1b with more microbatches, or a larger --a2a-time")
+        raise PairingDoesNotPay(f"{flag}: schedule {schedule.name!r} cannot pair: {how}; use dualpipev, or zbv / "
+                                "interleaved-1f1b with more microbatches, or a larger --a2a-time")
     makespan, _, fused, fusion = best
     if fusion is not None and sum(len(f) for f in fusion) <= REFINE_MAX_PAIRS:
         fused = _refine(schedule, cost, fusion, fused.meta["overlap_policy"], makespan, limit)
@@ -242,6 +253,24 @@ def pair_overlapped(schedule: Schedule, cost: CostModel, *, memory_budget: float
     # meta["overlap_pairs"] names the pairs this schedule holds (the generator's published ones were
     # a suggestion the chosen policy may not have followed): (rank, F stage, F microbatch, backward
     # stage, backward microbatch), as the torch CSV's OVERLAP_F_B cells and the published policy read it
+    fused.meta["overlap_pairs"] = [[r, f.stage, f.microbatch, b.stage, b.microbatch]
+                                   for r, ops in enumerate(fused.ops) for op in ops if op.kind in PAIR_KINDS
+                                   for f, b in (halves(op),)]
+    return fused
+
+
+def published_pairs(schedule: Schedule) -> Schedule:
+    """``schedule`` (compute-only) with the pairs its generator publishes (``meta["overlap_pairs"]``,
+    policy ``published``), unchanged when it publishes none (policy ``none``, no pairs). No cost is
+    looked at: this is the schedule's own overlap (DualPipeV's, as DeepSeek runs it), for a run
+    that has no all-to-all time yet."""
+    if schedule.has_comm():
+        raise ScheduleError("pairs are chosen on a compute-only schedule, before send/recv are placed")
+    fusion = _published(schedule) if not schedule.meta.get("forward_only") else []
+    if not any(fusion):
+        return Schedule(schedule.name, schedule.num_microbatches, schedule.placement, [list(o) for o in schedule.ops],
+                        dict(schedule.meta, overlap_policy="none", overlap_count=0, overlap_pairs=[]))
+    fused = _fuse(schedule, fusion, "published")
     fused.meta["overlap_pairs"] = [[r, f.stage, f.microbatch, b.stage, b.microbatch]
                                    for r, ops in enumerate(fused.ops) for op in ops if op.kind in PAIR_KINDS
                                    for f, b in (halves(op),)]
