@@ -130,3 +130,26 @@ def test_planner_doc_deepseek_memory_figures_are_what_the_command_prints():
             if re.match(r"^\d+\s+[\d.]+\s", row)}
     assert (peak["1f1b"], peak["interleaved-zb"], peak["zbv"]) == m.groups()[:3], out.stdout
     assert peak["v-half"] == peak["zbv"], out.stdout
+
+
+def test_planner_doc_paired_plan_figures_are_what_the_plans_give(tmp_path, monkeypatch):
+    """planner.md's overlapped-pairs figures (Mixtral-8x7B at 50 and 6.25 GB/s) are what
+    tests/test_planner.py's _paired_plans give now: the all-to-all's share of F, the paired winner
+    and its time, the best unpaired plan and its time."""
+    import re
+
+    from test_planner import _paired_plans
+    monkeypatch.setenv("MPPX_CACHE_DIR", str(tmp_path))   # (never the user's ~/.cache)
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "planner.md").read_text())
+    m = re.search(r"at 50 GB/s per GPU on the network the all-to-all is ([\d.]+)% of F and (\S+) predicts ([\d.]+) s "
+                  r"per iteration against ([\d.]+) s for the best unpaired plan \((\S+)\); at 6\.25 GB/s it is "
+                  r"([\d.]+)% of F and (\S+) predicts ([\d.]+) s against ([\d.]+) s\.", text)
+    assert m, "the sentence moved"
+    got = []
+    for bw in (50.0, 6.25):
+        paired, plain = _paired_plans(bw)
+        share = sum(paired.costs.a2a) / sum(paired.costs.t_f)
+        got.append((f"{share:.1%}"[:-1], paired.candidate.label(), f"{paired.iteration_time:.3f}",
+                    f"{plain.iteration_time:.3f}", plain.candidate.label()))
+    doc = [(m[1], m[2], m[3], m[4], m[5]), (m[6], m[7], m[8], m[9], got[1][4])]
+    assert got == doc

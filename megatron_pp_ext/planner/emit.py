@@ -1,7 +1,8 @@
 """Turn a plan into Megatron-LM ``pretrain_gpt.py`` arguments and a SLURM batch script.
 
 Flags of stock Megatron-LM are used wherever the plan is expressible with them, so a plan on
-1F1B or interleaved 1F1B without features runs on an unmodified Megatron-LM. Our plugin's
+1F1B or interleaved 1F1B without features or overlapped pairs runs on an unmodified Megatron-LM
+(pairs are timed as our executor runs them, not as Megatron-Core's combined 1F1B). Our plugin's
 flags appear only when the plan needs them: ``--pipeline-schedule NAME``,
 ``--pipeline-memory-budget UNITS``, ``--enable-vocab-parallel``, ``--activation-offload
 POLICY``, ``--bpipe`` (the last three come from the feature estimators' ``flags()``). An
@@ -106,10 +107,11 @@ def moe_model_flags(model: ModelSpec) -> list[str]:
 
 
 def needs_plugin(est: Estimate, req: PlanRequest) -> bool:
-    """Whether the plan needs megatron_pp_ext's flags: another schedule than Megatron's own, or
-    features."""
+    """Whether the plan needs megatron_pp_ext's flags: another schedule than Megatron's own,
+    features, or overlapped pairs (timed as our executor pairs them, not as Megatron-Core's
+    combined 1F1B)."""
     c = est.candidate
-    return c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or bool(c.features))
+    return c.pp > 1 and (c.schedule not in MEGATRON_SCHEDULES or bool(c.features) or c.overlap)
 
 
 def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:

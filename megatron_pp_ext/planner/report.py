@@ -129,8 +129,9 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
         gain = b.iteration_time / best.iteration_time - 1
         ex = f" ep={bc.ep} etp={bc.etp}" if m.is_moe else ""
         ex = (f" cp={bc.cp}" if bc.cp > 1 else "") + ex
-        out.append(f"  vs best Megatron 1F1B/interleaved plan without features (tp={bc.tp} pp={bc.pp} dp={bc.dp}{ex} "
-                   f"{bc.label()} mbs={bc.mbs} recompute={bc.recompute}: {b.iteration_time:.3f} s, MFU {b.mfu:.1%}): "
+        pairs = " or overlapped pairs" if req.overlap else ""   # (Megatron-Core's combined 1F1B: not modelled)
+        out.append(f"  vs best Megatron 1F1B/interleaved plan without features{pairs} (tp={bc.tp} pp={bc.pp} "
+                   f"dp={bc.dp}{ex} {bc.label()} mbs={bc.mbs} recompute={bc.recompute}: {b.iteration_time:.3f} s, MFU {b.mfu:.1%}): "
                    f"{gain:+.1%} throughput")
     if show_flags:
         out += ["", "pretrain_gpt.py flags:", "  " + shlex.join(megatron_flags(best, req))]

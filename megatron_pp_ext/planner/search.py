@@ -291,10 +291,12 @@ class Planner:
     def _pairs(self, cand: Candidate) -> bool:
         """Whether ``cand`` also runs as overlapped pairs (``--overlap``): an MoE model at ep >= 2
         with its all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no
-        full recomputation, and several model chunks per rank at pp > 1 (interleaved or V)."""
+        full recomputation, and several model chunks per rank at pp > 1 (interleaved or V) -- and
+        the runtime's: two or more experts per rank (with one, Megatron-Core's plan frees tokens its
+        backward needs; mppx train and the Megatron-LM flags refuse it)."""
         req = self.req
-        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.precision in ("bf16", "fp8")
-                and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
+        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.model.num_experts // cand.ep >= 2
+                and req.precision in ("bf16", "fp8") and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
 
     def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False, cp=1):
         L = self.req.model.num_layers
@@ -436,8 +438,10 @@ class Planner:
         ``batch_isend_irecv`` on the pipeline group whatever --p2p-strategy says, each rank waiting
         at every exchange; otherwise our executor, whose receives are posted early on channels of
         their own and waited for only by the op that reads them. ``feats``: features about to be
-        added to ``cand``."""
-        return cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features and not feats
+        added to ``cand``. Paired candidates run our executor: Megatron-Core's combined 1F1B is not
+        modelled, so the flags name our schedule and the timing is of our pairs."""
+        return (cand.pp > 1 and cand.schedule in MEGATRON_SCHEDULES and not cand.features and not feats
+                and not cand.overlap)
 
     def exchange_sync(self, cand: Candidate, feats=()) -> float:
         """Seconds the GPU idles after each pipeline exchange of ``cand`` beyond the transfer
@@ -642,8 +646,8 @@ class Planner:
         pipe = self.cache.pipeline(sim_cand.schedule, sim_cand.pp, sim_cand.m, sim_cand.vp, costs.t_f, costs.t_b,
                                    costs.t_w, costs.comm + self.exchange_sync(sim_cand), costs.act,
                                    budget=sim_cand.budget if isinstance(sim_cand.budget, float) else None,
-                                   w_share=costs.w_share, megatron=self.megatron_run(sim_cand),
-                                   comm_model=self._model_of(sim_cand, ()))
+                                   w_share=costs.w_share, a2a=costs.a2a if sim_cand.overlap else None,
+                                   megatron=self.megatron_run(sim_cand), comm_model=self._model_of(sim_cand, ()))
         est = self.estimate(sim_cand, costs, pipe)
         self._apply_sim_features(est, feats)
         for fname, opt in cand.features:
@@ -867,8 +871,9 @@ def plan(req: PlanRequest, *, cache: SimCache | None = None, baseline: bool = Fa
     if baseline:
         # within what is left of --time-limit (at least BASELINE_SHARE of it): the whole stays near the limit
         left = max(req.time_limit - (time.process_time() - t0), BASELINE_SHARE * req.time_limit)
+        # (without pairs: a paired plan runs our executor, not Megatron-Core's own schedule)
         base_req = req.with_(schedules=tuple(s for s in ("1f1b", INTERLEAVED) if s in schedule_names()),
-                             features=(), require_features=(), top=1, time_limit=left)
+                             features=(), require_features=(), top=1, time_limit=left, overlap=False)
         try:
             result.baseline = Planner(base_req, cache).run()
         except PlannerError:

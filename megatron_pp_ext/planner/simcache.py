@@ -15,9 +15,14 @@ of seconds at p=16), while evaluating a given order is cheap. So this module
   Schedules that keep fewer than p microbatches in flight may have a slower steady state
   (V-Min, V-Half, budgets): for them a second run at 3p measures the slope, used when it is
   slower (by > 2 %). Peak memory is taken from the last run (saturated by 2p);
-* memoises built orders and results in memory and on disk (``$MPPX_CACHE_DIR`` or
-  ``~/.cache/mppx``; off with ``MPPX_NO_CACHE=1``), keyed by a fingerprint of the schedule
-  core's source, so a changed generator never reuses stale orders or numbers.
+* paired orders (overlapped pairs hide the all-to-all, so no rank's busy time gives the slope,
+  and the pairing pass's choice depends on m) are simulated at m itself up to
+  ``PAIRED_DIRECT`` stage-microbatches (m x stages; about half a second of pairing), beyond
+  that extrapolated with the slope between two paired runs;
+* memoises built orders (with their ``meta``, which the pairing pass reads) and results in
+  memory and on disk (``$MPPX_CACHE_DIR`` or ``~/.cache/mppx``; off with ``MPPX_NO_CACHE=1``),
+  keyed by a fingerprint of the schedule core's and this module's source, so a changed
+  generator or evaluation never reuses stale orders or numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from ..schedule import CostModel, Op, Schedule, ScheduleError, ScheduleRequest, 
 _FINE = math.log(1.03)
 _COARSE = math.log(1.10)
 _SLOWER = 1.02            # two-run slope used when this much slower than the busiest rank's work
+#: paired orders are simulated at m itself up to this many stage-microbatches (m x stages)
+PAIRED_DIRECT = 2048
 
 
 @dataclass(frozen=True)
@@ -77,25 +84,34 @@ def _compact(t: Sequence) -> tuple:
 
 
 def _fingerprint() -> str:
+    """The schedule core's source and this module's (the orders' encoding, the evaluation)."""
     root = Path(__file__).resolve().parents[1] / "schedule"
     h = hashlib.sha1()
     for p in sorted(root.rglob("*.py")):
         h.update(p.relative_to(root).as_posix().encode())
         h.update(p.read_bytes())
+    h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
 _OP = re.compile(r"(BW|F|B|W)(\d+)\.(\d+)")
 
 
-def _encode(s: Schedule) -> dict:
-    return {"name": s.name, "m": s.num_microbatches, "placement": list(s.placement),
-            "ops": [" ".join(f"{o.kind}{o.stage}.{o.microbatch}" for o in rank) for rank in s.ops]}
+def _encode(s: Schedule) -> dict | None:
+    """``s`` for the disk, ``meta`` included (the pairing pass reads DualPipeV's published pairs
+    there); None when it would not read back equal: such an order stays in memory only."""
+    enc = {"name": s.name, "m": s.num_microbatches, "placement": list(s.placement),
+           "ops": [" ".join(f"{o.kind}{o.stage}.{o.microbatch}" for o in rank) for rank in s.ops]}
+    try:
+        enc["meta"] = json.loads(json.dumps(s.meta))
+    except (TypeError, ValueError):
+        return None
+    return enc if _decode(enc) == s else None
 
 
 def _decode(d: dict) -> Schedule:
     ops = [[Op(k, int(st), int(mb), r) for k, st, mb in _OP.findall(line)] for r, line in enumerate(d["ops"])]
-    return Schedule(d["name"], int(d["m"]), tuple(d["placement"]), ops)
+    return Schedule(d["name"], int(d["m"]), tuple(d["placement"]), ops, dict(d["meta"]))
 
 
 class SimCache:
@@ -172,7 +188,7 @@ class SimCache:
         enc = self._orders.get(key)
         if isinstance(enc, str):
             raise ScheduleError(enc)
-        if enc is not None:
+        if isinstance(enc, dict) and "meta" in enc:
             sched = _decode(enc)
         else:
             t0 = time.process_time()
@@ -188,8 +204,10 @@ class SimCache:
             finally:
                 self.stats["builds"] += 1
                 self.stats["build_seconds"] += time.process_time() - t0
-            self._orders[key] = _encode(sched)
-            self._dirty["orders"] = True
+            enc = _encode(sched)
+            if enc is not None:
+                self._orders[key] = enc
+                self._dirty["orders"] = True
         self._built[key] = sched
         return sched
 
@@ -270,19 +288,26 @@ class SimCache:
         frees; the orders are built with all of it, the generators' conservative default, and
         evaluated with it on a 1/64 grid). ``a2a``: per stage, the all-to-all seconds within F (and
         B) that overlapped pairs hide: the order is then paired where that pays
-        (schedule/passes/pairing.py) and simulated. Raises ScheduleError when the schedule cannot be
-        built (or paired) for them (the generator's or the pairing pass's message), or deadlocks
-        under ``comm_model``.
+        (schedule/passes/pairing.py) and simulated, at m itself up to ``PAIRED_DIRECT``
+        stage-microbatches (module doc). Raises ScheduleError when the schedule cannot be built (or
+        paired) for them (the generator's or the pairing pass's message), or deadlocks under
+        ``comm_model``.
 
         ``megatron`` (1F1B and interleaved 1F1B only): the run is Megatron-Core's own schedule,
         whose ranks block at every p2p exchange of its code (passes/megatron_comm.py): each
         exchange takes ``comm`` and the next op waits for it. The steady state is then measured,
-        not assumed: the slope between 2p and 3p microbatches.
+        not assumed: the slope between 2p and 3p microbatches. Not with ``a2a``: Megatron-Core's
+        combined 1F1B (its own pairs, an extra warm-up forward) is not modelled, so a paired plan
+        runs our executor (planner/emit.py names the schedule).
 
         ``comm_model`` (our executor's runs): the point-to-point strategy's model
         (schedule/commmodel.py); ``eager`` and ``nccl-channels`` (equal for every registered
         schedule up to a latency of 0.3 F, docs/benchmarks/comm.md) take the fast compute-only
         evaluator, the others simulate the order with its send/recv ops under the model."""
+        paired_run = a2a is not None and any(a2a)
+        if paired_run and megatron and pp > 1:
+            raise ValueError("megatron=True with a2a: Megatron-Core's combined 1F1B is not modelled; time the "
+                             "paired order as our executor runs it (megatron=False)")
         ref = max(t_f)
         if ref <= 0 or min(t_f) <= 0 or min(t_b) <= 0:
             raise ScheduleError("F and B costs must be positive on every stage")
@@ -308,7 +333,7 @@ class SimCache:
         qbudget = None if budget is None else round(budget, 2)
         head = (name, pp, chunks, qbudget)
         paired = None
-        if a2a is not None and any(a2a):
+        if paired_run:
             # the all-to-all on the fine grid, at most what F and B hold (the pairing pass's rule)
             qa2a = tuple(_q(min(a, f, b), ref, _FINE) for a, f, b in zip(a2a, t_f, t_b))
             fine = fine.with_(a2a=tuple(min(_dq(k, _FINE), f, b) for k, f, b in zip(qa2a, fine.t_f, fine.t_b)))
@@ -331,9 +356,19 @@ class SimCache:
                 return self._evaluate_megatron(sched, fine, repr(head + ckey + fkey + (mm,)))
             return self._evaluate(sched, fine, key, *streams)
 
-        if m <= max(2 * pp, 8):
+        S = len(t_f)
+        if m <= max(2 * pp, 8) or (paired is not None and (m * S <= PAIRED_DIRECT or m <= 4 * pp)):
             r = run(m)
             return PipeResult(r["makespan"] * ref, tuple(b * ref for b in r["busy"]), tuple(r["peak"]), (m,))
+        if paired is not None:
+            # the paired steady state measured between two paired runs (no busy time shrinks with
+            # the hidden all-to-all): the largest multiple of 2p within PAIRED_DIRECT (at least 4p), half it
+            m2 = max(4 * pp, PAIRED_DIRECT // S // (2 * pp) * 2 * pp)
+            m1 = m2 // 2
+            r1, r2 = run(m1), run(m2)
+            slope = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
+            busy = tuple(b / m2 * m * ref for b in r2["busy"])
+            return PipeResult((r2["makespan"] + (m - m2) * slope) * ref, busy, tuple(r2["peak"]), (m1, m2), True)
         m1 = 2 * pp
         r1 = run(m1)
         busy_slope = max(r1["busy"]) / m1
