@@ -7,7 +7,8 @@ Every row of ``benchmarks/data/nvidia_recipes_h100.json`` is ``mppx plan`` pinne
 its model preset at the recipe's sequence, H100s, tp/pp/cp/vp/ep/etp, micro and global batch,
 precision (``fp8-cs``: --precision fp8 --fp8-recipe tensorwise), recomputation and the settings
 the recipe turns on that the planner models (FP8 parameters, gradients reduced in bf16, TP
-communication overlap), evaluated for exactly that configuration (:meth:`Planner.evaluate`) --
+communication overlap, Megatron-FSDP: --use-megatron-fsdp), evaluated for exactly that configuration
+(:meth:`Planner.evaluate`) --
 the same request as::
 
     mppx plan --model M --seq S --gpu h100 --gpus N --tp T --pp P --cp C --vp V --ep E --etp 1 \\
@@ -98,7 +99,7 @@ def request(r: Recipe, **changes) -> PlanRequest:
               grad_reduce_in_fp32=st["grad_reduce_in_fp32"], tp_comm_overlap=st["tp_comm_overlap"],
               tp=(r.tp,), pp=(r.pp,), cp=(r.cp,), mbs=(r.mbs,), recompute=(st["recompute"],), features=(),
               schedules=(schedule_of(r),), uneven_layers=True, top=1, time_limit=60.0,
-              overlap=st["overlap_moe_expert_parallel_comm"])
+              overlap=st["overlap_moe_expert_parallel_comm"], megatron_fsdp=st.get("megatron_fsdp", False))
     if model.is_moe:
         kw.update(ep=(r.ep,), etp=(r.etp,))
     if r.vp > 1:
@@ -121,14 +122,32 @@ class Predicted:
     iteration_s: float
 
 
-def predict(r: Recipe, cache: SimCache) -> Predicted:
-    req = request(r)
+def pinned(r: Recipe, cache: SimCache, **changes):
+    """The recipe's own configuration evaluated (:meth:`Planner.evaluate`) under ``request(r, **changes)``."""
+    req = request(r, **changes)
     dp = r.gpus // (r.tp * r.pp * r.cp)
     m = r.global_batch // (dp * r.mbs)
     # unpaired: the recipe's pairs are Megatron-Core's combined 1F1B, not modelled (module doc)
     cand = Candidate(r.tp, r.pp, dp, r.vp, schedule_of(r), r.mbs, m, r.settings["recompute"], None, True, (),
                      r.ep if req.model.is_moe else 1, r.etp if req.model.is_moe else None, overlap=False, cp=r.cp)
-    est = Planner(req, cache).evaluate(cand)
+    return Planner(req, cache).evaluate(cand)
+
+
+def fsdp_figures(r: Recipe) -> str:
+    """For a row run with Megatron-FSDP: its working set, and the memory of the same configuration with
+    the distributed optimizer alone (what the table said before FSDP was modelled)."""
+    if not r.settings.get("megatron_fsdp"):
+        return ""
+    cache = SimCache(disk=False)
+    with_, without = pinned(r, cache), pinned(r, cache, megatron_fsdp=False)
+    st = with_.memory[with_.peak_rank].static
+    return (f" ({with_.peak_bytes / GIB:.1f} of {with_.usable_bytes / GIB:.1f} GiB, {st.fsdp_working / GIB:.1f} of "
+            f"them the gathered and unsharded units; with the distributed optimizer alone "
+            f"{without.peak_bytes / GIB:.1f} GiB, {'within' if without.fits else 'over'} memory)")
+
+
+def predict(r: Recipe, cache: SimCache) -> Predicted:
+    est = pinned(r, cache)
     d = {"tokens": r.global_batch * r.seq / est.iteration_time / r.gpus,
          "tflops": est.model_flops / est.iteration_time / r.gpus / 1e12}
     return Predicted(d["tokens"], d["tflops"], est.peak_bytes / GIB, est.usable_bytes / GIB, est.fits,
@@ -144,19 +163,28 @@ class Best:
 
 def best_plan(r: Recipe, cache: SimCache, time_limit: float) -> Best | None:
     """The planner's own best plan for the recipe's model, GPUs, precision and batch: every
-    schedule and feature, tp/pp/cp/ep free (cp 1 or the recipe's), the recipe's overlaps."""
-    req = request(r, tp=None, pp=None, mbs=None, ep=None, etp=None, cp=tuple(sorted({1, r.cp})), vp=None,
-                  schedules=None, features=None, recompute=("none", "full"), time_limit=time_limit, top=1)
-    try:
-        res = plan(req, cache=cache)
-    except PlannerError:
+    schedule and feature, tp/pp/cp/ep free (cp 1 or the recipe's), the recipe's overlaps; a recipe
+    run with Megatron-FSDP also gets the search with it (Megatron-Core's own schedules, no
+    features), and the faster of the two is shown."""
+    free = dict(tp=None, pp=None, mbs=None, ep=None, etp=None, cp=tuple(sorted({1, r.cp})), vp=None,
+                recompute=("none", "full"), time_limit=time_limit, top=1)
+    reqs = [request(r, schedules=None, features=None, megatron_fsdp=False, **free)]
+    if r.settings.get("megatron_fsdp"):
+        reqs.append(request(r, schedules=None, features=None, **free))
+    found = []
+    for req in reqs:
+        try:
+            found.append((plan(req, cache=cache).best, req))
+        except PlannerError:
+            pass
+    if not found:
         return None
-    e = res.best
+    e, req = min(found, key=lambda x: x[0].iteration_time)
     c = e.candidate
     feats = ",".join(f"{n}={o}" for n, o in c.features) or "-"
     ex = f" ep{c.ep}" if req.model.is_moe else ""
     label = (f"{c.label()} tp{c.tp} pp{c.pp} cp{c.cp} dp{c.dp}{ex} mbs{c.mbs} rc={c.recompute} {feats}"
-             + (" paired" if c.overlap else ""))
+             + (" paired" if c.overlap else "") + (" megatron-fsdp" if req.megatron_fsdp else ""))
     return Best(label, r.global_batch * r.seq / e.iteration_time / r.gpus, e.fits)
 
 
@@ -253,7 +281,7 @@ def reading(results: list[Result]) -> list[str]:
                    f"GiB): {'; '.join(x.recipe.notes) or 'the recipe ran; the memory model is over'}.")
     notes = [x for x in results if x.recipe.notes and x.pred.fits]
     for x in notes:
-        out.append(f"- {x.recipe.label}: {'; '.join(x.recipe.notes)}.")
+        out.append(f"- {x.recipe.label}: {'; '.join(x.recipe.notes)}{fsdp_figures(x.recipe)}.")
     out.append("- *model TFLOP/s/GPU* in the JSON (`model_tflops_per_gpu`) counts causal attention whole, as the "
                "planner's MFU does; NVIDIA's table counts it half, so compare tokens/s first.")
     if any(x.best for x in results):

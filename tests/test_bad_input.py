@@ -554,6 +554,13 @@ def test_interleaved_1f1b_refuses_an_order_that_deadlocks_in_one_line(capsys):
     (["--json", "--emit-flags", "-"], "--emit-flags - with --json"),
     (["--json", "--emit-slurm", "-"], "--emit-slurm - with --json"),
     (["--emit-flags", "-", "--emit-slurm", "-"], "only one of them can go to standard output"),
+    # Megatron-FSDP runs on Megatron-Core's own schedules only, without features (megatron_lm/flags.py)
+    (["--use-megatron-fsdp", "--schedules", "zbv"], "--use-megatron-fsdp with --schedules zbv"),
+    (["--use-megatron-fsdp", "--schedules", "1f1b,zb-h1"], "--use-megatron-fsdp with --schedules zb-h1"),
+    (["--use-megatron-fsdp", "--require-features", "offload"], "--use-megatron-fsdp with --require-features offload"),
+    (["--use-megatron-fsdp", "--features", "vocab-parallel"], "--use-megatron-fsdp with --features vocab-parallel"),
+    (["--use-megatron-fsdp", "--no-distributed-optimizer"], "drop --no-distributed-optimizer"),
+    (["--use-megatron-fsdp", "--explain-bpipe"], "--explain-bpipe with --use-megatron-fsdp"),
 ])
 def test_plan_refuses_flags_that_contradict_each_other_before_searching(capsys, extra, needle):
     line = one_line_error(capsys, *PLAN, *extra)

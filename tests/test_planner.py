@@ -558,6 +558,21 @@ def _emitted_moe_plans() -> list:
     return out
 
 
+def _emitted_fsdp_plans() -> list:
+    """Megatron-FSDP plans (--use-megatron-fsdp): at tp 2 (where Megatron-LM otherwise wants one hardware
+    queue), on interleaved 1F1B at pp 2, and NVIDIA's llama3-8b recipe (FP8 parameters, bf16 gradients)."""
+    out = []
+    for model, gpus, batch, kw in (
+            (get_model("llama2-7b"), 16, 64, dict(tp=(2,), pp=(1,))),
+            (get_model("llama2-7b"), 16, 64, dict(tp=(1,), pp=(2,), schedules=("interleaved-1f1b",), max_vp=2)),
+            (get_model("llama3-8b").with_(seq=8192), 8, 128,
+             dict(tp=(1,), pp=(1,), precision="fp8", fp8_param_gather=True, grad_reduce_in_fp32=False))):
+        req = PlanRequest(model, make_cluster("h100", gpus), batch, mbs=(1,), recompute=("none",), megatron_fsdp=True,
+                          top=1, **kw)
+        out.append((req, plan(req).best))
+    return out
+
+
 def _paired_plans(net_gbps: float) -> tuple:
     """(best plan with overlapped pairs allowed, best plan without) of Mixtral-8x7B on 32 nodes of 2
     GPUs at pp=4 x ep=4 (two experts per rank, as pairs need; each expert-parallel group over two
@@ -660,8 +675,15 @@ te_policy.installed_te_version = lambda: (2, 8, 0)        # (a GPU install: --pi
 from megatron.training.arguments import add_megatron_arguments, validate_args
 bad = []
 cases = json.load(open(sys.argv[1]))
+import os
 for case in cases:
     p = m.extra_args_provider()(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    saved = dict(os.environ)
+    for key, value in case.get("env", {}).items():   # the environment the plan's SLURM script leaves
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         ns = p.parse_args(case["flags"] + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                                            str(case["vocab"]), "--train-iters", "10", "--lr", "1e-4"])
@@ -674,6 +696,9 @@ for case in cases:
             assert got == want, (key, got, want)
     except BaseException as e:
         bad.append((case["flags"], repr(e)[:300]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 print("CASES", len(cases), "BAD", len(bad))
 for b in bad[:3]:
     print(b)
@@ -681,9 +706,9 @@ for b in bad[:3]:
 
 
 def test_emitted_flags_pass_megatron_lm_validation(tmp_path):
-    """The emitted flags of MoE plans and of the published layouts (tests/test_planner_published.py:
-    Megatron-Core's layout string under its own 1F1B / interleaved, ours under the zero-bubble and V
-    schedules) through Megatron-LM's own parser and validate_args (plus megatron_pp_ext's
+    """The emitted flags of MoE plans, of Megatron-FSDP plans and of the published layouts
+    (tests/test_planner_published.py: Megatron-Core's layout string under its own 1F1B / interleaved, ours
+    under the zero-bubble and V schedules) through Megatron-LM's own parser and validate_args (plus megatron_pp_ext's
     Megatron-LM flags and checks), at the plan's world size, in one process (one import of
     Megatron-LM). Needs Megatron-LM (MEGATRON_LM_DIR or a megatron-core wheel carrying
     megatron.training) and its Python requirements."""
@@ -700,6 +725,17 @@ def test_emitted_flags_pass_megatron_lm_validation(tmp_path):
                                  "data_parallel_size": c.dp}})
     moe = len(cases)
     cases += published_flag_cases()
+    for req, e in _emitted_fsdp_plans():
+        c = e.candidate
+        script = slurm_script(e, req)
+        assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in script
+        # (validated in the environment the script leaves: CUDA_DEVICE_MAX_CONNECTIONS unset)
+        cases.append({"flags": megatron_flags(e, req), "world": req.cluster.num_gpus, "vocab": req.model.vocab,
+                      "env": {"CUDA_DEVICE_MAX_CONNECTIONS": None},
+                      "expect": {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
+                                 "ckpt_format": "fsdp_dtensor", "use_distributed_optimizer": True,
+                                 "data_parallel_size": c.dp, "pipeline_model_parallel_size": c.pp,
+                                 "tensor_model_parallel_size": c.tp}})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if mlm:

@@ -36,6 +36,10 @@ class PlanRequest:
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     budgets: tuple[str, ...] = ("fit",)               # v-budget: "fit" (largest that fits) and/or "0.5x"
     distributed_optimizer: bool = True
+    #: --use-megatron-fsdp (data_parallel_sharding_strategy optim_grads_params): parameters, gradients and
+    #: optimizer states sharded over the data-parallel group, gathered one transformer layer at a time
+    #: (memory.static_memory); Megatron-Core's own schedules only, without features (_check_fsdp)
+    megatron_fsdp: bool = False
     precision: str = "bf16"
     #: FP8's scaling recipe (Megatron-LM's --fp8-recipe), with ``precision="fp8"``
     fp8_recipe: str = "tensorwise"
@@ -100,6 +104,39 @@ class PlanRequest:
         self._check_experts()
         self._check_context()
         self._check_stage_times()
+        self._check_fsdp()
+
+    def _check_fsdp(self) -> None:
+        """--use-megatron-fsdp against what contradicts it: megatron_pp_ext's Megatron-LM integration
+        refuses Megatron-FSDP with its own schedules and features (megatron_lm/flags.py), so FSDP plans
+        run Megatron-Core's 1F1B or interleaved 1F1B without features; Megatron-LM forces the
+        distributed optimizer with it; mppx train on CPU processes has no FSDP."""
+        if not self.megatron_fsdp:
+            return
+        from .emit import MEGATRON_SCHEDULES
+        if not self.distributed_optimizer:
+            raise PlannerError("--use-megatron-fsdp with --no-distributed-optimizer: Megatron-FSDP shards the optimizer "
+                               "states itself (Megatron-LM forces --use-distributed-optimizer with it); drop "
+                               "--no-distributed-optimizer")
+        if self.schedules is not None:
+            other = [s for s in self.schedules if s not in MEGATRON_SCHEDULES]
+            if other:
+                raise PlannerError(f"--use-megatron-fsdp with --schedules {','.join(other)}: megatron_pp_ext runs "
+                                   "Megatron-FSDP only on Megatron-Core's own schedules (its executor drives the "
+                                   "distributed optimizer's hooks, not Megatron-FSDP's); use --schedules "
+                                   f"{','.join(MEGATRON_SCHEDULES)} or drop --use-megatron-fsdp")
+        if self.require_features or self.features:
+            names = ",".join(self.require_features or self.features)
+            flag = "--require-features" if self.require_features else "--features"
+            raise PlannerError(f"--use-megatron-fsdp with {flag} {names}: features run on megatron_pp_ext's executor, "
+                               f"which does not run Megatron-FSDP; drop {flag} or --use-megatron-fsdp")
+        if self.overlap:
+            raise PlannerError("--use-megatron-fsdp with --overlap-moe-expert-parallel-comm: overlapped pairs are "
+                               "planned on megatron_pp_ext's executor, which does not run Megatron-FSDP; drop "
+                               "one of them")
+        if self.runtime != "gpu":
+            raise PlannerError("--use-megatron-fsdp with --memory-model cpu: mppx train on CPU processes has no "
+                               "Megatron-FSDP; drop one of them")
 
     def _check_precision(self) -> None:
         """--precision and --fp8-recipe against the GPU: FP8 needs FP8 tensor cores, MXFP8 a
@@ -226,7 +263,7 @@ class PlanRequest:
     def static_options(self) -> dict:
         """How parameters and gradients are held (``layout.rank_static``'s keywords)."""
         return {"precision": self.precision, "grad_reduce_in_fp32": self.grad_reduce_in_fp32,
-                "fp8_params": self.fp8_param_gather}
+                "fp8_params": self.fp8_param_gather, "fsdp": self.megatron_fsdp}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ layout flags). MoE models carry Megatron-LM's MoE flags (``--num-experts``,
 ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-layer-freq``, ...) and their plans
 ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size`` and the all-to-all
 dispatcher. A schedule that splits B and W gets the layers it runs on
-(:func:`layer_impl_flags`).
+(:func:`layer_impl_flags`). Megatron-FSDP plans (``PlanRequest.megatron_fsdp``) carry
+``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor``
+and their SLURM script leaves ``CUDA_DEVICE_MAX_CONNECTIONS`` unset (Megatron-LM asserts it is not 1).
 """
 
 from __future__ import annotations
@@ -142,11 +144,14 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
             f.append("--fp8-param-gather")
     if req.tp_comm_overlap and c.tp > 1:
         f.append("--tp-comm-overlap")
-    if c.distributed_optimizer:
+    if req.megatron_fsdp:   # (Megatron-LM forces the distributed optimizer with it, and this checkpoint format)
+        f += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+              "--ckpt-format", "fsdp_dtensor"]
+    if c.distributed_optimizer or req.megatron_fsdp:
         f.append("--use-distributed-optimizer")
     if c.grad_dp > 1 and req.efficiency.dp_overlap:
         f.append("--overlap-grad-reduce")
-        if c.distributed_optimizer:
+        if c.distributed_optimizer or req.megatron_fsdp:
             f.append("--overlap-param-gather")
     if c.recompute == "selective":
         f += ["--recompute-granularity", "selective"]
@@ -224,7 +229,7 @@ def flags_text(est: Estimate, req: PlanRequest) -> str:
     c = est.candidate
     head = [f"# mppx plan: {req.model.name} on {req.cluster.num_gpus} x {req.cluster.gpu.name}: tp={c.tp}"
             f"{_cp_text(c)} pp={c.pp} dp={c.dp}{_expert_text(c, req.model)} {c.label()} mbs={c.mbs} recompute={c.recompute} "
-            f"features={c.features_label()}",
+            f"features={c.features_label()}{_fsdp_text(req)}",
             f"# predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak "
             f"{est.peak_bytes / 2 ** 30:.1f} GiB on rank {est.peak_rank} (model predictions, not measurements)"]
     if uses_unverified_te_split(est, req):
@@ -240,6 +245,10 @@ def flags_text(est: Estimate, req: PlanRequest) -> str:
             lines.append(flags[i])
             i += 1
     return "\n".join(head + lines) + "\n"
+
+
+def _fsdp_text(req: PlanRequest) -> str:
+    return " megatron-fsdp" if req.megatron_fsdp else ""
 
 
 def _cp_text(c) -> str:
@@ -270,13 +279,17 @@ def _bash_array(name: str, flags: list[str]) -> str:
 
 def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
-    compat.megatron_lm_requires_one_queue), except with vocabulary parallelism, which hangs under
+    compat.megatron_lm_requires_one_queue; never with Megatron-FSDP, which asserts more than one), except
+    with vocabulary parallelism, which hangs under
     one queue: the integration lifts Megatron-LM's rule, a rule for the speed of its tensor-parallel
     overlap (megatron_lm/integration.py); elsewhere the default queues."""
     from ..compat import megatron_lm_requires_one_queue
     c = est.candidate
     required = megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell,
-                                              ep_overlap=c.overlap)
+                                              ep_overlap=c.overlap, fsdp=req.megatron_fsdp)
+    if req.megatron_fsdp:
+        return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-FSDP overlaps its all-gathers and",
+                "# reduce-scatters with compute on more than one queue (Megatron-LM refuses it with one)."]
     if required and any(name == "vocab-parallel" for name, _ in c.features):
         return ["# CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs under one hardware queue.",
                 "# Megatron-LM asks for one at tp/cp > 1 before Blackwell only for the speed of its tensor-parallel",
@@ -309,7 +322,7 @@ def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None
         f"{req.global_batch}.",
         f"# Plan: tp={c.tp}{_cp_text(c)} pp={c.pp} dp={c.dp}{_expert_text(c, model)} {c.label()} mbs={c.mbs} "
         f"recompute={c.recompute} "
-        f"features={c.features_label()}",
+        f"features={c.features_label()}{_fsdp_text(req)}",
         f"# Predicted {est.iteration_time:.3f} s/iteration, MFU {est.mfu:.1%}, peak {est.peak_bytes / 2 ** 30:.1f} "
         f"GiB/GPU: model predictions, not measurements.",
     ]

@@ -312,21 +312,31 @@ class StaticMemory:
     fp8_weights: float = 0.0
     #: elements held as FP8 parameters (--fp8-param-gather): gathered at 1 byte
     fp8_param_numel: int = 0
+    #: Megatron-FSDP: bytes of the unsharded working set (gathered parameters, one unit's unsharded
+    #: gradients, TE's FP8 copies of the gathered units), already part of params, grads, fp8_weights
+    fsdp_working: float = 0.0
+    #: Megatron-FSDP: elements of the largest unit (a transformer layer), gathered before the first forward
+    fsdp_unit_numel: int = 0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.fp8_weights
 
     def to_dict(self) -> dict:
-        return {"num_params": self.num_params, "expert_params": self.expert_params, "params": self.params,
-                "grads": self.grads, "optimizer": self.optimizer, "fp8_weights": self.fp8_weights,
-                "total": self.total}
+        d = {"num_params": self.num_params, "expert_params": self.expert_params, "params": self.params,
+             "grads": self.grads, "optimizer": self.optimizer, "fp8_weights": self.fp8_weights,
+             "total": self.total}
+        if self.fsdp_unit_numel:
+            d["fsdp_working_set"] = self.fsdp_working
+        return d
 
 
 def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_optimizer: bool = False,
                   precision: str = "bf16", grad_reduce_in_fp32: bool = True,
                   bucket_size: int | None = None, expert_chunks: Sequence[Sequence[int]] | None = None,
-                  expert_dp: int = 1, fp8_weight_numel: int = 0, fp8_params: bool = False) -> StaticMemory:
+                  expert_dp: int = 1, fp8_weight_numel: int = 0, fp8_params: bool = False,
+                  fsdp_units: Sequence[tuple[int, int]] | None = None,
+                  fsdp_resident: tuple[int, int] = (0, 0)) -> StaticMemory:
     """Parameter, gradient and optimizer bytes of one rank holding ``chunks`` (one tensor-size
     list per model chunk; each chunk is its own DDP module and buffer, as with virtual
     pipelining).
@@ -339,12 +349,19 @@ def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_o
     ``dp`` and makes the param buffer contiguous (padded).
 
     ``expert_chunks`` (ep > 1): each chunk's expert tensors, a second buffer padded and sharded
-    over the expert data-parallel group of ``expert_dp`` ranks (tp*dp/(ep*etp))."""
+    over the expert data-parallel group of ``expert_dp`` ranks (tp*dp/(ep*etp)).
+
+    ``fsdp_units`` (Megatron-FSDP, :func:`_fsdp_static`): (elements, FP8 GEMM-weight elements) of each
+    transformer layer of the rank, ``fsdp_resident`` those of the rest (embedding, output layer, norms)."""
     if precision not in ("bf16", "fp32", "fp8"):
         raise PlannerError(f"precision must be bf16, fp32 or fp8, got {precision!r}")
     p_bytes = 4 if precision == "fp32" else 2
     g_bytes = 4 if (precision == "fp32" or grad_reduce_in_fp32) else 2
     o_bytes = 8 if precision == "fp32" else 12
+    if fsdp_units is not None:
+        return _fsdp_static(chunks, expert_chunks, dp, expert_dp, p_bytes, g_bytes, o_bytes, fp8_weight_numel,
+                            fp8=precision == "fp8", fp8_params=fp8_params and precision == "fp8", units=fsdp_units,
+                            resident=fsdp_resident)
     n = params = grads = optimizer = 0.0
     n_exp = 0
     groups = [(chunks, dp)]
@@ -372,6 +389,52 @@ def static_memory(chunks: Sequence[Sequence[int]], *, dp: int = 1, distributed_o
         fp8 = 1.0 * fp8_weight_numel
     return StaticMemory(int(n), params, grads, optimizer, n_exp, fp8,
                         fp8_weight_numel if precision == "fp8" and fp8_params else 0)
+
+
+def _fsdp_static(chunks, expert_chunks, dp: int, expert_dp: int, p_bytes: int, g_bytes: int, o_bytes: int,
+                 fp8_numel: int, *, fp8: bool, fp8_params: bool, units: Sequence[tuple[int, int]],
+                 resident: tuple[int, int]) -> StaticMemory:
+    """Megatron-FSDP with ``optim_grads_params`` (--use-megatron-fsdp; megatron/core/distributed/fsdp).
+
+    Sharded over the data-parallel group (``dp``; the expert buffer over ``expert_dp``), as the
+    distributed optimizer shards its states: the parameters (bf16, or FP8 GEMM weights with
+    ``fp8_params``), the main gradients (``g_bytes``) and the optimizer states (fp32 master + Adam);
+    padding is not modelled (ceil per rank). Unsharded, the working set:
+
+    * its unit is a transformer layer (Megatron-LM wraps TransformerLayer): the gathered parameters of
+      two units, the one computing and the one prefetched (its double buffer), the largest unit twice;
+    * the unsharded gradients of one unit before its reduce-scatter;
+    * the rest (embedding, output layer, norms: no unit) held gathered through the step (Megatron-FSDP
+      preserves non-unit buckets), and its gradients unsharded until the end of the backward;
+    * under FP8, Transformer Engine's FP8 weight copies of the gathered units only (2 bytes per
+      element; 1 -- the transposed copy -- with FP8 parameters), not of every layer."""
+    n = optimizer = params = grads = 0.0
+    n_exp = 0
+    for g, (sizes_per_chunk, group_dp) in enumerate(((chunks, dp), (expert_chunks or (), expert_dp))):
+        numel = int(sum(sum(sizes) for sizes in sizes_per_chunk))
+        shard = math.ceil(numel / max(1, group_dp))
+        params += p_bytes * shard
+        grads += g_bytes * shard
+        optimizer += o_bytes * numel / max(1, group_dp)
+        n += numel
+        if g == 1:
+            n_exp = numel
+    if fp8_params:   # the GEMM weights' shards at 1 byte
+        params -= (p_bytes - 1) * fp8_numel / max(1, dp)
+
+    def held(numel: int, f8: int) -> float:   # bytes of gathered parameters
+        return p_bytes * numel - ((p_bytes - 1) * f8 if fp8_params else 0)
+
+    def te(f8: int) -> float:                 # TE's FP8 copies of gathered weights
+        return (1.0 if fp8_params else 2.0) * f8 if fp8 else 0.0
+
+    big = max(units, key=lambda u: held(*u), default=(0, 0))
+    gathered = 2 * held(*big) + held(*resident)
+    unsharded_grads = g_bytes * (max((u[0] for u in units), default=0) + resident[0])
+    copies = 2 * te(big[1]) + te(resident[1])
+    return StaticMemory(int(n), params + gathered, grads + unsharded_grads, optimizer, n_exp, copies,
+                        fp8_numel if fp8_params else 0, gathered + unsharded_grads + copies,
+                        max((u[0] for u in units), default=0))
 
 
 def is_fp8_gemm_weight(name: str) -> bool:

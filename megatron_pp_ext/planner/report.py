@@ -90,6 +90,9 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
            f"global batch {req.global_batch}",
            f"precision: {precision_label(req)}; efficiency: {req.efficiency.source}"]
     out += [f"  derived, not measured on this GPU: {rule}" for rule in efficiency_rules(cl.gpu, req.efficiency)]
+    if req.megatron_fsdp:
+        out.append("data parallelism: Megatron-FSDP (optim_grads_params: parameters, gradients and optimizer states "
+                   "sharded over dp, one transformer layer gathered at a time); Megatron-Core's own schedules only")
     out.append("")
     cp = plans_cp(req) or any(e.candidate.cp > 1 for e in result.plans)
     out.append(_table(plan_headers(moe=m.is_moe, cp=cp),
@@ -111,8 +114,10 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
                    + ("hidden behind the other half's compute in the overlapped pairs, "
                       "--overlap-moe-expert-parallel-comm)" if c.overlap else "inside the pipeline time)"))
     out.append(f"  memory on rank {best.peak_rank} (of {c.pp}): params {fmt_bytes(st.params)}, grads "
-               f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}, activations "
-               f"{fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"
+               f"{fmt_bytes(st.grads)}, optimizer {fmt_bytes(st.optimizer)}"
+               + (f" (Megatron-FSDP: shards, plus {fmt_bytes(st.fsdp_working)} of gathered parameters, unsharded "
+                  "gradients and FP8 copies)" if st.fsdp_unit_numel else "")
+               + f", activations {fmt_bytes(worst.activations)}, transient {fmt_bytes(worst.transient)}"
                + (f", feature buffers {fmt_bytes(worst.extra)}" if worst.extra else "")
                + (f", NCCL communicators {fmt_bytes(worst.nccl)}" if worst.nccl else "")
                + f" = {fmt_bytes(worst.total)} of {fmt_bytes(best.usable_bytes)}")
@@ -174,7 +179,7 @@ def estimate_to_dict(e: Estimate, req) -> dict:
         "tokens_per_s_per_gpu": req.global_batch * req.model.seq / e.iteration_time / req.cluster.num_gpus,
         # the model's FLOPs (forward + backward, no recomputation, causal attention counted whole) per GPU
         "model_tflops_per_gpu": e.model_flops / e.iteration_time / req.cluster.num_gpus / 1e12,
-        "precision": req.precision,
+        "precision": req.precision, "megatron_fsdp": req.megatron_fsdp,
         "peak_memory_bytes": e.peak_bytes, "peak_rank": e.peak_rank, "usable_bytes": e.usable_bytes,
         "fits": e.fits, "overflow_bytes": max(0.0, e.overflow),
         "time_breakdown_s": dict(e.time), "memory_per_rank": [m.to_dict() for m in e.memory],
@@ -200,6 +205,7 @@ def nothing_fits_to_dict(req, error) -> dict:
                     "gpus_per_node": req.cluster.gpus_per_node, "usable_bytes": req.cluster.usable_bytes},
         "global_batch_size": req.global_batch, "precision": req.precision,
         "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
+        "megatron_fsdp": req.megatron_fsdp,
         "plans": [], "fits": False, "error": str(error),
         "closest": estimate_to_dict(error.closest, req) if getattr(error, "closest", None) is not None else None,
         "derived": efficiency_rules(req.cluster.gpu, req.efficiency), "disclaimer": DISCLAIMER,
@@ -216,6 +222,7 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "global_batch_size": req.global_batch,
         "precision": req.precision,
         "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
+        "megatron_fsdp": req.megatron_fsdp,
         "efficiency": req.efficiency.to_dict(),
         "derived": efficiency_rules(req.cluster.gpu, req.efficiency),
         "plans": [estimate_to_dict(e, req) for e in result.plans],

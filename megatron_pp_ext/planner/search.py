@@ -37,8 +37,8 @@ from .memory import fmt_bytes, layer_activation, model_num_params
 from .stagemem import MemorySetting, stage_memory, unit_bytes
 from .presets import PlannerError
 from .simcache import PipeResult, SimCache
-from .timing import (PassTimes, bf16_part, dp_times, embedding_times, layer_times, model_flops_per_sample, mtp_times,
-                     optimizer_time, output_times, p2p_time, peak_flops)
+from .timing import (PassTimes, bf16_part, dp_times, embedding_times, fsdp_times, layer_times, model_flops_per_sample,
+                     mtp_times, optimizer_time, output_times, p2p_time, peak_flops)
 
 MAX_MBS = 16
 MAX_PP = 64
@@ -120,11 +120,13 @@ class Planner:
         if req.global_batch < 1:
             raise PlannerError(f"--global-batch-size {req.global_batch}: must be >= 1")
         names = schedule_names()
+        if req.megatron_fsdp:   # Megatron-Core's own schedules without features (PlanRequest._check_fsdp)
+            names = [s for s in MEGATRON_SCHEDULES if s in names]
         self.schedules = list(req.schedules) if req.schedules else names
         for s in self.schedules:
             schedule_info(s)  # raises with the list of names
         self._check_vp()
-        self.features = list(req.features) if req.features is not None else feature_names()
+        self.features = list(req.features) if req.features is not None else [] if req.megatron_fsdp else feature_names()
         for f in list(self.features) + list(req.require_features):
             get_feature(f)
         for f in req.require_features:
@@ -470,6 +472,16 @@ class Planner:
         exposed = opt = 0.0
         for r in range(cand.pp):
             n, n_exp = statics[r].num_params, statics[r].expert_params
+            if req.megatron_fsdp:   # gathers and reduce-scatters every microbatch, behind its compute
+                comm, first = fsdp_times(n, cl, cand.tp, cand.grad_dp, unit_params=statics[r].fsdp_unit_numel,
+                                         expert_params=n_exp, edp=cand.edp, precision=req.precision,
+                                         grad_bytes=4.0 if req.grad_reduce_in_fp32 else 2.0,
+                                         fp8_params=statics[r].fp8_param_numel)
+                hidden = costs.rank_work(r) if eff.dp_overlap else 0.0
+                exposed = max(exposed, cand.m * max(0.0, comm - hidden) + first)
+                opt = max(opt, optimizer_time(n, cl, eff, cand.grad_dp, distributed_optimizer=True,
+                                              expert_params=n_exp, edp=cand.edp))
+                continue
             rs, ag = dp_times(n, cl, cand.tp, cand.grad_dp, distributed_optimizer=cand.distributed_optimizer,
                               expert_params=n_exp, edp=cand.edp, precision=req.precision,
                               grad_bytes=4.0 if req.grad_reduce_in_fp32 else 2.0,
@@ -660,11 +672,17 @@ class Planner:
     # -- the search ---------------------------------------------------------------------------
     def static_floor(self) -> tuple[float, int]:
         """(bytes of parameters, gradients and optimizer states of the whole model, spread as thinly
-        as any layout could: the distributed optimizer over every GPU; the GPUs that needs at least)."""
+        as any layout could: the distributed optimizer -- or Megatron-FSDP, everything -- over every GPU;
+        the GPUs that needs at least)."""
         req = self.req
         n_params = model_num_params(req.model)
         grads = 4 if req.grad_reduce_in_fp32 else 2
-        need = n_params * (2 + grads + 12 / max(1, self.N)) if req.distributed_optimizer else n_params * (14 + grads)
+        if req.megatron_fsdp:   # everything sharded over every GPU
+            need = n_params * (14 + grads) / max(1, self.N)
+        elif req.distributed_optimizer:
+            need = n_params * (2 + grads + 12 / max(1, self.N))
+        else:
+            need = n_params * (14 + grads)
         return need, max(1, math.ceil(need / self.usable))
 
     def run(self) -> PlanResult:

@@ -636,6 +636,18 @@ def dp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *,
     return out[0], out[1]
 
 
+def fsdp_times(num_params: float, cluster: ClusterSpec, tp: int, dp: int, *, unit_params: float,
+               expert_params: float = 0.0, edp: int = 1, precision: str = "bf16", grad_bytes: float = 4.0,
+               fp8_params: float = 0.0) -> tuple[float, float]:
+    """Megatron-FSDP (optim_grads_params): (seconds of communication per microbatch, seconds of the
+    first unit's all-gather). Every microbatch all-gathers the rank's parameters for its forward and
+    again for its backward and reduce-scatters its gradients, on the link :func:`dp_times` uses;
+    the first all-gather is of one unit (``unit_params``: a transformer layer) before any compute."""
+    rs, ag = dp_times(num_params, cluster, tp, dp, distributed_optimizer=True, expert_params=expert_params, edp=edp,
+                      precision=precision, grad_bytes=grad_bytes, fp8_params=fp8_params)
+    return rs + 2.0 * ag, ag * unit_params / num_params if num_params else 0.0
+
+
 def optimizer_time(num_params: float, cluster: ClusterSpec, eff: Efficiency, dp: int, *,
                    distributed_optimizer: bool, expert_params: float = 0.0, edp: int = 1) -> float:
     """Adam step (memory-bound): ~30 bytes of fp32 state traffic per parameter of the shard,
@@ -932,5 +944,5 @@ __all__ = ["Efficiency", "DEFAULT_EFFICIENCY", "default_efficiency", "linear_flo
            "mlp_flops", "router_flops", "mtp_flops", "mtp_times", "window_span", "moe_mlp_times", "alltoall_time", "expert_link", "attention_flops",
            "output_flops", "model_flops_per_sample", "PassTimes", "layer_times", "embedding_times", "peak_flops",
            "act_bytes", "PRECISIONS", "FP8_RECIPES", "gemm_time", "bf16_part", "efficiency_rules", "DERIVED",
-           "output_times", "p2p_time", "dp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
+           "output_times", "p2p_time", "dp_times", "fsdp_times", "optimizer_time", "tp_bandwidth", "fit_gemm_curve",
            "load_calibration", "calibration_from_dict", "StageTimes"]

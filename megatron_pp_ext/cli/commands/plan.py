@@ -112,6 +112,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--budgets", type=_names, default=("fit",), metavar="fit,0.5x",
                    help="v-budget memory budgets: 'fit' (largest that fits) and/or units or fractions of 1F1B")
     s.add_argument("--no-distributed-optimizer", action="store_true", help="plan without the distributed optimizer")
+    s.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="plan Megatron-FSDP (Megatron-LM's flag; sharding strategy optim_grads_params): parameters, "
+                        "gradients and optimizer states sharded over dp, one transformer layer gathered at a time; "
+                        "Megatron-Core's own schedules (1f1b, interleaved-1f1b) without features")
     s.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default="bf16",
                    help="bf16 (Megatron-LM's --bf16: bf16 parameters and activations, fp32 gradients and master "
                         "weights), fp8 (bf16 plus Transformer Engine's FP8 GEMMs in the transformer layers: "
@@ -237,7 +241,8 @@ def build_request(args):
                            mbs=args.mbs, ep=args.ep, etp=args.etp, uneven_layers=uneven,
                            max_vp=4 if args.max_vp is None else args.max_vp, vp=args.vp, cp=args.cp,
                            recompute=args.recompute, budgets=args.budgets,
-                           distributed_optimizer=not args.no_distributed_optimizer, top=args.top,
+                           distributed_optimizer=not args.no_distributed_optimizer,
+                           megatron_fsdp=args.use_megatron_fsdp, top=args.top,
                            time_limit=args.time_limit, precision=args.precision,
                            fp8_recipe=args.fp8_recipe or "tensorwise", runtime=args.memory_model,
                            fp8_param_gather=args.fp8_param_gather, grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
@@ -273,6 +278,9 @@ def run(args) -> int:
     from ...planner.emit import flags_text, slurm_script
 
     _check_outputs(args)
+    if args.explain_bpipe and args.use_megatron_fsdp:
+        raise CLIError("--explain-bpipe with --use-megatron-fsdp: BPipe and offload run on megatron_pp_ext's executor, "
+                       "which does not run Megatron-FSDP; drop one of them")
     req = build_request(args)
     bad = [r for r in req.recompute if r not in ("none", "selective", "full")]
     if bad:
