@@ -13,6 +13,9 @@ from .simcache import PipeResult
 from .timing import Efficiency, default_efficiency
 
 
+#: Megatron-Core's own schedules: they run on an unmodified Megatron-LM without features
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan. ``None`` search ranges mean "everything that makes sense"."""
@@ -113,7 +116,6 @@ class PlanRequest:
         distributed optimizer with it; mppx train on CPU processes has no FSDP."""
         if not self.megatron_fsdp:
             return
-        from .emit import MEGATRON_SCHEDULES
         if not self.distributed_optimizer:
             raise PlannerError("--use-megatron-fsdp with --no-distributed-optimizer: Megatron-FSDP shards the optimizer "
                                "states itself (Megatron-LM forces --use-distributed-optimizer with it); drop "

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import shlex
 
-from .candidates import Estimate, PlanRequest
+from .candidates import MEGATRON_SCHEDULES, Estimate, PlanRequest
 from .features import get_feature
 from ..layer_pattern import layout_string
 from .layout import split_layers
 from .presets import ModelSpec, format_moe_layer_freq
-
-MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
-
 
 def model_flags(model: ModelSpec) -> list[str]:
     """Architecture flags of ``model``."""
