@@ -16,6 +16,7 @@ from .timing import Efficiency, default_efficiency
 #: Megatron-Core's own schedules: they run on an unmodified Megatron-LM without features
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan. ``None`` search ranges mean "everything that makes sense"."""
