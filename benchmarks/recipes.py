@@ -271,11 +271,13 @@ def reading(results: list[Result]) -> list[str]:
            "Megatron-Core's combined 1F1B, which it does not model, so their rows are timed unpaired), and predicts "
            "the small-expert models (gpt-oss-120b's 2880 "
            "and qwen3-30b-a3b's 768-wide experts, 16 local experts per GPU, all-to-all inside a node) too fast "
-           "and qwen3-235b-a22b (expert parallelism over 4 nodes) too slow: what it lacks is a per-layer cost "
+           "and qwen3-235b-a22b (expert parallelism over 4 nodes) too slow: what it most likely lacks is a per-layer cost "
            "that grows with the local experts and shrinks with their size -- the host launching tens of "
            "kernels per local expert, the token dispatcher's device synchronise in every MoE layer's forward -- "
-           "and the network all-to-all's real overlap. A GPU profile of one of these runs (`mppx calibrate`) "
-           "is what would settle it; until then MoE plans on H100 carry this error."]
+           "and the network all-to-all's real overlap; no measurement here tells these apart. A profile of one of "
+           "these runs on your GPUs settles it for your plans: `mppx calibrate` turns it into measured times of "
+           "its MoE layers at its expert layout, which replace the model for plans at that layout "
+           "([planner.md](../planner.md#calibration-file)); without one, MoE plans on H100 carry this error."]
     for x in oom:
         out.append(f"- **{x.recipe.label} planned over memory** ({x.pred.peak_gib:.1f} of {x.pred.usable_gib:.1f} "
                    f"GiB): {'; '.join(x.recipe.notes) or 'the recipe ran; the memory model is over'}.")

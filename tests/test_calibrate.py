@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -212,8 +213,12 @@ def test_megatron_lm_profile_out_flag():
     ({"stage_times": {}}, "already a calibration file"),
     (_summary(profile=False), "no profile section (the run had no profiling window: --pp 1, --schedule mcore"),
     (_summary(profile=False, profile_iters=0), "no profile section (the run had --profile-iters 0); re-run with --profile-iters K"),
-    (_summary(num_experts=8), "an MoE run (8 experts): stage_times hold a dense model's layers and the planner "
-                              "refuses them"),
+    (_summary(num_experts=8), "an MoE run (8 experts) whose file does not record its moe_router_topk"),
+    (_summary(num_experts=8, moe_router_topk=2, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"),
+     "an MoE run with the allgather token dispatcher; the planner's plans run alltoall: re-run with "
+     "--moe-token-dispatcher-type alltoall"),
+    (_summary(num_experts=8, moe_router_topk=2, expert_model_parallel_size=2, moe_layer_freq=2),
+     "stage 1 holds dense layers as well as MoE layers (moe_layer_freq 2)"),
     (_summary(W=[0.0] * 8, schedule="1f1b"), "W time is 0: the run's schedule (1f1b) does not split"),
     (_summary(fp16=True), "an fp16 run"),
     (_summary(F=[1.0, 2.0]), "costs_ms.F must list 8 finite times"),
@@ -228,8 +233,9 @@ def test_bad_input_is_one_line(tmp_path, capsys, content, text):
 def test_megatron_lm_bad_runs_are_one_line(tmp_path, capsys):
     err = _error(capsys, _megatron_doc(tmp_path, context_parallel_size=2))
     assert "context parallel size 2" in err, err
-    err = _error(capsys, _megatron_doc(tmp_path, num_moe_experts=4))
-    assert "an MoE run (4 experts)" in err, err
+    err = _error(capsys, _megatron_doc(tmp_path, num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+                                       moe_layer_freq=[1, 1, 0, 1, 1, 1, 1, 1], moe_token_dispatcher_type="alltoall"))
+    assert "stage 1 holds dense layers as well as MoE layers" in err, err
     err = _error(capsys, _megatron_doc(tmp_path, bf16=False, fp16=True))
     assert "an --fp16 run" in err, err
 
@@ -270,3 +276,94 @@ def test_megatron_lm_writer_glue(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["a2a_ms"] == a2a and doc["overlap_pairs"]["count"] == 4 and doc["costs_ms"]["a2a"] == a2a["a2a"]
     assert calibrate_file(str(out))["stage_times"]["f_ms"] == 3.0   # (calibrate reads it as before)
+
+
+# --- MoE runs: stage_times for the planner's MoE layers ---------------------------------------
+
+def _moe_summary(**over) -> dict:
+    """A pp 4 zbv MoE run (8 experts, top-2, ep 2, the alltoall dispatcher) with its measured all-to-all."""
+    cfg = dict(num_experts=8, moe_router_topk=2, expert_model_parallel_size=2, expert_tensor_parallel_size=None,
+               moe_token_dispatcher_type="alltoall", moe_layer_freq=1, bf16=True)
+    cfg.update(over)
+    doc = _summary(**cfg)
+    doc["profile"]["costs_ms"]["a2a"] = [0.6, 0.5, 0.7, 0.4, 0.4, 0.5, 0.5, 0.6]
+    return doc
+
+
+def test_an_moe_run_gives_stage_times_for_the_moe_layers_at_its_expert_layout(tmp_path, capsys):
+    path = _write(tmp_path, _moe_summary())
+    assert main(["calibrate", path]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    st = doc["stage_times"]
+    # the interior stages 1-6 (2 layers each): F 1.5..4.0 -> median 2.75; their a2a 0.5,0.7,0.4,0.4,0.5,0.5 -> 0.5
+    assert {k: st[k] for k in ("layers", "f_ms", "experts", "topk", "ep", "etp", "a2a_ms")} == {
+        "layers": 2, "f_ms": 2.75, "experts": 8, "topk": 2, "ep": 2, "etp": 1, "a2a_ms": 0.5}
+    assert doc["measured"]["all_to_all"].startswith("a2a_ms: the stage's measured all-to-all")
+    model = _model(experts=8)
+    eff = _accepted(doc, model)
+    assert eff.stage_times.expert == (8, 2, 2, 1) and eff.stage_times.a2a == pytest.approx(0.5e-3)
+    # the planner's MoE layers take them (per layer; the all-to-all share is the measured one), at
+    # that layout only; elsewhere the model stands
+    from megatron_pp_ext.planner import make_cluster
+    from megatron_pp_ext.planner.timing import layer_times
+    cl = make_cluster("h100", 8)
+    lt = layer_times(model, cl, eff, 2, 1, moe=True, ep=2, etp=1, precision="bf16")
+    assert (lt.f, lt.b, lt.w) == pytest.approx((1.375e-3, 1.0e-3, 0.5e-3)) and lt.detail["measured"] == 1.0
+    assert lt.detail["alltoall_f"] == pytest.approx(0.25e-3)
+    for kw in (dict(ep=4, etp=1), dict(ep=2, etp=2)):
+        other = layer_times(model, cl, eff, 2, 1, moe=True, precision="bf16", **kw)
+        assert "measured" not in other.detail, kw
+    assert "measured" not in layer_times(model, cl, eff, 2, 1, moe=False, precision="bf16").detail
+    # without the measured all-to-all the model's share stands for it
+    doc2 = json.loads(json.dumps(doc))
+    del doc2["stage_times"]["a2a_ms"]
+    lt2 = layer_times(model, cl, _accepted(doc2, model), 2, 1, moe=True, ep=2, etp=1, precision="bf16")
+    modelled = layer_times(model, cl, default_efficiency(get_gpu("h100")), 2, 1, moe=True, ep=2, etp=1)
+    assert lt2.detail["alltoall_f"] == pytest.approx(min(1.375e-3, modelled.detail["alltoall_f"]))
+
+
+def test_moe_stage_times_in_mppx_plan_pin_the_expert_layout(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", _write(tmp_path, _moe_summary()), "--out", str(cal)]) == 0
+    capsys.readouterr()
+    base = ["plan", "--calibration", str(cal), "--layers", "16", "--hidden", "64", "--heads", "4", "--seq", "32",
+            "--vocab", "256", "--ffn", "256", "--num-experts", "8", "--moe-router-topk", "2", "--gpus", "8",
+            "--global-batch-size", "16", "--precision", "bf16", "--pp", "4", "--top", "3", "--no-cache", "--json"]
+    assert main(base) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all((p["micro_batch_size"], p["tp"], p["ep"], p["etp"]) == (2, 1, 2, 1) for p in plans), plans
+    rc = main(base + ["--ep", "4"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "stage_times.ep=2: the times were measured at ep 2, but --ep 4 is planned" in err, err
+
+
+@pytest.mark.parametrize("change,text", [
+    (dict(experts=16), "measured with 16 experts, top-2; custom has 8, top-2"),
+    (dict(topk=None), "stage_times.topk is missing: an MoE run's stage_times give experts, topk, ep, etp"),
+    (dict(ep=3), "experts=8, topk=2, ep=3: topk must be at most experts and ep must divide them"),
+    (dict(a2a_ms=9.0), "stage_times.a2a_ms=9.0: the stage's measured all-to-all inside one F in milliseconds, from 0 "
+                       "to f_ms"),
+    (dict(dispatcher="allgather"), "stage_times.dispatcher='allgather': the planner's plans run the alltoall"),
+    (dict(f_ms=1e-6, a2a_ms=0.0), "stage_times.f_ms=1e-06: 2 layers of custom"),
+])
+def test_moe_stage_times_bad_input(change, text):
+    from megatron_pp_ext.planner import PlannerError
+    st = {"micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.5, "b_ms": 2.0, "w_ms": 1.0, "p2p_ms": 0.5,
+          "experts": 8, "topk": 2, "ep": 2, "etp": 1, "a2a_ms": 0.5}
+    st.update(change)
+    st = {k: v for k, v in st.items() if v is not None}
+    from megatron_pp_ext.planner import make_cluster
+    with pytest.raises(PlannerError, match=re.escape(text)):
+        calibration_from_dict({"stage_times": st, "precision": "bf16"}, default_efficiency(get_gpu("h100")),
+                              _model(experts=8), where="cal.json", precision="bf16", cluster=make_cluster("h100", 8))
+
+
+def test_moe_and_dense_stage_times_are_not_swapped():
+    from megatron_pp_ext.planner import PlannerError
+    dense = {"micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.5, "b_ms": 2.0, "w_ms": 1.0, "p2p_ms": 0.5}
+    moe = {**dense, "experts": 8, "topk": 2, "ep": 2, "etp": 1}
+    base = default_efficiency(get_gpu("h100"))
+    with pytest.raises(PlannerError, match="is an MoE model: measure one of its runs"):
+        calibration_from_dict({"stage_times": dense}, base, _model(experts=8), where="cal.json")
+    with pytest.raises(PlannerError, match="measured on an MoE run .8 experts.; custom is dense"):
+        calibration_from_dict({"stage_times": moe}, base, _model(), where="cal.json")

@@ -6,6 +6,7 @@ run on 4 gloo processes checked against the one-process pp=1 run."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -259,3 +260,12 @@ def test_train_with_the_flag_alone_pairs_from_the_measured_all_to_all(tmp_path):
         assert "  overlapped pairs: none: " in out, out
     why = ["dp=2 all-reduces the gradient sums of each replica", "ep=2 sums the experts' gradients on other ranks"]
     assert close_to_pp1(out, tmp_path / "out" / "summary.json", why, 1e-6)["iterations"] == 3
+    # mppx calibrate turns this MoE run into stage_times for the planner's MoE layers: the expert
+    # layout it ran at and the median measured all-to-all of the stages it picked (dualpipev's 4
+    # stages of one layer: the interior two)
+    from megatron_pp_ext.planner.calibrate import calibrate_file, pick_stages
+    st = calibrate_file(str(tmp_path / "out" / "summary.json"))["stage_times"]
+    assert (st["experts"], st["topk"], st["ep"], st["etp"], st["layers"]) == (4, 2, 2, 1, 1), st
+    chosen = pick_stages(summary["layout"]["layers_per_stage"])[0]
+    a2a = statistics.median(prof["costs_ms"]["a2a"][s] for s in chosen)
+    assert st["a2a_ms"] == pytest.approx(min(a2a, st["f_ms"]), rel=1e-3) and st["a2a_ms"] > 0, (st, prof)

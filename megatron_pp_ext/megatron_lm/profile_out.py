@@ -79,6 +79,7 @@ def profile_document(args: Any, plan, costs_ms: dict, *, message_shape: tuple[in
         "context_parallel_size": int(getattr(args, "context_parallel_size", 1) or 1),
         "sequence_parallel": bool(getattr(args, "sequence_parallel", False)),
         "num_moe_experts": getattr(args, "num_moe_experts", None),
+        **_expert_fields(args),
         "precision": precision_of(args),
         "device": device,
         "model": {"num_layers": getattr(args, "num_layers", None), "hidden_size": getattr(args, "hidden_size", None),
@@ -99,6 +100,18 @@ def profile_document(args: Any, plan, costs_ms: dict, *, message_shape: tuple[in
     if error:
         doc["error"] = error
     return doc
+
+
+def _expert_fields(args) -> dict:
+    """An MoE run's expert layout (what ``mppx calibrate`` hands the planner); nothing for a dense run."""
+    if not getattr(args, "num_moe_experts", None):
+        return {}
+    freq = getattr(args, "moe_layer_freq", 1)
+    return {"moe_router_topk": getattr(args, "moe_router_topk", None),
+            "expert_model_parallel_size": int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None),
+            "moe_layer_freq": list(freq) if isinstance(freq, (list, tuple)) else freq,
+            "moe_token_dispatcher_type": getattr(args, "moe_token_dispatcher_type", None)}
 
 
 def write_profile(path: str, doc: dict) -> str | None:

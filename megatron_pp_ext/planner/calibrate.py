@@ -30,6 +30,7 @@ import statistics
 from collections import Counter
 
 from ..textfile import read_text_bounded
+from .presets import moe_layer_pattern
 
 __all__ = ["CalibrateError", "PROFILE_FORMAT", "read_profile", "calibration_from_profile", "calibrate_file",
            "pick_stages"]
@@ -165,6 +166,9 @@ def _from_mppx_train(doc: dict, path: str) -> dict:
         kind="mppx train --profile-iters", costs=costs, layers=lay.get("layers_per_stage"),
         mbs=mbs, tp=_whole(c.get("tp", 1), "config.tp", path), cp=1,
         precision="bf16" if c.get("bf16") else "fp32", experts=experts,
+        expert=dict(topk=c.get("moe_router_topk"), ep=c.get("expert_model_parallel_size", 1),
+                    etp=c.get("expert_tensor_parallel_size") or c.get("tp", 1), freq=c.get("moe_layer_freq", 1),
+                    dispatcher=c.get("moe_token_dispatcher_type"), flag="--moe-token-dispatcher-type"),
         # the probe: one (seq, mbs, hidden) fp32 tensor per message (trainer/profile.py)
         message_bytes=4 * seq * mbs * hidden, message="(seq, micro batch, hidden) in fp32",
         command=shlex.join(cmd) + "  (rebuilt from summary.json's config)",
@@ -191,6 +195,10 @@ def _from_megatron_lm(doc: dict, path: str) -> dict:
         tp=_whole(doc.get("tensor_model_parallel_size", 1), "tensor_model_parallel_size", path),
         cp=_whole(doc.get("context_parallel_size", 1), "context_parallel_size", path),
         precision=prec, experts=doc.get("num_moe_experts"), message_bytes=msg.get("bytes"),
+        expert=dict(topk=doc.get("moe_router_topk"), ep=doc.get("expert_model_parallel_size", 1),
+                    etp=doc.get("expert_tensor_parallel_size") or doc.get("tensor_model_parallel_size", 1),
+                    freq=doc.get("moe_layer_freq", 1), dispatcher=doc.get("moe_token_dispatcher_type"),
+                    flag="--moe-token-dispatcher-type"),
         message=f"shape {msg.get('shape')} in {msg.get('dtype')}" if msg else None,
         command=doc.get("command"), iterations=doc.get("window"), schedule=doc.get("schedule"),
         device=doc.get("device"), model=doc.get("model"), rerun="--pipeline-profile-iters K")
@@ -199,10 +207,6 @@ def _from_megatron_lm(doc: dict, path: str) -> dict:
 def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
     """The calibration document of a profile read by :func:`read_profile` (``path`` names it)."""
     run = _from_mppx_train(doc, path) if kind == "mppx-train" else _from_megatron_lm(doc, path)
-    if run["experts"]:
-        raise CalibrateError(f"{path}: an MoE run ({run['experts']} experts): stage_times hold a dense model's "
-                             "layers and the planner refuses them for an MoE model (its expert layers, all-to-alls "
-                             "and routing differ per layer); calibrate it with efficiency fields")
     if run["cp"] > 1:
         raise CalibrateError(f"{path}: a run at context parallel size {run['cp']}: its stage times are for "
                              f"seq/{run['cp']} tokens per rank, and the planner's stage_times hold whole sequences; "
@@ -225,6 +229,7 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
         chosen, note = pick_stages(layers)
     except ValueError as e:
         raise CalibrateError(f"{path}: {e}") from None
+    expert = _expert_fields(run, layers, chosen, path) if run["experts"] else None
     ff, bb, ww = (statistics.median(x[s] for s in chosen) for x in (f, b, w))
     if ww <= 0:
         raise CalibrateError(f"{path}: the stage's W time is 0: the run's schedule ({run['schedule']}) does not split "
@@ -257,11 +262,52 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
         "precision": run["precision"],
         "measured": measured,
     }
+    if expert is not None:
+        out["stage_times"].update(expert)
+        a2a = costs.get("a2a")
+        if a2a is not None:
+            a2a = _number_list(a2a, "costs_ms.a2a", path, n)
+            out["stage_times"]["a2a_ms"] = _sig(min(statistics.median(a2a[s] for s in chosen), ff))
+        measured["all_to_all"] = ("a2a_ms: the stage's measured all-to-all inside one F (the same inside B)"
+                                  if a2a is not None else
+                                  "not measured (profile with --overlap-moe-expert-parallel-comm to measure it): the "
+                                  "plan takes the all-to-all's share of F from its model")
     seq = run["model"].get("seq") if isinstance(run["model"], dict) else None
     if isinstance(seq, int) and seq > 0:   # (the planner refuses the times for another sequence)
         out["stage_times"]["seq"] = seq
     if eff:
         out = {"efficiency": eff, **out}
+    return out
+
+
+def _expert_fields(run: dict, layers: list[int], chosen: list[int], path: str) -> dict:
+    """An MoE run's expert layout for ``stage_times`` -- experts, top-k, ep, etp -- after checking
+    that the chosen stages hold MoE layers only (the planner uses the times for its MoE layers)
+    and that the run's dispatcher is the one plans run."""
+    e = run["expert"]
+    out = {"experts": _whole(run["experts"], "num_experts", path)}
+    names = {"topk": "moe_router_topk", "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
+    for key, name in names.items():
+        if e.get(key) is None:
+            raise CalibrateError(f"{path}: an MoE run ({out['experts']} experts) whose file does not record its "
+                                 f"{name} (written by an older megatron_pp_ext?): re-run with {run['rerun']}")
+        out[key] = _whole(e.get(key), name, path)
+    if e.get("dispatcher") not in (None, "alltoall"):
+        raise CalibrateError(f"{path}: an MoE run with the {e['dispatcher']} token dispatcher; the planner's plans run "
+                             f"alltoall: re-run with {e['flag']} alltoall and {run['rerun']}")
+    freq = e.get("freq", 1)
+    if isinstance(freq, str):   # (Megatron-LM writes a list pattern as its string, e.g. "[0]*3+[1]*58")
+        raise CalibrateError(f"{path}: moe_layer_freq {freq!r} is not a number or a list of 0/1 per layer")
+    if not (isinstance(freq, int) and freq >= 1 or isinstance(freq, list) and len(freq) == sum(layers)):
+        raise CalibrateError(f"{path}: moe_layer_freq {freq!r}: expected a whole number >= 1 or one 0/1 per layer "
+                             f"({sum(layers)})")
+    pattern = moe_layer_pattern(freq, sum(layers))
+    starts = [sum(layers[:s]) for s in range(len(layers))]
+    mixed = [s for s in chosen if not all(pattern[starts[s]:starts[s] + layers[s]])]
+    if mixed:
+        raise CalibrateError(f"{path}: stage {mixed[0]} holds dense layers as well as MoE layers (moe_layer_freq "
+                             f"{freq}): its times stand for neither; profile a run whose every layer is an MoE layer "
+                             "(--moe-layer-freq 1)")
     return out
 
 

@@ -203,17 +203,20 @@ class PlanRequest:
                                    "efficiency fields")
 
     def _check_stage_times(self) -> None:
-        """Measured stage times (--calibration stage_times) hold for one microbatch size and tp:
-        the plan searches exactly those, and refuses another one (times never stretched)."""
+        """Measured stage times (--calibration stage_times) hold for one microbatch size and tp
+        (and an MoE run's for one ep and etp): the plan searches exactly those, and refuses another
+        one (times never stretched)."""
         st = self.efficiency.stage_times
         if st is None:
             return
-        for name, flag, value in (("mbs", "--mbs", st.mbs), ("tp", "--tp", st.tp)):
+        pinned = [("mbs", "--mbs", st.mbs, "micro_batch_size"), ("tp", "--tp", st.tp, "tp")]
+        if st.expert is not None:
+            pinned += [("ep", "--ep", st.expert[2], "ep"), ("etp", "--etp", st.expert[3], "etp")]
+        for name, flag, value, key in pinned:
             given = getattr(self, name)
             if given is None:
                 object.__setattr__(self, name, (value,))
             elif tuple(given) != (value,):
-                key = "micro_batch_size" if name == "mbs" else "tp"
                 raise PlannerError(f"--calibration stage_times.{key}={value}: the times were measured at {name} "
                                    f"{value}, but {flag} {','.join(map(str, given))} is planned; plan {flag} {value} "
                                    f"or measure at the {name} you plan")

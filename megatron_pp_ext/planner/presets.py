@@ -23,6 +23,14 @@ class PlannerError(ValueError):
     """Bad planner input (unknown preset, inconsistent model, cluster too small...)."""
 
 
+def moe_layer_pattern(freq: int | tuple[int, ...] | list[int], layers: int) -> tuple[bool, ...]:
+    """Whether each of ``layers`` layers is an MoE layer, as Megatron-Core reads --moe-layer-freq:
+    an int N marks layers 0, N, 2N, ...; a list marks each layer (1: MoE)."""
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(layers))
+    return tuple(bool(x) for x in freq)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer as Megatron-Core's GPTModel builds it (dense or MoE)."""
@@ -230,10 +238,7 @@ class ModelSpec:
         layers 0, N, 2N, ...; a list: 1 marks an MoE layer)."""
         if not self.is_moe:
             return (False,) * self.num_layers
-        freq = self.moe_layer_freq
-        if isinstance(freq, int):
-            return tuple(i % freq == 0 for i in range(self.num_layers))
-        return tuple(bool(x) for x in freq)
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
 
     def moe_layers_in(self, first: int, count: int) -> int:
         """MoE layers among layers ``first`` .. ``first + count - 1``."""

@@ -836,9 +836,13 @@ class Planner:
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             st = req.efficiency.stage_times
-            fix = ("widen or change --pp, --ep, --etp, --cp, or the GPU count; tp and the micro-batch size are "
-                   f"those of --calibration stage_times (stage_times.tp={st.tp}, stage_times.micro_batch_size="
-                   f"{st.mbs}): measure at sizes this model and batch allow" if st is not None else
+            pinned = f"stage_times.tp={st.tp}, stage_times.micro_batch_size={st.mbs}" if st is not None else ""
+            if st is not None and st.expert is not None:
+                pinned += f", stage_times.ep={st.expert[2]}, stage_times.etp={st.expert[3]}"
+            fix = ("widen or change --pp, --ep, --etp, --cp, or the GPU count; tp and the micro-batch size"
+                   + (" (ep, etp)" if st is not None and st.expert is not None else "") + " are those of "
+                   f"--calibration stage_times ({pinned}): measure at sizes this model and batch allow"
+                   if st is not None else
                    "widen or change --tp, --pp, --ep, --etp, --mbs, --cp, or the GPU count")
             return (f"no layout of {model.name} on {self.N} GPUs with global batch {req.global_batch} passes "
                     f"Megatron's divisibility rules in the searched ranges (rejected: {counts}; e.g. {ex}); {fix}")

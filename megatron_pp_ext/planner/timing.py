@@ -50,7 +50,13 @@ class StageTimes:
     loss) per microbatch of ``mbs`` sequences at tensor parallelism ``tp`` -- the shape of the
     Zero Bubble paper's table 6 -- in seconds: forward ``f``, input backward ``b``, weight
     backward ``w``, and one p2p message ``p2p``. The time model uses them, per layer, for every
-    plan at that microbatch size and tp (the calibration file's ``stage_times``)."""
+    plan at that microbatch size and tp (the calibration file's ``stage_times``).
+
+    ``expert`` (an MoE run's stage, every layer an MoE layer): the layout the times hold for --
+    ``(experts, topk, ep, etp)`` -- and ``a2a`` the stage's measured all-to-all inside one F (the
+    same inside B; None: not measured, the model's share stands for it). Such times stand for the
+    MoE layers of plans at that layout only; dense layers (an MoE model's first dense layers) stay
+    modelled."""
 
     mbs: int
     tp: int
@@ -59,9 +65,18 @@ class StageTimes:
     b: float
     w: float
     p2p: float
+    expert: tuple[int, int, int, int] | None = None
+    a2a: float | None = None
 
     def applies(self, mbs: int, tp: int) -> bool:
         return mbs == self.mbs and tp == self.tp
+
+    def applies_to_layer(self, mbs: int, tp: int, moe: bool, ep: int, etp: int | None) -> bool:
+        """Whether these times stand for one layer of a plan at ``mbs``/``tp`` (an MoE layer at
+        ``ep``/``etp`` with ``moe``)."""
+        if not self.applies(mbs, tp) or moe != (self.expert is not None):
+            return False
+        return not moe or self.expert[2:] == (ep, tp if etp is None else etp)
 
 
 #: the smallest fraction of a GPU's peak an efficiency may be (below it: not a kernel's, a unit slip)
@@ -539,11 +554,13 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
     bwd = t_lin + attn_b + ew_b + comm + a2a + over + recomp + cast_b
     w = t_lin + over
     st = eff.stage_times
-    if st is not None and not moe and st.applies(mbs, tp):   # measured: per layer of the measured stage
+    if st is not None and st.applies_to_layer(mbs, tp, moe, ep, etp):   # measured: per layer of the measured stage
         mf, mb, mw = st.f / st.layers, st.b / st.layers, st.w / st.layers
         recomp = {"none": 0.0, "selective": recomp, "full": mf}[recompute]
-        return PassTimes(mf, mb + recomp, mw, {"measured": 1.0, "recompute": recomp, "gemm_f": t_lin,
-                                                 "attention_f": attn_f})
+        measured = {"measured": 1.0, "recompute": recomp, "gemm_f": t_lin, "attention_f": attn_f}
+        if moe:   # the pairs' share: the measured all-to-all, else the model's (never more than F)
+            measured["alltoall_f"] = min(mf, st.a2a / st.layers if st.a2a is not None else a2a)
+        return PassTimes(mf, mb + recomp, mw, measured)
     detail = {"gemm_f": t_lin, "attention_f": attn_f, "attention_b": attn_b, "elementwise_f": ew_f,
               "tp_comm_f": comm, "alltoall_f": a2a, "recompute": recomp, "overhead": over, "fp8_cast_f": cast_f,
               "fp8_cast_b": cast_b}
@@ -666,7 +683,10 @@ _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
 _TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times", "precision", "measured")
-_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms", "seq")
+_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms", "seq", "experts", "topk", "ep",
+               "etp", "a2a_ms", "dispatcher")
+#: an MoE run's stage_times: the expert layout they hold for (all four, or none: a dense run's)
+_EXPERT_KEYS = ("experts", "topk", "ep", "etp")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
 _LAYER_KEYS = ("mbs", "tp", "forward_ms")
 #: layer points: microbatch sizes and tp the planner's models describe
@@ -879,10 +899,25 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
             raise PlannerError(f"--calibration {path}: stage_times.{key}={v!r}: a measured time in milliseconds, "
                                "finite and > 0")
         times[key] = float(v) * 1e-3
+    expert = _stage_expert(st, path)
+    a2a = None
+    if "a2a_ms" in st:
+        v = st["a2a_ms"]
+        if expert is None:
+            raise PlannerError(f"--calibration {path}: stage_times.a2a_ms without stage_times.experts, topk, ep and "
+                               "etp: an all-to-all is an MoE run's (mppx calibrate writes all five)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                or v > st["f_ms"]:
+            raise PlannerError(f"--calibration {path}: stage_times.a2a_ms={v!r}: the stage's measured all-to-all "
+                               f"inside one F in milliseconds, from 0 to f_ms ({st['f_ms']})")
+        a2a = float(v) * 1e-3
     if model is not None:
-        if model.is_moe:
-            raise PlannerError(f"--calibration {path}: stage_times hold a dense model's layers; an MoE model's "
-                               "layers differ (calibrate it with efficiency fields)")
+        if model.is_moe and expert is None:
+            raise PlannerError(f"--calibration {path}: stage_times hold a dense model's layers; {model.name} is an MoE "
+                               "model: measure one of its runs (mppx calibrate writes stage_times.experts, topk, ep and "
+                               "etp) or calibrate it with efficiency fields")
+        if expert is not None:
+            _check_stage_expert(expert, model, path)
         if sizes["layers"] > model.num_layers:
             raise PlannerError(f"--calibration {path}: stage_times.layers={sizes['layers']}: more than the model's "
                                f"{model.num_layers} layers")
@@ -891,18 +926,61 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
             raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {seq!r} tokens, the "
                                f"plan's is {model.seq}: plan --seq {seq} or measure at {model.seq}")
         if cluster is not None:
-            _check_stage_speed(times, sizes, model, cluster, precision, path)
+            _check_stage_speed(times, sizes, model, cluster, precision, path, moe=expert is not None)
     return StageTimes(sizes["micro_batch_size"], sizes["tp"], sizes["layers"], times["f_ms"], times["b_ms"],
-                      times["w_ms"], times["p2p_ms"])
+                      times["w_ms"], times["p2p_ms"], expert, a2a)
+
+
+def _stage_expert(st: dict, path: str) -> tuple[int, int, int, int] | None:
+    """``(experts, topk, ep, etp)`` of an MoE run's stage_times (all four or none), None for a dense run's."""
+    given = [k for k in _EXPERT_KEYS if k in st]
+    if not given:
+        if "dispatcher" in st:
+            raise PlannerError(f"--calibration {path}: stage_times.dispatcher without stage_times.experts, topk, ep "
+                               "and etp: a token dispatcher is an MoE run's")
+        return None
+    missing = [k for k in _EXPERT_KEYS if k not in st]
+    if missing:
+        raise PlannerError(f"--calibration {path}: stage_times.{missing[0]} is missing: an MoE run's stage_times give "
+                           f"{', '.join(_EXPERT_KEYS)} (the expert layout the times were measured at)")
+    out = []
+    for key in _EXPERT_KEYS:
+        v = st[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) \
+                or not 1 <= v <= 1 << 20:
+            raise PlannerError(f"--calibration {path}: stage_times.{key}={v!r}: a whole number from 1 to {1 << 20}")
+        out.append(int(v))
+    experts, topk, ep, etp = out
+    if topk > experts or experts % ep:
+        raise PlannerError(f"--calibration {path}: stage_times experts={experts}, topk={topk}, ep={ep}: topk must be "
+                           "at most experts and ep must divide them")
+    disp = st.get("dispatcher", "alltoall")
+    if disp != "alltoall":
+        raise PlannerError(f"--calibration {path}: stage_times.dispatcher={disp!r}: the planner's plans run the "
+                           "alltoall token dispatcher (they emit --moe-token-dispatcher-type alltoall); measure a run "
+                           "with it")
+    return experts, topk, ep, etp
+
+
+def _check_stage_expert(expert: tuple[int, int, int, int], model: ModelSpec, path: str) -> None:
+    """An MoE run's stage times stand only for a model with the same experts and top-k."""
+    experts, topk = expert[:2]
+    if not model.is_moe:
+        raise PlannerError(f"--calibration {path}: stage_times were measured on an MoE run ({experts} experts); "
+                           f"{model.name} is dense: measure a run of it")
+    if (experts, topk) != (model.num_experts, model.moe_topk):
+        raise PlannerError(f"--calibration {path}: stage_times were measured with {experts} experts, top-{topk}; "
+                           f"{model.name} has {model.num_experts}, top-{model.moe_topk}: measure a run of it")
 
 
 def _check_stage_speed(times: dict, sizes: dict, model: ModelSpec, cluster: ClusterSpec, precision: str,
-                       path: str) -> None:
+                       path: str, moe: bool = False) -> None:
     """Measured stage times no GPU could reach for this model are refused: F and B each do at least
     the layers' GEMMs and causal attention, W their GEMMs, at 100% of the peak (a stage measured for
-    another model, sequence, precision or GPU)."""
+    another model, sequence, precision or GPU). An MoE layer's GEMMs: attention's, the router's, the
+    top-k routed experts' and the shared expert's (balanced routing)."""
     mbs, tp, n = sizes["micro_batch_size"], sizes["tp"], sizes["layers"]
-    gemm = n * linear_flops(model, mbs) / tp / peak_flops(cluster.gpu, precision)
+    gemm = n * linear_flops(model, mbs, moe=moe) / tp / peak_flops(cluster.gpu, precision)
     attn = n * attention_flops(model, mbs) / 2 / tp / peak_flops(cluster.gpu, bf16_part(precision))
     for key, floor in (("f_ms", gemm + attn), ("b_ms", gemm + attn), ("w_ms", gemm)):
         if times[key] < floor:

@@ -15,6 +15,8 @@ import argparse
 import math
 from typing import Any, Callable
 
+from ..planner.presets import moe_layer_pattern as _pattern
+
 __all__ = ["add_moe_arguments", "moe_from_args", "check_moe", "parse_layer_freq", "moe_spec_fields",
            "MOE_FLAG_DEFAULTS"]
 
@@ -100,9 +102,8 @@ def moe_from_args(args: argparse.Namespace) -> dict:
 
 
 def moe_layer_pattern(freq: int | tuple[int, ...], layers: int) -> tuple[int, ...]:
-    if isinstance(freq, int):
-        return tuple(1 if i % freq == 0 else 0 for i in range(layers))
-    return tuple(freq)
+    """1 for each MoE layer (the planner's rule: :func:`megatron_pp_ext.planner.presets.moe_layer_pattern`)."""
+    return tuple(int(x) for x in _pattern(freq, layers))
 
 
 def check_moe(c: Any, *, tp: int, dp: int, layers: int, ffn: int) -> str | None:
