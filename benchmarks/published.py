@@ -33,6 +33,8 @@ from megatron_pp_ext.planner.presets import ModelSpec
 from megatron_pp_ext.planner.report import DISCLAIMER
 from megatron_pp_ext.planner.timing import DEFAULT_EFFICIENCY
 
+_H100 = DEFAULT_EFFICIENCY["h100"]
+
 try:   # (a package import under the tests, a script beside it from the command line)
     from . import recipes as nvidia
 except ImportError:
@@ -542,10 +544,14 @@ def recipe_intro() -> list[str]:
             "micro and global batch, sequence, precision (fp8-cs: `--precision fp8 --fp8-recipe tensorwise`), "
             "recomputation, FP8 parameters (`--fp8-param-gather`), gradients reduced in bf16 "
             "(`--grad-reduce-in-bf16`), TP communication overlap (`--tp-comm-overlap`); the recipes' overlapped "
-            "expert all-to-all is Megatron-Core's combined 1F1B, which the planner does not model (it times pairs as "
-            "our executor runs them): those rows are timed unpaired. The goal: tokens/s/GPU within 10%, and every "
-            "configuration that ran planned within memory. *Fitted on it*: the constants fitted on that row (`fp8_gemm_max` 0.82 and `fp8_gemm_half` "
-            "5.5e6, the H100's FP8 GEMM curve, on the two 26.02 dense rows); every other row only shows them.",
+            "expert all-to-all (`--overlap-moe-expert-parallel-comm`, Megatron-Core's combined 1F1B: one "
+            "microbatch's forward and another's backward layer by layer, each one's all-to-all behind the other's "
+            "compute) is timed as the planner's overlapped pairs on the recipe's own order. The goal: tokens/s/GPU "
+            "within 10%, and every configuration that ran planned within memory. *Fitted on it*: the constants "
+            f"fitted on that row (`fp8_gemm_max` {_H100.fp8_gemm_max:g} and `fp8_gemm_half` {_H100.fp8_gemm_half:g}, "
+            "the H100's FP8 GEMM curve, on the two 26.02 dense rows; `moe_layer_overhead_us` "
+            f"{_H100.moe_layer_overhead_us:g}, an MoE layer's fixed cost per pass, on the gpt-oss-120b 26.02 row); "
+            "every other row only shows them.",
             ""]
 
 

@@ -59,3 +59,35 @@ def test_the_pinned_form_is_the_cli_contract(capsys):
     for flag in ("--fp8-param-gather", "--tp-comm-overlap", "--context-parallel-size"):
         assert flag in flags
     assert "--accumulate-allreduce-grads-in-fp32" not in flags
+
+
+def test_moe_recipes_one_fitted_row_the_others_held_to_it(pinned):
+    """The MoE rows: moe_layer_overhead_us fitted on gpt-oss-120b 26.02 alone (within 1% there); the
+    rows no constant was fitted on, what docs/benchmarks/published.md says of them: gpt-oss-120b
+    25.11 and both qwen3-235b-a22b rows (expert parallelism over 4 nodes, the recipes' pairs timed
+    as pairs) within 5% (what README says; the goal is 10%), qwen3-30b-a3b still over the goal
+    (predicted too fast, under +50%)."""
+    moe = {k: x for k, x in pinned.items() if x.recipe.ep > 1}
+    assert [k for k, x in moe.items() if x.recipe.fitted] == [("26.02", "gpt-oss-120b")]
+    assert abs(moe[("26.02", "gpt-oss-120b")].err) <= 0.01
+    for key in (("25.11", "gpt-oss-120b"), ("26.02", "qwen3-235b-a22b"), ("25.11", "qwen3-235b-a22b")):
+        assert abs(moe[key].err) <= 0.05, (key, moe[key].err)
+    assert recipes.GOAL < moe[("25.11", "qwen3-30b-a3b")].err < 0.5
+
+
+def test_the_moe_constant_is_an_moe_layers_fixed_cost_per_pass():
+    """moe_layer_overhead_us adds to each of an MoE layer's F, B and W, never to a dense layer's, and
+    a dense model's report does not print its rule."""
+    from megatron_pp_ext.planner import get_model, make_cluster
+    from megatron_pp_ext.planner.timing import DEFAULT_EFFICIENCY, efficiency_rules, layer_times
+    m, cl = get_model("mixtral-8x7b"), make_cluster("h100", 64)
+    eff = DEFAULT_EFFICIENCY["h100"]
+    assert eff.moe_layer_overhead_us > 0
+    args = dict(ep=8, etp=1, precision="bf16")
+    with_, without = (layer_times(m, cl, e, 1, 1, moe=True, **args) for e in (eff, eff.with_(moe_layer_overhead_us=0)))
+    for a, b in ((with_.f, without.f), (with_.b, without.b), (with_.w, without.w)):
+        assert a - b == pytest.approx(eff.moe_layer_overhead_us * 1e-6)
+    dense = [layer_times(m, cl, e, 1, 1, **args) for e in (eff, eff.with_(moe_layer_overhead_us=0))]
+    assert dense[0] == dense[1]
+    assert any(r.startswith("moe_layer_overhead_us") for r in efficiency_rules(cl.gpu, eff, moe=True))
+    assert not any(r.startswith("moe_layer_overhead_us") for r in efficiency_rules(cl.gpu, eff, moe=False))

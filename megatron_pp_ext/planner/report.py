@@ -89,7 +89,8 @@ def format_report(result: PlanResult, *, bpipe: BPipeVerdict | None = None, show
            f"{cl.nodes} x {cl.gpus_per_node} {cl.gpu.name} ({fmt_bytes(cl.usable_bytes)} usable per GPU), "
            f"global batch {req.global_batch}",
            f"precision: {precision_label(req)}; efficiency: {req.efficiency.source}"]
-    out += [f"  derived, not measured on this GPU: {rule}" for rule in efficiency_rules(cl.gpu, req.efficiency)]
+    out += [f"  derived, not measured on this GPU: {rule}"
+            for rule in efficiency_rules(cl.gpu, req.efficiency, req.model.is_moe)]
     if req.megatron_fsdp:
         out.append("data parallelism: Megatron-FSDP (optim_grads_params: parameters, gradients and optimizer states "
                    "sharded over dp, one transformer layer gathered at a time); Megatron-Core's own schedules only")
@@ -208,7 +209,7 @@ def nothing_fits_to_dict(req, error) -> dict:
         "megatron_fsdp": req.megatron_fsdp,
         "plans": [], "fits": False, "error": str(error),
         "closest": estimate_to_dict(error.closest, req) if getattr(error, "closest", None) is not None else None,
-        "derived": efficiency_rules(req.cluster.gpu, req.efficiency), "disclaimer": DISCLAIMER,
+        "derived": efficiency_rules(req.cluster.gpu, req.efficiency, req.model.is_moe), "disclaimer": DISCLAIMER,
     }
 
 
@@ -224,7 +225,7 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
         "megatron_fsdp": req.megatron_fsdp,
         "efficiency": req.efficiency.to_dict(),
-        "derived": efficiency_rules(req.cluster.gpu, req.efficiency),
+        "derived": efficiency_rules(req.cluster.gpu, req.efficiency, req.model.is_moe),
         "plans": [estimate_to_dict(e, req) for e in result.plans],
         "rejections": result.rejections.to_dict(),
         "search": dict(result.stats, complete=result.complete),

@@ -99,6 +99,13 @@ class Efficiency:
     attn_half: float = 8.0
     hbm: float = 0.75
     layer_overhead_us: float = 30.0     # per layer and pass (F, B or W): launches, syncs
+    #: an MoE layer's own fixed cost per pass (F, B or W), on top of ``layer_overhead_us``: what
+    #: NVIDIA's MoE recipe runs take beyond their kernels' modelled time. Most likely host time --
+    #: Megatron-Core's alltoall dispatcher copies the token counts to the host in every MoE layer's
+    #: forward (a device synchronise), after which the GPU runs only as fast as the host launches the
+    #: layer's router, permutation and per-expert kernels -- but not measured apart; a profile of your
+    #: own MoE run (``mppx calibrate``: measured MoE stage times) replaces it
+    moe_layer_overhead_us: float = 0.0
     tp_overlap: float = 0.0             # share of TP communication hidden behind GEMMs
     dp_overlap: bool = True             # --overlap-grad-reduce / --overlap-param-gather
     #: picoseconds per dropout mask element drawn in a forward (Philox random numbers: compute the
@@ -142,7 +149,8 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1e12):
                 raise bad(name, "a number in (0, 1e12]")
-        for name, hi in (("layer_overhead_us", 1e6), ("dropout_rng_ps", 1e6), ("exchange_sync_us", 1e6),
+        for name, hi in (("layer_overhead_us", 1e6), ("moe_layer_overhead_us", 1e6), ("dropout_rng_ps", 1e6),
+                         ("exchange_sync_us", 1e6),
                          ("p2p_gbps", 1e5)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= hi):
@@ -172,19 +180,23 @@ class Efficiency:
 #: (docs/benchmarks/published.md: table 6 of the Zero Bubble paper's forward times of the 1.5B and
 #: 6.2B models, and those models' 1F1B iteration times; the other rows are held to them). The H100's
 #: fp8_gemm_max and fp8_gemm_half are fitted to NVIDIA's H100 recipes (the 26.02 llama3-70b and
-#: llama3.1-405b rows of docs/benchmarks/published.md; the other rows are held to them); its bf16
-#: curves are estimates (DERIVED says so). The other GPUs derive theirs by the rules in DERIVED, which
+#: llama3.1-405b rows of docs/benchmarks/published.md; the other rows are held to them), and its
+#: moe_layer_overhead_us to the gpt-oss-120b 26.02 row (the other MoE rows are held to it; the A100
+#: carries the H100's value, DERIVED says so); its bf16 curves are estimates (DERIVED says so). The other GPUs derive theirs by the rules in DERIVED, which
 #: the report prints.
 DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
                        attn_half=8.0, hbm=0.75, layer_overhead_us=40.0, dropout_rng_ps=7.5,
-                       exchange_sync_us=1200.0, source="a100 preset"),
+                       exchange_sync_us=1200.0, moe_layer_overhead_us=2050.0, source="a100 preset"),
     "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
                        attn_half=12.0, hbm=0.75, layer_overhead_us=30.0, dropout_rng_ps=2.2,
-                       exchange_sync_us=1200.0, fp8_gemm_max=0.82, fp8_gemm_half=5.5e6, source="h100 preset"),
+                       exchange_sync_us=1200.0, fp8_gemm_max=0.82, fp8_gemm_half=5.5e6, moe_layer_overhead_us=2050.0,
+                       source="h100 preset"),
 }
 _HOST_RULE = ("the A100's (fitted on the Zero Bubble A100 1F1B rows): a host-side cost, not measured on this GPU "
               "(measure it: docs/planner.md#calibration-file)")
+_MOE_RULE = ("the H100's (fitted on NVIDIA's gpt-oss-120b 26.02 recipe row): an MoE layer's fixed cost, most likely "
+             "host-side, not measured on this GPU (measure your MoE run: docs/planner.md#calibration-file)")
 #: GPU -> (the preset its efficiencies come from, {field: rule}): every value not measured on the GPU
 #: itself, with the rule that derived it
 DERIVED: dict[str, tuple[str, dict[str, str]]] = {
@@ -192,15 +204,18 @@ DERIVED: dict[str, tuple[str, dict[str, str]]] = {
                       "kernel figures, not fitted to a measurement (the FP8 curve is: NVIDIA's recipes)",
                       "tp_comm_overlap": "an estimate of what TE's userbuffers hide, not measured",
                       "dropout_rng_ps": "the A100's scaled by the fp32 (CUDA-core) throughput",
-                      "exchange_sync_us": _HOST_RULE}),
+                      "exchange_sync_us": _HOST_RULE,
+                      "moe_layer_overhead_us": "fitted on NVIDIA's gpt-oss-120b 26.02 recipe row (what it stands for "
+                                               "is not measured apart: docs/benchmarks/published.md)"}),
     "h200": ("h100", {"all curves": "the H100's (the same GH100 compute; its faster HBM enters through hbm_gbps)",
-                      "exchange_sync_us": _HOST_RULE}),
+                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
     "b200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
                                     "calibrated",
-                      "exchange_sync_us": _HOST_RULE}),
+                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
     "gb200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
                                      "calibrated",
-                       "exchange_sync_us": _HOST_RULE}),
+                       "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
+    "a100": ("a100", {"moe_layer_overhead_us": _MOE_RULE}),
 }
 
 
@@ -214,15 +229,16 @@ def default_efficiency(gpu: GPUSpec) -> Efficiency:
     return eff if base == gpu.name else eff.with_(source=f"{gpu.name}: derived from the {base} preset")
 
 
-def efficiency_rules(gpu: GPUSpec, eff: Efficiency) -> list[str]:
+def efficiency_rules(gpu: GPUSpec, eff: Efficiency, moe: bool = True) -> list[str]:
     """How each value the plan uses that was not measured on ``gpu`` was derived (printed by
-    the report): the GPU preset's rules and, for default (uncalibrated) curves, the efficiency's."""
+    the report): the GPU preset's rules and, for default (uncalibrated) curves, the efficiency's
+    (an MoE layer's values only for an MoE model, ``moe``)."""
     out = [f"{name}: {rule}" for name, rule in gpu.rules]
     if eff.source.startswith(("calibrated", "table")):
         return out
     derived = DERIVED.get(gpu.name)
     if derived is not None:
-        out += [f"{name}: {rule}" for name, rule in derived[1].items()]
+        out += [f"{name}: {rule}" for name, rule in derived[1].items() if moe or not name.startswith("moe_")]
     elif gpu.name not in DEFAULT_EFFICIENCY:
         out.append("efficiency: the generic curve (this GPU has no preset); calibrate it")
     return out
@@ -501,7 +517,7 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h, a = model.seq, mbs, model.hidden, model.heads
     x = b * s * h / tp
-    over = eff.layer_overhead_us * 1e-6
+    over = (eff.layer_overhead_us + (eff.moe_layer_overhead_us if moe else 0.0)) * 1e-6
     tokens = b * s / (tp if sequence_parallel else 1)
     bw, lat = tp_bandwidth(cluster, tp)
     msg_bytes = eb * b * s * h
