@@ -152,3 +152,9 @@ def _write(spec: dict, results: list) -> None:
 
 if __name__ == "__main__":
     main()
+    # The process ends here. Python's finalisation collects the whole heap (torch, Megatron and
+    # their thousands of modules) in several full passes: about 4 s of a 2-core machine for each
+    # rank of a launch, measured, against 1 s with the heap frozen (gc.freeze: what is left is
+    # freed by reference counting, and nothing in it waits on a collection at exit).
+    import gc
+    gc.freeze()

@@ -14,9 +14,10 @@ by our launcher, the pool and Megatron-LM):
   blocking meeting of the two. gloo connects at ``new_group``. Members that reach their first
   ops of different groups in different orders hang.
 * **one stream per communicator, no tags**: a communicator's ops run one after another in issue
-  order (a stream thread each); messages of a pair match in issue order whatever their tags,
-  and a send ends only once its receive is posted -- two ranks that both send before they
-  receive on one pair hang.
+  order (a stream thread each; a blocking op of a one-rank communicator runs on the caller's
+  thread when its stream is idle, in the same order); messages of a pair match in issue order
+  whatever their tags, and a send ends only once its receive is posted -- two ranks that both
+  send before they receive on one pair hang.
 * **one hardware queue** (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM advises for its
   TP/SP overlap and our launch scripts export): the device starts work in the order the host
   issued it, across all streams; an op whose stream is still busy with an earlier op, or a
@@ -173,6 +174,9 @@ class Stream(threading.Thread):
         self.device_queue = queue_
         self.jobs: queue.Queue = queue.Queue()
         self.current: _Job | None = None
+        self._lock = threading.Lock()
+        self._pending = 0                    # ops handed to the stream that have not ended (guarded by _lock)
+        self._running = threading.Lock()     # held while an op of this stream runs (on its thread or inline)
         self.start()
 
     def submit(self, fn: Callable[[], Any], what: str) -> _Job:
@@ -181,7 +185,37 @@ class Stream(threading.Thread):
         job = _Job(fn, what)
         if dq is not None:
             job.seq = dq.issue(lambda: f"{what} on stream {self.label}" + self._behind(job), what)
+        with self._lock:
+            self._pending += 1
         self.jobs.put(job)
+        return job
+
+    def run_inline(self, fn: Callable[[], Any], what: str) -> _Job | None:
+        """Run an op on the calling thread, ended when this returns, if the stream is idle (no op
+        queued or running) and no hardware queue orders it: then it would start at once on the
+        stream's thread and end in the same order (an op handed to the stream meanwhile waits for
+        it). For a blocking op that waits for nobody else (a communicator of one rank), where the
+        round trip through the stream's thread is all that the caller would wait for. None: not
+        idle, hand it to the stream (``submit``)."""
+        if self.device_queue is not None:
+            return None
+        with self._lock:
+            if self._pending:
+                return None
+            self._pending += 1
+        job = _Job(fn, what)
+        try:
+            with self._running:
+                job.started = time.perf_counter()
+                job.value = fn()
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's wait, as for a queued op
+            job.error = e
+        finally:
+            job.finished = time.perf_counter()
+            job.fn = None
+            with self._lock:
+                self._pending -= 1
+            job.done.set()
         return job
 
     def _behind(self, job: _Job) -> str:
@@ -200,12 +234,15 @@ class Stream(threading.Thread):
                 if job.seq is not None:
                     self.device_queue.start(job.seq, job.what)
                 job.started = time.perf_counter()
-                job.value = job.fn()
+                with self._running:
+                    job.value = job.fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 job.error = e
             job.finished = time.perf_counter()
             job.fn = None        # (its closure may hold the emulation, which this thread must not keep alive)
             self.current = None
+            with self._lock:
+                self._pending -= 1
             job.done.set()
             job = None
 
@@ -417,6 +454,14 @@ class Rules:
         kw = dict(kwargs)
         kw.pop("async_op", None)
         args = _without(raw, args, "async_op")
+        if not async_op and group.size() == 1:
+            # a blocking op on a communicator of one rank (Megatron-LM broadcasts each batch over a
+            # tensor-parallel group of one at tp=1): on the caller's thread when the stream is idle,
+            # which skips two thread hand-offs per op and changes no order (Stream.run_inline)
+            job = st.run_inline(lambda: raw(*args, **kw), what)
+            if job is not None:
+                self.wait_job(job, st, stream_wait=True)   # (ended: raises its error as for a queued op)
+                return None
         work = self.submit(st, lambda: raw(*args, **kw), what)   # (synchronous on the stream thread)
         if async_op:
             return work

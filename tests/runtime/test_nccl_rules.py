@@ -189,6 +189,66 @@ def test_a_group_created_for_gloo_keeps_gloo_semantics(pool):
     assert pool.run(explicit_gloo_group, 2)[1] == ([1.0, 1.0], [2.0, 2.0])
 
 
+def one_rank_group_ops():
+    """Blocking collectives on a communicator of one rank (Megatron-LM's tensor-parallel group at
+    tp=1) run on the caller's thread when its stream is idle; behind an asynchronous op of the same
+    communicator they wait for it on the stream, in issue order; an op that fails raises as a
+    queued one does."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import nccl_rules
+    rules = _rules(10.0)
+    try:
+        me = dist.get_rank()
+        g = [dist.new_group([r]) for r in range(dist.get_world_size())][me]   # (new_group: every rank, every group)
+        threads = set()
+        orig = nccl_rules.RAW.broadcast
+
+        def spy(*a, **k):
+            threads.add(threading.current_thread().name)
+            if k.pop("_slow", False):
+                time.sleep(0.3)
+            return orig(*a, **k)
+
+        nccl_rules.RAW.broadcast = spy
+        try:
+            x = torch.arange(4.0)
+            dist.broadcast(x, me, group=g)                      # idle stream: inline
+            inline = sorted(threads)
+            threads.clear()
+            # an asynchronous op of the same communicator still on its stream, then a blocking one
+            y = torch.zeros(4)
+            work = dist.all_reduce(y, group=g, async_op=True)
+            stream = rules.streams[f"group {rules._name(g)}"]
+            slow = stream.submit(lambda: spy(x, me, group=g, _slow=True), "a slow op")
+            dist.broadcast(x, me, group=g)
+            queued = sorted(threads)
+            behind = slow.done.is_set()
+            work.wait()
+            try:
+                dist.broadcast(torch.zeros(2), me + 7, group=g)     # (a rank the group does not have)
+                error = "none"
+            except RuntimeError as e:
+                error = str(e)
+        finally:
+            nccl_rules.RAW.broadcast = orig
+        return inline, queued, behind, x.tolist(), error
+    finally:
+        nccl_rules.uninstall(wait=False)
+
+
+def test_one_rank_communicators_run_blocking_ops_inline_in_issue_order(pool):
+    for inline, queued, behind, x, error in pool.run(one_rank_group_ops, 2):
+        assert inline == ["MainThread"]                       # no round trip through the stream's thread
+        assert queued == [n for n in queued if n.startswith("nccl-stream")] and queued, queued
+        assert behind, "the blocking op started before the op issued before it on its stream ended"
+        assert x == [0.0, 1.0, 2.0, 3.0]
+        assert error.startswith("emulated NCCL: rank") and "broadcast on group" in error and "failed" in error, error
+
+
 # --- the schedules under one hardware queue ------------------------------------------------------
 
 @pytest.fixture(scope="module")
