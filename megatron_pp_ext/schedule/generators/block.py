@@ -22,8 +22,10 @@ warm-up when the budget allows.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..costs import CostModel
 from ..ir import Op
@@ -257,16 +259,27 @@ def _turnarounds(placement: tuple[int, ...], period: float) -> list[dict]:
     return out
 
 
-def fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | None, *,
-               split: bool = True) -> list[tuple[str, Block]]:
-    """Building blocks for ``budget`` units: for each spacing ("tight", and "half" on the V),
-    the shortest period at which some turn-around wait (:func:`_turnarounds`) gives a block
-    within the budget (the least memory among them), plus the tight block at the least period
-    (a template for the list scheduler, whose admission keeps any budget)."""
+def fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | Sequence[float] | None, *,
+               split: bool = True, spacings: tuple[str, ...] = ("tight", "half")) -> list[tuple[str, Block]]:
+    """Building blocks for ``budget`` units (one for all ranks, or one per rank): for each of
+    ``spacings`` ("tight", and "half" on the V), the shortest period at which some turn-around
+    wait (:func:`_turnarounds`) gives a block within the budget (the least memory among them; per
+    rank: the most room left), plus the tight block at the least period (a template for the
+    list scheduler, whose admission keeps any budget). Memoised: a generator builds the same
+    costs at several sizes (the planner: m = 2p and 3p), and for dearer costs too."""
+    if budget is not None and not isinstance(budget, (int, float)):
+        budget = tuple(budget)
+    return list(_fit_blocks(tuple(placement), cost, budget, split, tuple(spacings)))
+
+
+@functools.lru_cache(maxsize=256)
+def _fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | tuple[float, ...] | None, split: bool,
+                spacings: tuple[str, ...]) -> tuple[tuple[str, Block], ...]:
+    per_rank = budget is not None and not isinstance(budget, (int, float))
     base = min_period(placement, cost)
     out: list[tuple[str, Block]] = []
     first_tight = None
-    for spacing in ("tight", "half"):
+    for spacing in spacings:
         for st in STRETCHES:
             P = base * st
             if spacing == "tight":
@@ -286,12 +299,13 @@ def fit_blocks(placement: tuple[int, ...], cost: CostModel, budget: float | None
                     continue
                 if spacing == "tight" and first_tight is None:
                     first_tight = blk
-                pk = max(block_peak(blk, placement, cost))
+                peaks = block_peak(blk, placement, cost)
+                pk = max(x - b for x, b in zip(peaks, budget)) if per_rank else max(peaks)
                 if best is None or pk < best[0] - _EPS:
                     best = (pk, blk)
-            if best is not None and (budget is None or best[0] <= budget + _EPS):
+            if best is not None and (budget is None or best[0] <= (0.0 if per_rank else budget) + _EPS):
                 out.append((f"block-{spacing}-x{P / base:.2f}", best[1]))
                 break
     if first_tight is not None and all(b is not first_tight for _, b in out):
         out.append((f"block-tight-x{first_tight.period / base:.2f}", first_tight))
-    return out
+    return tuple(out)

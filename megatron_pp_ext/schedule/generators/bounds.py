@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 from ..costs import CostModel
 from ..ir import ScheduleError, loop_placement, v_placement
+from .evaluate import evaluate
+from .patterns import interleaved_zb_pattern
 
 _INF = float("inf")
 
@@ -157,26 +159,61 @@ def v_budget_units(kind: str, p: int) -> float:
     return {"zbv": float(p), "v-half": float((p + 2) // 2), "v-min": float((p + 4) // 3)}[kind]
 
 
+def rank_units(placement: tuple[int, ...], cost: CostModel) -> list[float]:
+    """One microbatch's activation on each rank, all of its stages together."""
+    out = [0.0] * (max(placement) + 1)
+    for s, r in enumerate(placement):
+        out[r] += cost.act[s]
+    return out
+
+
+def one_f_one_b_peak(placement: tuple[int, ...], m: int, cost: CostModel) -> float:
+    """1F1B's peak with these activations: rank r holds min(p - r, m) microbatches of its own."""
+    per = rank_units(placement, cost)
+    return max(min(len(per) - r, m) * a for r, a in enumerate(per))
+
+
+def named_limits(name: str, placement: tuple[int, ...], m: int, cost: CostModel) -> list[float]:
+    """Activation limit of each rank in zb-h1 and interleaved-zb (1F1B's memory) and zb-h2: the
+    papers' p (2p - 1) units, or what 1F1B (ZB-H2) holds on that rank when that is more: rank r
+    keeps min(p - r, m) (min(2(p - r) - 1, m)) microbatches of its own; interleaved-zb also what
+    its reference order holds there (torch's order in rounds of p, p units with equal stages: its
+    mix of chunks decides its peak when they differ). Counted in units alone, a first stage a hair
+    above one unit would cost rank 0 a whole microbatch and zb-h1 would lose to 1F1B; one limit
+    for all ranks taken from the heaviest would let every rank fill it (the logits' rank at
+    DeepSeek-V3-like pp=16: interleaved-zb 57.5 GiB for 37.0)."""
+    per = rank_units(placement, cost)
+    p = len(per)
+    if name == "zb-h2":
+        return [max(2.0 * p - 1, min(2 * (p - r) - 1, m) * a) for r, a in enumerate(per)]
+    limits = [max(float(p), min(p - r, m) * a) for r, a in enumerate(per)]
+    v = len(placement) // p
+    if name == "interleaved-zb" and v > 1:
+        ref = interleaved_zb_pattern(p, m, v, group=p)
+        peaks = evaluate(ref.ops, ref.placement, m, cost).peak
+        limits = [max(x, round(pk, 9)) for x, pk in zip(limits, peaks)]
+    return limits
+
+
 def schedule_lower_bound(name: str, p: int, m: int, costs=(1.0, 1.0, 1.0, 0.0),
                          memory_budget: float | None = None, chunks: int = 2) -> Bound:
     """Lower bound for the registered schedule ``name``'s placement and memory budget.
 
     V family (zbv, v-half, v-min, v-budget): V placement at the schedule's budget (or
-    ``memory_budget``); interleaved-zb: loop placement with ``chunks`` per rank at ``p``
-    units; zb-h1 / zb-h2: loop placement at ``p`` / ``2p - 1`` units; 1f1b: loop placement,
-    ``p`` units (1F1B's own peak).
+    ``memory_budget``); interleaved-zb (``chunks`` per rank), zb-h1 and zb-h2: loop placement at
+    :func:`named_limits` (``p`` / ``2p - 1`` units with equal activations); 1f1b: at its own peak.
     """
     spec = costs
     if name in ("zbv", "v-half", "v-min", "v-budget"):
         cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), 2 * p, 2)
         budget = memory_budget if memory_budget is not None else v_budget_units(name, p)
         return makespan_lower_bound(v_placement(p), m, cost, budget)
-    if name == "interleaved-zb":
-        cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), p * chunks, chunks)
-        budget = memory_budget if memory_budget is not None else float(p)
-        return makespan_lower_bound(loop_placement(p, chunks), m, cost, budget)
-    cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), p, 1)
+    v = chunks if name == "interleaved-zb" else 1
+    placement = loop_placement(p, v)
+    cost = spec if isinstance(spec, CostModel) else CostModel.from_spec(list(spec), p * v, v)
     budget = memory_budget
-    if budget is None:
-        budget = {"zb-h1": float(p), "zb-h2": float(2 * p - 1), "1f1b": float(p)}.get(name)
-    return makespan_lower_bound(loop_placement(p), m, cost, budget)
+    if budget is None and name in ("zb-h1", "zb-h2", "interleaved-zb"):
+        budget = named_limits(name, placement, m, cost)
+    elif budget is None and name == "1f1b":
+        budget = one_f_one_b_peak(placement, m, cost)
+    return makespan_lower_bound(placement, m, cost, budget)

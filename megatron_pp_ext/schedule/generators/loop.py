@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..ir import Op, Schedule, ScheduleError, loop_placement
 from ..catalog import ScheduleRequest, register_schedule
-from .bounds import makespan_lower_bound
+from .bounds import makespan_lower_bound, named_limits
 from .greedy import Policy, list_schedule
 from .patterns import interleaved_table, interleaved_zb_pattern, zb_h1_pattern, zb_h2_pattern
 from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
@@ -140,7 +140,7 @@ def one_f_one_b_split(p: int, m: int, name: str = "1f1b-split") -> Schedule:
     return Schedule(name, m, base.placement, ops)
 
 
-def zb_candidates(name: str, p: int, cost, budget: float, *, lean: bool = False) -> list:
+def zb_candidates(name: str, p: int, cost, budget: float | list[float], *, lean: bool = False) -> list:
     """Candidate builders ``(label, m -> Schedule)`` for a loop-placement zero-bubble schedule
     within ``budget`` units per rank: :func:`.search.standard_candidates`, the ZB paper's
     handcrafted ZB-H1/ZB-H2, and 1F1B's own order with B and W split."""
@@ -151,9 +151,9 @@ def zb_candidates(name: str, p: int, cost, budget: float, *, lean: bool = False)
     return cands
 
 
-def zb_budget_units(name: str, p: int) -> float:
-    """Per-rank activation budget of ZB-H1 (1F1B's peak, p units) and ZB-H2 (2p - 1)."""
-    return {"zb-h1": float(p), "zb-h2": float(2 * p - 1)}[name]
+def _limits(limits: list[float]) -> float | list[float]:
+    """Per-rank limits, or one number where they are all the same (equal activations)."""
+    return limits[0] if all(x == limits[0] for x in limits) else limits
 
 
 def _zb(req: ScheduleRequest, name: str) -> Schedule:
@@ -161,13 +161,13 @@ def _zb(req: ScheduleRequest, name: str) -> Schedule:
     cost = req.cost_model(p, 1)
     # (the registry offers no budget for these names; a direct request's is honoured, e.g. the Zero
     # Bubble paper's automatic ZB-2p at its 2p limit, held against its measurements)
-    budget = req.memory_budget if req.memory_budget is not None else zb_budget_units(name, p)
+    budget = req.memory_budget if req.memory_budget is not None else _limits(named_limits(name, loop_placement(p), m, cost))
     lean = p * m * 3 > FULL_SEARCH_OPS
     cands = zb_candidates(name, p, cost, budget, lean=lean)
     sched = search(cands, m, cost, budget=budget, always=["1f1b-split"], keep=1 if lean else 2,
                    lower_bound=lambda mm: makespan_lower_bound(loop_placement(p, 1), mm, cost, budget).makespan)
     sched.name = name
-    sched.meta["budget_units"] = budget
+    sched.meta["budget_units"] = budget if isinstance(budget, (int, float)) else max(budget)
     return sched
 
 
@@ -188,6 +188,21 @@ _IZB_EDF = (Policy(priority="template", w_delay=0.0, f_slack=0.0),
             Policy(priority="template", w_delay=float("inf"), f_slack=0.0))
 
 
+def _izb_edf(p: int, v: int, cost, budget: float | list[float]) -> list:
+    """The list scheduler against the timeline of torch's interleaved zero-bubble order in rounds
+    of p microbatches (:data:`_IZB_EDF`)."""
+    placement = loop_placement(p, v)
+    limits = [budget] * p if isinstance(budget, float) else list(budget)
+    timelines: dict[int, dict] = {}
+
+    def edf(pol: Policy, mm: int) -> Schedule:
+        if mm not in timelines:
+            timelines[mm] = pattern_targets(interleaved_zb_pattern(p, mm, v, group=p), cost)
+        return list_schedule("interleaved-zb", placement, mm, cost, limits, pol, targets=timelines[mm])
+
+    return [(f"pattern-interleaved-zb-edf-{pol.label()}", lambda mm, pol=pol: edf(pol, mm)) for pol in _IZB_EDF]
+
+
 @register_schedule("interleaved-zb", description="interleaved zero bubble: --chunks v chunks per rank (loop), "
                    "B/W split, 1F1B's peak memory (p units)", split_backward=True, min_chunks=2,
                    peak_counts=lambda p, v: [float(p)] * p)
@@ -195,24 +210,16 @@ def interleaved_zb(req: ScheduleRequest) -> Schedule:
     p, m, v = req.pp, req.microbatches, req.chunks
     placement = loop_placement(p, v)
     cost = req.cost_model(p * v, v)
-    budget = float(p)
+    budget = _limits(named_limits("interleaved-zb", placement, m, cost))
     lean = p * v * m * 3 > FULL_SEARCH_OPS
-    cands = standard_candidates("interleaved-zb", placement, cost, budget, lean=lean)
     # torch's order (its rounds hold more than p units when p does not divide m: then dropped)
     # and the same order in rounds of p microbatches, within p units for any m
+    cands = standard_candidates("interleaved-zb", placement, cost, budget, lean=lean)
     cands.append(("pattern-interleaved-zb", lambda mm: interleaved_zb_pattern(p, mm, v)))
     cands.append(("pattern-interleaved-zb-p", lambda mm: interleaved_zb_pattern(p, mm, v, group=p)))
-    timelines: dict[int, dict] = {}
-
-    def edf(pol: Policy, mm: int) -> Schedule:
-        if mm not in timelines:
-            timelines[mm] = pattern_targets(interleaved_zb_pattern(p, mm, v, group=p), cost)
-        return list_schedule("interleaved-zb", placement, mm, cost, [budget] * p, pol, targets=timelines[mm])
-
-    for pol in _IZB_EDF:
-        cands.append((f"pattern-interleaved-zb-edf-{pol.label()}", lambda mm, pol=pol: edf(pol, mm)))
+    cands += _izb_edf(p, v, cost, budget)
     sched = search(cands, m, cost, budget=budget, always=["pattern-interleaved-zb", "pattern-interleaved-zb-p"], keep=1 if lean else 2,
                    lower_bound=lambda mm: makespan_lower_bound(placement, mm, cost, budget).makespan)
     sched.name = "interleaved-zb"
-    sched.meta["budget_units"] = budget
+    sched.meta["budget_units"] = budget if isinstance(budget, float) else max(budget)
     return sched

@@ -111,7 +111,7 @@ def search_policies(lean: bool = False) -> list[Policy]:
             Policy(priority="template", w_delay=2.0), Policy(priority="template", w_delay=1.0, f_slack=0.0)]
 
 
-def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, budget: float, *,
+def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, budget: float | Sequence[float], *,
                         lean: bool = False) -> list[tuple[str, Builder]]:
     """The list scheduler under :func:`search_policies`, and the cost-aware building blocks
     that fit ``budget`` (:func:`.block.fit_blocks`), run in block order and as deadlines for
@@ -119,7 +119,7 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
     order's simulated timeline as deadlines: at p=16, m=16, 1:1.8:0.4 that puts V-Half ahead
     of 1F1B, 47.3% against 48.4% bubble with the polish)."""
     p = max(placement) + 1
-    limits = [budget] * p
+    limits = [budget] * p if isinstance(budget, (int, float)) else list(budget)
     cands: list[tuple[str, Builder]] = []
 
     def greedy(pol: Policy, template=None) -> Builder:
@@ -143,6 +143,19 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
     return cands
 
 
+def _over_budget(sched: Schedule, cost: CostModel, peak: float, budget) -> str | None:
+    """What ``sched`` needs beyond ``budget`` (one number for every rank, or one per rank), or None."""
+    if budget is None:
+        return None
+    if isinstance(budget, (int, float)):
+        return f"{peak:g} units, over the budget {budget:g}" if peak > budget + _EPS else None
+    peaks = evaluate(sched.ops, sched.placement, sched.num_microbatches, cost).peak
+    for r, (x, b) in enumerate(zip(peaks, budget)):
+        if x > b + _EPS:
+            return f"{x:g} units on rank {r}, over its budget {b:g}"
+    return None
+
+
 def likely_first(candidates: Sequence[tuple[str, Builder]]) -> list[tuple[str, Builder]]:
     """Candidates reordered so the ones that win most often come first (with a lower bound,
     :func:`search` stops at the first optimal one)."""
@@ -162,17 +175,18 @@ def likely_first(candidates: Sequence[tuple[str, Builder]]) -> list[tuple[str, B
 
 
 def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *,
-           budget: float | None = None, always: Iterable[str] = (), keep: int = 2,
+           budget: float | Sequence[float] | None = None, always: Iterable[str] = (), keep: int = 2,
            num_stages: int | None = None, full_ops: int = FULL_SEARCH_OPS,
            lower_bound: Callable[[int], float] | None = None) -> Schedule:
     """Best candidate for ``m`` microbatches (least makespan, then least peak memory).
 
     ``candidates``: ``(label, build)`` with ``build(m) -> Schedule``. Candidates over
-    ``budget`` units, or failing to build, are skipped. When ``stages * m * 3`` exceeds
-    ``full_ops``, candidates are ranked on a reduced count first and only the best ``keep``
-    (and those labelled in ``always``) are built at ``m``. The winner's ``meta`` records its
-    label (``candidate``) and how many candidates were tried. ``lower_bound(m)``: a makespan
-    no schedule can beat (:mod:`.bounds`); the search stops as soon as a candidate reaches it.
+    ``budget`` units (on any rank; or one budget per rank), or failing to build, are skipped.
+    When ``stages * m * 3`` exceeds ``full_ops``, candidates are ranked on a reduced count first
+    and only the best ``keep`` (and those labelled in ``always``) are built at ``m``. The winner's
+    ``meta`` records its label (``candidate``) and how many candidates were tried.
+    ``lower_bound(m)``: a makespan no schedule can beat (:mod:`.bounds`); the search stops as
+    soon as a candidate reaches it.
     """
     S = num_stages or cost.num_stages
     always = set(always)
@@ -186,8 +200,9 @@ def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *
         except ScheduleError as e:
             errors.append(e)
             return None
-        if budget is not None and pk > budget + _EPS:
-            errors.append(ScheduleError(f"{label}: needs {pk:g} units, over the budget {budget:g}"))
+        over = _over_budget(sched, cost, pk, budget)
+        if over is not None:
+            errors.append(ScheduleError(f"{label}: needs {over}"))
             return None
         return _key(ms, pk), sched
 
