@@ -550,7 +550,9 @@ def recipe_intro() -> list[str]:
             "within 10%, and every configuration that ran planned within memory. *Fitted on it*: the constants "
             f"fitted on that row (`fp8_gemm_max` {_H100.fp8_gemm_max:g} and `fp8_gemm_half` {_H100.fp8_gemm_half:g}, "
             "the H100's FP8 GEMM curve, on the two 26.02 dense rows; `moe_layer_overhead_us` "
-            f"{_H100.moe_layer_overhead_us:g}, an MoE layer's fixed cost per pass, on the gpt-oss-120b 26.02 row); "
+            f"{_H100.moe_layer_overhead_us:g}, an MoE layer's fixed cost per pass, on the gpt-oss-120b 26.02 row; "
+            f"`moe_fp8_expert_us` {_H100.moe_fp8_expert_us:g}, an FP8 MoE layer's cost per local expert and pass, on "
+            "the qwen3-30b-a3b 25.11 row); "
             "every other row only shows them.",
             ""]
 

@@ -44,7 +44,7 @@ GOAL = 0.10
 #: the H100 efficiency constants fitted on these rows (release, model) -> constants; timing.py's
 #: DEFAULT_EFFICIENCY["h100"] holds the values
 FITTED = {("26.02", "llama3-70b"): ("fp8_gemm_max", "fp8_gemm_half"), ("26.02", "llama3.1-405b"): ("fp8_gemm_max", "fp8_gemm_half"),
-          ("26.02", "gpt-oss-120b"): ("moe_layer_overhead_us",)}
+          ("26.02", "gpt-oss-120b"): ("moe_layer_overhead_us",), ("25.11", "qwen3-30b-a3b"): ("moe_fp8_expert_us",)}
 
 
 def load() -> dict:
@@ -263,10 +263,14 @@ def reading(results: list[Result]) -> list[str]:
     rng = lambda xs: f"{_pct(min(x.err for x in xs))} to {_pct(max(x.err for x in xs))}" if xs else "-"  # noqa: E731
     from megatron_pp_ext.planner.timing import DEFAULT_EFFICIENCY
     eff = DEFAULT_EFFICIENCY["h100"]
-    # the MoE rows from their kernels alone: the same request without the MoE layer's fixed cost
+    # the MoE rows from their kernels alone: the same request without the MoE layer's fixed costs
     cache = SimCache(disk=False)
-    bare = [predict(x.recipe, cache, efficiency=eff.with_(moe_layer_overhead_us=0.0)).tokens / x.recipe.measured
-            for x in moe]
+    bare = [predict(x.recipe, cache, efficiency=eff.with_(moe_layer_overhead_us=0.0, moe_fp8_expert_us=0.0)).tokens
+            / x.recipe.measured for x in moe]
+    # the FP8 MoE rows without the cost per local expert
+    fp8 = [x for x in moe if x.recipe.precision == "fp8"]
+    no_fp8 = {x.recipe.label: predict(x.recipe, cache, efficiency=eff.with_(moe_fp8_expert_us=0.0)).tokens
+              / x.recipe.measured - 1 for x in fp8}
     at = {x.recipe.model: eff.fp8_gemm(x.recipe.mbs * x.recipe.seq / x.recipe.cp * get_model(x.recipe.model).hidden
                                        / x.recipe.tp) for x in dense if x.recipe.fitted}
     out = [f"- **Dense models**: {rng(dense)} (the rows no constant was fitted on: {rng(shown)}). The fitted curve "
@@ -277,14 +281,19 @@ def reading(results: list[Result]) -> list[str]:
            "permutation, the all-to-all; the recipes that overlap it timed as overlapped pairs, the pairing of "
            f"Megatron-Core's combined 1F1B) predicted them {min(bare):.1f}-{max(bare):.1f}x too fast: NVIDIA's own "
            "figures put these runs at "
-           "12-24% of the bf16 peak against 70-80% for the dense ones. One constant closes most of it: "
+           "12-24% of the bf16 peak against 70-80% for the dense ones. Two constants close it. "
            f"`moe_layer_overhead_us` = {eff.moe_layer_overhead_us:g} us per MoE layer and pass, fitted on the "
-           "gpt-oss-120b 26.02 row alone; the other MoE rows are held to it. What it stands for is not measured "
-           "apart: most likely host time (Megatron-Core's alltoall dispatcher copies the token counts to the host "
-           "in every MoE layer's forward, a device synchronise, after which the GPU runs only as fast as the host "
-           "launches the layer's kernels). qwen3-30b-a3b (768-wide experts, 2 layers per virtual stage) is still "
-           "predicted too fast. A profile of your own MoE run settles it for your plans: `mppx calibrate` turns it "
-           "into measured times of its MoE layers at its expert layout, which replace the model for plans at that "
+           "gpt-oss-120b 26.02 row alone (bf16). Under FP8 `moe_fp8_expert_us` = "
+           f"{eff.moe_fp8_expert_us:g} us per local expert and pass on top, fitted on the qwen3-30b-a3b 25.11 row "
+           "alone (16 local experts); without it the FP8 rows come out "
+           + ", ".join(f"{k} {_pct(v)}" for k, v in sorted(no_fp8.items()))
+           + ", and with it the qwen3-235b-a22b rows (4 local experts), held out, stay within 5%. The other MoE "
+           "rows are held to both. What they stand for is not measured apart: most likely host time "
+           "(Megatron-Core's alltoall dispatcher copies the token counts to the host in every MoE layer's forward, "
+           "a device synchronise, after which the GPU runs only as fast as the host launches the layer's kernels; "
+           "under FP8 Transformer Engine quantises each expert's operands and launches each expert's GEMM "
+           "separately). A profile of your own MoE run settles it for your plans: `mppx calibrate` turns it into "
+           "measured times of its MoE layers at its expert layout, which replace the model for plans at that "
            "layout ([planner.md](../planner.md#calibration-file))."]
     for x in oom:
         out.append(f"- **{x.recipe.label} planned over memory** ({x.pred.peak_gib:.1f} of {x.pred.usable_gib:.1f} "

@@ -343,7 +343,7 @@ def test_moe_stage_times_in_mppx_plan_pin_the_expert_layout(tmp_path, capsys):
     (dict(ep=3), "experts=8, topk=2, ep=3: topk must be at most experts and ep must divide them"),
     (dict(a2a_ms=9.0), "stage_times.a2a_ms=9.0: the stage's measured all-to-all inside one F in milliseconds, from 0 "
                        "to f_ms"),
-    (dict(dispatcher="allgather"), "stage_times.dispatcher='allgather': the planner's plans run the alltoall"),
+    (dict(dispatcher="allgather"), "stage_times.dispatcher='allgather': measured MoE times are taken from runs of the alltoall"),
     (dict(f_ms=1e-6, a2a_ms=0.0), "stage_times.f_ms=1e-06: 2 layers of custom"),
 ])
 def test_moe_stage_times_bad_input(change, text):

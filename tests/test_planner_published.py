@@ -182,7 +182,7 @@ def test_planner_simulates_megatrons_own_runs_with_their_exchanges():
     assert megatron > blocking_only > ours and megatron > 1.02 * ours
 
 
-@pytest.mark.parametrize("field", ["dropout_rng_ps", "exchange_sync_us", "moe_layer_overhead_us"])
+@pytest.mark.parametrize("field", ["dropout_rng_ps", "exchange_sync_us", "moe_layer_overhead_us", "moe_fp8_expert_us"])
 def test_time_model_constants_refuse_nonsense(field):
     from megatron_pp_ext.planner import PlannerError
     from megatron_pp_ext.planner.timing import Efficiency

@@ -100,6 +100,9 @@ def moe_model_flags(model: ModelSpec) -> list[str]:
         f += ["--moe-router-score-function", model.moe_score_function]
     if model.moe_expert_bias:
         f.append("--moe-router-enable-expert-bias")
+    if model.moe_router_num_groups is not None:
+        f += ["--moe-router-num-groups", str(model.moe_router_num_groups),
+              "--moe-router-group-topk", str(model.moe_router_group_topk)]
     if model.num_experts >= 32:  # Megatron-Core recommends fp32 routing from 32 experts on (it warns)
         f += ["--moe-router-dtype", "fp32"]
     return f
@@ -128,8 +131,11 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     elif c.vp > 1 and c.schedule_placement() == "loop":  # interleaved-style chunks (V schedules imply 2)
         f += ["--num-layers-per-virtual-pipeline-stage", str(req.model.num_layers // (c.pp * c.vp))]
     if req.model.is_moe:
-        f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp),
-              "--moe-token-dispatcher-type", "alltoall"]
+        f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp)]
+        if req.moe_dispatcher == "flex":   # DeepEP's kernels (megatron-core 0.16 to 0.19 and main name it so)
+            f += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+        else:
+            f += ["--moe-token-dispatcher-type", "alltoall"]
         if req.model.num_experts // c.ep > 1:  # several local experts: one grouped GEMM for all of them
             f.append("--moe-grouped-gemm")
     f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]

@@ -241,6 +241,8 @@ class Planner:
                     self.rej.add("layout", what, "MoE with linear biases needs etp = 1 (Megatron-Core)")
                 elif ep == 1 and etp != tp:
                     self.rej.add("layout", what, "etp other than tp needs expert parallelism (ep > 1)")
+                elif req.moe_dispatcher == "flex" and ep * etp < 2:
+                    self.rej.add("layout", what, "the flex dispatcher needs ep x etp > 1 (Megatron-Core)")
                 else:
                     out.append((ep, etp))
         return out
@@ -356,7 +358,8 @@ class Planner:
         kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
         prec = self.req.precision
         lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
-                               etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe) for moe in kinds}
+                               etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe,
+                               dispatcher=self.req.moe_dispatcher) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
         if cand.cp > 1:   # the attention of the other CP ranks' chunks and the ring's exposed exchange
@@ -365,7 +368,7 @@ class Planner:
         out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         if model.mtp_num_layers:   # the MTP layers run on the last stage, after the output layer
             mtp = mtp_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, ep=cand.ep, etp=cand.etp,
-                            precision=prec, fp8_recipe=self.req.fp8_recipe)
+                            precision=prec, fp8_recipe=self.req.fp8_recipe, dispatcher=self.req.moe_dispatcher)
             out = PassTimes(out.f + mtp.f, out.b + mtp.b, out.w + mtp.w, out.detail)
         t_f, t_b, t_w = [], [], []
         for part in parts:
