@@ -472,7 +472,9 @@ def doc_tables(quick: bool = False) -> str:
     rs = rows(data)
     if quick:
         rs = [r for r in rs if r.group.startswith("1.5B m=24") or r.group == "s=2k V=256k"]
-    return (doc_tables_from(evaluate(rs, data)) + "\n".join(recipe_intro() + nvidia.table(nvidia.evaluate(search=False)))
+    return (doc_tables_from(evaluate(rs, data)) + "\n".join(recipe_intro() + nvidia.table(nvidia.evaluate(search=False))
+                                                             + [""] + later_intro()
+                                                             + nvidia.later_section(nvidia.evaluate(search=False, later=True)))
             + "\n")
 
 
@@ -530,9 +532,25 @@ def render(results: list[Result], command: str, seconds: float, recipe_results: 
 
 
 def recipe_section(results: list) -> list[str]:
-    """NVIDIA's H100 recipes (benchmarks/recipes.py): pinned predictions, memory, the best plan."""
+    """NVIDIA's H100 recipes (benchmarks/recipes.py): pinned predictions, memory, the best plan; then
+    the later releases' rows, held out."""
     return (recipe_intro() + nvidia.table(results) + ["", nvidia.summary(results)[0] + ".", ""]
-            + nvidia.reading(results) + [""])
+            + nvidia.reading(results) + [""] + later_intro() + nvidia.later_section(nvidia.evaluate(search=False, later=True))
+            + [""])
+
+
+def later_intro() -> list[str]:
+    return ["### Later releases, held out", "",
+            "The H100 rows Megatron-Bridge published after 26.02 (releases 26.02.01, 26.04, 26.04.01 and 26.06; "
+            "`benchmarks/data/nvidia_recipes_h100_later.json`, each recipe's settings read at the release's tag, "
+            "v0.3.1 to v0.5.0), for the models above. No constant was fitted on them: each is `mppx plan` pinned "
+            "as above, plus the recipe's token dispatcher (`--moe-token-dispatcher-type flex "
+            "--moe-flex-dispatcher-backend hybridep` where it ran HybridEP). The goal on runs not given: 15%. "
+            "qwen3-30b-a3b moved to HybridEP at 26.02.01 and ran 1.7x faster on the same GPUs; the planner "
+            "times HybridEP's traffic as DeepEP's and, as it keeps the token counts on the device, without "
+            "the host synchronise of `moe_layer_overhead_us` "
+            "([planner.md](../planner.md#mixture-of-experts-moe)); timed with the host synchronise (as DeepEP) "
+            "these rows come out 34-36% too slow, as the alltoall dispatcher about 50%.", ""]
 
 
 def recipe_intro() -> list[str]:

@@ -100,3 +100,38 @@ def test_flex_refuses_alltoall_measured_moe_stage_times():
     with pytest.raises(PlannerError, match="measured with the alltoall dispatcher"):
         PlanRequest(get_model("mixtral-8x7b"), make_cluster("h100", 64), 256, efficiency=eff,
                     moe_dispatcher="flex")
+
+
+def test_hybridep_moves_tokens_as_deepep_without_the_host_synchronise():
+    """HybridEP keeps the token counts on the device, so its MoE layers do not pay
+    moe_layer_overhead_us (the alltoall dispatcher and DeepEP copy them to the host every forward);
+    its traffic is DeepEP's. The FP8 cost per local expert stays."""
+    from megatron_pp_ext.planner.timing import DEFAULT_EFFICIENCY, layer_times
+    m, cl, eff = get_model("qwen3-30b-a3b"), make_cluster("h100", 16), DEFAULT_EFFICIENCY["h100"]
+    deep, hyb = (layer_times(m, cl, eff, 1, 1, moe=True, ep=16, etp=1, precision="fp8", dispatcher=d)
+                 for d in ("deepep", "hybridep"))
+    for a, b in ((deep.f, hyb.f), (deep.b, hyb.b), (deep.w, hyb.w)):
+        assert a - b == pytest.approx(eff.moe_layer_overhead_us * 1e-6)
+    assert deep.detail["alltoall_f"] == hyb.detail["alltoall_f"]
+    a2a = layer_times(m, cl, eff, 1, 1, moe=True, ep=16, etp=1, precision="fp8", dispatcher="alltoall")
+    assert a2a.detail["overhead"] == deep.detail["overhead"] > hyb.detail["overhead"] > 0   # (FP8's stays)
+
+
+def test_hybridep_plan_flags_and_json(capsys):
+    """--moe-flex-dispatcher-backend hybridep reaches the emitted flags and the JSON; without the flex
+    dispatcher it is refused in one line."""
+    base = ["plan", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--gpus", "16", "--tp", "1", "--pp", "1",
+            "--ep", "16", "--etp", "1", "--mbs", "1", "--global-batch-size", "1024", "--precision", "fp8",
+            "--recompute", "none", "--features", "none", "--schedules", "1f1b", "--top", "1", "--json"]
+    assert main(base + ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["moe_token_dispatcher_type"], doc["moe_flex_dispatcher_backend"]) == ("flex", "hybridep")
+    flags = doc["plans"][0]["megatron_flags"]
+    assert flags[flags.index("--moe-flex-dispatcher-backend") + 1] == "hybridep"
+    assert main(base) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["moe_token_dispatcher_type"], doc["moe_flex_dispatcher_backend"]) == ("alltoall", None)
+    assert main(base + ["--moe-flex-dispatcher-backend", "hybridep"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--moe-flex-dispatcher-backend hybridep chooses the flex dispatcher's kernels: add " \
+                               "--moe-token-dispatcher-type flex or drop it" in err[0], err

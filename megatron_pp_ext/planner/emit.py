@@ -132,8 +132,8 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
         f += ["--num-layers-per-virtual-pipeline-stage", str(req.model.num_layers // (c.pp * c.vp))]
     if req.model.is_moe:
         f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp)]
-        if req.moe_dispatcher == "flex":   # DeepEP's kernels (megatron-core 0.16 to 0.19 and main name it so)
-            f += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+        if req.moe_dispatcher == "flex":   # (megatron-core 0.16 to 0.19 and main name both backends so)
+            f += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", req.moe_flex_backend]
         else:
             f += ["--moe-token-dispatcher-type", "alltoall"]
         if req.model.num_experts // c.ep > 1:  # several local experts: one grouped GEMM for all of them

@@ -359,7 +359,7 @@ class Planner:
         prec = self.req.precision
         lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe,
-                               dispatcher=self.req.moe_dispatcher) for moe in kinds}
+                               dispatcher=self.req.dispatcher) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
         if cand.cp > 1:   # the attention of the other CP ranks' chunks and the ring's exposed exchange
@@ -368,7 +368,7 @@ class Planner:
         out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         if model.mtp_num_layers:   # the MTP layers run on the last stage, after the output layer
             mtp = mtp_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, ep=cand.ep, etp=cand.etp,
-                            precision=prec, fp8_recipe=self.req.fp8_recipe, dispatcher=self.req.moe_dispatcher)
+                            precision=prec, fp8_recipe=self.req.fp8_recipe, dispatcher=self.req.dispatcher)
             out = PassTimes(out.f + mtp.f, out.b + mtp.b, out.w + mtp.w, out.detail)
         t_f, t_b, t_w = [], [], []
         for part in parts:

@@ -104,7 +104,8 @@ class Efficiency:
     #: Megatron-Core's alltoall dispatcher copies the token counts to the host in every MoE layer's
     #: forward (a device synchronise), after which the GPU runs only as fast as the host launches the
     #: layer's router, permutation and per-expert kernels -- but not measured apart; a profile of your
-    #: own MoE run (``mppx calibrate``: measured MoE stage times) replaces it
+    #: own MoE run (``mppx calibrate``: measured MoE stage times) replaces it. Paid by the dispatchers
+    #: that copy the counts to the host (:data:`HOST_SYNC_DISPATCHERS`), not by HybridEP
     moe_layer_overhead_us: float = 0.0
     #: under FP8, an MoE layer's cost per local expert and pass (F, B or W), on top of the above: what
     #: NVIDIA's FP8 MoE recipe runs take beyond their kernels' modelled time, in proportion to the
@@ -478,9 +479,16 @@ def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> flo
     return max(t_near, t_far) + lat
 
 
-#: Megatron-Core's token dispatchers the planner times (--moe-token-dispatcher-type): ``alltoall``
-#: (:func:`alltoall_time`) and ``flex`` with DeepEP's kernels (:func:`flex_dispatch_time`)
-MOE_DISPATCHERS = ("alltoall", "flex")
+#: Megatron-Core's token dispatchers the planner times: ``alltoall`` (:func:`alltoall_time`), and the
+#: flex dispatcher on DeepEP's or on HybridEP's kernels (``deepep``, ``hybridep``:
+#: :func:`flex_dispatch_time`)
+MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+#: the dispatchers that copy the token counts to the host in every MoE layer's forward (a device
+#: synchronise: ``Efficiency.moe_layer_overhead_us``): the alltoall dispatcher (its split sizes),
+#: DeepEP (its received counts come back as a host list, and Megatron-Core sums them with ``.item()``);
+#: HybridEP keeps them on the device (Megatron-Core's ``_HybridEPManager``: a device tensor sizes the
+#: permutation)
+HOST_SYNC_DISPATCHERS = ("alltoall", "deepep")
 
 
 def expected_nodes(model: ModelSpec, nodes: int, etp: int = 1) -> float:
@@ -500,11 +508,11 @@ def expected_nodes(model: ModelSpec, nodes: int, etp: int = 1) -> float:
 
 
 def flex_dispatch_time(nbytes: float, model: ModelSpec, cluster: ClusterSpec, ep: int, etp: int) -> float:
-    """One dispatch (or combine) of Megatron-Core's flex dispatcher on DeepEP's normal kernels:
-    ``nbytes`` is this rank's tokens before routing (b*s/tp of them, h wide). DeepEP sends a token
-    once to every other node holding one of its experts (over the network, to the GPU of the same
-    index there), and every copy on to its expert's GPU inside the node over NVLink; the two run
-    concurrently (the slower counts). Against :func:`alltoall_time`, whose k copies of a token each
+    """One dispatch (or combine) of Megatron-Core's flex dispatcher (DeepEP's normal kernels, or
+    HybridEP's, which move tokens the same way): ``nbytes`` is this rank's tokens before routing
+    (b*s/tp of them, h wide). It sends a token once to every other node holding one of its experts
+    (over the network, to the GPU of the same index there), and every copy on to its expert's GPU
+    inside the node over NVLink; the two run concurrently (the slower counts). Against :func:`alltoall_time`, whose k copies of a token each
     cross to their expert's rank, the network carries expected_nodes x (nodes-1)/nodes copies of
     it instead of k x (nodes-1)/nodes (DeepSeek-V3 at ep 64 over 8 nodes, 4 of 8 groups: 3.5 for 7).
     The expert-parallel group is etp x ep consecutive ranks (Megatron-Core's tp-ep-dp-pp order)."""
@@ -556,7 +564,7 @@ def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: 
     ew = eb * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
     if model.moe_shared_ffn:
         ew += eb * b * s * glu * model.moe_shared_ffn / tp / hbm
-    if dispatcher == "flex":   # DeepEP routes over etp x ep ranks itself: no expert-tp all-gather
+    if dispatcher != "alltoall":   # the flex dispatcher routes over etp x ep ranks itself: no expert-tp all-gather
         a2a = flex_dispatch_time(eb * b * s / tp * h, model, cluster, ep, etp)
         etp_comm = 0.0
     else:
@@ -587,7 +595,8 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
     x = b * s * h / tp
     over = eff.layer_overhead_us
     if moe:
-        over += eff.moe_layer_overhead_us + (eff.moe_fp8_expert_us * model.num_experts / ep if precision == "fp8" else 0.0)
+        over += (eff.moe_layer_overhead_us if dispatcher in HOST_SYNC_DISPATCHERS else 0.0) \
+            + (eff.moe_fp8_expert_us * model.num_experts / ep if precision == "fp8" else 0.0)
     over *= 1e-6
     tokens = b * s / (tp if sequence_parallel else 1)
     bw, lat = tp_bandwidth(cluster, tp)

@@ -144,6 +144,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="Megatron-Core's token dispatcher the plan runs (MoE): alltoall (NCCL's all-to-all; default) "
                         "or flex (DeepEP's kernels: one copy of a token per remote node over the network, forwarded "
                         "to its experts over NVLink)")
+    s.add_argument("--moe-flex-dispatcher-backend", choices=("deepep", "hybridep"), default=None,
+                   help="the flex dispatcher's kernels (with --moe-token-dispatcher-type flex): deepep (default) or "
+                        "hybridep (keeps the token counts on the device: no host synchronise per MoE layer)")
     s.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="also try overlapped forward-backward pairs on MoE models at expert parallel size >= 2 "
                         "(the expert all-to-all hidden behind another microbatch's compute); a paired plan wins "
@@ -242,6 +245,9 @@ def build_request(args):
         features = name_list(args.features, "--features", feature_names(), "feature", none_ok=True)
         required = name_list(args.require_features, "--require-features", feature_names(), "feature") or ()
         uneven = {"auto": None, "on": True, "off": False}[args.uneven_layers]
+        if args.moe_flex_dispatcher_backend is not None and args.moe_token_dispatcher_type != "flex":
+            raise CLIError(f"--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend} chooses the flex "
+                           "dispatcher's kernels: add --moe-token-dispatcher-type flex or drop it")
         if args.vp is not None and args.max_vp is not None:
             raise CLIError(f"--vp {args.vp} with --max-vp {args.max_vp}: --vp pins the chunk count, --max-vp bounds "
                            "a search of it; pick one")
@@ -257,7 +263,8 @@ def build_request(args):
                            fp8_param_gather=args.fp8_param_gather, grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
                            tp_comm_overlap=args.tp_comm_overlap,
                            overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy,
-                           moe_dispatcher=args.moe_token_dispatcher_type)
+                           moe_dispatcher=args.moe_token_dispatcher_type,
+                           moe_flex_backend=args.moe_flex_dispatcher_backend or "deepep")
     except PlannerError as e:
         raise CLIError(str(e)) from None
 
