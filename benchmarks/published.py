@@ -170,7 +170,8 @@ def table6_calibration(row: Row, data: dict) -> dict | None:
     t6 = {(r[0], r[1]): r[2:] for r in data["zero_bubble_iclr2024"]["table6_profiled_stage_times_ms"]["rows"]}
     f, b, w, c = t6[(row.group.split()[0], row.m)]
     return {"stage_times": {"micro_batch_size": row.mbs, "tp": 1, "layers": (row.model.num_layers + 2) // row.p,
-                            "f_ms": f, "b_ms": b, "w_ms": w, "p2p_ms": c}}
+                            "seq": row.model.seq, "hidden": row.model.hidden, "f_ms": f, "b_ms": b, "w_ms": w,
+                            "p2p_ms": c}}
 
 
 def predict(row: Row, cache: SimCache, calibration: dict | None = None) -> Predicted:

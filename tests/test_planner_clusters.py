@@ -189,8 +189,9 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
     import tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
-        for st, want in (({"f_ms": 2, "b_ms": 2, "w_ms": 2}, "need at least"),
-                         ({"f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "seq": 2048}, "sequence of 2048 tokens")):
+        for st, want in (({"f_ms": 2, "b_ms": 2, "w_ms": 2, "seq": 4096, "hidden": 4096}, "need at least"),
+                         ({"f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "seq": 2048, "hidden": 4096},
+                          "sequence of 2048 tokens")):
             path = Path(d) / "cal.json"
             path.write_text(json.dumps({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 4, "p2p_ms": 0.4,
                                                         **st}}))

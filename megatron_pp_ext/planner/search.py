@@ -832,10 +832,17 @@ class Planner:
               or self.rej.examples("divisibility") or ["-"])[0]
         counts = ", ".join(f"{n} {cat}" for cat, n in c.most_common())
         if c.get("time limit"):  # not proved that nothing fits: the search ran out of time first
-            return (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
+            head = (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
                     f"of CPU (at most half of the limit costing candidates, the rest simulating them), before any "
-                    f"configuration of {model.name} was found to fit (rejected: {counts}); raise --time-limit "
-                    "(default 120)")
+                    f"configuration of {model.name} was found to fit (rejected: {counts})")
+            if not c.get("memory"):
+                return head + "; raise --time-limit (default 120)"
+            # what it did cost all overflowed: a longer search may find one that fits, or none may
+            closest = (f", the closest by {fmt_bytes(self._closest_miss[0])} ({_describe(self._closest_miss[1])})"
+                       if self._closest_miss is not None else "")
+            return (f"{head}; every one it costed overflows memory{closest}: raise --time-limit (default 120) to "
+                    "try the rest, or use more GPUs (--gpus), GPUs with more memory (--memory), or allow full "
+                    "recomputation/offload")
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             st = req.efficiency.stage_times

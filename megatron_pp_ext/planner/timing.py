@@ -779,8 +779,8 @@ _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
 _TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times", "precision", "measured")
-_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms", "seq", "experts", "topk", "ep",
-               "etp", "a2a_ms", "dispatcher")
+_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "seq", "hidden", "f_ms", "b_ms", "w_ms", "p2p_ms", "experts",
+               "topk", "ep", "etp", "a2a_ms", "dispatcher")
 #: an MoE run's stage_times: the expert layout they hold for (all four, or none: a dense run's)
 _EXPERT_KEYS = ("experts", "topk", "ep", "etp")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
@@ -934,6 +934,10 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
             raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be whole numbers (mbs 1 to "
                                f"{_MAX_MBS}, tp 1 to {_MAX_TP}) and forward_ms > 0")
         mbs, tp = int(mbs), int(tp)
+        if model.heads % tp or model.kv_heads % tp:
+            raise PlannerError(f"--calibration {path}: layer point {p}: tp {tp} does not divide {model.name}'s "
+                               f"{model.heads} attention heads and {model.kv_heads} key/value heads, so no layer of it "
+                               "ran there; give points measured at a tp that divides both")
         lt = layer_times(model, cluster, eff, mbs, tp, precision=precision)
         other = lt.f - lt.detail["gemm_f"]
         t_gemm = ms * 1e-3 - other
@@ -975,14 +979,16 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
         raise PlannerError(f"--calibration {path}: stage_times: unknown keys {unknown}; known: "
                            f"{', '.join(_STAGE_KEYS)}")
     what = {"micro_batch_size": "microbatch size", "tp": "tensor-parallel size",
-            "layers": "number of transformer layers the stage held"}
-    for key in ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms"):
+            "layers": "number of transformer layers the stage held", "seq": "sequence length",
+            "hidden": "hidden size of the model"}
+    for key in ("micro_batch_size", "tp", "layers", "seq", "hidden", "f_ms", "b_ms", "w_ms", "p2p_ms"):
         if key not in st:   # (no defaults: 4 measured layers read as 1 planned 4x too slow)
             raise PlannerError(f"--calibration {path}: stage_times.{key} is missing: give the "
                                + (f"{what[key]} the times were measured at" if key in what
                                   else "measured time in milliseconds, > 0"))
     sizes = {}
-    for key, hi in (("micro_batch_size", _MAX_MBS), ("tp", _MAX_TP), ("layers", 1 << 16)):
+    for key, hi in (("micro_batch_size", _MAX_MBS), ("tp", _MAX_TP), ("layers", 1 << 16), ("seq", 1 << 24),
+                    ("hidden", 1 << 20)):
         v = st[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) \
                 or not 1 <= v <= hi:
@@ -1017,10 +1023,14 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
         if sizes["layers"] > model.num_layers:
             raise PlannerError(f"--calibration {path}: stage_times.layers={sizes['layers']}: more than the model's "
                                f"{model.num_layers} layers")
-        seq = st.get("seq")
-        if seq is not None and seq != model.seq:
-            raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {seq!r} tokens, the "
-                               f"plan's is {model.seq}: plan --seq {seq} or measure at {model.seq}")
+        if sizes["seq"] != model.seq:
+            raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {sizes['seq']} "
+                               f"tokens, the plan's is {model.seq}: plan --seq {sizes['seq']} or measure at "
+                               f"{model.seq}")
+        if sizes["hidden"] != model.hidden:
+            raise PlannerError(f"--calibration {path}: stage_times.hidden={sizes['hidden']}: the times were measured "
+                               f"on a model of hidden size {sizes['hidden']}, and {model.name}'s is {model.hidden}: "
+                               "calibrate from a run of the planned model")
         if cluster is not None:
             _check_stage_speed(times, sizes, model, cluster, precision, path, moe=expert is not None)
     return StageTimes(sizes["micro_batch_size"], sizes["tp"], sizes["layers"], times["f_ms"], times["b_ms"],
