@@ -135,3 +135,17 @@ def test_hybridep_plan_flags_and_json(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--moe-flex-dispatcher-backend hybridep chooses the flex dispatcher's kernels: add " \
                                "--moe-token-dispatcher-type flex or drop it" in err[0], err
+
+
+def test_overlap_asked_but_no_candidate_can_pair_says_why(capsys):
+    """--overlap-moe-expert-parallel-comm where no layout can pair (Mixtral at ep 8: one expert per
+    rank) is not silent: the rejections name the rule for every candidate it could not pair."""
+    rc = main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--gpus-per-node", "4", "--net-gbps", "6.25",
+               "--global-batch-size", "256", "--pp", "4", "--tp", "1", "--ep", "8", "--etp", "1", "--schedules",
+               "dualpipev", "--recompute", "none", "--mbs", "1", "--features", "none",
+               "--overlap-moe-expert-parallel-comm", "--no-baseline", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not any(p["overlap"] for p in doc["plans"])
+    assert doc["rejections"]["counts"] == {"pairs": 1}, doc["rejections"]
+    (why,) = doc["rejections"]["reasons"]
+    assert "one expert per rank (8 experts at ep 8)" in why["example"], why

@@ -289,18 +289,31 @@ class Planner:
                             for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven, cp=cp):
                                 cand = replace(cand, ep=ep, etp=etp)
                                 yield cand
-                                if self._pairs(cand):
+                                why = self._no_pairs(cand) if req.overlap and model.is_moe else "-"
+                                if why is None:
                                     yield replace(cand, overlap=True)
+                                elif why != "-":   # (--overlap-moe-expert-parallel-comm asked: say why not)
+                                    self.rej.add("pairs", f"{_describe(cand)}+pairs", why)
 
-    def _pairs(self, cand: Candidate) -> bool:
-        """Whether ``cand`` also runs as overlapped pairs (``--overlap``): an MoE model at ep >= 2
-        with its all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no
-        full recomputation, and several model chunks per rank at pp > 1 (interleaved or V) -- and
-        the runtime's: two or more experts per rank (with one, Megatron-Core's plan frees tokens its
+    def _no_pairs(self, cand: Candidate) -> str | None:
+        """Why ``cand`` cannot run as overlapped pairs, or None: an MoE model at ep >= 2 with its
+        all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no full
+        recomputation, and several model chunks per rank at pp > 1 (interleaved or V) -- and the
+        runtime's: two or more experts per rank (with one, Megatron-Core's plan frees tokens its
         backward needs; mppx train and the Megatron-LM flags refuse it)."""
-        req = self.req
-        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.model.num_experts // cand.ep >= 2
-                and req.precision in ("bf16", "fp8") and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
+        E = self.req.model.num_experts
+        if cand.ep < 2:
+            return "no all-to-all to hide at ep 1"
+        if E // cand.ep < 2:
+            return (f"one expert per rank ({E} experts at ep {cand.ep}): Megatron-Core's plan frees tokens its "
+                    "backward needs; use an ep with two or more experts per rank")
+        if self.req.precision not in ("bf16", "fp8"):
+            return f"Megatron-Core pairs bf16 and fp8 runs, not {self.req.precision}"
+        if cand.recompute == "full":
+            return "not with full recomputation (Megatron-Core's rule)"
+        if cand.pp > 1 and cand.vp < 2:
+            return "needs several model chunks per rank at pp > 1 (interleaved or V)"
+        return None
 
     def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False, cp=1):
         L = self.req.model.num_layers
