@@ -274,6 +274,11 @@ def _defer_one(lists: list, ptr: list, members: dict, k: int, pinned: set = froz
             else:
                 j = q
                 break
+        # past the posts issued right after that item too (the op's own posts come first)
+        while ok and j is not None and j + 1 < len(items) and items[j + 1].what == "post":
+            if comm(items[j + 1]) == c:
+                block.append(j + 1)
+            j += 1
         if ok and j is not None:
             cands.append(((items[i].coll[1], r), r, block, j))
     if not cands:
