@@ -96,3 +96,20 @@ def test_validator_refuses_posts_that_hang():
     del sched.meta["vocab_posts"]
     with pytest.raises(ValidationError, match="no post"):
         validate(sched, cost)
+
+
+@pytest.mark.parametrize("name,p,m", [("zb-h2", 4, 8), ("zbv", 4, 8), ("1f1b", 2, 4)])
+def test_posts_sit_at_the_executors_hooks(name, p, m):
+    """The placed posts are where the runtime can issue them (before an op, after its receive
+    waits, or after an op; never inside a batch of point-to-point ops or between two receive
+    waits), and hook_points lists every post and wait once, in the proved order."""
+    from megatron_pp_ext.features.vocab.one_queue import hook_points, snap_to_hooks
+    sched, cost = _build(name, p, m, 1, one_queue=True)
+    entry = sched.meta["vocab_posts"]
+    lists = lists_from_posts(sched, entry["posts"])
+    assert posts_of(snap_to_hooks(sched, lists)) == entry["posts"]
+    points = hook_points(sched)
+    for r in range(p):
+        want = [(it.what,) + it.coll for it in lists[r] if it.what in ("post", "wait")]
+        got = [x for key in sorted(points[r], key=lambda k: (k[1], k[0] == "after")) for x in points[r][key]]
+        assert got == want

@@ -58,7 +58,8 @@ from ...schedule.ir import Op, Schedule, ScheduleError, matching_recv, op_kind
 from .schedule_pass import VEB, VEF, VEIN, VLOSS, VS, VSE, VT, has_vocab, vocab_meta
 
 __all__ = ["RULES", "MODELS", "Item", "issue_lists", "prove_one_queue", "OneQueueDeadlock", "check_one_queue",
-           "OneQueueResult", "CHANNEL_GROUP", "posts_of", "lists_from_posts", "place_posts", "check_posts"]
+           "OneQueueResult", "CHANNEL_GROUP", "posts_of", "lists_from_posts", "place_posts", "check_posts",
+           "snap_to_hooks", "hook_points"]
 
 RULES = ("preposted", "jit", "ahead")
 MODELS = ("barrier", "queue")
@@ -558,7 +559,7 @@ def place_posts(sched: Schedule, cost, comms: int = 1) -> dict:
     their own. Returns the schedule's ``meta["vocab_posts"]`` entry (the one-queue makespan in
     the cost model's units included); raises :class:`OneQueueDeadlock` when no repair works."""
     got = prove_one_queue(sched, "ahead", "queue", comms=comms, cost=cost, repair=True)
-    posts = posts_of(got.lists)
+    posts = posts_of(snap_to_hooks(sched, got.lists))
     final = prove_one_queue(sched, "ahead", "queue", comms=comms, cost=cost,
                             lists=lists_from_posts(sched, posts, comms))
     return {"comms": int(comms), "posts": posts, "moves": got.moves, "makespan": round(final.makespan, 9)}
@@ -573,3 +574,93 @@ def check_posts(sched: Schedule, cost=None) -> None:
     comms = int(entry.get("comms", 1))
     prove_one_queue(sched, "ahead", "queue", comms=comms, cost=cost,
                     lists=lists_from_posts(sched, entry["posts"], comms))
+
+
+# --- where the runtime issues them: the executor's hooks -----------------------------------------
+
+def _receiver(it: Item, r: int, sched: Schedule) -> bool:
+    ch = it.coll[0]
+    return (ch == "x" and r != sched.placement[-1]) or (ch == "embgrad" and r != sched.placement[0])
+
+
+def snap_to_hooks(sched: Schedule, lists: list[list[Item]]) -> list[list[Item]]:
+    """``lists`` with every post where the executor can issue it: before an op (after the receive
+    waits the executor does first) or after an op; a run of point-to-point ops is issued as one
+    batch, so nothing goes between its ops, nor between two receive waits of one op. A post in
+    such a place moves out of it: a broadcast receiver's earlier (it needs no data), any other
+    later (its data is made by then)."""
+    out = []
+    for r, items in enumerate(lists):
+        items = list(items)
+        changed = True
+        while changed:
+            changed = False
+            nonpost = [i for i, it in enumerate(items) if it.what != "post"]
+            for a, b in zip(nonpost, nonpost[1:]):
+                if b == a + 1:
+                    continue
+                x, y = items[a], items[b]
+                in_run = (x.what == "op" and y.what == "op" and op_kind(x.op.kind).category == "comm"
+                          and op_kind(y.op.kind).category == "comm")
+                in_waits = x.what == "pwait" and y.what == "pwait"
+                if not (in_run or in_waits):
+                    continue
+                # the run or wait group around a..b
+                kind = (lambda it: it.what == "op" and op_kind(it.op.kind).category == "comm") if in_run else \
+                    (lambda it: it.what == "pwait")
+                lo = a
+                while True:
+                    prev = next((i for i in range(lo - 1, -1, -1) if items[i].what != "post"), None)
+                    if prev is None or not kind(items[prev]):
+                        break
+                    lo = prev
+                hi = b
+                while True:
+                    nxt = next((i for i in range(hi + 1, len(items)) if items[i].what != "post"), None)
+                    if nxt is None or not kind(items[nxt]):
+                        break
+                    hi = nxt
+                inside = [i for i in range(lo, hi + 1) if items[i].what == "post"]
+                early = [items[i] for i in inside if _receiver(items[i], r, sched)]
+                late = [items[i] for i in inside if not _receiver(items[i], r, sched)]
+                body = [items[i] for i in range(lo, hi + 1) if items[i].what != "post"]
+                items[lo:hi + 1] = early + body + late
+                changed = True
+                break
+        out.append(items)
+    return out
+
+
+def hook_points(sched: Schedule) -> list[dict]:
+    """Per rank, ``{(phase, op index): [("post" | "wait", channel, microbatch), ...]}``: what the
+    runtime issues in the executor's ``op_hook(op, "before")`` (after the op's receive waits) and
+    ``op_hook(op, "after")`` of ``sched.ops[r][op index]``, in order. From ``meta["vocab_posts"]``
+    (snapped to the hooks when placed: nothing between two receive waits or inside a batch)."""
+    entry = sched.meta.get("vocab_posts")
+    if not entry:
+        raise ScheduleError(f"schedule {sched.name!r} carries no one-queue posts (meta['vocab_posts'])")
+    lists = lists_from_posts(sched, entry["posts"], int(entry.get("comms", 1)))
+    out = []
+    for r, items in enumerate(lists):
+        index = {op: i for i, op in enumerate(sched.ops[r])}
+        points: dict = defaultdict(list)
+        last_op = None
+        pending: list = []
+        for it in items:
+            if it.what == "op":
+                if pending:
+                    points[("before", index[it.op])].extend(pending)
+                    pending = []
+                last_op = index[it.op]
+            elif it.what == "pwait":
+                if pending:   # before the executor's receive waits: after the previous op
+                    if last_op is None:
+                        raise ScheduleError(f"rank {r}: {pending[0]} before the first op's receive wait")
+                    points[("after", last_op)].extend(pending)
+                    pending = []
+            else:
+                pending.append((it.what,) + it.coll)
+        if pending:
+            points[("after", last_op)].extend(pending)
+        out.append(dict(points))
+    return out
