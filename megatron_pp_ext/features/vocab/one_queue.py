@@ -17,8 +17,8 @@ channel  what                         posted                                 wai
 x        broadcast of x, targets, g   source (last stage): after F(L, m);    receivers: before
          from the last stage          receivers: see the rule                VS(m)
 stats    all-gather of the statistics after VS(m), every rank                before VT(m), VLOSS(m)
-stats2   Alg. 2 (training): all-reduce after the stats wait (same group)     before B(L, m)
-         of the input-gradient terms
+stats2   Alg. 2 (training): all-reduce after the stats wait (on the ``dx``   before B(L, m)
+         of the input-gradient terms  group: see :data:`CHANNEL_GROUP`)
 dx       Alg. 1 (training): all-reduce after VT(m), every rank               before B(L, m)
          of the partial input gradient
 emb      reduce of the partial lookups after VEF(m), every rank              before VEIN(m)
@@ -32,7 +32,15 @@ Post rules for the receivers of the two broadcasts (:data:`RULES`):
 * ``"preposted"``: every receive of the iteration at its start (what the channel threads do
   today: ``begin_iteration`` posts all m broadcasts, microbatch by microbatch);
 * ``"jit"`` (just in time): a receiver posts broadcast m right before the op that reads it
-  (x: VS(m) / VSE(m); embedding gradient: VEB(m)).
+  (x: VS(m) / VSE(m); embedding gradient: VEB(m));
+* ``"ahead"`` (what one-queue schedules use): a receiver posts the first ``comms`` broadcasts at
+  the start and broadcast m + ``comms`` right after its wait for broadcast m, so that its own
+  posts never wait behind a busy communicator.
+
+:func:`place_posts` repairs the ``"ahead"`` placement where it hangs and snaps it to the
+executor's hooks (:func:`snap_to_hooks`, :func:`hook_points`); ``build_vocab_schedule`` with
+``VocabParallelConfig(one_queue=True)`` stores the result in ``meta["vocab_posts"]`` and the
+validator proves it (:func:`check_posts`).
 
 Two models of blocking (:data:`MODELS`), both "every rank runs its list in order":
 
