@@ -113,3 +113,36 @@ def test_posts_sit_at_the_executors_hooks(name, p, m):
         want = [(it.what,) + it.coll for it in lists[r] if it.what in ("post", "wait")]
         got = [x for key in sorted(points[r], key=lambda k: (k[1], k[0] == "after")) for x in points[r][key]]
         assert got == want
+
+
+def test_one_queue_mode_follows_the_hardware_queues(monkeypatch):
+    """--vocab-parallel-one-queue auto (default) picks the one-queue mode exactly when
+    CUDA_DEVICE_MAX_CONNECTIONS=1 is set; on / off force it; the communicators per channel need it;
+    the one-queue mode is not refused under one queue, the threaded one is."""
+    import argparse
+
+    from megatron_pp_ext.features.vocab.flags import VocabFlagError, add_vocab_arguments, vocab_config_from_args
+    from megatron_pp_ext.runtime.ncclenv import check_nccl_environment
+    from megatron_pp_ext.trainer.features import one_queue_hangs
+
+    parser = add_vocab_arguments(argparse.ArgumentParser())
+
+    def cfg(*argv):
+        return vocab_config_from_args(parser.parse_args(["--enable-vocab-parallel", *argv]))
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert not cfg().one_queue and cfg("--vocab-parallel-one-queue", "on").one_queue
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert cfg().one_queue and cfg().one_queue_comms == 1
+    assert cfg("--vocab-parallel-one-queue-comms", "2").one_queue_comms == 2
+    assert not cfg("--vocab-parallel-one-queue", "off").one_queue
+    with pytest.raises(VocabFlagError, match="--vocab-parallel-one-queue-comms 2 needs the one-queue mode"):
+        cfg("--vocab-parallel-one-queue", "off", "--vocab-parallel-one-queue-comms", "2")
+    with pytest.raises(VocabFlagError, match="--vocab-parallel-one-queue needs --enable-vocab-parallel"):
+        vocab_config_from_args(parser.parse_args(["--vocab-parallel-one-queue", "on"]))
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    check_nccl_environment(gpu=False, emulating=True, env=env,
+                           one_queue_hangs=one_queue_hangs((("vocab_parallel", cfg()),)))
+    with pytest.raises(ValueError, match="with --enable-vocab-parallel hangs"):
+        check_nccl_environment(gpu=False, emulating=True, env=env, one_queue_hangs=one_queue_hangs(
+            (("vocab_parallel", cfg("--vocab-parallel-one-queue", "off")),)))
