@@ -125,6 +125,28 @@ def test_vocab_parallel_under_one_hardware_queue(one_queue_pool, runs, schedule,
     assert worst["grad"] > 0
 
 
+def test_vocab_one_queue_mode_with_sequence_parallelism_distributed_optimizer_and_without_input_embedding(
+        one_queue_pool, runs):
+    """The one-queue mode beside the rest of the runtime, under the emulated one queue: pp=2 x tp=2
+    with sequence parallelism (LLaMA, zbv, Algorithm 2, tied), the distributed optimizer with both
+    overlaps at dp=2 (zb-h1, two steps of Adam), and the output layer alone (no input embedding:
+    no embedding channels) for two SGD steps at pp=4 with two communicators per channel. Tolerances
+    as the threaded rows of each."""
+    m = microbatches_for("zbv", 2, 4)
+    sp = config("llama", schedule="zbv", pp=2, tp=2, m=m, optimizer="sgd", lr=0.05, steps=1, sequence_parallel=True)
+    dist = config("gpt", schedule="zb-h1", pp=2, dp=2, m=4, steps=2, **OVERLAPS)
+    noemb = config("gpt", schedule="zbv", pp=4, m=8, optimizer="sgd", lr=0.05, steps=2)
+    for what, cfg, vcfg, rtol, trtol in (
+            ("SP", sp, VocabParallelConfig(algorithm=2, one_queue=True), 1e-5, 1e-4),
+            ("distopt", dist, VocabParallelConfig(algorithm=2, one_queue=True), 1e-4, 1e-2),
+            ("no input embedding", noemb, VocabParallelConfig(algorithm=1, one_queue=True, one_queue_comms=2,
+                                                              input_embedding=False), 1e-5, 1e-4)):
+        got = _run(one_queue_pool, cfg, vcfg)
+        worst = compare_records(got, runs.reference(cfg), rtol=rtol, tensor_rtol=trtol, without=("optimizer_steps",),
+                                what=f"one queue, {what}")
+        assert worst["grad"] > 0 and (what != "distopt" or worst["grad"] <= 1e-5), (what, worst)
+
+
 SP_CASES = [("1f1b", "gpt", 1, False), ("zbv", "llama", 2, True), ("zb-h1", "llama", 1, True),
             ("v-half", "gpt", 2, False)]
 
