@@ -333,7 +333,17 @@ class VocabParallel:
                 work = dist.broadcast(value, src=g.first_rank, group=g.comm("embgrad", m), async_op=True)
         else:
             raise RuntimeError(f"vocabulary parallel (one queue): unknown channel {ch!r}")
+        self._release_sent()
         self._works[key] = _Posted(work, value, finish, sink)
+
+    def _release_sent(self) -> None:
+        """Drop the buffers of the ended collectives nobody on this rank reads (the last stage's x
+        payloads: one [n, h] each), as the channel threads do once a job ran; the others are
+        waited for at the end of the iteration."""
+        for w in self._works.values():
+            if w.sink and not w.waited and (w.work is None or w.work.is_completed()):
+                w.waited = True
+                w.work = w.value = w.finish = None
 
     def _take_ready(self, key):
         try:
