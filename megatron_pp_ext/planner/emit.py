@@ -282,10 +282,9 @@ def _bash_array(name: str, flags: list[str]) -> str:
 
 def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
-    compat.megatron_lm_requires_one_queue; never with Megatron-FSDP, which asserts more than one), except
-    with vocabulary parallelism, which hangs under
-    one queue: the integration lifts Megatron-LM's rule, a rule for the speed of its tensor-parallel
-    overlap (megatron_lm/integration.py); elsewhere the default queues."""
+    compat.megatron_lm_requires_one_queue; never with Megatron-FSDP, which asserts more than one),
+    vocabulary parallelism included (under one queue it runs its one-queue mode,
+    ``--vocab-parallel-one-queue auto``); elsewhere the default queues."""
     from ..compat import megatron_lm_requires_one_queue
     c = est.candidate
     required = megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell,
@@ -293,16 +292,15 @@ def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     if req.megatron_fsdp:
         return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-FSDP overlaps its all-gathers and",
                 "# reduce-scatters with compute on more than one queue (Megatron-LM refuses it with one)."]
-    if required and any(name == "vocab-parallel" for name, _ in c.features):
-        return ["# CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs under one hardware queue.",
-                "# Megatron-LM asks for one at tp/cp > 1 before Blackwell only for the speed of its tensor-parallel",
-                "# overlap; megatron_pp_ext lifts that rule for this run (docs/vocab.md#one-hardware-queue)."]
     if required:
-        return ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
-                "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell).",
-                "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+        lines = ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
+                 "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell)."]
+        if any(name == "vocab-parallel" for name, _ in c.features):
+            lines.append("# Vocabulary parallelism then issues its collectives from the main thread at proved points of "
+                         "the schedule (its one-queue mode, docs/vocab.md#one-hardware-queue).")
+        return lines + ["export CUDA_DEVICE_MAX_CONNECTIONS=1"]
     return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-LM does not require one queue for this",
-            "# layout, and vocabulary parallelism needs more than one."]
+            "# layout."]
 
 
 def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None, time_limit: str = "04:00:00",
