@@ -63,7 +63,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ...schedule.ir import Op, Schedule, ScheduleError, matching_recv, op_kind
-from .schedule_pass import VEB, VEF, VEIN, VLOSS, VS, VSE, VT, has_vocab, vocab_meta
+from .kinds import VEB, VEF, VEIN, VLOSS, VS, VSE, VT, has_vocab, vocab_meta
 
 __all__ = ["RULES", "MODELS", "Item", "issue_lists", "prove_one_queue", "OneQueueDeadlock", "check_one_queue",
            "OneQueueResult", "CHANNEL_GROUP", "posts_of", "lists_from_posts", "place_posts", "check_posts",

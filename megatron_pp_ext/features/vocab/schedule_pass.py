@@ -57,13 +57,12 @@ from ...schedule.ir import (Op, OpKind, Schedule, ScheduleError, op_kind, regist
 from ...schedule.simulate import DeadlockError, SimResult, simulate
 from ...schedule.validate import ValidationError, register_check
 from .config import VocabParallelConfig
+from .kinds import VEB, VEF, VEIN, VLOSS, VOCAB_KINDS, VS, VSE, VT, has_vocab, vocab_meta
 
 __all__ = ["VOCAB_KINDS", "VOCAB_COMM_KINDS", "insert_vocab", "build_vocab_schedule", "vocab_costs", "has_vocab",
            "check_vocab", "vocab_meta", "strip_vocab", "with_vocab_comm", "simulate_vocab", "forward_only_vocab",
            "home_stages", "VocabPolicy", "shift_backwards"]
 
-VEF, VEIN, VS, VSE, VT, VLOSS, VEB = "VEF", "VEIN", "VS", "VSE", "VT", "VLOSS", "VEB"
-VOCAB_KINDS = (VEF, VEIN, VS, VSE, VT, VLOSS, VEB)
 _COST_KEYS = {VEF: "vocab_emb_f", VEIN: "vocab_emb_in", VS: "vocab_s", VSE: "vocab_s", VT: "vocab_t",
               VLOSS: "vocab_loss", VEB: "vocab_emb_b"}
 
@@ -75,10 +74,6 @@ def home_stages(placement: tuple) -> tuple:
     """Per rank, the stage its vocabulary ops are attached to (its lowest stage)."""
     p = max(placement) + 1
     return tuple(min(s for s, r in enumerate(placement) if r == rank) for rank in range(p))
-
-
-def vocab_meta(sched: Schedule) -> dict:
-    return sched.meta.get("vocab") or {}
 
 
 def _full(sched: Schedule) -> bool:
@@ -236,10 +231,6 @@ for _tag, (_send, _recv) in _VCOMM.items():
         _recv, "comm", f"vocabulary parallel (deadlock proof): {_tag} of a collective, received",
         produces=lambda op, s, _t=_tag: (_sent_key(_t, op, s, op.peer),)), replace=True)
     register_comm_pair(_send, _recv, 0)
-
-
-def has_vocab(schedule: Schedule) -> bool:
-    return any(op.kind in VOCAB_KINDS for op in schedule.all_ops())
 
 
 def strip_vocab(schedule: Schedule) -> Schedule:
