@@ -181,6 +181,18 @@ def test_plan_layouts():
     assert p.memory_budget == 2.0
 
 
+def test_first_schedule_line_says_what_its_uniform_costs_leave_out():
+    """The header's simulated bubble is the first schedule's, built for the same costs on every
+    stage: it names the work those leave out (MTP layers, uneven stages) and what replaces them."""
+    from megatron_pp_ext.trainer.report import _uncounted_work
+    assert _uncounted_work(make_plan(TrainConfig(device="cpu"))) == ""
+    p = make_plan(TrainConfig(mtp_num_layers=2, iters=3, device="cpu"))
+    assert _uncounted_work(p) == (" on every stage, not counting the last stage's 2 MTP layer(s): --profile-iters K "
+                                  "re-generates it from measured costs")
+    p = make_plan(TrainConfig(schedule="1f1b", layers_per_stage=(1, 3, 3, 1), device="cpu"))
+    assert _uncounted_work(p).endswith("layers per stage 1,3,3,1: the profile re-generates it from measured costs")
+
+
 def test_detect_launch():
     assert detect_launch({}).mode == "local"
     t = detect_launch({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})

@@ -337,6 +337,19 @@ def emulated_nccl(plan) -> str | None:
         return None
 
 
+def _uncounted_work(plan) -> str:
+    """What the first schedule's costs, the same on every stage, leave out: the MTP layers of the
+    last stage and uneven layers per stage (and when measured costs replace them)."""
+    c, lps = plan.cfg, plan.layers_per_stage
+    left = ([f"the last stage's {c.mtp_num_layers} MTP layer(s)"] if getattr(c, "mtp_num_layers", None) else []) \
+        + ([f"layers per stage {','.join(map(str, lps))}"] if len(set(lps)) > 1 else [])
+    if not left:
+        return ""
+    when = ("the profile re-generates it from measured costs" if plan.profile_iters
+            else "--profile-iters K re-generates it from measured costs")
+    return f" on every stage, not counting {' or '.join(left)}: {when}"
+
+
 def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
     c = plan.cfg
     lines = []
@@ -367,7 +380,7 @@ def header_lines(plan, sim_info: dict, data: str, setup_s: float) -> list[str]:
         fig = sim_info.get("figure")
         lines.append(f"schedule {sim_info.get('schedule')}: simulated bubble {sim_info['bubble_rate']:.1%}, peak "
                      f"activation {'/'.join(f'{u:g}' for u in sim_info['peak_units'])} units per rank (costs "
-                     f"{','.join(f'{x:g}' for x in sim_info['costs'])})"
+                     f"{','.join(f'{x:g}' for x in sim_info['costs'])}{_uncounted_work(plan)})"
                      + (f"; figure {fig}" if fig else f"; figure not written ({sim_info.get('figure_error')})"))
     pred = plan.memory_prediction or {}
     if pred.get("predicted_peak_bytes"):
