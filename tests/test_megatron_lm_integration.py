@@ -15,7 +15,8 @@ layout-independent initial weights, several configurations per launch
   zbv at tp=2) gives the losses of plain Megatron-LM at pp=1 bit for bit, training and validation;
 * tied embeddings under the V placement, and activation offload, likewise; vocabulary
   parallelism within the rounding of a softmax reduced in another order, also at tp=2 x pp=2 with
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (its one-queue mode, NCCL's one-queue rule emulated);
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (its one-queue mode, NCCL's one-queue rule emulated), and BPipe
+  there bit for bit;
 * a checkpoint saved under zbv resumes under zbv, under Megatron-Core's own 1F1B and at pp=1 with
   the losses of the uninterrupted run (global layer numbering in the checkpoint);
 * LLaMA shapes (SwiGLU with its strided fc1, grouped-query attention) at tp 1 and 2 with
@@ -274,10 +275,13 @@ ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 def _one_queue4() -> list:
-    """Vocabulary parallelism at tp=2 x pp=2 under one hardware queue: its one-queue mode (last: the
-    emulated rules are put on again for it)."""
-    return [("zbv-tp2-vocab-one-queue", UNTIE + ["--pipeline-model-parallel-size", "2"] + TP2
-             + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"], ONE_QUEUE)]
+    """Vocabulary parallelism and BPipe at tp=2 x pp=2 under one hardware queue: vocabulary
+    parallelism's one-queue mode, BPipe evicting one microbatch of rank 0 to rank 1 (threshold 1)
+    (last: the emulated rules are put on again for them)."""
+    pp2 = UNTIE + ["--pipeline-model-parallel-size", "2"] + TP2
+    return [("zbv-tp2-vocab-one-queue", pp2 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"], ONE_QUEUE),
+            ("1f1b-tp2-bpipe-one-queue", pp2 + ["--pipeline-schedule", "1f1b", "--bpipe", "--bpipe-threshold", "1"],
+             ONE_QUEUE)]
 
 
 @pytest.fixture(scope="module")
@@ -510,6 +514,17 @@ def test_vocabulary_parallel_at_tp2_under_one_hardware_queue(dense4, world2, wor
     assert train[0] == ref_train[0]
     for a, b in zip(train + evals, ref_train + ref_eval):
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b)), (train, ref_train)
+
+
+def test_bpipe_at_tp2_under_one_hardware_queue(dense4, world2, work):
+    """BPipe at tp=2 x pp=2 with CUDA_DEVICE_MAX_CONNECTIONS=1 and NCCL's rules emulated with one
+    queue: one message per eviction or fetch does not hang there, and the losses are plain
+    Megatron-LM's at pp=1 x tp=2 bit for bit (BPipe moves activations, never their arithmetic)."""
+    run = dense4["1f1b-tp2-bpipe-one-queue"]
+    assert run["emulated_nccl"] == {"one_queue": True}
+    assert losses(run) == losses(world2["pp1-tp2"])
+    metrics = run["feature_metrics"]     # (by global rank: tp-major, so pp rank 1 is ranks 2 and 3)
+    assert len(metrics) == 4 and all(m["peak_partner_bytes"] > 0 for m in metrics[2:]), metrics
 
 
 def test_checkpoint_saved_under_v_resumes_anywhere(dense4, world1):
