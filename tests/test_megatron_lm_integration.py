@@ -276,11 +276,13 @@ ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 def _one_queue4() -> list:
     """Vocabulary parallelism and BPipe at tp=2 x pp=2 under one hardware queue: vocabulary
-    parallelism's one-queue mode, BPipe evicting one microbatch of rank 0 to rank 1 (threshold 1)
-    (last: the emulated rules are put on again for them)."""
+    parallelism's one-queue mode; BPipe on the interleaved 1F1B with 2 chunks, where rank 0 holds
+    more than rank 1 and evicts to it (at pp=2, 1F1B's round trips cannot be hidden: nothing to
+    evict) (last: the emulated rules are put on again for them)."""
     pp2 = UNTIE + ["--pipeline-model-parallel-size", "2"] + TP2
     return [("zbv-tp2-vocab-one-queue", pp2 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"], ONE_QUEUE),
-            ("1f1b-tp2-bpipe-one-queue", pp2 + ["--pipeline-schedule", "1f1b", "--bpipe", "--bpipe-threshold", "1"],
+            ("interleaved-tp2-bpipe-one-queue", pp2 + ["--pipeline-schedule", "interleaved-1f1b",
+                                                       "--num-virtual-stages-per-pipeline-rank", "2", "--bpipe"],
              ONE_QUEUE)]
 
 
@@ -516,11 +518,11 @@ def test_vocabulary_parallel_at_tp2_under_one_hardware_queue(dense4, world2, wor
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b)), (train, ref_train)
 
 
-def test_bpipe_at_tp2_under_one_hardware_queue(dense4, world2, work):
-    """BPipe at tp=2 x pp=2 with CUDA_DEVICE_MAX_CONNECTIONS=1 and NCCL's rules emulated with one
+def test_bpipe_at_tp2_under_one_hardware_queue(dense4, world2):
+    """BPipe (interleaved 1F1B, 2 chunks) at tp=2 x pp=2 with CUDA_DEVICE_MAX_CONNECTIONS=1 and NCCL's rules emulated with one
     queue: one message per eviction or fetch does not hang there, and the losses are plain
     Megatron-LM's at pp=1 x tp=2 bit for bit (BPipe moves activations, never their arithmetic)."""
-    run = dense4["1f1b-tp2-bpipe-one-queue"]
+    run = dense4["interleaved-tp2-bpipe-one-queue"]
     assert run["emulated_nccl"] == {"one_queue": True}
     assert losses(run) == losses(world2["pp1-tp2"])
     metrics = run["feature_metrics"]     # (by global rank: tp-major, so pp rank 1 is ranks 2 and 3)
