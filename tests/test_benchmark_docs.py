@@ -155,3 +155,13 @@ def test_planner_doc_paired_plan_figures_are_what_the_plans_give(tmp_path, monke
                     f"{plain.iteration_time:.3f}", plain.candidate.label()))
     doc = [(m[1], m[2], m[3], m[4], m[5]), (m[6], m[7], m[8], m[9], got[1][4])]
     assert got == doc
+
+
+def test_vocab_one_queue_timings_quote_their_command():
+    """docs/benchmarks/vocab.md's timed one-queue table (measured: never regenerated here) names
+    the script that made it and the exact ``mppx train`` command that script runs."""
+    from benchmarks import vocab_one_queue_timed as timed
+    text = doc("vocab")
+    assert "python benchmarks/vocab_one_queue_timed.py" in text
+    assert f"`{timed.template(6)}`" in text, timed.template(6)
+    assert [c[0] for c in timed.CONFIGS] == ["threaded", "one-queue mode", "one-queue mode, one queue"]

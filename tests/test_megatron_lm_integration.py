@@ -14,7 +14,9 @@ layout-independent initial weights, several configurations per launch
 * every schedule (Megatron-Core's own 1F1B, our 1f1b, zb-h1, interleaved-1f1b, interleaved-zb, zbv, v-half, and
   zbv at tp=2) gives the losses of plain Megatron-LM at pp=1 bit for bit, training and validation;
 * tied embeddings under the V placement, and activation offload, likewise; vocabulary
-  parallelism within the rounding of a softmax reduced in another order;
+  parallelism within the rounding of a softmax reduced in another order, also at tp=2 x pp=2 with
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (its one-queue mode, NCCL's one-queue rule emulated), and BPipe
+  there bit for bit;
 * a checkpoint saved under zbv resumes under zbv, under Megatron-Core's own 1F1B and at pp=1 with
   the losses of the uninterrupted run (global layer numbering in the checkpoint);
 * LLaMA shapes (SwiGLU with its strided fc1, grouped-query attention) at tp 1 and 2 with
@@ -172,12 +174,13 @@ START_TIMEOUT = 120.0
 DATA_CACHE = "data_cache"
 
 
-def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]], common: list[str] = COMMON) -> dict:
-    names = [n for n, _ in runs]
+def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple], common: list[str] = COMMON) -> dict:
+    """``runs``: (name, args) or (name, args, env): the environment variables set for that run alone."""
+    names = [r[0] for r in runs]
     assert len(set(names)) == len(names), f"{name}: two runs of one name"
     common = [*common, "--data-cache-path", str(tmp / DATA_CACHE)]
     spec = {"script": str(SCRIPT), "common": common, "out": str(tmp / f"{name}.json"),
-            "runs": [{"name": n, "args": a} for n, a in runs]}
+            "runs": [{"name": r[0], "args": r[1], **({"env": r[2]} if len(r) > 2 else {})} for r in runs]}
     (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_port()), "-m", "megatron_pp_ext.megatron_lm.multirun", str(tmp / f"{name}.spec.json")]
@@ -186,7 +189,7 @@ def multirun(tmp: Path, name: str, nproc: int, runs: list[tuple[str, list[str]]]
     assert rc == 0, f"{name} launch failed:\n{_tail(out)}"
     out = json.loads((tmp / f"{name}.json").read_text())
     by = {run["name"]: run for run in out["runs"]}
-    for n, _ in runs:
+    for n in names:
         assert n in by and not by[n].get("error"), f"{name}/{n}: {by.get(n, {}).get('error')}"
     return by
 
@@ -266,11 +269,29 @@ def _vocab_ckpt4(work: Path) -> list:
     ]
 
 
+#: one hardware queue, as Megatron-LM demands at tp > 1 before Blackwell (with MPPX_EMULATE_NCCL, the
+#: launches' environment, NCCL's one-queue rule emulated on gloo)
+ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def _one_queue4() -> list:
+    """Vocabulary parallelism and BPipe at tp=2 x pp=2 under one hardware queue: vocabulary
+    parallelism's one-queue mode; BPipe on the interleaved 1F1B with 2 chunks, where rank 0 holds
+    more than rank 1 and evicts to it (at pp=2, 1F1B's round trips cannot be hidden: nothing to
+    evict) (last: the emulated rules are put on again for them)."""
+    pp2 = UNTIE + ["--pipeline-model-parallel-size", "2"] + TP2
+    return [("zbv-tp2-vocab-one-queue", pp2 + ["--pipeline-schedule", "zbv", "--enable-vocab-parallel"], ONE_QUEUE),
+            ("interleaved-tp2-bpipe-one-queue", pp2 + ["--pipeline-schedule", "interleaved-1f1b",
+                                                       "--num-virtual-stages-per-pipeline-rank", "2", "--bpipe"],
+             ONE_QUEUE)]
+
+
 @pytest.fixture(scope="module")
 def dense4(work) -> dict:
     """The 4-rank runs of the dense model, in one launch, by name (the checkpoints are saved before
     they are loaded: runs go in order)."""
-    return multirun(work, "dense4", 4, _sched4() + _layout4() + _feat4() + _ckpt4(work) + _vocab_ckpt4(work))
+    return multirun(work, "dense4", 4, _sched4() + _layout4() + _feat4() + _ckpt4(work) + _vocab_ckpt4(work)
+                    + _one_queue4())
 
 
 @pytest.fixture(scope="module")
@@ -467,6 +488,45 @@ def test_vocabulary_parallel_matches_within_softmax_rounding(dense4, world1):
     assert train[0] == ref_train[0]     # the same initial model (shards cut from the full tensors)
     for a, b in zip(train + evals, ref_train + ref_eval):
         assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b))
+
+
+def _run_log(work: Path, launch: str, run: str) -> str:
+    """What rank 0 printed during one run of a launch."""
+    text = (work / f"{launch}.log").read_text()
+    start = text.index(f"multirun: run {run}\n")
+    end = text.find("multirun: run ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_vocabulary_parallel_at_tp2_under_one_hardware_queue(dense4, world2, work):
+    """tp=2 x pp=2 with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's rule at tp > 1) and NCCL's rules
+    emulated with one queue: --enable-vocab-parallel chooses its one-queue mode by itself, does not
+    hang, and trains as plain Megatron-LM at pp=1 x tp=2 does: the first loss bit for bit (the same
+    initial model), then within the rounding of a softmax reduced per shard, the bound of zbv-vocab
+    above (observed with the 0.19.2 wheel: the losses of pp=1 x tp=2 bit for bit, the gradient norms
+    within 4e-7, reduced in another order)."""
+    log = _run_log(work, "dense4", "zbv-tp2-vocab-one-queue")
+    assert "one-queue mode (collectives issued by the main thread at proved points" in log, log[-3000:]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS left unset" not in log          # (the rule was not lifted: one queue)
+    assert dense4["zbv-tp2-vocab-one-queue"]["emulated_nccl"] == {"one_queue": True}
+    launch_queue = _env().get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+    assert dense4["zbv-tp2"]["emulated_nccl"] == {"one_queue": launch_queue}   # (the other runs keep theirs)
+    (train, evals), (ref_train, ref_eval) = losses(dense4["zbv-tp2-vocab-one-queue"]), losses(world2["pp1-tp2"])
+    assert len(train) == 4 and len(evals) == 2
+    assert train[0] == ref_train[0]
+    for a, b in zip(train + evals, ref_train + ref_eval):
+        assert abs(float.fromhex(a) - float.fromhex(b)) <= 2e-6 * abs(float.fromhex(b)), (train, ref_train)
+
+
+def test_bpipe_at_tp2_under_one_hardware_queue(dense4, world2):
+    """BPipe (interleaved 1F1B, 2 chunks) at tp=2 x pp=2 with CUDA_DEVICE_MAX_CONNECTIONS=1 and NCCL's rules emulated with one
+    queue: one message per eviction or fetch does not hang there, and the losses are plain
+    Megatron-LM's at pp=1 x tp=2 bit for bit (BPipe moves activations, never their arithmetic)."""
+    run = dense4["interleaved-tp2-bpipe-one-queue"]
+    assert run["emulated_nccl"] == {"one_queue": True}
+    assert losses(run) == losses(world2["pp1-tp2"])
+    metrics = run["feature_metrics"]     # (by global rank: tp-major, so pp rank 1 is ranks 2 and 3)
+    assert len(metrics) == 4 and all(m["peak_partner_bytes"] > 0 for m in metrics[2:]), metrics
 
 
 def test_checkpoint_saved_under_v_resumes_anywhere(dense4, world1):

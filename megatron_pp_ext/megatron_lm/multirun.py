@@ -6,12 +6,16 @@ integration tests run many configurations per ``torchrun`` launch::
     torchrun --nproc-per-node 4 -m megatron_pp_ext.megatron_lm.multirun SPEC.json
 
 ``SPEC.json``: ``{"script": "PATH/pretrain_gpt.py", "common": [ARGS...], "out": "RESULT.json",
-"runs": [{"name": "zbv", "args": [ARGS...]}, ...]}``. Every run executes the script as
-``__main__`` with ``common + args`` (through :func:`megatron_pp_ext.megatron_lm.install`, with
-the CPU compatibility layer on a machine without CUDA), then resets Megatron-LM's global state
-for the next one. The last rank writes ``out``: per run, the training losses per iteration and
-the validation/test losses as exact floats (``float.hex``), the gradient norms, the wall time,
-and the error if the run failed (a failed run ends the launch: ranks may be out of step).
+"runs": [{"name": "zbv", "args": [ARGS...], "env": {VAR: VALUE}}, ...]}`` ("env" optional). Every
+run executes the script as ``__main__`` with ``common + args`` (through
+:func:`megatron_pp_ext.megatron_lm.install`, with the CPU compatibility layer on a machine without
+CUDA) and its ``env`` set for that run alone (e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=1``: NCCL's
+emulated rules are put on again, for it and after it, when the variable changes their one-queue
+rule), then resets Megatron-LM's global state for the next one. The last rank writes ``out``: per
+run, the training losses per iteration and the validation/test losses as exact floats
+(``float.hex``), the gradient norms, the wall time, the emulated NCCL rules it ran under
+(``emulated_nccl``: None, or whether with one queue), and the error if the run failed (a failed
+run ends the launch: ranks may be out of step).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             record.clear()
             record.update(train=[], eval=[], grad_norm=[])
             sys.argv = [script] + prepare_argv(list(spec.get("common", [])) + list(run.get("args", [])), cuda=cuda)
+            saved_env = _set_env(run.get("env") or {})
             t0 = time.perf_counter()
             entry: dict[str, Any] = {"name": run.get("name"), "args": run.get("args", [])}
             if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 or not \
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
                 _write(spec, results)
                 raise
             entry.update(record, seconds=time.perf_counter() - t0)
+            from ..runtime import nccl_rules
+            rules = nccl_rules.active()      # NCCL's emulated rules the run ran under (None: not emulated)
+            entry["emulated_nccl"] = None if rules is None else {"one_queue": rules.one_queue}
             st = integration._STATE
             mine = st.fb.feature_metrics() if st is not None and st.fb is not None else {}
             every: list = [None] * torch.distributed.get_world_size()
@@ -107,10 +115,31 @@ def main(argv: list[str] | None = None) -> None:
             entry["feature_metrics"] = every          # per global rank
             results.append(entry)
             _reset()
+            _set_env(saved_env)      # (after the barrier: every rank has ended the run)
         _write(spec, results)
     finally:
         training.train_step, training.evaluate = st_train, st_eval
         integration.uninstall()
+
+
+def _set_env(env: dict) -> dict:
+    """Set ``env`` (a value None: unset) and return what it replaced. NCCL's emulated rules read
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` when installed (once per process, at the first model built):
+    when the variable now asks for another queue rule they are taken off, and the next model
+    built puts them on again with it."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = str(v)
+    if env:
+        from ..runtime import nccl_rules
+        from ..runtime.ncclenv import one_hardware_queue
+        rules = nccl_rules.active()
+        if rules is not None and rules.one_queue != one_hardware_queue():
+            nccl_rules.uninstall()
+    return saved
 
 
 def _reset() -> None:

@@ -13,8 +13,11 @@ of seconds at p=16), while evaluating a given order is cheap. So this module
 * simulates at most 2p microbatches: with more, it extrapolates linearly from the run at 2p
   (the steady state is reached by then; the slope is the busiest rank's work per microbatch).
   Schedules that keep fewer than p microbatches in flight may have a slower steady state
-  (V-Min, V-Half, budgets): for them a second run at 3p measures the slope, used when it is
-  slower (by > 2 %). Peak memory is taken from the last run (saturated by 2p);
+  (V-Min, V-Half, budgets), and so may any schedule whose round trip (every stage's F and B
+  and a message per hop) is longer than the microbatches a rank holds take to compute (a slow
+  link sets the pace): for them a second run at 3p measures the slope, used when it is
+  slower (by > 2 %). Peak memory is the larger of the two runs' on each rank (saturated by 2p;
+  on a slow link the orders built for 2p and 3p may hold differently);
 * paired orders (overlapped pairs hide the all-to-all, so no rank's busy time gives the slope,
   and the pairing pass's choice depends on m) are simulated at m itself up to
   ``PAIRED_DIRECT`` stage-microbatches (m x stages; about half a second of pairing), beyond
@@ -377,8 +380,11 @@ class SimCache:
             per_mb[_rank_of(s, pp, chunks, name)] += a
         runs, last = (m1,), r1
         slope = busy_slope
-        if megatron or max(pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0) < pp - 1e-6:
-            # fewer than p microbatches in flight somewhere: the steady state may be slower
+        held = [pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0]
+        link_bound = _round_trip(fine, pp, chunks, name) / max(held) > _SLOWER * busy_slope
+        if megatron or link_bound or max(held) < pp - 1e-6:
+            # fewer than p microbatches in flight somewhere, or a round trip longer than the
+            # microbatches a rank holds take to compute: the steady state may be slower
             m2 = 3 * pp
             r2 = run(m2)
             two_point = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
@@ -388,7 +394,20 @@ class SimCache:
         m_last = runs[-1]
         makespan = last["makespan"] + (m - m_last) * slope
         busy = tuple(b / m_last * m * ref for b in last["busy"])
-        return PipeResult(makespan * ref, busy, tuple(last["peak"]), runs, True)
+        # (the orders built for 2p and 3p may hold differently on a rank: the larger)
+        peak = tuple(max(a, b) for a, b in zip(r1["peak"], last["peak"]))
+        return PipeResult(makespan * ref, busy, peak, runs, True)
+
+
+def _round_trip(cost: CostModel, pp: int, chunks: int, name: str) -> float:
+    """A microbatch's forward through every stage and its backward back (W too where B runs
+    it), a message (``comm``) at every hop between two ranks. A rank holding k microbatches may
+    start a new one only every round trip / k, whatever its own work: when that is longer, a
+    slow link may set the steady state's pace (the test for measuring it; k from the peak
+    activation understates a V rank's microbatches, so the test errs towards measuring)."""
+    hops = sum(_rank_of(s, pp, chunks, name) != _rank_of(s + 1, pp, chunks, name) for s in range(len(cost.t_f) - 1))
+    w = 0.0 if schedule_info(name).split_backward else sum(cost.t_w)   # (W inside B)
+    return sum(cost.t_f) + sum(cost.t_b) + w + 2 * hops * cost.comm
 
 
 def _rank_of(stage: int, pp: int, chunks: int, name: str) -> int:
