@@ -91,6 +91,9 @@ def test_profiled_train_run_round_trips_into_the_planner(tmp_path, capsys):
     assert r.returncode == 0, r.stdout + r.stderr
     summary = tmp_path / "run" / "summary.json"
     costs = json.loads(summary.read_text())["profile"]["costs_ms"]
+    # CPU processes: the idle time after a synchronise is not measured, and the profile says why
+    prof = json.loads(summary.read_text())["profile"]
+    assert prof["exchange_sync_us"] is None and "CPU processes" in prof["exchange_sync"]["why"]
     cal = tmp_path / "cal.json"
     assert main(["calibrate", str(summary), "--out", str(cal)]) == 0
     err = capsys.readouterr().err
@@ -105,6 +108,7 @@ def test_profiled_train_run_round_trips_into_the_planner(tmp_path, capsys):
     assert doc["precision"] == "fp32" and doc["measured"]["iterations"] == [2, 3]
     assert doc["measured"]["source"] == str(summary) and "--schedule zb-h1" in doc["measured"]["command"]
     assert doc["efficiency"]["p2p_gbps"] == pytest.approx(4 * 32 * 64 / (costs["comm"] * 1e-3) / 1e9, rel=1e-3)
+    assert "exchange_sync_us" not in doc["efficiency"] and "CPU processes" in doc["measured"]["not_measured"]
     # mppx plan takes it: the calibrated efficiency, the measured mbs and tp
     rc = main(["plan", "--calibration", str(cal), "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
                "--vocab", "256", "--gpus", "2", "--global-batch-size", "4", "--precision", "fp32",

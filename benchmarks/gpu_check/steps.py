@@ -17,7 +17,7 @@ import time
 from .report import Check
 from .setup_env import ROOT
 
-__all__ = ["run_all", "world_info"]
+__all__ = ["run_all", "world_info", "exchange_sync_check"]
 
 
 def world_info() -> dict:
@@ -217,10 +217,34 @@ def _train(r, one_queue: bool = False) -> None:
             detail = (ref[-1] if ref else _tail(text))[:300]
             status = "pass" if p.returncode == 0 else "fail"
             r.results.add(Check("nccl", name, status, f"exit {p.returncode}: {detail}", time.monotonic() - t))
+            if p.returncode == 0:
+                r.results.add(exchange_sync_check(name, os.path.join(out, "summary.json")))
         except subprocess.TimeoutExpired as e:
             r.results.log(f"--- {name}: did not finish within 180 s ---\n{e.stdout or ''}{e.stderr or ''}")
             r.results.add(Check("nccl", name, "fail", "did not finish within 180 s", time.monotonic() - t))
             r.hung = r.hung or name
+
+
+def exchange_sync_check(name: str, summary_path: str) -> Check:
+    """The idle time after a synchronised exchange (``exchange_sync_us``) that the run's profiling
+    window measured (trainer/exchange_sync.py), from its summary.json: a figure, no goal. Its two
+    ranks share one GPU, so it is a first sighting of the GPU path, not a calibration."""
+    import json
+    check = f"exchange_sync_us measured by {name}"
+    try:
+        with open(summary_path, encoding="utf-8") as f:
+            prof = json.load(f).get("profile") or {}
+    except (OSError, ValueError) as e:
+        return Check("nccl", check, "fail", f"no summary.json to read ({e})")
+    if "exchange_sync_us" not in prof:
+        return Check("nccl", check, "fail", f"the profile holds no exchange_sync_us ({prof.get('error', 'no window')})")
+    us, info = prof["exchange_sync_us"], prof.get("exchange_sync") or {}
+    data = {"exchange_sync_us": us, "exchange_sync": info, "costs_ms": prof.get("costs_ms")}
+    if us is None:
+        return Check("nccl", check, "measured", f"not measured: {info.get('why')}", data=data)
+    return Check("nccl", check, "measured", f"{us:g} us, the median of {info.get('samples')} forwards run right "
+                 "after a synchronise of the compute stream, less the stage's median forward (two ranks on one "
+                 "GPU: a first figure, not a calibration)", data=data)
 
 
 def _fmt(n: float) -> str:

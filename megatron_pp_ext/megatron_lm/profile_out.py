@@ -6,7 +6,9 @@ planner calibration file: the median F, B and W of every pipeline stage (millise
 window and over the ranks holding the stage), the measured time of one activation-sized message
 and its shape, dtype and bytes, the layer count of every stage, and the run's sizes and precision;
 with ``--overlap-moe-expert-parallel-comm`` and no ``--pipeline-a2a-time`` also the measured expert
-all-to-all (``a2a_ms``, and ``costs_ms.a2a``) and the pairs made from it (``overlap_pairs``).
+all-to-all (``a2a_ms``, and ``costs_ms.a2a``) and the pairs made from it (``overlap_pairs``);
+``exchange_sync_us``, the GPU's idle time after a synchronised exchange (trainer/exchange_sync.py:
+a number when a GPU measured it, else null and ``exchange_sync.why``).
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def _layers_per_stage(args: Any, plan) -> list[int] | None:
 def profile_document(args: Any, plan, costs_ms: dict, *, message_shape: tuple[int, ...], window: list[int],
                      dtype: str, device: str, simulated_ms_before: float | None = None,
                      simulated_ms_after: float | None = None, error: str | None = None,
-                     argv: list[str] | None = None, a2a_ms: dict | None = None, pairs: dict | None = None) -> dict:
+                     argv: list[str] | None = None, a2a_ms: dict | None = None, pairs: dict | None = None,
+                     exchange_sync: dict | None = None) -> dict:
     """The document of one profiling window (``args``: Megatron-LM's arguments; ``plan``: the
     :class:`~megatron_pp_ext.megatron_lm.flags.MegatronPlan`; ``costs_ms``: F, B, W per stage and
-    comm, milliseconds, or None when the window measured nothing (``error`` says why))."""
+    comm, milliseconds, or None when the window measured nothing (``error`` says why);
+    ``exchange_sync``: :meth:`~megatron_pp_ext.trainer.profile.Profiler.exchange_sync_report`)."""
     nbytes = math.prod(message_shape) * _DTYPE_BYTES[dtype]
 
     def finite(x):
@@ -93,6 +97,9 @@ def profile_document(args: Any, plan, costs_ms: dict, *, message_shape: tuple[in
         "simulated_ms_before": finite(simulated_ms_before),
         "simulated_ms_after": finite(simulated_ms_after),
     }
+    if exchange_sync is not None:
+        doc["exchange_sync_us"] = exchange_sync.get("exchange_sync_us")
+        doc["exchange_sync"] = exchange_sync.get("exchange_sync")
     if a2a_ms is not None:   # (--overlap-moe-expert-parallel-comm alone: the measured expert all-to-all)
         doc["a2a_ms"] = a2a_ms
     if pairs is not None:

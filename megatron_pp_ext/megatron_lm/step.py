@@ -190,27 +190,38 @@ def _make_train_step(orig: Callable) -> Callable:
         meter = None
         if profiling:
             ex = forward_backward_func.executor
+            # CUDA events around every op, read after the iteration, as mppx train times it: a
+            # synchronise around every op would start each one on an idle stream, so every F would
+            # hold the host's relaunch -- the gap the last iteration's synchronised F samples
+            # measure (trainer/exchange_sync.py) against the ordinary F
             ex.record_timings = True
-            ex.sync_timings = torch.cuda.is_available()
+            ex.sync_timings = False
             if plan.measure_a2a:   # (the flag alone: the window times the expert all-to-all too)
                 from ..runtime.a2a_meter import AllToAllMeter
                 meter = AllToAllMeter("cuda" if torch.cuda.is_available() else "cpu").attach(ex)
+            prof.start_iteration(int(it), ex, _device())
         try:
             out = orig(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                        forward_backward_func, *args, **kwargs)
         finally:
             a2a = None
+            if profiling:
+                prof.stop_sampling()   # (before the meter: attached after it)
             if meter is not None:
                 a2a = meter.take()
                 meter.detach()
         if profiling:
             ex.record_timings = False
-            ex.sync_timings = False
             prof.record(ex.last_timings, a2a=a2a)
             if prof.last(int(it)):
                 _reschedule(prof, forward_backward_func, plan)
         return after_step(out, calls)
     return train_step
+
+
+def _device():
+    """This rank's device: its current GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
@@ -225,13 +236,14 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
     args = get_args()
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, dict(prof.samples))
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = _device()
     shape = (args.seq_length // max(1, args.context_parallel_size), args.micro_batch_size, args.hidden_size)
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     comm = measure_p2p_latency(executor_p2p(fb.executor), shape, dtype, dev)
     lat = torch.tensor([comm], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(lat, op=torch.distributed.ReduceOp.MAX)
-    report = {"costs_ms": None, "error": None, "before": None, "after": None, "a2a_ms": None, "pairs": None}
+    report = {"costs_ms": None, "error": None, "before": None, "after": None, "a2a_ms": None, "pairs": None,
+              "exchange_sync": None}
     try:
         try:
             cost = prof.cost_model(gathered, plan.num_stages, plan.chunks, float(lat.item()))
@@ -240,6 +252,11 @@ def _reschedule(prof, fb: ForwardBackward, plan: MegatronPlan) -> None:
             print0(f"megatron_pp_ext: profiling: {e}; keeping the schedule")
             return
         report["costs_ms"] = {"F": list(cost.t_f), "B": list(cost.t_b), "W": list(cost.t_w), "comm": cost.comm}
+        report["exchange_sync"] = prof.exchange_sync_report(dev.type)
+        sync = report["exchange_sync"]
+        print0("megatron_pp_ext: idle time after a synchronised exchange (exchange_sync_us): "
+               + (f"{sync['exchange_sync_us']:g} us, the median of {sync['exchange_sync']['samples']} forwards run "
+                  "right after a synchronise" if sync["exchange_sync_us"] is not None else sync["exchange_sync"]["why"]))
         measured = prof.a2a_measured
         if measured is not None:
             report["costs_ms"]["a2a"] = list(measured["a2a"])
@@ -302,7 +319,8 @@ def _write_profile(args, plan: MegatronPlan, prof, report: dict, shape, dtype, d
     doc = profile_document(args, plan, report["costs_ms"], message_shape=tuple(int(x) for x in shape),
                            window=[prof.start, prof.start + prof.iters - 1], dtype=name, device=dev.type,
                            simulated_ms_before=report["before"], simulated_ms_after=report["after"],
-                           error=report["error"], a2a_ms=report.get("a2a_ms"), pairs=report.get("pairs"))
+                           error=report["error"], a2a_ms=report.get("a2a_ms"), pairs=report.get("pairs"),
+                           exchange_sync=report.get("exchange_sync"))
     why = write_profile(path, doc)
     print("megatron_pp_ext: profiling: " + (f"measurements written to {path} (mppx calibrate {path})" if why is None
                                              else f"could not write --pipeline-profile-out {path} ({why})"),

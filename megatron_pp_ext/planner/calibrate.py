@@ -13,8 +13,10 @@ The document :func:`calibration_from_profile` returns holds ``stage_times`` (one
 transformer layers: the median F/B/W of the stages that hold neither the embedding nor the loss,
 at the run's microbatch size and tp, and the measured message time), ``efficiency.p2p_gbps``
 (the message's bytes over its measured time), ``precision`` and ``measured`` (where it came
-from). ``efficiency.exchange_sync_us`` is not written: the profiled runs time our executor,
-which never synchronises after an exchange, so neither run measures Megatron-Core's gap.
+from). ``efficiency.exchange_sync_us`` -- the GPU's idle time after one of Megatron-Core's
+synchronised exchanges -- is written when the profile carries it measured on a GPU (both runs
+measure it in their window's last iteration: trainer/exchange_sync.py); a run on CPU processes
+does not measure it (no device idles there), and ``measured.not_measured`` says so.
 
 Every input that cannot give such a document is a :class:`CalibrateError`, one line naming the
 file and what was expected.
@@ -175,7 +177,7 @@ def _from_mppx_train(doc: dict, path: str) -> dict:
         iterations=window, schedule=(doc.get("schedule") or {}).get("name") or c.get("schedule"),
         device=lay.get("device"),
         model={k: c.get(k) for k in ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")},
-        rerun="--profile-iters K")
+        rerun="--profile-iters K", sync=_sync_fields(prof))
 
 
 def _from_megatron_lm(doc: dict, path: str) -> dict:
@@ -201,7 +203,35 @@ def _from_megatron_lm(doc: dict, path: str) -> dict:
                     flag="--moe-token-dispatcher-type"),
         message=f"shape {msg.get('shape')} in {msg.get('dtype')}" if msg else None,
         command=doc.get("command"), iterations=doc.get("window"), schedule=doc.get("schedule"),
-        device=doc.get("device"), model=doc.get("model"), rerun="--pipeline-profile-iters K")
+        device=doc.get("device"), model=doc.get("model"), rerun="--pipeline-profile-iters K", sync=_sync_fields(doc))
+
+
+def _sync_fields(doc: dict) -> tuple:
+    """``(exchange_sync_us, exchange_sync)`` of a profile (None, None: a profile without them)."""
+    return doc.get("exchange_sync_us"), doc.get("exchange_sync")
+
+
+def _exchange_sync(run: dict, path: str) -> tuple[float | None, str]:
+    """The measured ``exchange_sync_us`` to write (None: none) and the ``measured`` note on it."""
+    value, detail = run["sync"]
+    detail = detail if isinstance(detail, dict) else {}
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= 1e6:
+            raise CalibrateError(f"{path}: exchange_sync_us={value!r}: expected microseconds from 0 to 1e6 (or null)")
+    if run["device"] == "cpu":
+        return None, ("exchange_sync_us: a run on CPU processes, where the host runs every op to its end: no device "
+                      "idles while the host relaunches, so nothing was measured; the plan keeps the GPU preset's value")
+    if run["device"] != "cuda":
+        return None, (f"exchange_sync_us: the profile does not say it ran on a GPU (device {run['device']!r}), so its "
+                      "figure is not used; the plan keeps the GPU preset's value")
+    if value is None:
+        why = detail.get("why") or (f"the profile does not carry it (written before megatron_pp_ext measured it): "
+                                    f"re-run with {run['rerun']}")
+        return None, f"exchange_sync_us: {why}; the plan keeps the GPU preset's value"
+    n = detail.get("samples")
+    return float(value), (f"exchange_sync_us: measured on the GPU{f' from {n} forwards' if n else ''}: "
+                          + (detail.get("how") or "the idle time after a synchronise"))
 
 
 def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
@@ -240,6 +270,9 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
     eff = {}
     if run["message_bytes"]:
         eff["p2p_gbps"] = _sig(run["message_bytes"] / (comm * 1e-3) / 1e9)
+    sync_us, sync_note = _exchange_sync(run, path)
+    if sync_us is not None:
+        eff["exchange_sync_us"] = sync_us
     measured = {
         "source": os.path.abspath(path),
         "from": run["kind"],
@@ -253,9 +286,8 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
         "p2p": (f"p2p_ms: one activation-sized message, {run['message']}, {run['message_bytes']} bytes; "
                 "p2p_gbps: those bytes over that time (its latency included)") if run["message_bytes"]
                else "p2p_ms: one activation-sized message (its bytes unknown: no p2p_gbps)",
-        "not_measured": "exchange_sync_us: the profiled run times megatron_pp_ext's executor, which never "
-                        "synchronises after an exchange; the plan keeps the GPU preset's value",
     }
+    measured["exchange_sync" if sync_us is not None else "not_measured"] = sync_note
     out = {
         "stage_times": {"micro_batch_size": run["mbs"], "tp": run["tp"], "layers": layers[chosen[0]],
                         "f_ms": _sig(ff), "b_ms": _sig(bb), "w_ms": _sig(ww), "p2p_ms": _sig(comm)},

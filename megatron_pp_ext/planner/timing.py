@@ -124,9 +124,10 @@ class Efficiency:
     #: compute stream drains and then waits while the host relaunches the next step (its Python,
     #: the data loader's batch, the first kernels). Paid at every exchange of Megatron-Core's 1F1B,
     #: and of its interleaved schedule without --overlap-p2p-communication; never by our executor,
-    #: which posts receives early and waits on the GPU. The gap between an exchange's end and the
-    #: next compute kernel in a trace of Megatron-Core's 1F1B; the profiled runs ``mppx calibrate``
-    #: reads time our executor and do not measure it (docs/planner.md)
+    #: which posts receives early and waits on the GPU. Measured on a GPU by the profiling window
+    #: (trainer/exchange_sync.py: forwards run right after a synchronise, less the ordinary median
+    #: forward) and written by ``mppx calibrate``; or the gap between an exchange's end and the next
+    #: compute kernel in a trace of Megatron-Core's 1F1B (docs/planner.md)
     exchange_sync_us: float = 0.0
     #: share of the tensor-parallel all-gathers and reduce-scatters Transformer Engine's userbuffers
     #: hide behind the GEMMs with --tp-comm-overlap (replaces ``tp_overlap`` for such a plan)

@@ -175,6 +175,7 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     if plan.measure_a2a and a2a_meter is None:   # (the flag alone: the all-to-all measured)
                         from ..runtime.a2a_meter import AllToAllMeter
                         a2a_meter = AllToAllMeter(device).attach(tr.executor)
+                    profiler.start_iteration(it, tr.executor, device)   # (last one, GPU: synchronised F samples)
                 meter.start_iteration()
                 for f in features:
                     f.start_iteration(batches)
@@ -258,6 +259,8 @@ def train_worker(plan, *, sim_info: dict | None = None) -> dict | None:
                     if log is not None:
                         log.rescheduled(res)
         finally:
+            if profiler is not None:
+                profiler.stop_sampling()   # (before the all-to-all meter: attached after it)
             if a2a_meter is not None:
                 a2a_meter.detach()
             if log is not None:

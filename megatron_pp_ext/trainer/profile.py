@@ -32,6 +32,11 @@ runs beside the other half's compute, so it would be timed slowed down by that c
 the share of F and B the cost model calls the all-to-all; and the time a pairing then hides is
 judged against the unpaired F and B it came from. The warm-up runs what the window runs, so the
 first profiled iteration is not the first of its executor.
+
+On a GPU the window's last iteration also measures the idle time after a synchronised exchange
+(``exchange_sync_us``, what Megatron-Core's ``batch_p2p_sync`` costs and the planner charges its
+1F1B): a few of its F ops run right after a synchronise of the compute stream and are kept out of
+F's medians (:mod:`.exchange_sync`); on CPU processes it is not measured and the result says why.
 """
 
 from __future__ import annotations
@@ -132,6 +137,9 @@ class Profiler:
         self.result: dict | None = None
         #: the window's all-to-all per stage (a2a_per_stage), once cost_model ran; None: not measured
         self.a2a_measured: dict | None = None
+        #: the idle time after a synchronise (exchange_sync.exchange_sync_from), once cost_model ran
+        self.exchange_sync: dict | None = None
+        self._sampler = None   # exchange_sync.SyncSampler, attached for the window's last iteration
 
     def active(self, it: int) -> bool:
         return self.iters > 0 and self.start <= it < self.start + self.iters
@@ -139,20 +147,55 @@ class Profiler:
     def last(self, it: int) -> bool:
         return self.iters > 0 and it == self.start + self.iters - 1
 
+    def start_iteration(self, it: int, executor, device) -> None:
+        """Before profiled iteration ``it``: on the window's last one, on a GPU, attach the sampler
+        of synchronised F ops (:mod:`.exchange_sync`) to ``executor`` -- after any other hook of
+        the window (the all-to-all meter), since :meth:`stop_sampling` detaches it first."""
+        from .exchange_sync import SyncSampler
+        if self.last(it) and self._sampler is None:
+            self._sampler = SyncSampler.for_device(device)
+            if self._sampler is not None:
+                self._sampler.attach(executor)
+
+    def stop_sampling(self) -> None:
+        """The executor's hook without the sampler (idempotent; its samples wait for :meth:`record`)."""
+        if self._sampler is not None:
+            self._sampler.detach()
+
     def record(self, timings, a2a: dict | None = None) -> None:
         """One profiled iteration: its op timings and (``a2a``: AllToAllMeter.take()) the
-        all-to-all time of its ops."""
+        all-to-all time of its ops; the F ops the sampler ran synchronised go to their own samples,
+        not to F's."""
+        synced: set = set()
+        if self._sampler is not None:
+            self._sampler.detach()
+            got, synced = self._sampler.take()
+            self._sampler = None
+            for key, vals in got.items():
+                self.samples[key].extend(vals)
         for t in timings or ():
-            if t.kind in ("F", "B", "W", "BW"):
+            if t.kind in ("F", "B", "W", "BW") and not (t.kind == "F" and (t.stage, t.microbatch) in synced):
                 self.samples[(t.kind, t.stage)].append(t.duration)
         for key, vals in (a2a or {}).items():
             self.samples[key].extend(vals)
+
+    def exchange_sync_report(self, device_type: str) -> dict:
+        """The profile's ``exchange_sync_us`` (None: not measured) and ``exchange_sync`` (how, or why not)."""
+        from .exchange_sync import not_measured_on
+        if self.exchange_sync is not None:
+            detail = {k: v for k, v in self.exchange_sync.items() if k != "exchange_sync_us"}
+            return {"exchange_sync_us": self.exchange_sync["exchange_sync_us"], "exchange_sync": detail}
+        why = not_measured_on(device_type) or ("not measured: no stage ran two or more forwards in the window's last "
+                                               "iteration, so no forward was run synchronised")
+        return {"exchange_sync_us": None, "exchange_sync": {"why": why}}
 
     # -- the re-scheduling -----------------------------------------------------------------
     def cost_model(self, gathered: list[dict], num_stages: int, chunks: int, comm: float):
         """Per-stage medians (ms) of the gathered samples -> CostModel (identical on every rank);
         with all-to-all samples (:func:`a2a_per_stage`, kept in ``a2a_measured``) its ``a2a``
-        is the measured one (none when it measured 0 everywhere)."""
+        is the measured one (none when it measured 0 everywhere). The synchronised F samples give
+        ``exchange_sync`` (:func:`~.exchange_sync.exchange_sync_from`; not a cost-model term: our
+        executor never synchronises)."""
         from ..schedule import CostModel
         merged: dict[tuple[str, int], list[float]] = defaultdict(list)
         for d in gathered:
@@ -163,7 +206,9 @@ class Profiler:
             vals = merged.get((kind, s))
             return statistics.median(vals) * 1e3 if vals else None
 
+        from .exchange_sync import exchange_sync_from
         t_f, t_b, t_w = [], [], []
+        self.exchange_sync = exchange_sync_from(merged, [med("F", s) for s in range(num_stages)])
         for s in range(num_stages):
             f = med("F", s)
             b, w, bw = med("B", s), med("W", s), med("BW", s)
@@ -205,6 +250,7 @@ class Profiler:
             self.result = result
             return result
         result["costs_ms"] = {"F": list(cost.t_f), "B": list(cost.t_b), "W": list(cost.t_w), "comm": cost.comm}
+        result.update(self.exchange_sync_report(device.type))
         pairs = bool(getattr(plan, "measure_a2a", False))
         if self.a2a_measured is not None:
             per_stage = self.a2a_measured["a2a"]

@@ -217,6 +217,12 @@ class RankZeroLog:
             head += (f"median per stage F {fmt(costs['F'])} ms, B {fmt(costs['B'])} ms, W {fmt(costs['W'])} ms, "
                      f"p2p {costs['comm']:.3g} ms")
         self.line(head)
+        if res.get("exchange_sync_us") is not None:
+            self.line(f"  idle time after a synchronised exchange (exchange_sync_us, for mppx calibrate): "
+                      f"{res['exchange_sync_us']:g} us, the median of {res['exchange_sync']['samples']} forwards run "
+                      "right after a synchronise")
+        elif "exchange_sync_us" in res and getattr(self.plan, "device", "cpu") == "cuda":   # (CPU: summary.json says why)
+            self.line(f"  exchange_sync_us: {res['exchange_sync']['why']}")
         a2a = res.get("a2a_ms")
         if a2a:
             self.line(f"  expert all-to-all (measured: dispatch + combine per microbatch): forward {fmt(a2a['forward'])} "
