@@ -12,9 +12,11 @@ import itertools
 import pytest
 
 from megatron_pp_ext.schedule import CostModel, ScheduleRequest, schedule_info, simulate
+from megatron_pp_ext.schedule.generators.block import block_order, fit_blocks, order_key
 from megatron_pp_ext.schedule.generators.bounds import named_limits
 from megatron_pp_ext.schedule.generators.evaluate import evaluate
-from megatron_pp_ext.schedule.ir import loop_placement
+from megatron_pp_ext.schedule.generators.search import dearer_models, with_dearer
+from megatron_pp_ext.schedule.ir import loop_placement, v_placement
 
 EPS = 1e-6
 #: per-rank F, B, W and the p2p latency, each in a few magnitudes
@@ -92,3 +94,41 @@ def test_each_rank_keeps_1f1bs_microbatches_under_any_activations(name, acts):
     if v == 1:
         ref = simulate(schedule_info("1f1b").generate(ScheduleRequest(p, m, 1, cost, None)), cost)
         assert res.makespan <= ref.makespan + EPS
+
+
+def test_dearer_models_and_block_orders_built_once():
+    """A part that is zero (W) gives no dearer costs; a block whose order is among the candidates
+    already (the request's own blocks, another dearer cost's) is not run in order again: zb-h1 at
+    p=4, costs 1,1,1,1 runs one of the seven blocks it lays out for dearer costs in order.
+    ``deadlines=False`` (the V) runs none as deadlines."""
+    cost = CostModel.uniform(4, 1, 1.0, 1.0, 1.0, 1.0)
+    assert [tag for tag, _ in dearer_models(cost)] == ["F2", "B2", "W2", "C2"]
+    assert [tag for tag, _ in dearer_models(cost.with_(t_w=(0.0,) * 4))] == ["F2", "B2", "C2"]
+    placement = loop_placement(4)
+    fallbacks = with_dearer("zb-h1", placement, cost, 4.0)()
+    in_order = [label for label, _ in fallbacks if label.startswith("block-") and "-edf-" not in label]
+    laid_out = [blk for _, c in dearer_models(cost) for _, blk in fit_blocks(placement, c, 4.0, spacings=("tight",))]
+    assert (len(in_order), len(laid_out)) == (1, 7)
+    orders = {tuple(map(tuple, block_order(blk, placement, 8))) for _, blk in fit_blocks(placement, cost, 4.0)}
+    orders |= {tuple(map(tuple, build(8).ops)) for label, build in fallbacks if label in in_order}
+    assert orders == {tuple(map(tuple, block_order(blk, placement, 8))) for blk in laid_out} | {
+        tuple(map(tuple, block_order(blk, placement, 8))) for _, blk in fit_blocks(placement, cost, 4.0)}
+    v_cost = CostModel.uniform(8, 2, 1.0, 1.0, 1.0, 1.0)
+    assert not any("-edf-" in label for label, _ in with_dearer("zbv", v_placement(4), v_cost, 4.0, deadlines=False)())
+
+
+def test_order_key_same_key_same_order():
+    """Two blocks with the same :func:`order_key` give the same order at every m, their times
+    differing or not (blocks for many costs, at three sizes)."""
+    seen: dict = {}
+    same = 0
+    for costs in itertools.product((1.0, 2.0, 1.3), (1.0, 2.0), (1.0, 0.0), (0.0, 1.0, 4.0)):
+        for placement in (loop_placement(4, 1), v_placement(4)):
+            v = 2 if len(placement) == 8 else 1
+            cost = CostModel.from_spec(list(costs), len(placement), v)
+            for _, blk in fit_blocks(placement, cost, 4.0):
+                key = (placement, order_key(blk, placement))
+                got = [tuple(map(tuple, block_order(blk, placement, m))) for m in (1, 5, 13)]
+                same += key in seen and seen[key][0] != blk
+                assert seen.setdefault(key, (blk, got))[1] == got
+    assert same > 0
