@@ -219,17 +219,11 @@ mppx_dry_run() {
 }
 
 # mppx_queue_env: CUDA_DEVICE_MAX_CONNECTIONS for TRAIN_ARGS. One hardware queue (1) by default, for
-# Megatron-LM's tensor-parallel overlap before Blackwell; left unset with --enable-vocab-parallel,
-# which hangs under one queue (the integration lifts Megatron-LM's rule, a speed rule, for it:
-# docs/vocab.md#one-hardware-queue). A value in the environment is kept either way (and
-# CUDA_DEVICE_MAX_CONNECTIONS=1 with vocabulary parallelism is refused at start-up).
+# Megatron-LM's tensor-parallel overlap before Blackwell; --enable-vocab-parallel then runs its
+# one-queue mode (--vocab-parallel-one-queue auto: docs/vocab.md#one-hardware-queue). A value in
+# the environment is kept (a run left with more than one queue keeps the threaded channels; the
+# integration lifts Megatron-LM's rule, a speed rule, for it).
 mppx_queue_env() {
-    local a
-    for a in "${TRAIN_ARGS[@]}"; do
-        if [ "$a" = --enable-vocab-parallel ]; then
-            return 0
-        fi
-    done
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 }
 

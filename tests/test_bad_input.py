@@ -380,25 +380,38 @@ def test_plan_refuses_out_of_range_values(capsys, extra, needle):
      "which \"efficiency\" already sets"),
     ({"efficiency": {"gemm_max": 0.4}, "gemm_points": [{"x": 1e6, "efficiency": 0.5}]}, "at or above gemm_max=0.4"),
     # measured stage times (the shape of table 6): every time there, finite and > 0
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms is missing"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 0, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms=0"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": -2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.b_ms=-2"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": float("nan"), "p2p_ms": 0.1}},
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms is missing"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 0, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.f_ms=0"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": -2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.b_ms=-2"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": float("nan"), "p2p_ms": 0.1}},
      "stage_times.w_ms=nan"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1}}, "stage_times.p2p_ms is missing"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": "fast"}},
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1}}, "stage_times.p2p_ms is missing"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": "fast"}},
      "stage_times.p2p_ms='fast'"),
-    ({"stage_times": {"f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.micro_batch_size is missing"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}}, "stage_times.micro_batch_size is missing"),
     # no default for the sizes: 4 measured layers read as 1 planned 4x slower (13.9 s against 3.5 s)
-    ({"stage_times": {"micro_batch_size": 1, "layers": 4, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "layers": 4, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.tp is missing: give the tensor-parallel size the times were measured at"),
     ({"stage_times": {"micro_batch_size": 1, "tp": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.layers is missing"),
-    ({"stage_times": {"micro_batch_size": 1.5, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1.5, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.micro_batch_size=1.5: a whole number"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1, "t_f": 1}},
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 1, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1, "t_f": 1}},
      "stage_times: unknown keys ['t_f']"),
-    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 99, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
+    # the sequence and the model the times were measured on: no default, checked against the plan
+    ({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20, "b_ms": 20, "w_ms": 14, "p2p_ms": 0.4}},
+     "stage_times.seq is missing: give the sequence length the times were measured at"),
+    ({"stage_times": {"seq": 4096, "micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20, "b_ms": 20, "w_ms": 14,
+                      "p2p_ms": 0.4}}, "stage_times.hidden is missing: give the hidden size of the model"),
+    ({"stage_times": {"seq": 4096, "hidden": 5120, "micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20, "b_ms": 20,
+                      "w_ms": 14, "p2p_ms": 0.4}}, "stage_times.hidden=5120: the times were measured on a model of "
+                                                   "hidden size 5120, and llama2-7b's is 4096"),
+    ({"stage_times": {"seq": 8192, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20, "b_ms": 20,
+                      "w_ms": 14, "p2p_ms": 0.4}}, "stage_times were measured at a sequence of 8192 tokens, the plan's "
+                                                   "is 4096"),
+    # a layer point at a tp no layer of the model runs at
+    ({"layer_points": [{"mbs": 1, "tp": 3, "forward_ms": 30}]}, "tp 3 does not divide llama2-7b's 32 attention heads"),
+    ({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 1, "tp": 1, "layers": 99, "f_ms": 1, "b_ms": 2, "w_ms": 1, "p2p_ms": 0.1}},
      "stage_times.layers=99: more than the model's 32 layers"),
 ])
 def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
@@ -409,7 +422,7 @@ def test_plan_refuses_bad_calibration_files(capsys, tmp_path, doc, needle):
 
 def test_plan_refuses_stage_times_of_another_microbatch_size(capsys, tmp_path):
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"stage_times": {"micro_batch_size": 2, "tp": 1, "layers": 1, "f_ms": 1000, "b_ms": 2000, "w_ms": 1000,
+    path.write_text(json.dumps({"stage_times": {"seq": 4096, "hidden": 4096, "micro_batch_size": 2, "tp": 1, "layers": 1, "f_ms": 1000, "b_ms": 2000, "w_ms": 1000,
                                                 "p2p_ms": 0.1}}))
     line = one_line_error(capsys, *PLAN, "--calibration", str(path), "--mbs", "1")
     assert "stage_times.micro_batch_size=2: the times were measured at mbs 2, but --mbs 1 is planned" in line
@@ -420,7 +433,8 @@ def test_plan_refuses_stage_times_of_another_microbatch_size(capsys, tmp_path):
 def test_a_stage_times_size_no_layout_allows_is_named(capsys, tmp_path):
     """The search takes tp and the micro-batch size from stage_times: when no layout allows them,
     the error names stage_times.tp / stage_times.micro_batch_size, not flags the user never gave."""
-    base = {"micro_batch_size": 1, "tp": 1, "layers": 4, "f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "p2p_ms": 0.4}
+    base = {"micro_batch_size": 1, "tp": 1, "layers": 4, "seq": 4096, "hidden": 4096, "f_ms": 20.0, "b_ms": 20.0,
+            "w_ms": 14.0, "p2p_ms": 0.4}
     slow = {"f_ms": 2000.0, "b_ms": 2000.0, "w_ms": 1500.0}   # (128 sequences: above the GPU's peak otherwise)
     for key, value, more in (("tp", 3, {}), ("micro_batch_size", 128, slow)):
         path = tmp_path / f"{key}.json"
@@ -586,6 +600,10 @@ def test_plan_answers_within_its_time_limit(capsys, argv):
     # (or, where the parameters alone overflow every GPU, the one line that says so without searching)
     assert rc == 0 or (rc == 2 and len(err.strip().splitlines()) == 1
                        and ("--time-limit 1" in err or "optimizer states alone need" in err)), err
+    if "--time-limit 1" in err and "memory" in err:
+        # all it costed overflowed: more time may find nothing, so the other ways out are named too
+        assert ("every one it costed overflows memory" in err and "raise --time-limit (default 120) to try the rest, "
+                "or use more GPUs (--gpus)" in err), err
 
 
 def test_overlapped_pairs_with_a_zero_all_to_all_time_say_so(capsys):
@@ -695,3 +713,14 @@ def test_vocab_layouts_view_refuses_what_it_would_ignore(capsys, extra, needle):
     """compare --vocab-layouts printed the same table with --comm-model as without, without a word;
     its --schedules goes through the same name-list reader as compare's and plan's."""
     assert needle in one_line_error(capsys, "compare", "--vocab-layouts", "32000", *extra)
+
+
+def test_costs_too_large_over_the_stages_name_the_flag_as_typed(capsys):
+    """An iteration's costs that overflow once summed over the schedule's stages: one line quoting the
+    --costs numbers (no Python list, no internal class name)."""
+    from megatron_pp_ext.cli.core import main
+    assert main(["simulate", "--schedule", "zbv", "--pp", "4", "--microbatches", "8", "--costs", "1,1,1,1e299",
+                 "--comm-model", "nccl-batched"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mppx: error: --costs '1,1,1,1e+299': the times of one microbatch add up to 1.6e+300, too large "
+                   "to simulate; give the costs in a larger unit (e.g. seconds instead of nanoseconds)"], err

@@ -99,7 +99,8 @@ def test_profiled_train_run_round_trips_into_the_planner(tmp_path, capsys):
     st = doc["stage_times"]
     # two stages: the first one (its embedding lookup included, and said so)
     assert st == {"micro_batch_size": 1, "tp": 1, "layers": 2, "f_ms": costs["F"][0], "b_ms": costs["B"][0],
-                  "w_ms": costs["W"][0], "p2p_ms": costs["comm"], "seq": json.loads(summary.read_text())["config"]["seq"]}
+                  "w_ms": costs["W"][0], "p2p_ms": costs["comm"], "seq": json.loads(summary.read_text())["config"]["seq"],
+                  "hidden": json.loads(summary.read_text())["config"]["hidden"]}
     assert "embedding" in doc["measured"]["stage"]
     assert doc["precision"] == "fp32" and doc["measured"]["iterations"] == [2, 3]
     assert doc["measured"]["source"] == str(summary) and "--schedule zb-h1" in doc["measured"]["command"]
@@ -126,7 +127,7 @@ def test_interior_stages_of_the_most_common_layer_count(tmp_path, capsys):
     path = _write(tmp_path, _summary(layers=layers, F=F, bf16=True))
     assert main(["calibrate", path]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert {k: v for k, v in doc["stage_times"].items() if k != "seq"} == {
+    assert {k: v for k, v in doc["stage_times"].items() if k not in ("seq", "hidden")} == {
         "micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.4, "b_ms": 2.0, "w_ms": 1.0, "p2p_ms": 0.5}
     note = doc["measured"]["stage"]
     assert note.startswith("median of stages 1, 2, 4, 5, 6 of 8 (2 layers each)"), note
@@ -174,7 +175,7 @@ def test_megatron_lm_profile_becomes_a_calibration(tmp_path, capsys):
     path = _megatron_doc(tmp_path)
     doc = calibrate_file(path)
     assert doc["stage_times"] == {"micro_batch_size": 2, "tp": 2, "layers": 2, "f_ms": 2.1, "b_ms": 2.6,
-                                  "w_ms": 1.3, "p2p_ms": 0.25}
+                                  "w_ms": 1.3, "p2p_ms": 0.25, "seq": 32, "hidden": 64}
     assert doc["precision"] == "bf16" and doc["measured"]["command"] == "pretrain_gpt.py --pipeline-schedule zbv"
     assert doc["measured"]["iterations"] == [1, 3] and doc["measured"]["from"].startswith("Megatron-LM")
     assert doc["efficiency"]["p2p_gbps"] == pytest.approx(32 * 2 * 64 * 2 / 0.25e-3 / 1e9, rel=1e-3)
@@ -343,13 +344,13 @@ def test_moe_stage_times_in_mppx_plan_pin_the_expert_layout(tmp_path, capsys):
     (dict(ep=3), "experts=8, topk=2, ep=3: topk must be at most experts and ep must divide them"),
     (dict(a2a_ms=9.0), "stage_times.a2a_ms=9.0: the stage's measured all-to-all inside one F in milliseconds, from 0 "
                        "to f_ms"),
-    (dict(dispatcher="allgather"), "stage_times.dispatcher='allgather': the planner's plans run the alltoall"),
+    (dict(dispatcher="allgather"), "stage_times.dispatcher='allgather': measured MoE times are taken from runs of the alltoall"),
     (dict(f_ms=1e-6, a2a_ms=0.0), "stage_times.f_ms=1e-06: 2 layers of custom"),
 ])
 def test_moe_stage_times_bad_input(change, text):
     from megatron_pp_ext.planner import PlannerError
-    st = {"micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.5, "b_ms": 2.0, "w_ms": 1.0, "p2p_ms": 0.5,
-          "experts": 8, "topk": 2, "ep": 2, "etp": 1, "a2a_ms": 0.5}
+    st = {"micro_batch_size": 2, "tp": 1, "layers": 2, "seq": 32, "hidden": 64, "f_ms": 2.5, "b_ms": 2.0, "w_ms": 1.0,
+          "p2p_ms": 0.5, "experts": 8, "topk": 2, "ep": 2, "etp": 1, "a2a_ms": 0.5}
     st.update(change)
     st = {k: v for k, v in st.items() if v is not None}
     from megatron_pp_ext.planner import make_cluster
@@ -360,7 +361,8 @@ def test_moe_stage_times_bad_input(change, text):
 
 def test_moe_and_dense_stage_times_are_not_swapped():
     from megatron_pp_ext.planner import PlannerError
-    dense = {"micro_batch_size": 2, "tp": 1, "layers": 2, "f_ms": 2.5, "b_ms": 2.0, "w_ms": 1.0, "p2p_ms": 0.5}
+    dense = {"micro_batch_size": 2, "tp": 1, "layers": 2, "seq": 32, "hidden": 64, "f_ms": 2.5, "b_ms": 2.0,
+             "w_ms": 1.0, "p2p_ms": 0.5}
     moe = {**dense, "experts": 8, "topk": 2, "ep": 2, "etp": 1}
     base = default_efficiency(get_gpu("h100"))
     with pytest.raises(PlannerError, match="is an MoE model: measure one of its runs"):

@@ -906,6 +906,12 @@ def test_vocabulary_parallelism_lifts_megatron_lms_one_queue_speed_rule(fake_meg
             fake_megatron.initialize.validate_args(ns)
             assert seen == ["1"] and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
             assert "CUDA_DEVICE_MAX_CONNECTIONS left unset with --enable-vocab-parallel" in capsys.readouterr().out
+            # with one queue set, its one-queue mode runs (chosen when the flags are resolved): nothing lifted
+            from megatron_pp_ext.features.vocab.flags import vocab_config_from_args
+            from megatron_pp_ext.trainer.features import one_queue_hangs
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            cfg = vocab_config_from_args(ns)
+            assert cfg.one_queue and one_queue_hangs((("vocab_parallel", cfg),)) == []
         else:
             with pytest.raises(AssertionError, match="Using tensor model parallelism"):
                 fake_megatron.initialize.validate_args(ns)
@@ -914,10 +920,10 @@ def test_vocabulary_parallelism_lifts_megatron_lms_one_queue_speed_rule(fake_meg
         integration.uninstall()
 
 
-def test_scripts_leave_one_queue_off_with_vocabulary_parallelism():
-    """The launch scripts export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's tensor-parallel overlap)
-    except for a run with --enable-vocab-parallel, which hangs under one queue; a value the user set
-    is kept."""
+def test_scripts_export_one_queue_with_vocabulary_parallelism_too():
+    """The launch scripts export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's tensor-parallel overlap),
+    also for a run with --enable-vocab-parallel (which then runs its one-queue mode); a value the user
+    set is kept."""
     def queue(args: str, preset: str | None = None) -> str:
         env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
         if preset is not None:
@@ -928,7 +934,7 @@ def test_scripts_leave_one_queue_off_with_vocabulary_parallelism():
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
     assert queue("--pipeline-schedule zbv --tensor-model-parallel-size 2") == "1"
-    assert queue("--pipeline-schedule zbv --enable-vocab-parallel") == "unset"
+    assert queue("--pipeline-schedule zbv --enable-vocab-parallel") == "1"
     assert queue("--enable-vocab-parallel", preset="8") == "8" and queue("", preset="4") == "4"
     for script in ("pretrain_torchrun.sh", "pretrain_slurm.sbatch"):
         text = (SCRIPTS / script).read_text()

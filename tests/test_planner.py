@@ -335,7 +335,9 @@ MEGATRON_LM_FLAGS = frozenset("""
 --expert-tensor-parallel-size --moe-token-dispatcher-type --moe-grouped-gemm --micro-batch-size
 --global-batch-size --bf16 --accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer
 --overlap-grad-reduce --overlap-param-gather --recompute-granularity --recompute-method --recompute-num-layers
---transformer-impl
+--transformer-impl --moe-router-num-groups --moe-router-group-topk --moe-flex-dispatcher-backend
+--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --mtp-num-layers
+--fp8-format --fp8-recipe
 """.split())
 
 
@@ -552,7 +554,14 @@ def _emitted_moe_plans() -> list:
                                            ep=(8,), etp=(1,), overlap=True)),
             # ... and on interleaved 1F1B: our executor's schedule named (what the plan timed)
             ("mixtral-8x7b", 64, 256, dict(pp=(4,), schedules=("interleaved-1f1b",), recompute=("none",), mbs=(1,),
-                                           ep=(8,), etp=(1,), max_vp=2, overlap=True))):
+                                           ep=(8,), etp=(1,), max_vp=2, overlap=True)),
+            # DeepSeek-V3 (MLA, MTP, group-limited routing) on the flex dispatcher (DeepEP), NVIDIA's H100 layout
+            ("deepseek-v3", 1024, 8192, dict(pp=(8,), tp=(2,), vp=4, schedules=("interleaved-1f1b",),
+                                             recompute=("full",), mbs=(1,), ep=(64,), etp=(1,), moe_dispatcher="flex")),
+            # ... and on HybridEP (NVIDIA's qwen3-30b-a3b H100 layout of 26.04)
+            ("qwen3-30b-a3b", 16, 1024, dict(pp=(1,), tp=(1,), schedules=("1f1b",), recompute=("none",), mbs=(1,),
+                                             ep=(16,), etp=(1,), precision="fp8", moe_dispatcher="flex",
+                                             moe_flex_backend="hybridep"))):
         res = _moe_plan(name, gpus, batch, top=2, **kw)
         out += [(res.request, e) for e in res.plans]
     return out

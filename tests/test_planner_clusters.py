@@ -189,8 +189,9 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
     import tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
-        for st, want in (({"f_ms": 2, "b_ms": 2, "w_ms": 2}, "need at least"),
-                         ({"f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "seq": 2048}, "sequence of 2048 tokens")):
+        for st, want in (({"f_ms": 2, "b_ms": 2, "w_ms": 2, "seq": 4096, "hidden": 4096}, "need at least"),
+                         ({"f_ms": 20.0, "b_ms": 20.0, "w_ms": 14.0, "seq": 2048, "hidden": 4096},
+                          "sequence of 2048 tokens")):
             path = Path(d) / "cal.json"
             path.write_text(json.dumps({"stage_times": {"micro_batch_size": 1, "tp": 1, "layers": 4, "p2p_ms": 0.4,
                                                         **st}}))
@@ -199,12 +200,12 @@ def test_stage_times_no_gpu_could_reach_or_of_another_sequence_are_refused(capsy
             assert rc == 2 and want in err and len(err.strip().splitlines()) == 1
 
 
-def test_vocab_parallelism_is_planned_under_megatron_lms_one_queue_rule_without_one_queue():
+def test_vocab_parallelism_is_planned_under_megatron_lms_one_queue_rule():
     """Megatron-LM demands CUDA_DEVICE_MAX_CONNECTIONS=1 at tp or cp > 1 before Blackwell (for the speed
-    of its tensor-parallel overlap), under which vocabulary parallelism hangs: the integration lifts
-    that rule for it, so it is planned at every layout, and the SLURM script leaves the variable unset
-    for a vocabulary-parallel plan (saying why), exports one queue for any other plan exactly where
-    Megatron-LM demands it; BPipe, which runs under one queue, is planned everywhere too."""
+    of its tensor-parallel overlap); vocabulary parallelism runs under it in its one-queue mode
+    (chosen automatically by the variable), so it is planned at every layout and the SLURM script
+    exports one queue exactly where Megatron-LM demands it, for a vocabulary-parallel plan too
+    (saying which mode it runs); BPipe, which runs under one queue, is planned everywhere too."""
     from megatron_pp_ext.planner import plan
     from megatron_pp_ext.planner.emit import slurm_script
     for gpu, tp in (("h100", 2), ("h100", 1), ("b200", 2)):
@@ -216,10 +217,10 @@ def test_vocab_parallelism_is_planned_under_megatron_lms_one_queue_rule_without_
             names = {n for n, _ in best.candidate.features}
             assert feature in names
             script = slurm_script(best, req)
-            one_queue = gpu == "h100" and tp > 1 and "vocab-parallel" not in names
+            one_queue = gpu == "h100" and tp > 1
             assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in script) == one_queue, (gpu, tp, names)
-            if gpu == "h100" and tp > 1 and "vocab-parallel" in names:
-                assert "CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs" in script
+            if one_queue and "vocab-parallel" in names:
+                assert "(its one-queue mode, docs/vocab.md#one-hardware-queue)" in script
     # BPipe alone at tp 2 on an H100: Megatron-LM's one queue, exported
     req = PlanRequest(get_model("llama2-7b"), make_cluster("h100", 16), 64, tp=(2,), pp=(4,), mbs=(1,),
                       recompute=("none",), schedules=("1f1b",), features=("bpipe",), require_features=("bpipe",))

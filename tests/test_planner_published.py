@@ -182,7 +182,7 @@ def test_planner_simulates_megatrons_own_runs_with_their_exchanges():
     assert megatron > blocking_only > ours and megatron > 1.02 * ours
 
 
-@pytest.mark.parametrize("field", ["dropout_rng_ps", "exchange_sync_us", "moe_layer_overhead_us"])
+@pytest.mark.parametrize("field", ["dropout_rng_ps", "exchange_sync_us", "moe_layer_overhead_us", "moe_fp8_expert_us"])
 def test_time_model_constants_refuse_nonsense(field):
     from megatron_pp_ext.planner import PlannerError
     from megatron_pp_ext.planner.timing import Efficiency
@@ -222,8 +222,8 @@ def test_stage_times_are_the_planned_op_times(tmp_path, capsys):
     from megatron_pp_ext.planner.simcache import SimCache
     from megatron_pp_ext.planner.timing import calibration_from_dict, default_efficiency
     model = gpt(22, 2304, 24, vocab=32000)
-    doc = {"stage_times": {"micro_batch_size": 6, "tp": 1, "layers": 3, "f_ms": 18.522, "b_ms": 18.086, "w_ms": 9.337,
-                           "p2p_ms": 0.601}}
+    doc = {"stage_times": {"micro_batch_size": 6, "tp": 1, "layers": 3, "seq": model.seq, "hidden": model.hidden,
+                           "f_ms": 18.522, "b_ms": 18.086, "w_ms": 9.337, "p2p_ms": 0.601}}
     cluster = make_cluster("a100", 8)
     eff = calibration_from_dict(doc, default_efficiency(cluster.gpu), model, cluster)
     req = PlanRequest(model, cluster, global_batch=144, efficiency=eff, schedules=("zb-h2",), features=(), pp=(8,),

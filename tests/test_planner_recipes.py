@@ -61,18 +61,18 @@ def test_the_pinned_form_is_the_cli_contract(capsys):
     assert "--accumulate-allreduce-grads-in-fp32" not in flags
 
 
-def test_moe_recipes_one_fitted_row_the_others_held_to_it(pinned):
-    """The MoE rows: moe_layer_overhead_us fitted on gpt-oss-120b 26.02 alone (within 1% there); the
-    rows no constant was fitted on, what docs/benchmarks/published.md says of them: gpt-oss-120b
-    25.11 and both qwen3-235b-a22b rows (expert parallelism over 4 nodes, the recipes' pairs timed
-    as pairs) within 5% (what README says; the goal is 10%), qwen3-30b-a3b still over the goal
-    (predicted too fast, under +50%)."""
+def test_moe_recipes_two_fitted_rows_the_others_held_to_them(pinned):
+    """The MoE rows: moe_layer_overhead_us fitted on gpt-oss-120b 26.02 alone (bf16) and
+    moe_fp8_expert_us on qwen3-30b-a3b 25.11 alone (FP8, 16 local experts), each within 1% there;
+    the rows no constant was fitted on, what docs/benchmarks/published.md says of them:
+    gpt-oss-120b 25.11 and both qwen3-235b-a22b rows (FP8, 4 local experts, expert parallelism
+    over 4 nodes, the recipes' pairs timed as pairs) within 5% (what README says; the goal is 10%)."""
     moe = {k: x for k, x in pinned.items() if x.recipe.ep > 1}
-    assert [k for k, x in moe.items() if x.recipe.fitted] == [("26.02", "gpt-oss-120b")]
-    assert abs(moe[("26.02", "gpt-oss-120b")].err) <= 0.01
+    assert sorted(k for k, x in moe.items() if x.recipe.fitted) == [("25.11", "qwen3-30b-a3b"), ("26.02", "gpt-oss-120b")]
+    for key in (("26.02", "gpt-oss-120b"), ("25.11", "qwen3-30b-a3b")):
+        assert abs(moe[key].err) <= 0.01, (key, moe[key].err)
     for key in (("25.11", "gpt-oss-120b"), ("26.02", "qwen3-235b-a22b"), ("25.11", "qwen3-235b-a22b")):
         assert abs(moe[key].err) <= 0.05, (key, moe[key].err)
-    assert recipes.GOAL < moe[("25.11", "qwen3-30b-a3b")].err < 0.5
 
 
 def test_the_moe_constant_is_an_moe_layers_fixed_cost_per_pass():
@@ -91,3 +91,47 @@ def test_the_moe_constant_is_an_moe_layers_fixed_cost_per_pass():
     assert dense[0] == dense[1]
     assert any(r.startswith("moe_layer_overhead_us") for r in efficiency_rules(cl.gpu, eff, moe=True))
     assert not any(r.startswith("moe_layer_overhead_us") for r in efficiency_rules(cl.gpu, eff, moe=False))
+
+
+@pytest.mark.parametrize("precision,ep", [("fp8", 8), ("fp8", 32), ("bf16", 8)])
+def test_the_fp8_moe_constant_is_a_cost_per_local_expert_and_pass(precision, ep):
+    """moe_fp8_expert_us adds num_experts / ep times itself to each of an FP8 MoE layer's F, B and W
+    (qwen3-235b-a22b: 128 experts, 16 local at ep 8, 4 at ep 32), nothing under bf16 or to a dense
+    layer; a dense model's report does not print its rule, an H200's says it carries the H100's."""
+    from megatron_pp_ext.planner import get_model, make_cluster
+    from megatron_pp_ext.planner.timing import DEFAULT_EFFICIENCY, efficiency_rules, layer_times
+    m, cl = get_model("qwen3-235b-a22b"), make_cluster("h100", 256)
+    eff = DEFAULT_EFFICIENCY["h100"]
+    assert eff.moe_fp8_expert_us > 0
+    args = dict(ep=ep, etp=1, precision=precision)
+    with_, without = (layer_times(m, cl, e, 1, 2, moe=True, **args) for e in (eff, eff.with_(moe_fp8_expert_us=0)))
+    want = eff.moe_fp8_expert_us * 1e-6 * m.num_experts / ep if precision == "fp8" else 0.0
+    for a, b in ((with_.f, without.f), (with_.b, without.b), (with_.w, without.w)):
+        assert a - b == pytest.approx(want, abs=1e-12)
+    dense = [layer_times(m, cl, e, 1, 2, **args) for e in (eff, eff.with_(moe_fp8_expert_us=0))]
+    assert dense[0] == dense[1]
+    assert not any(r.startswith("moe_fp8_expert_us") for r in efficiency_rules(cl.gpu, eff, moe=False))
+    h200 = make_cluster("h200", 8).gpu
+    assert any(r.startswith("moe_fp8_expert_us: the H100's") for r in efficiency_rules(h200, eff, moe=True))
+
+
+def test_later_releases_held_out():
+    """The rows of releases 26.02.01 to 26.06 (benchmarks/data/nvidia_recipes_h100_later.json), on which no
+    constant was fitted, what docs/benchmarks/published.md says of them: every one planned within memory,
+    14 of 15 within 15% (the dense rows and gpt-oss-120b within 10%; qwen3-30b-a3b on HybridEP +12% to
+    +16%, the worst); timed with DeepEP's host synchronise those HybridEP rows are 34-36% too slow, as the
+    alltoall dispatcher about 50%."""
+    from megatron_pp_ext.planner import SimCache
+    res = recipes.evaluate(search=False, later=True)
+    assert len(res) == 15 and all(x.pred.fits for x in res)
+    assert sum(abs(x.err) <= recipes.HELD_OUT_GOAL for x in res) == 14
+    hyb = [x for x in res if x.recipe.settings.get("flex_backend") == "hybridep"]
+    assert len(hyb) == 4 and all(0.12 <= x.err <= 0.16 for x in hyb), [x.err for x in hyb]
+    for x in res:
+        if x.recipe.ep == 1 or x.recipe.model == "gpt-oss-120b":
+            assert abs(x.err) <= 0.10, (x.recipe.label, x.err)
+    cache = SimCache(disk=False)
+    for x in hyb:
+        deep = recipes.predict(x.recipe, cache, moe_flex_backend="deepep").tokens / x.recipe.measured - 1
+        a2a = recipes.predict(x.recipe, cache, moe_dispatcher="alltoall").tokens / x.recipe.measured - 1
+        assert -0.36 <= deep <= -0.33 and -0.51 <= a2a <= -0.49, (x.recipe.label, deep, a2a)

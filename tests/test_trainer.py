@@ -104,7 +104,8 @@ def test_bad_input_is_one_line_before_any_process(capsys, no_processes, argv, ex
     ({"MPPX_NCCL_TIMEOUT": v}, ["--emulate-nccl"], f"MPPX_NCCL_TIMEOUT='{v}': the emulated NCCL hang timeout must be")
     for v in ("0.001", "0", "-1", "nan", "abc", "inf", "1e300")] + [
     ({"MPPX_EMULATE_NCCL": "bogus"}, [], "MPPX_EMULATE_NCCL='bogus': use 1 (channels), channels, pairwise, batched"),
-    ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, ["--emulate-nccl", "--enable-vocab-parallel"],
+    ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, ["--emulate-nccl", "--enable-vocab-parallel", "--vocab-parallel-one-queue",
+                                            "off"],
      "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) with --enable-vocab-parallel hangs"),
 ])
 def test_bad_nccl_environment_is_one_line_before_any_process(capsys, no_processes, monkeypatch, env, argv, expect):
@@ -424,7 +425,7 @@ def test_a_config_naming_two_strategies_is_refused_where_it_is_planned():
 def test_bpipe_is_not_refused_under_one_hardware_queue():
     """BPipe sends one message per eviction or fetch and runs under CUDA_DEVICE_MAX_CONNECTIONS=1
     (tests/runtime/test_bpipe_runtime.py, under the emulated one queue); vocabulary parallelism is
-    still refused with it."""
+    refused with it only in its threaded mode."""
     from megatron_pp_ext.runtime.ncclenv import check_nccl_environment
     from megatron_pp_ext.trainer.features import one_queue_hangs
     from megatron_pp_ext.features.vocab.config import VocabParallelConfig
@@ -432,3 +433,5 @@ def test_bpipe_is_not_refused_under_one_hardware_queue():
     check_nccl_environment(gpu=False, emulating=True, one_queue_hangs=one_queue_hangs((("bpipe", None),)),
                            env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert [f for f, _ in one_queue_hangs((("vocab_parallel", VocabParallelConfig()),))] == ["--enable-vocab-parallel"]
+    # its one-queue mode runs under one queue (tests/runtime/test_vocab_runtime.py)
+    assert one_queue_hangs((("vocab_parallel", VocabParallelConfig(one_queue=True)),)) == []

@@ -98,6 +98,17 @@ def test_vocab_parallel_end_to_end_tied_on_a_v_schedule(tmp_path):
     assert len(recs) == 2 and recs[1]["loss"] < recs[0]["loss"]
 
 
+def test_vocab_parallel_end_to_end_under_one_hardware_queue(tmp_path, monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 with NCCL's rules emulated (one hardware queue): the vocabulary
+    feature picks its one-queue mode by itself, is not refused and does not hang; loss as above."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    r = _mppx("--enable-vocab-parallel", "--iters", "2", "--no-progress", "--out", "q", "--emulate-nccl", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "; one-queue mode (collectives issued by the main thread at proved points" in r.stdout
+    close_to_pp1(r.stdout, tmp_path / "q" / "summary.json", ["the vocabulary-parallel softmax sums per shard"], 1e-6)
+    assert json.loads((tmp_path / "q" / "summary.json").read_text())["features"]["vocab_parallel"]["one_queue"]
+
+
 def test_bpipe_end_to_end_bit_exact_and_balanced(tmp_path):
     """1F1B at pp=4 holds 4/3/2/1 microbatches; with --bpipe rank 0 evicts to rank 3 (3/3/2/3)."""
     log = tmp_path / "b.jsonl"

@@ -143,7 +143,18 @@ def one_queue_refusal(case: ParityCase) -> str | None:
     from megatron_pp_ext.trainer.features import train_features
     name = _FEATURE_OF_KIND.get(case.kind)
     feature = train_features().get(name) if name else None
-    return getattr(feature, "one_queue_hang", None) if feature is not None else None
+    why = getattr(feature, "one_queue_hang", None) if feature is not None else None
+    if callable(why):   # (vocabulary parallelism: its one-queue mode, what a one-queue run uses, runs)
+        why = why(_vocab_config(one_queue=True) if case.kind == "vocab" else None)
+    return why
+
+
+def _vocab_config(one_queue: bool | None = None):
+    """The vocabulary-parallel config of the parity cases: Algorithm 2, in the one-queue mode when
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set (as ``--vocab-parallel-one-queue auto``)."""
+    from megatron_pp_ext.features.vocab.config import VocabParallelConfig
+    from megatron_pp_ext.runtime.ncclenv import one_hardware_queue
+    return VocabParallelConfig(algorithm=2, one_queue=one_hardware_queue() if one_queue is None else one_queue)
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:
@@ -308,9 +319,8 @@ def parity_worker(kind: str, cfg: RunConfig, busy: bool = False) -> dict:
     :class:`BusyStreams`); its record on the CPU."""
     seen = deterministic_cuda()
     if kind == "vocab":
-        from megatron_pp_ext.features.vocab.config import VocabParallelConfig
         from megatron_pp_ext.testing.vocab import run_vocab_training
-        rec = run_vocab_training(cfg, VocabParallelConfig(algorithm=2))
+        rec = run_vocab_training(cfg, _vocab_config())
     elif kind in ("plain", "offload", "bpipe"):
         from megatron_pp_ext.testing.parity import run_training
         try:

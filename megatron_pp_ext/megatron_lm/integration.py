@@ -105,7 +105,9 @@ def _make_validate_args(orig: Callable) -> Callable:
 
 
 #: the note of a run whose one-hardware-queue rule was lifted (:func:`_speed_rule_lifted`)
-QUEUE_NOTE = ("CUDA_DEVICE_MAX_CONNECTIONS left unset with {flags}, which hang under one hardware queue: Megatron-LM "
+QUEUE_NOTE = ("CUDA_DEVICE_MAX_CONNECTIONS left unset with {flags}, which hang under one hardware queue in the mode "
+              "this run chose (CUDA_DEVICE_MAX_CONNECTIONS=1 runs vocabulary parallelism's one-queue mode instead): "
+              "Megatron-LM "
               "asks for one queue at tensor or context parallel size > 1 before Blackwell only so that its tensor-"
               "parallel communication is scheduled before the GEMMs it overlaps (\"necessary for a speedup but not "
               "for correctness\", megatron/core/tensor_parallel/layers.py): that overlap may be lost "
@@ -116,9 +118,10 @@ QUEUE_NOTE = ("CUDA_DEVICE_MAX_CONNECTIONS left unset with {flags}, which hang u
 def _speed_rule_lifted(opts, args):
     """Megatron-LM's ``validate_args`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` at tp or cp > 1
     before Blackwell, a rule for the speed of its tensor-parallel overlap (as it waives it itself
-    for FSDP and the overlapped expert all-to-all). Features that hang under one queue
-    (vocabulary parallelism) need more, so for them the rule is lifted: the check sees 1, the
-    run keeps the queues the environment gives it (the variable is restored before CUDA starts)."""
+    for FSDP and the overlapped expert all-to-all). Features that hang under one queue (vocabulary
+    parallelism in its threaded mode: the variable was not 1 when its flags were resolved, or
+    ``--vocab-parallel-one-queue off``) need more, so for them the rule is lifted: the check sees 1,
+    the run keeps the queues the environment gives it (the variable is restored before CUDA starts)."""
     from ..runtime.ncclenv import one_hardware_queue
     from ..trainer.features import one_queue_hangs
     hangs = one_queue_hangs(opts.features) if opts is not None and opts.active else []

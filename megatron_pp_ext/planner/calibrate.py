@@ -272,9 +272,14 @@ def calibration_from_profile(kind: str, doc: dict, path: str) -> dict:
                                   if a2a is not None else
                                   "not measured (profile with --overlap-moe-expert-parallel-comm to measure it): the "
                                   "plan takes the all-to-all's share of F from its model")
-    seq = run["model"].get("seq") if isinstance(run["model"], dict) else None
-    if isinstance(seq, int) and seq > 0:   # (the planner refuses the times for another sequence)
-        out["stage_times"]["seq"] = seq
+    m = run["model"] if isinstance(run["model"], dict) else {}
+    # (the planner refuses the times for another sequence or model; mppx train's names, then Megatron-LM's)
+    for key, other in (("seq", "seq_length"), ("hidden", "hidden_size")):
+        v = m.get(key, m.get(other))
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise CalibrateError(f"{path}: the run's config has no {key} (model.{key}): the planner needs the "
+                               f"{'sequence length' if key == 'seq' else 'hidden size'} its times were measured at")
+        out["stage_times"][key] = v
     if eff:
         out = {"efficiency": eff, **out}
     return out

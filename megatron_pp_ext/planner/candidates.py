@@ -15,6 +15,8 @@ from .timing import Efficiency, default_efficiency
 
 #: Megatron-Core's own schedules: they run on an unmodified Megatron-LM without features
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+#: the flex dispatcher's backends the planner times (--moe-flex-dispatcher-backend)
+FLEX_BACKENDS = ("deepep", "hybridep")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class PlanRequest:
     #: also try overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm) on MoE models at
     #: expert parallel size >= 2: the paired schedules compete with the unpaired ones, the faster wins
     overlap: bool = False
+    #: Megatron-Core's token dispatcher (--moe-token-dispatcher-type): "alltoall" or "flex"
+    #: (timing.flex_dispatch_time), the flex one on ``moe_flex_backend`` (--moe-flex-dispatcher-backend:
+    #: "deepep", Megatron-Core's default, or "hybridep")
+    moe_dispatcher: str = "alltoall"
+    moe_flex_backend: str = "deepep"
     top: int = 10
     time_limit: float = 120.0                         # CPU seconds of search before it stops
     #: the runtime's point-to-point strategy on NCCL (runtime/p2pstrategy.py): its communication
@@ -233,6 +240,27 @@ class PlanRequest:
         the experts, etp the expert FFN, and ep*etp the GPUs of a pipeline stage (tp*dp), hence
         the GPU count."""
         model, n = self.model, self.cluster.num_gpus
+        if self.moe_dispatcher not in ("alltoall", "flex"):
+            raise PlannerError(f"--moe-token-dispatcher-type {self.moe_dispatcher!r}: one of alltoall, flex")
+        if self.moe_flex_backend not in FLEX_BACKENDS:
+            raise PlannerError(f"--moe-flex-dispatcher-backend {self.moe_flex_backend!r}: one of {', '.join(FLEX_BACKENDS)}")
+        if self.moe_dispatcher != "alltoall":
+            if not model.is_moe:
+                raise PlannerError(f"--moe-token-dispatcher-type {self.moe_dispatcher}: a dispatcher of MoE layers, and "
+                                   f"{model.name} is dense; drop it")
+            if self.ep is not None and self.etp is not None and max(self.ep) * max(self.etp) < 2:
+                raise PlannerError(f"--moe-token-dispatcher-type flex with --ep {','.join(map(str, self.ep))} --etp "
+                                   f"{','.join(map(str, self.etp))}: Megatron-Core's flex dispatcher needs expert "
+                                   "parallelism (ep x etp > 1); raise --ep or use alltoall")
+            st = self.efficiency.stage_times
+            if st is not None and st.expert is not None:
+                raise PlannerError("--moe-token-dispatcher-type flex with --calibration MoE stage_times: those were "
+                                   "measured with the alltoall dispatcher, whose all-to-all they include; plan with "
+                                   "alltoall, or calibrate without the MoE stage times")
+            if self.overlap:
+                raise PlannerError("--overlap-moe-expert-parallel-comm with --moe-token-dispatcher-type flex: "
+                                   "megatron_pp_ext's pairs are measured and chosen on Megatron-Core's alltoall "
+                                   "dispatcher; use alltoall or drop --overlap-moe-expert-parallel-comm")
         for flag, vals in (("--ep", self.ep), ("--etp", self.etp)):
             if vals is None:
                 continue
@@ -264,6 +292,11 @@ class PlanRequest:
 
     def with_(self, **changes) -> "PlanRequest":
         return replace(self, **changes)
+
+    @property
+    def dispatcher(self) -> str:
+        """The token dispatcher as the time model tells them apart (timing.MOE_DISPATCHERS)."""
+        return self.moe_flex_backend if self.moe_dispatcher == "flex" else "alltoall"
 
     @property
     def static_options(self) -> dict:

@@ -100,6 +100,9 @@ def moe_model_flags(model: ModelSpec) -> list[str]:
         f += ["--moe-router-score-function", model.moe_score_function]
     if model.moe_expert_bias:
         f.append("--moe-router-enable-expert-bias")
+    if model.moe_router_num_groups is not None:
+        f += ["--moe-router-num-groups", str(model.moe_router_num_groups),
+              "--moe-router-group-topk", str(model.moe_router_group_topk)]
     if model.num_experts >= 32:  # Megatron-Core recommends fp32 routing from 32 experts on (it warns)
         f += ["--moe-router-dtype", "fp32"]
     return f
@@ -128,8 +131,11 @@ def parallel_flags(est: Estimate, req: PlanRequest) -> list[str]:
     elif c.vp > 1 and c.schedule_placement() == "loop":  # interleaved-style chunks (V schedules imply 2)
         f += ["--num-layers-per-virtual-pipeline-stage", str(req.model.num_layers // (c.pp * c.vp))]
     if req.model.is_moe:
-        f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp),
-              "--moe-token-dispatcher-type", "alltoall"]
+        f += ["--expert-model-parallel-size", str(c.ep), "--expert-tensor-parallel-size", str(c.etp)]
+        if req.moe_dispatcher == "flex":   # (megatron-core 0.16 to 0.19 and main name both backends so)
+            f += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", req.moe_flex_backend]
+        else:
+            f += ["--moe-token-dispatcher-type", "alltoall"]
         if req.model.num_experts // c.ep > 1:  # several local experts: one grouped GEMM for all of them
             f.append("--moe-grouped-gemm")
     f += ["--micro-batch-size", str(c.mbs), "--global-batch-size", str(req.global_batch)]
@@ -276,10 +282,9 @@ def _bash_array(name: str, flags: list[str]) -> str:
 
 def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     """``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron-LM demands it (tp or cp > 1 before Blackwell,
-    compat.megatron_lm_requires_one_queue; never with Megatron-FSDP, which asserts more than one), except
-    with vocabulary parallelism, which hangs under
-    one queue: the integration lifts Megatron-LM's rule, a rule for the speed of its tensor-parallel
-    overlap (megatron_lm/integration.py); elsewhere the default queues."""
+    compat.megatron_lm_requires_one_queue; never with Megatron-FSDP, which asserts more than one),
+    vocabulary parallelism included (under one queue it runs its one-queue mode,
+    ``--vocab-parallel-one-queue auto``); elsewhere the default queues."""
     from ..compat import megatron_lm_requires_one_queue
     c = est.candidate
     required = megatron_lm_requires_one_queue(tp=c.tp, cp=c.cp, blackwell=req.cluster.gpu.blackwell,
@@ -287,16 +292,15 @@ def _queue_lines(est: Estimate, req: PlanRequest) -> list[str]:
     if req.megatron_fsdp:
         return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-FSDP overlaps its all-gathers and",
                 "# reduce-scatters with compute on more than one queue (Megatron-LM refuses it with one)."]
-    if required and any(name == "vocab-parallel" for name, _ in c.features):
-        return ["# CUDA_DEVICE_MAX_CONNECTIONS left unset: vocabulary parallelism hangs under one hardware queue.",
-                "# Megatron-LM asks for one at tp/cp > 1 before Blackwell only for the speed of its tensor-parallel",
-                "# overlap; megatron_pp_ext lifts that rule for this run (docs/vocab.md#one-hardware-queue)."]
     if required:
-        return ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
-                "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell).",
-                "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+        lines = ["# One kernel queue per device keeps tensor/sequence-parallel communication ordered",
+                 "# with the GEMMs it overlaps (Megatron-LM requires it for tp or cp > 1 before Blackwell)."]
+        if any(name == "vocab-parallel" for name, _ in c.features):
+            lines.append("# Vocabulary parallelism then issues its collectives from the main thread at proved points of "
+                         "the schedule (its one-queue mode, docs/vocab.md#one-hardware-queue).")
+        return lines + ["export CUDA_DEVICE_MAX_CONNECTIONS=1"]
     return ["# CUDA_DEVICE_MAX_CONNECTIONS left at its default: Megatron-LM does not require one queue for this",
-            "# layout, and vocabulary parallelism needs more than one."]
+            "# layout."]
 
 
 def slurm_script(est: Estimate, req: PlanRequest, *, job_name: str | None = None, time_limit: str = "04:00:00",

@@ -63,6 +63,10 @@ class ModelSpec:
     moe_load_balancing: str = "aux_loss"   # --moe-router-load-balancing-type
     moe_score_function: str = "softmax"    # --moe-router-score-function
     moe_expert_bias: bool = False    # --moe-router-enable-expert-bias (aux-loss-free balancing)
+    #: group-limited routing (--moe-router-num-groups G --moe-router-group-topk T): a token's experts
+    #: lie in T of G equal groups of experts; DeepSeek-V3's node-limited routing (8 groups, 4 per token)
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     # sliding-window attention (Megatron-LM --window-size W,0 --window-attn-skip-freq): a windowed
     # layer's query attends to itself and the W keys before it
     window_size: int | None = None
@@ -144,7 +148,8 @@ class ModelSpec:
             given = [flag for flag, v, default in (
                 ("--moe-ffn-hidden-size", self.moe_ffn, None),
                 ("--moe-shared-expert-intermediate-size", self.moe_shared_ffn, 0),
-                ("--moe-layer-freq", self.moe_layer_freq, 1)) if v != default]
+                ("--moe-layer-freq", self.moe_layer_freq, 1), ("--moe-router-num-groups", self.moe_router_num_groups, None),
+                ("--moe-router-group-topk", self.moe_router_group_topk, None)) if v != default]
             if given:
                 raise PlannerError(f"{who}: {given[0]} needs --num-experts (a dense model has no MoE layers); "
                                    "add --num-experts N or drop it")
@@ -185,6 +190,22 @@ class ModelSpec:
         if self.moe_expert_bias and self.moe_score_function != "sigmoid":
             # TransformerConfig: expert bias only with the sigmoid score function
             raise PlannerError(f"{who}: --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        self._check_group_routing()
+
+    def _check_group_routing(self) -> None:
+        """--moe-router-num-groups / --moe-router-group-topk by Megatron-Core's router (group_limited_topk:
+        equal groups, the top-(k/T) scores of each group rank the groups)."""
+        who, g, t = f"model {self.name!r}", self.moe_router_num_groups, self.moe_router_group_topk
+        if g is None and t is None:
+            return
+        if g is None or t is None:
+            raise PlannerError(f"{who}: group-limited routing needs both --moe-router-num-groups and "
+                               "--moe-router-group-topk; give both or neither")
+        if not (isinstance(g, int) and g >= 1 and self.num_experts % g == 0):
+            raise PlannerError(f"{who}: --moe-router-num-groups {g!r} must divide --num-experts {self.num_experts}")
+        if not (isinstance(t, int) and 1 <= t <= g and self.moe_topk % t == 0):
+            raise PlannerError(f"{who}: --moe-router-group-topk {t!r} must be from 1 to --moe-router-num-groups {g} "
+                               f"and divide --moe-router-topk {self.moe_topk}")
 
     @property
     def head_dim(self) -> int:
@@ -338,7 +359,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
            qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, mtp_num_layers=1, num_experts=256,
            moe_topk=8, moe_ffn=2048, moe_shared_ffn=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
            moe_aux_loss_coeff=0.0001, moe_load_balancing="seq_aux_loss", moe_score_function="sigmoid",
-           moe_expert_bias=True),
+           moe_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4),
     # DeepSeek-V3's sizes with grouped-query attention in place of MLA, and no MTP module (a GQA stand-in;
     # deepseek-v3 is the exact model)
     _llama("deepseek-v3-like", 61, 7168, 128, 8, 18432, 129280, 4096, kv_channels=128, num_experts=256,

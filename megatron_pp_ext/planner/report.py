@@ -197,6 +197,13 @@ def estimate_to_dict(e: Estimate, req) -> dict:
     return d
 
 
+def _dispatcher(req) -> dict:
+    """The MoE token dispatcher the plans are timed with (Megatron-LM's names; null for a dense model)."""
+    moe = req.model.is_moe
+    return {"moe_token_dispatcher_type": req.moe_dispatcher if moe else None,
+            "moe_flex_dispatcher_backend": req.moe_flex_backend if moe and req.moe_dispatcher == "flex" else None}
+
+
 def nothing_fits_to_dict(req, error) -> dict:
     """``mppx plan --json`` when no configuration fits: no plans, the reason, and the configuration
     that overflows memory least with its predicted time (``closest``, ``fits`` false)."""
@@ -206,7 +213,7 @@ def nothing_fits_to_dict(req, error) -> dict:
                     "gpus_per_node": req.cluster.gpus_per_node, "usable_bytes": req.cluster.usable_bytes},
         "global_batch_size": req.global_batch, "precision": req.precision,
         "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
-        "megatron_fsdp": req.megatron_fsdp,
+        "megatron_fsdp": req.megatron_fsdp, **_dispatcher(req),
         "plans": [], "fits": False, "error": str(error),
         "closest": estimate_to_dict(error.closest, req) if getattr(error, "closest", None) is not None else None,
         "derived": efficiency_rules(req.cluster.gpu, req.efficiency, req.model.is_moe), "disclaimer": DISCLAIMER,
@@ -223,7 +230,7 @@ def result_to_dict(result: PlanResult, *, bpipe: BPipeVerdict | None = None, slu
         "global_batch_size": req.global_batch,
         "precision": req.precision,
         "fp8_recipe": req.fp8_recipe if req.precision == "fp8" else None,
-        "megatron_fsdp": req.megatron_fsdp,
+        "megatron_fsdp": req.megatron_fsdp, **_dispatcher(req),
         "efficiency": req.efficiency.to_dict(),
         "derived": efficiency_rules(req.cluster.gpu, req.efficiency, req.model.is_moe),
         "plans": [estimate_to_dict(e, req) for e in result.plans],

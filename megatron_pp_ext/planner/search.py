@@ -241,6 +241,8 @@ class Planner:
                     self.rej.add("layout", what, "MoE with linear biases needs etp = 1 (Megatron-Core)")
                 elif ep == 1 and etp != tp:
                     self.rej.add("layout", what, "etp other than tp needs expert parallelism (ep > 1)")
+                elif req.moe_dispatcher == "flex" and ep * etp < 2:
+                    self.rej.add("layout", what, "the flex dispatcher needs ep x etp > 1 (Megatron-Core)")
                 else:
                     out.append((ep, etp))
         return out
@@ -287,18 +289,31 @@ class Planner:
                             for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven, cp=cp):
                                 cand = replace(cand, ep=ep, etp=etp)
                                 yield cand
-                                if self._pairs(cand):
+                                why = self._no_pairs(cand) if req.overlap and model.is_moe else "-"
+                                if why is None:
                                     yield replace(cand, overlap=True)
+                                elif why != "-":   # (--overlap-moe-expert-parallel-comm asked: say why not)
+                                    self.rej.add("pairs", f"{_describe(cand)}+pairs", why)
 
-    def _pairs(self, cand: Candidate) -> bool:
-        """Whether ``cand`` also runs as overlapped pairs (``--overlap``): an MoE model at ep >= 2
-        with its all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no
-        full recomputation, and several model chunks per rank at pp > 1 (interleaved or V) -- and
-        the runtime's: two or more experts per rank (with one, Megatron-Core's plan frees tokens its
+    def _no_pairs(self, cand: Candidate) -> str | None:
+        """Why ``cand`` cannot run as overlapped pairs, or None: an MoE model at ep >= 2 with its
+        all-to-all dispatcher, and Megatron-Core's rules for the flag -- bf16 (or fp16), no full
+        recomputation, and several model chunks per rank at pp > 1 (interleaved or V) -- and the
+        runtime's: two or more experts per rank (with one, Megatron-Core's plan frees tokens its
         backward needs; mppx train and the Megatron-LM flags refuse it)."""
-        req = self.req
-        return (req.overlap and req.model.is_moe and cand.ep >= 2 and req.model.num_experts // cand.ep >= 2
-                and req.precision in ("bf16", "fp8") and cand.recompute != "full" and (cand.pp == 1 or cand.vp > 1))
+        E = self.req.model.num_experts
+        if cand.ep < 2:
+            return "no all-to-all to hide at ep 1"
+        if E // cand.ep < 2:
+            return (f"one expert per rank ({E} experts at ep {cand.ep}): Megatron-Core's plan frees tokens its "
+                    "backward needs; use an ep with two or more experts per rank")
+        if self.req.precision not in ("bf16", "fp8"):
+            return f"Megatron-Core pairs bf16 and fp8 runs, not {self.req.precision}"
+        if cand.recompute == "full":
+            return "not with full recomputation (Megatron-Core's rule)"
+        if cand.pp > 1 and cand.vp < 2:
+            return "needs several model chunks per rank at pp > 1 (interleaved or V)"
+        return None
 
     def _schedules(self, tp, pp, dp, mbs, m, rc, uneven=False, cp=1):
         L = self.req.model.num_layers
@@ -356,7 +371,8 @@ class Planner:
         kinds = sorted(set(model.moe_pattern))          # False: dense layers, True: MoE layers
         prec = self.req.precision
         lt = {moe: layer_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
-                               etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe) for moe in kinds}
+                               etp=cand.etp, precision=prec, fp8_recipe=self.req.fp8_recipe,
+                               dispatcher=self.req.dispatcher) for moe in kinds}
         la = {moe: layer_activation(model, cand.mbs, cand.tp, recompute=cand.recompute, moe=moe, ep=cand.ep,
                                     etp=cand.etp) for moe in kinds}
         if cand.cp > 1:   # the attention of the other CP ranks' chunks and the ring's exposed exchange
@@ -365,7 +381,7 @@ class Planner:
         out = output_times(model, cl, eff, cand.mbs, cand.tp, precision=prec)
         if model.mtp_num_layers:   # the MTP layers run on the last stage, after the output layer
             mtp = mtp_times(model, cl, eff, cand.mbs, cand.tp, recompute=cand.recompute, ep=cand.ep, etp=cand.etp,
-                            precision=prec, fp8_recipe=self.req.fp8_recipe)
+                            precision=prec, fp8_recipe=self.req.fp8_recipe, dispatcher=self.req.dispatcher)
             out = PassTimes(out.f + mtp.f, out.b + mtp.b, out.w + mtp.w, out.detail)
         t_f, t_b, t_w = [], [], []
         for part in parts:
@@ -829,10 +845,17 @@ class Planner:
               or self.rej.examples("divisibility") or ["-"])[0]
         counts = ", ".join(f"{n} {cat}" for cat, n in c.most_common())
         if c.get("time limit"):  # not proved that nothing fits: the search ran out of time first
-            return (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
+            head = (f"--time-limit {req.time_limit:g}: the search stopped after {self.stats.get('seconds', 0):.3g} s "
                     f"of CPU (at most half of the limit costing candidates, the rest simulating them), before any "
-                    f"configuration of {model.name} was found to fit (rejected: {counts}); raise --time-limit "
-                    "(default 120)")
+                    f"configuration of {model.name} was found to fit (rejected: {counts})")
+            if not c.get("memory"):
+                return head + "; raise --time-limit (default 120)"
+            # what it did cost all overflowed: a longer search may find one that fits, or none may
+            closest = (f", the closest by {fmt_bytes(self._closest_miss[0])} ({_describe(self._closest_miss[1])})"
+                       if self._closest_miss is not None else "")
+            return (f"{head}; every one it costed overflows memory{closest}: raise --time-limit (default 120) to "
+                    "try the rest, or use more GPUs (--gpus), GPUs with more memory (--memory), or allow full "
+                    "recomputation/offload")
         if set(c) <= {"divisibility", "layout", "dominated"}:  # no layout got as far as memory
             ex = (self.rej.examples("divisibility") or self.rej.examples("layout") or ["-"])[0]
             st = req.efficiency.stage_times

@@ -104,8 +104,16 @@ class Efficiency:
     #: Megatron-Core's alltoall dispatcher copies the token counts to the host in every MoE layer's
     #: forward (a device synchronise), after which the GPU runs only as fast as the host launches the
     #: layer's router, permutation and per-expert kernels -- but not measured apart; a profile of your
-    #: own MoE run (``mppx calibrate``: measured MoE stage times) replaces it
+    #: own MoE run (``mppx calibrate``: measured MoE stage times) replaces it. Paid by the dispatchers
+    #: that copy the counts to the host (:data:`HOST_SYNC_DISPATCHERS`), not by HybridEP
     moe_layer_overhead_us: float = 0.0
+    #: under FP8, an MoE layer's cost per local expert and pass (F, B or W), on top of the above: what
+    #: NVIDIA's FP8 MoE recipe runs take beyond their kernels' modelled time, in proportion to the
+    #: experts each rank holds (an FP8 row with 16 local experts and two with 4 agree with one value,
+    #: the bf16 rows need none). Most likely host time again: Transformer Engine's grouped linear
+    #: quantises each expert's operands and launches each expert's FP8 GEMM with its own scales,
+    #: where bf16 runs one grouped GEMM; not measured apart (``mppx calibrate`` replaces it)
+    moe_fp8_expert_us: float = 0.0
     tp_overlap: float = 0.0             # share of TP communication hidden behind GEMMs
     dp_overlap: bool = True             # --overlap-grad-reduce / --overlap-param-gather
     #: picoseconds per dropout mask element drawn in a forward (Philox random numbers: compute the
@@ -149,7 +157,8 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1e12):
                 raise bad(name, "a number in (0, 1e12]")
-        for name, hi in (("layer_overhead_us", 1e6), ("moe_layer_overhead_us", 1e6), ("dropout_rng_ps", 1e6),
+        for name, hi in (("layer_overhead_us", 1e6), ("moe_layer_overhead_us", 1e6), ("moe_fp8_expert_us", 1e6),
+                         ("dropout_rng_ps", 1e6),
                          ("exchange_sync_us", 1e6),
                          ("p2p_gbps", 1e5)):
             v = getattr(self, name)
@@ -182,7 +191,8 @@ class Efficiency:
 #: fp8_gemm_max and fp8_gemm_half are fitted to NVIDIA's H100 recipes (the 26.02 llama3-70b and
 #: llama3.1-405b rows of docs/benchmarks/published.md; the other rows are held to them), and its
 #: moe_layer_overhead_us to the gpt-oss-120b 26.02 row (the other MoE rows are held to it; the A100
-#: carries the H100's value, DERIVED says so); its bf16 curves are estimates (DERIVED says so). The other GPUs derive theirs by the rules in DERIVED, which
+#: carries the H100's value, DERIVED says so), its moe_fp8_expert_us to the qwen3-30b-a3b 25.11 row
+#: (the qwen3-235b-a22b FP8 rows are held to it); its bf16 curves are estimates (DERIVED says so). The other GPUs derive theirs by the rules in DERIVED, which
 #: the report prints.
 DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "a100": Efficiency(gemm_max=0.78, gemm_half=2.0e5, flash_fwd=0.60, flash_bwd=0.45, attn_bmm=0.55,
@@ -191,10 +201,13 @@ DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "h100": Efficiency(gemm_max=0.65, gemm_half=4.0e5, flash_fwd=0.50, flash_bwd=0.40, attn_bmm=0.45,
                        attn_half=12.0, hbm=0.75, layer_overhead_us=30.0, dropout_rng_ps=2.2,
                        exchange_sync_us=1200.0, fp8_gemm_max=0.82, fp8_gemm_half=5.5e6, moe_layer_overhead_us=2050.0,
-                       source="h100 preset"),
+                       moe_fp8_expert_us=82.0, source="h100 preset"),
 }
 _HOST_RULE = ("the A100's (fitted on the Zero Bubble A100 1F1B rows): a host-side cost, not measured on this GPU "
               "(measure it: docs/planner.md#calibration-file)")
+_FP8_EXPERT_RULE = ("the H100's (fitted on NVIDIA's qwen3-30b-a3b 25.11 FP8 recipe row): a cost per local expert "
+                    "of FP8 MoE layers, most likely host-side, not measured on this GPU (measure your MoE run: "
+                    "docs/planner.md#calibration-file)")
 _MOE_RULE = ("the H100's (fitted on NVIDIA's gpt-oss-120b 26.02 recipe row): an MoE layer's fixed cost, most likely "
              "host-side, not measured on this GPU (measure your MoE run: docs/planner.md#calibration-file)")
 #: GPU -> (the preset its efficiencies come from, {field: rule}): every value not measured on the GPU
@@ -206,15 +219,20 @@ DERIVED: dict[str, tuple[str, dict[str, str]]] = {
                       "dropout_rng_ps": "the A100's scaled by the fp32 (CUDA-core) throughput",
                       "exchange_sync_us": _HOST_RULE,
                       "moe_layer_overhead_us": "fitted on NVIDIA's gpt-oss-120b 26.02 recipe row (what it stands for "
-                                               "is not measured apart: docs/benchmarks/published.md)"}),
+                                               "is not measured apart: docs/benchmarks/published.md)",
+                      "moe_fp8_expert_us": "fitted on NVIDIA's qwen3-30b-a3b 25.11 FP8 recipe row (what it stands for "
+                                           "is not measured apart: docs/benchmarks/published.md)"}),
     "h200": ("h100", {"all curves": "the H100's (the same GH100 compute; its faster HBM enters through hbm_gbps)",
-                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
+                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE,
+                      "moe_fp8_expert_us": _FP8_EXPERT_RULE}),
     "b200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
                                     "calibrated",
-                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
+                      "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE,
+                      "moe_fp8_expert_us": _FP8_EXPERT_RULE}),
     "gb200": ("h100", {"all curves": "the H100's fractions of peak (no Blackwell measurement): a guess until "
                                      "calibrated",
-                       "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE}),
+                       "exchange_sync_us": _HOST_RULE, "moe_layer_overhead_us": _MOE_RULE,
+                       "moe_fp8_expert_us": _FP8_EXPERT_RULE}),
     "a100": ("a100", {"moe_layer_overhead_us": _MOE_RULE}),
 }
 
@@ -392,13 +410,13 @@ def mtp_flops(model: ModelSpec, mbs: int) -> float:
 
 def mtp_times(model: ModelSpec, cluster: ClusterSpec, eff: "Efficiency", mbs: int, tp: int, *,
               recompute: str = "none", ep: int = 1, etp: int | None = None, precision: str = "bf16",
-              fp8_recipe: str = "tensorwise") -> "PassTimes":
+              fp8_recipe: str = "tensorwise", dispatcher: str = "alltoall") -> "PassTimes":
     """F, B, W of the MTP layers on the last stage: per layer a transformer layer of the last
     layer's kind, the 2h -> h projection and another pass of the output layer and loss."""
     if not model.mtp_num_layers:
         return PassTimes(0.0, 0.0, 0.0, {})
     lt = layer_times(model, cluster, eff, mbs, tp, recompute=recompute, moe=model.moe_pattern[-1], ep=ep, etp=etp,
-                     precision=precision, fp8_recipe=fp8_recipe)
+                     precision=precision, fp8_recipe=fp8_recipe, dispatcher=dispatcher)
     out = output_times(model, cluster, eff, mbs, tp, precision=precision)
     x = mbs * model.seq * model.hidden / tp
     proj = gemm_time(2.0 * mbs * model.seq * 2 * model.hidden ** 2 / tp, x, cluster.gpu, eff, precision)
@@ -461,8 +479,61 @@ def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> flo
     return max(t_near, t_far) + lat
 
 
+#: Megatron-Core's token dispatchers the planner times: ``alltoall`` (:func:`alltoall_time`), and the
+#: flex dispatcher on DeepEP's or on HybridEP's kernels (``deepep``, ``hybridep``:
+#: :func:`flex_dispatch_time`)
+MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+#: the dispatchers that copy the token counts to the host in every MoE layer's forward (a device
+#: synchronise: ``Efficiency.moe_layer_overhead_us``): the alltoall dispatcher (its split sizes),
+#: DeepEP (its received counts come back as a host list, and Megatron-Core sums them with ``.item()``);
+#: HybridEP keeps them on the device (Megatron-Core's ``_HybridEPManager``: a device tensor sizes the
+#: permutation)
+HOST_SYNC_DISPATCHERS = ("alltoall", "deepep")
+
+
+def expected_nodes(model: ModelSpec, nodes: int, etp: int = 1) -> float:
+    """How many of the ``nodes`` an expert-parallel group spans a token's top-k experts sit on, on
+    average, under balanced routing: k of E experts drawn without replacement, E/nodes per node;
+    with group-limited routing (--moe-router-num-groups G whole groups per node, --moe-router-group-topk
+    T) T of the G groups. With expert tensor parallelism Megatron-Core's flex dispatcher routes over
+    etp x ep ranks, each expert's etp shards counted as experts (k and E times etp)."""
+    if nodes <= 1:
+        return float(nodes)
+    E, k = model.num_experts * etp, model.moe_topk * etp
+    g, t = model.moe_router_num_groups, model.moe_router_group_topk
+    if g is not None and etp == 1 and g >= nodes and g % nodes == 0:
+        E, k = g, t          # whole groups per node: T groups drawn from G
+    per = E // nodes
+    return nodes * (1.0 - math.comb(E - per, k) / math.comb(E, k))
+
+
+def flex_dispatch_time(nbytes: float, model: ModelSpec, cluster: ClusterSpec, ep: int, etp: int) -> float:
+    """One dispatch (or combine) of Megatron-Core's flex dispatcher (DeepEP's normal kernels, or
+    HybridEP's, which move tokens the same way): ``nbytes`` is this rank's tokens before routing
+    (b*s/tp of them, h wide). It sends a token once to every other node holding one of its experts
+    (over the network, to the GPU of the same index there), and every copy on to its expert's GPU
+    inside the node over NVLink; the two run concurrently (the slower counts). Against :func:`alltoall_time`, whose k copies of a token each
+    cross to their expert's rank, the network carries expected_nodes x (nodes-1)/nodes copies of
+    it instead of k x (nodes-1)/nodes (DeepSeek-V3 at ep 64 over 8 nodes, 4 of 8 groups: 3.5 for 7).
+    The expert-parallel group is etp x ep consecutive ranks (Megatron-Core's tp-ep-dp-pp order)."""
+    group = ep * etp
+    if group <= 1:
+        return 0.0
+    g = cluster.gpu
+    in_node = max(1, min(group, cluster.nvlink_size))
+    nodes = -(-group // in_node)
+    k = model.moe_topk * etp
+    t_near = nbytes * k * (in_node - 1) / in_node / (g.nvlink_gbps * 1e9)
+    t_far = 0.0
+    if nodes > 1:
+        t_far = nbytes * expected_nodes(model, nodes, etp) * (nodes - 1) / nodes / (g.net_gbps * 1e9)
+    lat = (g.net_latency_us if nodes > 1 else g.nvlink_latency_us) * 1e-6
+    return max(t_near, t_far) + lat
+
+
 def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *, ep: int = 1,
-                  etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise") -> dict:
+                  etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise",
+                  dispatcher: str = "alltoall") -> dict:
     """Seconds of the MLP part of one MoE layer on one rank (forward GEMMs, element-wise work,
     all-to-all and expert-tensor-parallel communication per pass) -- see the module doc. Under
     FP8 the experts' and the shared expert's GEMMs run in FP8 (with their casts), the router in
@@ -493,9 +564,13 @@ def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: 
     ew = eb * tokens * (glu * model.expert_ffn + 4 * h) / hbm + 8.0 * b * s / tp * E / hbm
     if model.moe_shared_ffn:
         ew += eb * b * s * glu * model.moe_shared_ffn / tp / hbm
-    a2a = alltoall_time(eb * tokens * h, cluster, ep, etp)
-    bw, lat = tp_bandwidth(cluster, etp)
-    etp_comm = 2 * _collective(eb * tokens * h * etp, etp, bw, lat, 1.0)   # all-gather + reduce-scatter
+    if dispatcher != "alltoall":   # the flex dispatcher routes over etp x ep ranks itself: no expert-tp all-gather
+        a2a = flex_dispatch_time(eb * b * s / tp * h, model, cluster, ep, etp)
+        etp_comm = 0.0
+    else:
+        a2a = alltoall_time(eb * tokens * h, cluster, ep, etp)
+        bw, lat = tp_bandwidth(cluster, etp)
+        etp_comm = 2 * _collective(eb * tokens * h * etp, etp, bw, lat, 1.0)   # all-gather + reduce-scatter
     shared_comm = 0.0
     if model.moe_shared_ffn:
         bw, lat = tp_bandwidth(cluster, tp)
@@ -506,7 +581,8 @@ def moe_mlp_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: 
 
 def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: int, tp: int, *,
                 recompute: str = "none", sequence_parallel: bool = True, moe: bool = False, ep: int = 1,
-                etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise") -> PassTimes:
+                etp: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise",
+                dispatcher: str = "alltoall") -> PassTimes:
     """F, B, W of one transformer layer (an MoE layer with ``moe``) for one microbatch on one
     rank, in ``precision`` (bf16: its tensor-core peak, 2-byte activations; fp32: the fp32 peak,
     4-byte activations; fp8: the linear layers' GEMMs at the FP8 peak on FP8's curve plus
@@ -517,7 +593,11 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
     hbm = g.hbm_gbps * 1e9 * eff.hbm
     s, b, h, a = model.seq, mbs, model.hidden, model.heads
     x = b * s * h / tp
-    over = (eff.layer_overhead_us + (eff.moe_layer_overhead_us if moe else 0.0)) * 1e-6
+    over = eff.layer_overhead_us
+    if moe:
+        over += (eff.moe_layer_overhead_us if dispatcher in HOST_SYNC_DISPATCHERS else 0.0) \
+            + (eff.moe_fp8_expert_us * model.num_experts / ep if precision == "fp8" else 0.0)
+    over *= 1e-6
     tokens = b * s / (tp if sequence_parallel else 1)
     bw, lat = tp_bandwidth(cluster, tp)
     msg_bytes = eb * b * s * h
@@ -530,7 +610,7 @@ def layer_times(model: ModelSpec, cluster: ClusterSpec, eff: Efficiency, mbs: in
         cast_b = fp8_cast_time(b * s / tp * (qkv_o + h), 2, g, eff, fp8_recipe)
     if moe:
         mt = moe_mlp_times(model, cluster, eff, mbs, tp, ep=ep, etp=etp, precision=precision,
-                           fp8_recipe=fp8_recipe)
+                           fp8_recipe=fp8_recipe, dispatcher=dispatcher)
         t_lin = gemm_time(attention_linear_flops(model, mbs) / tp, x, g, eff, precision) + mt["gemm"]
         cast_f, cast_b = cast_f + mt["fp8_cast_f"], cast_b + mt["fp8_cast_b"]
         ew_f = eb * tokens * (16 * h) / hbm + mt["elementwise"]
@@ -699,8 +779,8 @@ _EFF_FIELDS = {f.name for f in fields(Efficiency)} - {"source", "stage_times"}
 
 #: what a calibration file may hold (docs/planner.md); anything else is refused, not ignored
 _TOP_KEYS = ("efficiency", "gemm_points", "layer_points", "stage_times", "precision", "measured")
-_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms", "seq", "experts", "topk", "ep",
-               "etp", "a2a_ms", "dispatcher")
+_STAGE_KEYS = ("micro_batch_size", "tp", "layers", "seq", "hidden", "f_ms", "b_ms", "w_ms", "p2p_ms", "experts",
+               "topk", "ep", "etp", "a2a_ms", "dispatcher")
 #: an MoE run's stage_times: the expert layout they hold for (all four, or none: a dense run's)
 _EXPERT_KEYS = ("experts", "topk", "ep", "etp")
 _GEMM_KEYS = ("x", "tokens", "hidden_per_tp", "efficiency")
@@ -854,6 +934,10 @@ def calibration_from_dict(doc, base: Efficiency, model: ModelSpec | None = None,
             raise PlannerError(f"--calibration {path}: layer point {p}: mbs and tp must be whole numbers (mbs 1 to "
                                f"{_MAX_MBS}, tp 1 to {_MAX_TP}) and forward_ms > 0")
         mbs, tp = int(mbs), int(tp)
+        if model.heads % tp or model.kv_heads % tp:
+            raise PlannerError(f"--calibration {path}: layer point {p}: tp {tp} does not divide {model.name}'s "
+                               f"{model.heads} attention heads and {model.kv_heads} key/value heads, so no layer of it "
+                               "ran there; give points measured at a tp that divides both")
         lt = layer_times(model, cluster, eff, mbs, tp, precision=precision)
         other = lt.f - lt.detail["gemm_f"]
         t_gemm = ms * 1e-3 - other
@@ -895,14 +979,16 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
         raise PlannerError(f"--calibration {path}: stage_times: unknown keys {unknown}; known: "
                            f"{', '.join(_STAGE_KEYS)}")
     what = {"micro_batch_size": "microbatch size", "tp": "tensor-parallel size",
-            "layers": "number of transformer layers the stage held"}
-    for key in ("micro_batch_size", "tp", "layers", "f_ms", "b_ms", "w_ms", "p2p_ms"):
+            "layers": "number of transformer layers the stage held", "seq": "sequence length",
+            "hidden": "hidden size of the model"}
+    for key in ("micro_batch_size", "tp", "layers", "seq", "hidden", "f_ms", "b_ms", "w_ms", "p2p_ms"):
         if key not in st:   # (no defaults: 4 measured layers read as 1 planned 4x too slow)
             raise PlannerError(f"--calibration {path}: stage_times.{key} is missing: give the "
                                + (f"{what[key]} the times were measured at" if key in what
                                   else "measured time in milliseconds, > 0"))
     sizes = {}
-    for key, hi in (("micro_batch_size", _MAX_MBS), ("tp", _MAX_TP), ("layers", 1 << 16)):
+    for key, hi in (("micro_batch_size", _MAX_MBS), ("tp", _MAX_TP), ("layers", 1 << 16), ("seq", 1 << 24),
+                    ("hidden", 1 << 20)):
         v = st[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) \
                 or not 1 <= v <= hi:
@@ -937,10 +1023,14 @@ def _stage_times(st, path: str, model: ModelSpec | None, cluster: ClusterSpec | 
         if sizes["layers"] > model.num_layers:
             raise PlannerError(f"--calibration {path}: stage_times.layers={sizes['layers']}: more than the model's "
                                f"{model.num_layers} layers")
-        seq = st.get("seq")
-        if seq is not None and seq != model.seq:
-            raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {seq!r} tokens, the "
-                               f"plan's is {model.seq}: plan --seq {seq} or measure at {model.seq}")
+        if sizes["seq"] != model.seq:
+            raise PlannerError(f"--calibration {path}: stage_times were measured at a sequence of {sizes['seq']} "
+                               f"tokens, the plan's is {model.seq}: plan --seq {sizes['seq']} or measure at "
+                               f"{model.seq}")
+        if sizes["hidden"] != model.hidden:
+            raise PlannerError(f"--calibration {path}: stage_times.hidden={sizes['hidden']}: the times were measured "
+                               f"on a model of hidden size {sizes['hidden']}, and {model.name}'s is {model.hidden}: "
+                               "calibrate from a run of the planned model")
         if cluster is not None:
             _check_stage_speed(times, sizes, model, cluster, precision, path, moe=expert is not None)
     return StageTimes(sizes["micro_batch_size"], sizes["tp"], sizes["layers"], times["f_ms"], times["b_ms"],
@@ -972,9 +1062,9 @@ def _stage_expert(st: dict, path: str) -> tuple[int, int, int, int] | None:
                            "at most experts and ep must divide them")
     disp = st.get("dispatcher", "alltoall")
     if disp != "alltoall":
-        raise PlannerError(f"--calibration {path}: stage_times.dispatcher={disp!r}: the planner's plans run the "
-                           "alltoall token dispatcher (they emit --moe-token-dispatcher-type alltoall); measure a run "
-                           "with it")
+        raise PlannerError(f"--calibration {path}: stage_times.dispatcher={disp!r}: measured MoE times are taken "
+                           "from runs of the alltoall token dispatcher (the one megatron_pp_ext's profile times); "
+                           "measure a run with --moe-token-dispatcher-type alltoall")
     return experts, topk, ep, etp
 
 

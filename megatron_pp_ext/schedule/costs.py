@@ -228,7 +228,9 @@ class CostModel:
         try:
             return cls.uniform(num_stages, chunks_per_rank, f, b, w, comm, **kw)
         except ScheduleError as e:  # e.g. one microbatch over all stages too long to simulate
-            raise ScheduleError(f"--costs {spec!r}: {e}") from None
+            shown = spec if isinstance(spec, str) else ",".join(f"{x:g}" for x in (f, b, w, comm))
+            why = str(e).removeprefix("CostModel: ")
+            raise ScheduleError(f"--costs {shown!r}: {why}") from None
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)

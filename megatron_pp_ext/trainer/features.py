@@ -24,7 +24,7 @@ the pipeline size, which the Megatron-LM integration checks before the model is 
 ``emulation_overlay(config, schedule, cost)`` (optional): what ``--emulate-compute`` should
 simulate instead of the schedule itself (vocabulary parallelism: its collectives as messages).
 
-``one_queue_hang`` (optional, a string: why): the feature hangs on a GPU with one hardware queue
+``one_queue_hang`` (optional, a string: why, or a method of the feature's config returning one or None): the feature hangs on a GPU with one hardware queue
 (``CUDA_DEVICE_MAX_CONNECTIONS=1``), as the emulation of NCCL's rules shows; such a run is refused
 before any process starts (runtime/ncclenv.py).
 
@@ -181,6 +181,8 @@ def one_queue_hangs(features: tuple[tuple[str, Any], ...]) -> list[tuple[str, st
     out = []
     for name, cfg in features:
         why = getattr(registry[name], "one_queue_hang", None)
+        if callable(why):   # (depends on the feature's config)
+            why = why(cfg)
         if why:
             out.append((registry[name].flag_of(cfg), why))
     return out

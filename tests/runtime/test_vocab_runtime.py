@@ -77,6 +77,76 @@ def test_vocab_parallel_matches_plain_model(pool, runs, schedule, layout, algori
     assert max(vb) == min(vb) > 0
 
 
+# --- one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_queue_pool():
+    """A pool of its own whose workers emulate NCCL's rules with one hardware queue (the threaded
+    channels hang there: each broadcast receive queues behind stream waits of the main thread)."""
+    from _pools import RetryingPool
+    from runtime_helpers import GPU_PATH_ENV
+    p = RetryingPool(4, timeout=180, env={**GPU_PATH_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    yield p
+    p.close()
+
+
+def _one_queue_cases() -> list:
+    """Every family twice: once with each algorithm, on two of the three layouts (rotating, so
+    that every layout x algorithm pair appears), tied as in :func:`_cases`; every third case with
+    two communicators per channel. (All 60 rows of :func:`_cases` pass too, measured; this
+    subset keeps the suite's time small.)"""
+    combos = [(layout, algorithm) for layout in LAYOUTS for algorithm in (1, 2)]
+    cases = []
+    for i, schedule in enumerate(FAMILIES):
+        for c in ((2 * i) % 6, (2 * i + 3) % 6):
+            (pp, tp), algorithm = combos[c]
+            j = LAYOUTS.index((pp, tp))
+            tied = (i + j + algorithm) % 2 == 0
+            comms = 2 if len(cases) % 3 == 2 else 1
+            cases.append(pytest.param(schedule, (pp, tp), algorithm, tied, comms, id=(
+                f"{schedule}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-alg{algorithm}-"
+                + ("tied" if tied else "untied") + (f"-k{comms}" if comms > 1 else ""))))
+    return cases
+
+
+@pytest.mark.parametrize("schedule,layout,algorithm,tied,comms", _one_queue_cases())
+def test_vocab_parallel_under_one_hardware_queue(one_queue_pool, runs, schedule, layout, algorithm, tied, comms):
+    """One-queue mode (``VocabParallelConfig(one_queue=True)``: no channel threads, the main thread
+    issues every collective at the schedule's proved post points and waits where the model reads
+    it) under the emulation of one hardware queue: no hang, and the training iteration and the
+    evaluation match the plain model as the threaded rows do (same tolerance)."""
+    pp, tp = layout
+    cfg = _cfg(schedule, pp, tp, tied)
+    got = _run(one_queue_pool, cfg, VocabParallelConfig(algorithm=algorithm, one_queue=True, one_queue_comms=comms))
+    assert len(got["losses"][0]) == cfg.num_microbatches and len(got["eval_losses"][0]) == cfg.num_microbatches
+    worst = compare_records(got, runs.reference(cfg), rtol=1e-5, tensor_rtol=1e-4, without=("optimizer_steps",),
+                            what=f"{schedule} pp{pp} tp{tp} alg{algorithm} {'tied' if tied else 'untied'} "
+                                 f"one queue k={comms}")
+    assert worst["grad"] > 0
+
+
+def test_vocab_one_queue_mode_with_sequence_parallelism_distributed_optimizer_and_without_input_embedding(
+        one_queue_pool, runs):
+    """The one-queue mode beside the rest of the runtime, under the emulated one queue: pp=2 x tp=2
+    with sequence parallelism (LLaMA, zbv, Algorithm 2, tied), the distributed optimizer with both
+    overlaps at dp=2 (zb-h1, two steps of Adam), and the output layer alone (no input embedding:
+    no embedding channels) for two SGD steps at pp=4 with two communicators per channel. Tolerances
+    as the threaded rows of each."""
+    m = microbatches_for("zbv", 2, 4)
+    sp = config("llama", schedule="zbv", pp=2, tp=2, m=m, optimizer="sgd", lr=0.05, steps=1, sequence_parallel=True)
+    dist = config("gpt", schedule="zb-h1", pp=2, dp=2, m=4, steps=2, **OVERLAPS)
+    noemb = config("gpt", schedule="zbv", pp=4, m=8, optimizer="sgd", lr=0.05, steps=2)
+    for what, cfg, vcfg, rtol, trtol in (
+            ("SP", sp, VocabParallelConfig(algorithm=2, one_queue=True), 1e-5, 1e-4),
+            ("distopt", dist, VocabParallelConfig(algorithm=2, one_queue=True), 1e-4, 1e-2),
+            ("no input embedding", noemb, VocabParallelConfig(algorithm=1, one_queue=True, one_queue_comms=2,
+                                                              input_embedding=False), 1e-5, 1e-4)):
+        got = _run(one_queue_pool, cfg, vcfg)
+        worst = compare_records(got, runs.reference(cfg), rtol=rtol, tensor_rtol=trtol, without=("optimizer_steps",),
+                                what=f"one queue, {what}")
+        assert worst["grad"] > 0 and (what != "distopt" or worst["grad"] <= 1e-5), (what, worst)
+
+
 SP_CASES = [("1f1b", "gpt", 1, False), ("zbv", "llama", 2, True), ("zb-h1", "llama", 1, True),
             ("v-half", "gpt", 2, False)]
 

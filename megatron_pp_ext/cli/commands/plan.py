@@ -68,6 +68,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-router-load-balancing-type", metavar="T",
                    help="aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (default aux_loss)")
     e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), help="default softmax")
+    e.add_argument("--moe-router-num-groups", type=int_at_least(1, 8), metavar="G",
+                   help="group-limited routing: the experts in G equal groups (with --moe-router-group-topk)")
+    e.add_argument("--moe-router-group-topk", type=int_at_least(1, 4), metavar="T",
+                   help="group-limited routing: a token's experts in T of the groups (DeepSeek-V3: 4 of 8)")
     e.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None,
                    help="aux-loss-free balancing bias (needs the sigmoid score function)")
     c = p.add_argument_group("cluster")
@@ -136,6 +140,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
                         "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
                         "softmax, weight gradients delivered through autograd; to check a plan there)")
+    s.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "flex"), default="alltoall",
+                   help="Megatron-Core's token dispatcher the plan runs (MoE): alltoall (NCCL's all-to-all; default) "
+                        "or flex (DeepEP's kernels: one copy of a token per remote node over the network, forwarded "
+                        "to its experts over NVLink)")
+    s.add_argument("--moe-flex-dispatcher-backend", choices=("deepep", "hybridep"), default=None,
+                   help="the flex dispatcher's kernels (with --moe-token-dispatcher-type flex): deepep (default) or "
+                        "hybridep (keeps the token counts on the device: no host synchronise per MoE layer)")
     s.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="also try overlapped forward-backward pairs on MoE models at expert parallel size >= 2 "
                         "(the expert all-to-all hidden behind another microbatch's compute); a paired plan wins "
@@ -164,7 +175,8 @@ _MOE_FIELDS = (("num_experts", "num_experts"), ("moe_router_topk", "moe_topk"), 
                ("moe_shared_expert_intermediate_size", "moe_shared_ffn"), ("moe_aux_loss_coeff", "moe_aux_loss_coeff"),
                ("moe_router_load_balancing_type", "moe_load_balancing"),
                ("moe_router_score_function", "moe_score_function"),
-               ("moe_router_enable_expert_bias", "moe_expert_bias"), ("kv_channels", "kv_channels"),
+               ("moe_router_enable_expert_bias", "moe_expert_bias"), ("moe_router_num_groups", "moe_router_num_groups"),
+               ("moe_router_group_topk", "moe_router_group_topk"), ("kv_channels", "kv_channels"),
                ("qk_layernorm", "qk_norm"))
 
 
@@ -233,6 +245,9 @@ def build_request(args):
         features = name_list(args.features, "--features", feature_names(), "feature", none_ok=True)
         required = name_list(args.require_features, "--require-features", feature_names(), "feature") or ()
         uneven = {"auto": None, "on": True, "off": False}[args.uneven_layers]
+        if args.moe_flex_dispatcher_backend is not None and args.moe_token_dispatcher_type != "flex":
+            raise CLIError(f"--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend} chooses the flex "
+                           "dispatcher's kernels: add --moe-token-dispatcher-type flex or drop it")
         if args.vp is not None and args.max_vp is not None:
             raise CLIError(f"--vp {args.vp} with --max-vp {args.max_vp}: --vp pins the chunk count, --max-vp bounds "
                            "a search of it; pick one")
@@ -247,7 +262,9 @@ def build_request(args):
                            fp8_recipe=args.fp8_recipe or "tensorwise", runtime=args.memory_model,
                            fp8_param_gather=args.fp8_param_gather, grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
                            tp_comm_overlap=args.tp_comm_overlap,
-                           overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy)
+                           overlap=args.overlap_moe_expert_parallel_comm, p2p_strategy=args.p2p_strategy,
+                           moe_dispatcher=args.moe_token_dispatcher_type,
+                           moe_flex_backend=args.moe_flex_dispatcher_backend or "deepep")
     except PlannerError as e:
         raise CLIError(str(e)) from None
 

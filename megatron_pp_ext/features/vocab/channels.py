@@ -9,7 +9,9 @@ after the work the main thread issued before submitting it. Why not issue every 
 on the stream (waits ordering the streams, the host never blocking): with one hardware queue
 (``CUDA_DEVICE_MAX_CONNECTIONS=1``, what Megatron-LM advises for TP overlap) a stream wait, or a
 second collective behind one still waiting for another rank, holds every kernel issued after it
--- the forward kernels the pre-posted broadcasts wait for included: a hang.
+-- the forward kernels the pre-posted broadcasts wait for included: a hang. The channel threads
+hang under one queue too (their collectives run at times unrelated to the main thread's issue
+order); there :class:`~.parallel.VocabParallel` runs without channels, in its one-queue mode.
 """
 
 from __future__ import annotations

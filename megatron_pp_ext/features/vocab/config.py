@@ -33,12 +33,20 @@ class VocabParallelConfig:
         into the first stage, gradient broadcast back).
     extra_inflight: microbatches each rank may run ahead of its schedule while the vocabulary
         barriers complete (None: 2 for Algorithm 1, 1 for Algorithm 2, as in the paper).
+    one_queue: place the passes so that the main thread can issue every collective at a point
+        of the schedule that cannot hang under one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``;
+        :mod:`.one_queue`): Algorithm 2's input-gradient all-reduce is posted at each rank's T, so
+        the loss backward waits for every rank's T as under Algorithm 1.
+    one_queue_comms: with ``one_queue``, the communicators each channel rotates over (microbatch
+        m on m mod this): how many collectives of a channel a rank may have in flight.
     """
 
     algorithm: int = 2
     label_smoothing: float = 0.0
     input_embedding: bool = True
     extra_inflight: int | None = None
+    one_queue: bool = False
+    one_queue_comms: int = 1
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -46,6 +54,8 @@ class VocabParallelConfig:
                                    "the reference's --disable-backward-fusion) or 2 (one barrier)")
         if not 0.0 <= float(self.label_smoothing) < 1.0:
             raise VocabConfigError(f"label smoothing {self.label_smoothing!r} must be in [0, 1)")
+        if int(self.one_queue_comms) < 1:
+            raise VocabConfigError(f"one_queue_comms {self.one_queue_comms!r} must be >= 1")
         if self.extra_inflight is not None and self.extra_inflight < 0:
             raise VocabConfigError(f"extra_inflight {self.extra_inflight!r} must be >= 0")
 
@@ -61,8 +71,12 @@ class VocabParallelConfig:
         return 2 if self.algorithm == 1 else 1
 
     def to_dict(self) -> dict:
-        return {"algorithm": self.algorithm, "label_smoothing": self.label_smoothing,
-                "input_embedding": self.input_embedding, "extra_inflight": self.inflight}
+        d = {"algorithm": self.algorithm, "label_smoothing": self.label_smoothing,
+             "input_embedding": self.input_embedding, "extra_inflight": self.inflight}
+        if self.one_queue:
+            d["one_queue"] = True
+            d["one_queue_comms"] = self.one_queue_comms
+        return d
 
 
 @dataclass(frozen=True)

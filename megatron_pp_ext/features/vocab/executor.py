@@ -186,7 +186,11 @@ class VocabExecutor:
         self._built: dict = {}
         handlers = dict(executor_kwargs.pop("op_handlers", None) or {})
         handlers.update(vocab_op_handlers(engine))
+        #: one-queue mode: the engine's posts and waits run first in the executor's op hook; the
+        #: ``op_hook`` attribute is the rest of the chain (the trainer's, the features')
+        self._user_hook = executor_kwargs.pop("op_hook", None)
         self.inner = ScheduleExecutor(self._factory, op_handlers=handlers, **executor_kwargs)
+        self.inner.op_hook = self._hook if engine.one_queue else self._user_hook
         # T adds the output layer's weight gradient, VEB the input embedding's: a chunk's
         # data-parallel reduction starts after them (overlap_grad_reduce)
         self.inner.grad_op_kinds |= {VT, VEB}
@@ -204,7 +208,22 @@ class VocabExecutor:
         return self._built[key]
 
     # the executor's extension points and profiling switches, passed through (trainer, offload)
-    op_hook = property(lambda self: self.inner.op_hook, lambda self, v: setattr(self.inner, "op_hook", v))
+    @property
+    def op_hook(self):
+        return self._user_hook if self.engine.one_queue else self.inner.op_hook
+
+    @op_hook.setter
+    def op_hook(self, v) -> None:
+        if self.engine.one_queue:
+            self._user_hook = v
+        else:
+            self.inner.op_hook = v
+
+    def _hook(self, op, phase: str) -> None:
+        self.engine.op_hook(op, phase)
+        if self._user_hook is not None:
+            self._user_hook(op, phase)
+
     op_handlers = property(lambda self: self.inner.op_handlers)
     record_timings = property(lambda self: self.inner.record_timings,
                               lambda self, v: setattr(self.inner, "record_timings", v))
@@ -234,7 +253,8 @@ class VocabExecutor:
         from megatron.core import parallel_state
 
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.schedule_for(pp, num_microbatches, forward_only)
+        sched = self.schedule_for(pp, num_microbatches, forward_only)
+        self.engine.set_posts(sched)
         toks = tokens if tokens is not None else self.tokens
         self.engine.begin_iteration(num_microbatches, micro_batch_size, seq_length, tokens=toks,
                                     forward_only=forward_only)

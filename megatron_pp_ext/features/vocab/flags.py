@@ -8,7 +8,10 @@ Megatron-LM integration (torch-free).
     cfg = vocab_config_from_args(parser.parse_args())   # VocabParallelConfig, or None when off
 
 Flags: ``--enable-vocab-parallel``, ``--vocab-parallel-algorithm {1,2}`` (default 2: one
-barrier), ``--vocab-parallel-label-smoothing A``, ``--no-vocab-parallel-input-embedding``.
+barrier), ``--vocab-parallel-label-smoothing A``, ``--no-vocab-parallel-input-embedding``,
+``--vocab-parallel-one-queue {auto,on,off}`` (default auto: the one-queue mode exactly when
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set, read when the flags are resolved) and
+``--vocab-parallel-one-queue-comms K``.
 The reference implementation's ``--disable-backward-fusion`` is accepted as an alias of
 ``--vocab-parallel-algorithm 1``.
 
@@ -53,6 +56,12 @@ def add_vocab_arguments(parser: argparse.ArgumentParser, *, group_title: str = "
              "--label-smoothing is used when the parser has it)")
     add("--no-vocab-parallel-input-embedding", action="store_true", default=False,
         help="keep the input embedding on the first stage (split only the output layer and the loss)")
+    add("--vocab-parallel-one-queue", choices=("auto", "on", "off"), default="auto",
+        help="issue the vocabulary collectives from the main thread at proved points of the schedule, which "
+             "runs under one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1); auto (default): when "
+             "CUDA_DEVICE_MAX_CONNECTIONS=1 is set, else the channel threads (off)")
+    add("--vocab-parallel-one-queue-comms", type=int, default=None, metavar="K",
+        help="with the one-queue mode: communicators per channel (microbatch m on m mod K; default 1)")
     add("--disable-backward-fusion", action="store_true", default=False,
         help="alias (reference implementation): --vocab-parallel-algorithm 1")
     return parser
@@ -67,6 +76,8 @@ def vocab_config_from_args(args: argparse.Namespace) -> VocabParallelConfig | No
     alias = bool(get("disable_backward_fusion", False))
     smoothing = get("vocab_parallel_label_smoothing")
     no_input = bool(get("no_vocab_parallel_input_embedding", False))
+    one_queue = get("vocab_parallel_one_queue", "auto") or "auto"
+    comms = get("vocab_parallel_one_queue_comms")
     if alias:
         if algorithm is not None and int(algorithm) != 1:
             raise VocabFlagError(f"--disable-backward-fusion (alias of --vocab-parallel-algorithm 1) contradicts "
@@ -76,7 +87,9 @@ def vocab_config_from_args(args: argparse.Namespace) -> VocabParallelConfig | No
         given = [flag for flag, on in (("--vocab-parallel-algorithm", get("vocab_parallel_algorithm") is not None),
                                        ("--disable-backward-fusion", alias),
                                        ("--vocab-parallel-label-smoothing", smoothing is not None),
-                                       ("--no-vocab-parallel-input-embedding", no_input)) if on]
+                                       ("--no-vocab-parallel-input-embedding", no_input),
+                                       ("--vocab-parallel-one-queue", one_queue != "auto"),
+                                       ("--vocab-parallel-one-queue-comms", comms is not None)) if on]
         if given:
             raise VocabFlagError(f"{given[0]} needs --enable-vocab-parallel (add it, or drop {given[0]})")
         return None
@@ -97,8 +110,17 @@ def vocab_config_from_args(args: argparse.Namespace) -> VocabParallelConfig | No
     if get("cross_entropy_loss_fusion", False):
         raise VocabFlagError("--cross-entropy-loss-fusion selects Megatron's fused cross entropy, which "
                              "--enable-vocab-parallel replaces; drop --cross-entropy-loss-fusion")
+    if one_queue == "auto":
+        from ...runtime.ncclenv import one_hardware_queue
+        on = one_hardware_queue()
+    else:
+        on = one_queue == "on"
+    if comms is not None and not on:
+        raise VocabFlagError(f"--vocab-parallel-one-queue-comms {comms} needs the one-queue mode "
+                             "(--vocab-parallel-one-queue on, or CUDA_DEVICE_MAX_CONNECTIONS=1 with auto)")
     try:
         return VocabParallelConfig(algorithm=int(algorithm) if algorithm is not None else 2,
-                                   label_smoothing=float(smoothing), input_embedding=not no_input)
+                                   label_smoothing=float(smoothing), input_embedding=not no_input, one_queue=on,
+                                   one_queue_comms=int(comms) if comms is not None else 1)
     except VocabConfigError as e:
         raise VocabFlagError(str(e)) from None

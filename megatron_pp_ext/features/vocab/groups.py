@@ -37,10 +37,20 @@ class VocabGroups:
     order: list[int] = field(default_factory=list)   # shard of each group rank of ``stats``
     first_pp: int = 0           # pipeline rank of the first stage
     last_pp: int = -1           # pipeline rank of the last stage (-1: pp - 1; 0 with the V placement)
+    #: one-queue mode (``VocabParallelConfig(one_queue_comms=k)``): the k groups of each channel
+    #: (``stats``, ``dx``, ``x``, ``emb``, ``embgrad``); microbatch m uses group m mod k
+    comms: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.last_pp < 0:
             self.last_pp = len(self.grid) - 1
+
+    def comm(self, name: str, m: int):
+        """The group of channel ``name`` that microbatch ``m`` uses (one-queue mode)."""
+        grps = self.comms.get(name)
+        if not grps:
+            return getattr(self, name)
+        return grps[m % len(grps)]
 
     @property
     def pp(self) -> int:
@@ -77,10 +87,14 @@ class VocabGroups:
 
     @classmethod
     def build(cls, replicas: Sequence[Sequence[Sequence[int]]], my_rank: int | None = None, *, first_pp: int = 0,
-              last_pp: int = -1) -> "VocabGroups":
+              last_pp: int = -1, comms: int = 1) -> "VocabGroups":
         """Create the groups of every replica (collective: every rank of the world calls it with
         the same ``replicas`` = [replica][pp][tp] global ranks) and return this rank's.
-        ``first_pp`` / ``last_pp``: pipeline ranks of the first / last stage."""
+        ``first_pp`` / ``last_pp``: pipeline ranks of the first / last stage. ``comms`` > 1
+        (one-queue mode): k groups per channel, all created and warmed in one global order."""
+        comms = int(comms)
+        if comms < 1:
+            raise VocabConfigError(f"one_queue_comms {comms} must be >= 1")
         me = dist.get_rank() if my_rank is None else my_rank
         mine = None
         made: dict = {}
@@ -97,14 +111,19 @@ class VocabGroups:
             flat = [grid[p][t] for p in range(pp) for t in range(tp)]
             inside = me in flat
             g = {}
+            ks: dict = {}
             for name in ("stats", "dx"):
-                g[name] = new(flat, name)
+                ks[name] = [new(flat, name if k == 0 else f"{name}{k}") for k in range(comms)]
+                g[name] = ks[name][0]
             for t in range(tp):
                 line = [grid[p][t] for p in range(pp)]
                 for name in ("x", "emb", "embgrad"):
-                    grp = new(line, name)
+                    grps = [new(line, name if k == 0 else f"{name}{k}") for k in range(comms)]
                     if me in line:
-                        g[name] = grp
+                        g[name] = grps[0]
+                        ks[name] = grps
+            if comms > 1:
+                g["comms"] = ks
             first_tp = new([grid[first_pp][t] for t in range(tp)], "emb_tp")
             if me in grid[first_pp]:
                 g["emb_tp"] = first_tp
@@ -123,12 +142,14 @@ class VocabGroups:
         return cls(grid, p, t, order=order, first_pp=first_pp, last_pp=last_pp, **made)
 
     @classmethod
-    def from_grid(cls, pp: int, tp: int, *, first_pp: int = 0, last_pp: int = -1) -> "VocabGroups":
+    def from_grid(cls, pp: int, tp: int, *, first_pp: int = 0, last_pp: int = -1, comms: int = 1) -> "VocabGroups":
         """One replica of pp x tp ranks, global rank = p * tp + t (the world must be pp * tp)."""
-        return cls.build([[[p * tp + t for t in range(tp)] for p in range(pp)]], first_pp=first_pp, last_pp=last_pp)
+        return cls.build([[[p * tp + t for t in range(tp)] for p in range(pp)]], first_pp=first_pp, last_pp=last_pp,
+                         comms=comms)
 
     @classmethod
-    def from_parallel_state(cls, *, has_first: bool | None = None, has_last: bool | None = None) -> "VocabGroups":
+    def from_parallel_state(cls, *, has_first: bool | None = None, has_last: bool | None = None,
+                            comms: int = 1) -> "VocabGroups":
         """The grids of Megatron-Core's parallel state (one per data/context-parallel replica).
         ``has_first`` / ``has_last``: whether this rank holds the first / last stage (default:
         pipeline rank 0 / pp - 1); gathered to find those ranks (the V placement puts both on
@@ -159,4 +180,4 @@ class VocabGroups:
             raise VocabConfigError(f"vocabulary parallelism: the first stage is on pipeline ranks {sorted(firsts)} and "
                                    f"the last on {sorted(lasts)}; expected one each")
         grids = [replicas[k] for k in sorted(replicas)]
-        return cls.build(grids, first_pp=firsts.pop(), last_pp=lasts.pop())
+        return cls.build(grids, first_pp=firsts.pop(), last_pp=lasts.pop(), comms=comms)

@@ -59,7 +59,8 @@ class VocabMegatronLM:
         return [f"vocabulary parallelism (algorithm {self.cfg.algorithm}): the output layer"
                 f"{' and the input embedding' if self.cfg.input_embedding else ''} split into {plan.pp * tp} "
                 f"shards over every pipeline x tensor rank{' (tied)' if self.tied else ''}; every rank reads "
-                "the data"]
+                "the data" + ("; one-queue mode (collectives issued by the main thread at proved points of the "
+                              "schedule)" if self.cfg.one_queue else "")]
 
     def on_model_chunk(self, core, args, plan) -> None:
         self.cores.append(core)

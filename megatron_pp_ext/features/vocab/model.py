@@ -127,7 +127,8 @@ def apply_vocab_parallel(chunks: Sequence[torch.nn.Module], config: VocabParalle
     check_model_config(mconfig)
     if groups is None:
         groups = VocabGroups.from_parallel_state(has_first=any(getattr(c, "pre_process", False) for c in cores),
-                                                 has_last=any(getattr(c, "post_process", False) for c in cores))
+                                                 has_last=any(getattr(c, "post_process", False) for c in cores),
+                                                 comms=config.one_queue_comms if config.one_queue else 1)
     device = next(cores[0].parameters()).device
     engine = VocabParallel(config, vocab_size, mconfig.hidden_size, groups, tied=tied,
                            dtype=mconfig.params_dtype, device=device)

@@ -29,6 +29,19 @@ main thread computes (:mod:`.channels` says why). Every rank hands all the broad
 iteration to their channel when it begins (a broadcast is a tree or a ring: a receiver gets
 microbatch m's data only once every receiver has posted m).
 
+**One-queue mode** (``VocabParallelConfig(one_queue=True)``, what one hardware queue needs:
+``CUDA_DEVICE_MAX_CONNECTIONS=1``): no channel threads and nothing posted ahead. Each pass
+leaves what it produced for its collective; the schedule's proved post points
+(``meta["vocab_posts"]``, :func:`~.one_queue.hook_points`, taken by :meth:`VocabParallel.set_posts`)
+are run by the executor's op hook (:meth:`VocabParallel.op_hook`): the main thread issues each
+collective there with ``async_op=True`` on group m mod k of its channel (Algorithm 2's all-reduce
+on the ``dx`` groups), and waits for it where the schedule says, before the op that reads it
+(on a GPU ``work.wait()``, a stream wait; on CPU the host blocks): x before VS, the statistics
+before the first of VT / VLOSS, Algorithm 2's all-reduce or Algorithm 1's before B(L, m) (in the
+loss's backward), the embedding sum before VEIN, the embedding gradient before VEB. A consumer
+whose wait was not at a hook point waits when it reads; a collective nobody on this rank reads
+(a send) is waited for on the host at :meth:`VocabParallel.end_iteration`.
+
 The grid and its groups are :mod:`.groups`, the channels :mod:`.channels`, the shard parameters
 :mod:`.shards`; this module is the engine that runs the passes.
 """
@@ -71,7 +84,21 @@ class _MB:
     emb_ready: torch.Tensor | None = None
     embgrad_wait: Pending | None = None
     backward_pending: bool = False
+    m: int = -1
     done: set = field(default_factory=set)
+
+
+@dataclass
+class _Posted:
+    """One-queue mode: a collective the main thread issued (``work``: its handle, None when
+    nothing is exchanged), its buffer and what turns the buffer into the result."""
+
+    work: object
+    value: object
+    finish: Callable | None
+    sink: bool = False        # nobody on this rank reads it (a send): waited for at the end
+    waited: bool = False
+    result: object = None
 
 
 class _LossFn(torch.autograd.Function):
@@ -114,7 +141,15 @@ class VocabParallel:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.shards = VocabShards(self.part, hidden_size, tied=tied, input_embedding=config.input_embedding,
                                   dtype=dtype, device=self.device)
-        self.channels = {name: Channel(name, self.device) for name in ("x", "stats", "dx", "emb", "embgrad")}
+        #: one-queue mode (``config.one_queue``): no channel threads; the main thread issues each
+        #: collective at the schedule's post points (:meth:`set_posts`, :meth:`op_hook`)
+        self.one_queue = bool(config.one_queue)
+        self.channels = ({} if self.one_queue else
+                         {name: Channel(name, self.device) for name in ("x", "stats", "dx", "emb", "embgrad")})
+        self._points: dict = {}                  # one-queue: (phase, op) -> [(post|wait, channel, m)]
+        self._works: dict = {}                   # one-queue: (channel, m) -> _Posted
+        self._ready: dict = {}                   # one-queue: (channel, m) -> what its post sends
+        self._points_cache: dict = {}
         self._mb: dict[int, _MB] = {}
         self._m = 0
         self._shape: tuple[int, int] | None = None      # (micro batch, sequence)
@@ -158,10 +193,14 @@ class VocabParallel:
         self.forward_only = bool(forward_only)
         self._next_final = self._next_emb_out = 0
         self._x_posted = self._embgrad_posted = 0
-        self._mb = {m: _MB() for m in range(self._m)}
+        self._mb = {m: _MB(m=m) for m in range(self._m)}
         # Every rank joins every broadcast of the iteration now: a broadcast is a tree (gloo) or
         # a ring (NCCL), so a receiver gets microbatch m's data only once *all* receivers have
         # posted m; posting late would make one rank's S pass wait for another rank's progress.
+        if self.one_queue:
+            self._works.clear()
+            self._ready.clear()
+            return
         for _ in range(self._m):
             self._post_x()
             if self.config.input_embedding and not forward_only:
@@ -173,6 +212,8 @@ class VocabParallel:
         for p in self._outstanding:
             p.wait()
         self._outstanding.clear()
+        if self.one_queue:
+            self._oq_end()
         if self._pending_backward:
             raise RuntimeError(f"vocabulary parallel: the losses of microbatches {sorted(self._pending_backward)[:8]} "
                                "were computed but never back-propagated")
@@ -192,6 +233,160 @@ class VocabParallel:
             return pending.wait()
         finally:
             self.wait_time += time.perf_counter() - t0
+
+    # -- one-queue mode: the main thread issues the collectives at the schedule's points ------
+    def set_posts(self, sched) -> None:
+        """One-queue mode: take this iteration's post and wait points from ``sched`` (a schedule
+        built with ``VocabParallelConfig(one_queue=True)``: ``meta["vocab_posts"]``); the
+        executor's op hook then calls :meth:`op_hook` around every op."""
+        if not self.one_queue:
+            return
+        key = id(sched)
+        cached = self._points_cache.get(key)
+        if cached is None or cached[0] is not sched:
+            from .one_queue import hook_points
+            r = self.groups.pp_rank
+            ops = sched.ops[r]
+            pts = {(phase, ops[i]): list(items) for (phase, i), items in hook_points(sched)[r].items()}
+            cached = self._points_cache[key] = (sched, pts)
+        self._points = cached[1]
+
+    def op_hook(self, op, phase: str) -> None:
+        """The executor's ``op_hook`` in one-queue mode: the posts and waits of the schedule at
+        ``(phase, op)`` ("before": after the op's receive waits; "after")."""
+        items = self._points.get((phase, op))
+        if not items:
+            return
+        for what, ch, m in items:
+            if what == "post":
+                self._oq_post(ch, m)
+            else:
+                self._oq_wait(ch, m)
+
+    def _oq_trivial(self, ch: str) -> bool:
+        g = self.groups
+        return g.size == 1 if ch in ("stats", "stats2", "dx") else g.pp == 1
+
+    def _oq_post(self, ch: str, m: int) -> None:
+        """Issue collective ``(ch, m)`` with ``async_op=True`` on its communicator (group m mod k)."""
+        key = (ch, m)
+        if key in self._works:
+            raise RuntimeError(f"vocabulary parallel (one queue): {ch} of microbatch {m} posted twice")
+        g = self.groups
+        work, value, finish, sink = None, None, None, False
+        if ch == "stats2" and key not in self._ready and ("stats", m) in self._works:
+            self._oq_wait("stats", m)   # (the schedule posts it after the stats wait)
+        if ch == "x":
+            sink = g.is_last
+            if g.is_last:
+                value = self._take_ready(key)
+            else:
+                nl, ng, nx = self._payload_sizes()
+                value = torch.empty(nl + ng + nx, dtype=torch.uint8, device=self.device)
+                finish = self._unpack
+            if not self._oq_trivial(ch):
+                work = dist.broadcast(value, src=g.last_rank, group=g.comm("x", m), async_op=True)
+        elif ch == "stats":
+            stats, sstate = self._take_ready(key)
+            P, order = g.size, g.order
+            parts = [torch.empty_like(stats) for _ in range(P)] if P > 1 else [stats]
+            if P > 1:
+                work = dist.all_gather(parts, stats, group=g.comm("stats", m), async_op=True)
+            cfg = self.config
+            V, ls, shard = self.vocab_size, cfg.label_smoothing, self.part.shard
+
+            def finish(parts, _m=m, _sstate=sstate):
+                gathered = torch.empty(P, *parts[0].shape, dtype=parts[0].dtype, device=parts[0].device)
+                for j, t in enumerate(parts):
+                    gathered[order[j] if P > 1 else 0] = t
+                comb = K.combine(gathered, V, ls)
+                if _sstate is not None:   # Alg. 2 (training): the input-gradient terms, all-reduced by stats2
+                    self._ready[("stats2", _m)] = K.alg2_term(_sstate, comb, shard, V, ls)
+                return comb
+            value = parts
+            sink = self.forward_only and not g.is_last
+        elif ch in ("stats2", "dx"):
+            value = self._take_ready(key)
+            if not self._oq_trivial(ch):
+                work = dist.all_reduce(value, group=g.comm("dx", m), async_op=True)
+            sink = not g.is_last
+        elif ch == "emb":
+            value = self._take_ready(key)
+            if g.pp > 1:
+                work = dist.reduce(value, dst=g.first_rank, group=g.comm("emb", m), async_op=True)
+            if g.is_first:
+                tp_grp, tp = g.emb_tp, g.tp
+
+                def finish(partial):
+                    if tp > 1:   # every tensor rank of the first stage is here (the same op list)
+                        dist.all_reduce(partial, group=tp_grp)
+                    return partial
+            sink = not g.is_first
+        elif ch == "embgrad":
+            sink = g.is_first
+            if g.is_first:
+                value = self._take_ready(key)
+            else:
+                b, s = self._shape
+                value = torch.empty((b, s, self.hidden), dtype=self.dtype, device=self.device)
+            if not self._oq_trivial(ch):
+                work = dist.broadcast(value, src=g.first_rank, group=g.comm("embgrad", m), async_op=True)
+        else:
+            raise RuntimeError(f"vocabulary parallel (one queue): unknown channel {ch!r}")
+        self._release_sent()
+        self._works[key] = _Posted(work, value, finish, sink)
+
+    def _release_sent(self) -> None:
+        """Drop the buffers of the ended collectives nobody on this rank reads (the last stage's x
+        payloads: one [n, h] each), as the channel threads do once a job ran; the others are
+        waited for at the end of the iteration."""
+        for w in self._works.values():
+            if w.sink and not w.waited and (w.work is None or w.work.is_completed()):
+                w.waited = True
+                w.work = w.value = w.finish = None
+
+    def _take_ready(self, key):
+        try:
+            return self._ready.pop(key)
+        except KeyError:
+            raise RuntimeError(f"vocabulary parallel (one queue): rank {dist.get_rank()} posts {key[0]} of microbatch "
+                               f"{key[1]} before the pass that makes it ran (post points of the schedule)") from None
+
+    def _oq_wait(self, ch: str, m: int):
+        """Wait for collective ``(ch, m)`` where the model reads it (on a GPU a stream wait:
+        ``work.wait()``); returns its result (once)."""
+        key = (ch, m)
+        w = self._works.get(key)
+        if w is None:
+            if self._oq_trivial(ch) and key in self._ready:   # nothing to exchange: post it now
+                self._oq_post(ch, m)
+                w = self._works[key]
+            else:
+                raise RuntimeError(f"vocabulary parallel (one queue): rank {dist.get_rank()} waits for {ch} of "
+                                   f"microbatch {m}, which it has not posted (post points of the schedule)")
+        if not w.waited:
+            t0 = time.perf_counter()
+            try:
+                if w.work is not None:
+                    w.work.wait()
+                w.result = w.finish(w.value) if w.finish is not None else w.value
+            finally:
+                self.wait_time += time.perf_counter() - t0
+            w.waited = True
+            w.work = w.value = w.finish = None
+        return w.result
+
+    def _oq_end(self) -> None:
+        """End of an iteration: every collective posted, the ones nobody here reads ended."""
+        for w in self._works.values():
+            if not w.waited and w.work is not None:
+                wait_host(w.work)
+        self._works.clear()
+        if self._ready:
+            left = sorted(self._ready, key=lambda k: (k[1], k[0]))
+            self._ready.clear()
+            raise RuntimeError(f"vocabulary parallel (one queue): {left[0][0]} of microbatch {left[0][1]} (and "
+                               f"{len(left) - 1} more) made but never posted (post points of the schedule)")
 
     def _state(self, m: int) -> _MB:
         st = self._mb.get(m)
@@ -296,6 +491,9 @@ class VocabParallel:
             payload[:nl].view(torch.int64).copy_(target)
             payload[nl:nl + ng].view(torch.float32).copy_(gg)
             payload[nl + ng:].view(self.dtype).view(s * b, h).copy_(xd)
+            if self.one_queue:   # broadcast by the post after F(L, m) (op_hook)
+                self._ready[("x", m)] = payload
+                return m
             src, grp = g_.last_rank, g_.x
 
             def job(payload):
@@ -327,9 +525,12 @@ class VocabParallel:
     def s_pass(self, m: int) -> None:
         st = self._state(m)
         if st.x_local is None:
-            if st.x_wait is None:
+            if st.x_wait is None and not self.one_queue:
                 raise RuntimeError(f"vocabulary parallel: S pass of microbatch {m} before its x was posted")
-            st.x_local, st.g, st.target = self._unpack(self._wait(st.x_wait))
+            if self.one_queue:
+                st.x_local, st.g, st.target = self._oq_wait("x", m)
+            else:
+                st.x_local, st.g, st.target = self._unpack(self._wait(st.x_wait))
             st.x_wait = None
         cfg = self.config
         w = self.shards.output_weight.detach()
@@ -338,6 +539,13 @@ class VocabParallel:
             st.s = K.s_pass(st.x_local, w, st.target, self.part, algorithm=cfg.algorithm,
                             label_smoothing=cfg.label_smoothing, keep=keep)
         stats, sstate = st.s.stats, st.s
+        if self.one_queue:   # gathered by the post after VS(m) (op_hook)
+            self._ready[("stats", m)] = (stats, sstate if (cfg.algorithm == 2 and keep) else None)
+            st.stats_wait = True
+            if not keep:
+                st.s = None
+            self._finish(m, "s")
+            return
         grp, order, P, shard = self.groups.stats, self.groups.order, self.groups.size, self.part.shard
         V, ls, alg2 = self.vocab_size, cfg.label_smoothing, (cfg.algorithm == 2 and keep)
 
@@ -364,6 +572,10 @@ class VocabParallel:
         self._finish(m, "s")
 
     def _combined(self, st: _MB) -> K.Combined:
+        if st.combined is None and self.one_queue:
+            st.combined = self._oq_wait("stats", st.m)
+            if st.s is not None:
+                st.s.a = st.s.b = st.s.c = None
         if st.combined is None:
             st.combined, factor = self._wait(st.stats_wait)
             if factor is not None:
@@ -385,7 +597,9 @@ class VocabParallel:
                               label_smoothing=cfg.label_smoothing)
         accumulate_grad(self.shards.output_weight, dw)
         if cfg.algorithm == 1:
-            if self.groups.size > 1:
+            if self.one_queue:   # all-reduced by the post after VT(m) (op_hook)
+                self._ready[("dx", m)] = dx
+            elif self.groups.size > 1:
                 grp = self.groups.dx
 
                 def job(dx):
@@ -432,6 +646,8 @@ class VocabParallel:
                 "the one the weight gradients were computed with (the loss function must be linear in the "
                 "per-token losses, as Megatron's are: sum(loss * mask) / ...); max difference "
                 f"{(g - st.g).abs().max().item():.3e}")
+        if self.one_queue and st.dfactor is None:
+            st.dfactor = self._oq_wait("dx" if self.config.algorithm == 1 else "stats2", m)
         if self.config.algorithm == 1 and st.dfactor is None:
             if st.dx_wait is None:
                 raise RuntimeError(f"vocabulary parallel: backward of microbatch {m}'s loss before its T pass "
@@ -460,6 +676,9 @@ class VocabParallel:
         g = self.groups
         if g.pp == 1 and g.tp == 1:
             st.emb_wait = Pending.of(partial)
+        elif self.one_queue:   # reduced by the post after VEF(m) (op_hook)
+            self._ready[("emb", m)] = partial
+            st.emb_wait = True
         else:
             dst, grp, tp_grp, first, tp = g.first_rank, g.emb, g.emb_tp, g.is_first, g.tp
 
@@ -483,7 +702,7 @@ class VocabParallel:
         if st.emb_wait is None:
             raise RuntimeError(f"vocabulary parallel: embedding of microbatch {m} requested before its partial "
                                "lookup (EMB_F) ran on this rank")
-        st.emb_ready = self._wait(st.emb_wait)
+        st.emb_ready = self._oq_wait("emb", m) if st.emb_wait is True else self._wait(st.emb_wait)
         st.emb_wait = None
         self._finish(m, "emb_in")
 
@@ -512,7 +731,9 @@ class VocabParallel:
             raise RuntimeError(f"vocabulary parallel: embedding gradient of microbatch {m} after it finished")
         grad = grad.detach().contiguous()
         g = self.groups
-        if g.pp > 1:
+        if g.pp > 1 and self.one_queue:   # broadcast by the post after B(0, m) (op_hook)
+            self._ready[("embgrad", m)] = grad
+        elif g.pp > 1:
             src, grp = g.first_rank, g.embgrad
 
             def job(grad):
@@ -543,10 +764,13 @@ class VocabParallel:
 
     def emb_backward(self, m: int) -> None:
         st = self._state(m)
-        if st.embgrad_wait is None:
-            raise RuntimeError(f"vocabulary parallel: embedding backward of microbatch {m} before the first "
-                               "stage's backward produced its gradient")
-        grad = self._wait(st.embgrad_wait)
+        if self.one_queue and not self.groups.is_first and self.groups.pp > 1:
+            grad = self._oq_wait("embgrad", m)
+        else:
+            if st.embgrad_wait is None:
+                raise RuntimeError(f"vocabulary parallel: embedding backward of microbatch {m} before the first "
+                                   "stage's backward produced its gradient")
+            grad = self._wait(st.embgrad_wait)
         st.embgrad_wait = None
         w = self.shards.input_weight
         acc = torch.zeros(self.part.rows, self.hidden, dtype=torch.float32, device=self.device)

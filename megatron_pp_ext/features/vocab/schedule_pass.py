@@ -57,13 +57,12 @@ from ...schedule.ir import (Op, OpKind, Schedule, ScheduleError, op_kind, regist
 from ...schedule.simulate import DeadlockError, SimResult, simulate
 from ...schedule.validate import ValidationError, register_check
 from .config import VocabParallelConfig
+from .kinds import VEB, VEF, VEIN, VLOSS, VOCAB_KINDS, VS, VSE, VT, has_vocab, vocab_meta
 
 __all__ = ["VOCAB_KINDS", "VOCAB_COMM_KINDS", "insert_vocab", "build_vocab_schedule", "vocab_costs", "has_vocab",
            "check_vocab", "vocab_meta", "strip_vocab", "with_vocab_comm", "simulate_vocab", "forward_only_vocab",
            "home_stages", "VocabPolicy", "shift_backwards"]
 
-VEF, VEIN, VS, VSE, VT, VLOSS, VEB = "VEF", "VEIN", "VS", "VSE", "VT", "VLOSS", "VEB"
-VOCAB_KINDS = (VEF, VEIN, VS, VSE, VT, VLOSS, VEB)
 _COST_KEYS = {VEF: "vocab_emb_f", VEIN: "vocab_emb_in", VS: "vocab_s", VSE: "vocab_s", VT: "vocab_t",
               VLOSS: "vocab_loss", VEB: "vocab_emb_b"}
 
@@ -75,10 +74,6 @@ def home_stages(placement: tuple) -> tuple:
     """Per rank, the stage its vocabulary ops are attached to (its lowest stage)."""
     p = max(placement) + 1
     return tuple(min(s for s, r in enumerate(placement) if r == rank) for rank in range(p))
-
-
-def vocab_meta(sched: Schedule) -> dict:
-    return sched.meta.get("vocab") or {}
 
 
 def _full(sched: Schedule) -> bool:
@@ -169,7 +164,7 @@ def _vt_requires(op: Op, s: Schedule) -> tuple:
 def _vloss_requires(op: Op, s: Schedule) -> tuple:
     keys = _all("vs", s, op.microbatch)
     meta = vocab_meta(s)
-    if meta.get("algorithm", 2) == 1 and not s.meta.get("forward_only"):
+    if (meta.get("algorithm", 2) == 1 or meta.get("one_queue")) and not s.meta.get("forward_only"):
         keys += _all("vt", s, op.microbatch)
     return _local(op, s, keys)
 
@@ -236,10 +231,6 @@ for _tag, (_send, _recv) in _VCOMM.items():
         _recv, "comm", f"vocabulary parallel (deadlock proof): {_tag} of a collective, received",
         produces=lambda op, s, _t=_tag: (_sent_key(_t, op, s, op.peer),)), replace=True)
     register_comm_pair(_send, _recv, 0)
-
-
-def has_vocab(schedule: Schedule) -> bool:
-    return any(op.kind in VOCAB_KINDS for op in schedule.all_ops())
 
 
 def strip_vocab(schedule: Schedule) -> Schedule:
@@ -335,6 +326,8 @@ class _Replay:
         blocked = [False] * p
         wake: list = [None] * p
         view = self.view
+        # one queue, Algorithm 2: T posts the input-gradient all-reduce when it starts
+        early_vt = self.cfg.one_queue and self.cfg.algorithm == 2
 
         def key_time(key, r):
             got = produced.get(key)
@@ -449,12 +442,16 @@ class _Replay:
             c = []
             i = next_base(r)
             base_op = self.base_ops[r][i] if i < len(self.base_ops[r]) else None
-            alg1 = self.cfg.algorithm == 1
+            alg1 = self.cfg.algorithm == 1 or self.cfg.one_queue   # (T posts the input-gradient reduction)
             backlog_t = nxt["s"][r] - nxt["t"][r]
             if need_t and alg1 and pol.t_first and nxt["t"][r] < nxt["s"][r]:
                 c.append(("t", [vocab_op(VT, r, nxt["t"][r])], None))
             if pol.s_first and nxt["s"][r] < M:
                 c.append(("s", [vocab_op(VSE if self.fwd else VS, r, nxt["s"][r])], None))
+            if self.cfg.one_queue and emb and need_t and nxt["eb"][r] < M:
+                # one queue: the embedding gradient is consumed when it arrives, so that the first
+                # stage's next broadcast of it does not wait for this rank's later progress
+                c.append(("eb", [vocab_op(VEB, r, nxt["eb"][r])], None))
             if self.fwd and r == self.last and nxt["loss"][r] < nxt["s"][r]:
                 c.append(("loss", [vocab_op(VLOSS, r, nxt["loss"][r])], None))
             if emb and nxt["ef"][r] < M and nxt["ef"][r] <= f0_started[0] + 1:
@@ -490,7 +487,7 @@ class _Replay:
                 d = self._dur(op)
                 out[r].append(op)
                 for k in op_kind(op.kind).produces(op, view):
-                    produced[k] = (r, t + d)
+                    produced[k] = (r, t if (op.kind == VT and early_vt) else t + d)
                 if op.kind in ("F", "B", "W", "BW"):   # the cap counts transformer activations only
                     mem[r] += self._mem(op)
                 if op.kind == "F" and op.stage == 0:
@@ -573,7 +570,7 @@ def insert_vocab(schedule: Schedule, cost: CostModel, config: VocabParallelConfi
     cost = _with_alg(cost, cfg, schedule.num_ranks)
     if policies is None:
         k = cfg.inflight
-        tfs = (True, False) if cfg.algorithm == 1 and not fwd else (True,)
+        tfs = (True, False) if (cfg.algorithm == 1 or cfg.one_queue) and not fwd else (True,)
         policies = [VocabPolicy(s_first=sf, t_first=tf, extra_inflight=k) for sf in (True, False) for tf in tfs]
         if not fwd and k > 0:   # or: k extra warm-up forwards on every rank (the paper's 1F1B)
             policies += [VocabPolicy(s_first=sf, t_first=tf, extra_inflight=0, shift=k)
@@ -623,12 +620,17 @@ def forward_only_vocab(schedule: Schedule, cost: CostModel | None = None,
     meta = vocab_meta(schedule)
     cfg = config or VocabParallelConfig(algorithm=int(meta.get("algorithm", 2)),
                                         label_smoothing=float(meta.get("label_smoothing", 0.0)),
-                                        input_embedding=bool(meta.get("input_embedding", True)))
+                                        input_embedding=bool(meta.get("input_embedding", True)),
+                                        one_queue=bool(meta.get("one_queue", False)),
+                                        one_queue_comms=int(meta.get("one_queue_comms", 1)))
     base = forward_only_base(strip_vocab(schedule))
     cost = cost or CostModel.uniform(base.num_stages, base.chunks_per_rank)
     sched = insert_vocab(base, cost, cfg, forward_only=True)
     if with_comm:
         sched = _insert_comm_proved(sched, cost)
+        if cfg.one_queue:
+            from .one_queue import place_posts
+            sched.meta["vocab_posts"] = place_posts(sched, cost, cfg.one_queue_comms)
     validate(sched, cost)
     return sched
 
@@ -751,6 +753,9 @@ def build_vocab_schedule(name: str, pp: int, microbatches: int, *, chunks: int =
             base = forward_only_base(base)
         return insert_vocab(base, cost, cfg, forward_only=forward_only), cost
 
+    if cfg.one_queue and with_comm:
+        return _build_one_queue(name, pp, microbatches, chunks=chunks, costs=costs, memory_budget=memory_budget,
+                                cfg=cfg, forward_only=forward_only, options=options)
     sched, cost = build(options)
     if "polished" in sched.meta and "polish" not in (options or {}):
         # the polish tuned the base's order without the vocabulary passes, which need slack
@@ -760,6 +765,52 @@ def build_vocab_schedule(name: str, pp: int, microbatches: int, *, chunks: int =
             sched, cost = other, cost2
     if with_comm:
         sched = _insert_comm_proved(sched, cost)
+    validate(sched, cost)
+    return sched, cost
+
+
+def _build_one_queue(name: str, pp: int, microbatches: int, *, chunks, costs, memory_budget, cfg, forward_only,
+                     options) -> tuple[Schedule, CostModel]:
+    """``build_vocab_schedule`` for one hardware queue: every variant of the pass (policies, the
+    polished and unpolished base) with each receive placement, the collectives' posts placed and
+    proved (:mod:`.one_queue`); the variant with the shortest one-queue makespan is kept."""
+    from ...schedule.passes.comm import insert_comm
+    from ...schedule.registry import build_schedule
+    from ...schedule.validate import validate
+    from .one_queue import OneQueueDeadlock, place_posts
+
+    bases = [options]
+    if "polish" not in (options or {}):
+        bases.append({**(options or {}), "polish": False})
+    best, errors, seen = None, [], set()
+    for opts in bases:
+        base, cost = build_schedule(name, pp, microbatches, chunks=chunks, costs=costs,
+                                    memory_budget=memory_budget, with_comm=False, options=opts)
+        if opts is not options and "polished" not in base.meta:
+            continue
+        cost = _with_alg(cost, cfg, pp)
+        if forward_only:
+            base = forward_only_base(base)
+        for sched, _ in insert_vocab(base, cost, cfg, forward_only=forward_only, return_all=True):
+            key = tuple(tuple(r) for r in sched.ops)
+            if key in seen:
+                continue
+            seen.add(key)
+            for placement in ("early", "safe"):
+                cand = insert_comm(sched, cost, recv_placement=placement)
+                try:
+                    simulate(with_vocab_comm(cand, cost), cost, comm_model="blocking")
+                    entry = place_posts(cand, cost, cfg.one_queue_comms)
+                except (DeadlockError, OneQueueDeadlock) as e:
+                    errors.append(str(e).splitlines()[0])
+                    continue
+                if best is None or entry["makespan"] < best[0] - 1e-9:
+                    cand.meta["vocab_posts"] = entry
+                    best = (entry["makespan"], cand, cost)
+    if best is None:
+        raise ValidationError(f"schedule {name!r} (vocabulary parallel, one hardware queue): no variant of the pass "
+                              f"runs under one queue: {errors[0] if errors else 'no variant'}")
+    _, sched, cost = best
     validate(sched, cost)
     return sched, cost
 
@@ -824,6 +875,12 @@ def check_vocab(schedule: Schedule, cost: CostModel) -> None:
         except DeadlockError as e:
             raise ValidationError(f"schedule {schedule.name!r}: the vocabulary collectives deadlock with the "
                                   f"point-to-point order:\n{e}") from None
+        if meta.get("one_queue"):
+            from .one_queue import OneQueueDeadlock, check_posts
+            try:
+                check_posts(schedule, cost)
+            except OneQueueDeadlock as e:
+                raise ValidationError(str(e)) from None
 
 
 register_check(check_vocab)

@@ -58,9 +58,16 @@ class VocabTrainFeature:
     model_state_only: bool = True
     #: the pp=1 comparison (the plain model) is not bit for bit: see trainer/features.py
     reference_rounding: str = "the vocabulary-parallel softmax sums per shard"
-    #: shown by the emulation of NCCL's rules (tests/runtime/test_vocab_runtime.py)
-    one_queue_hang: str = ("its reduction channels' collectives queue behind this rank's stream waits for received "
-                           "tensors, which other ranks send only after those collectives")
+    def one_queue_hang(self, cfg: VocabParallelConfig) -> str | None:
+        """Why the threaded channels hang under one hardware queue (shown by the emulation of NCCL's
+        rules); None in the one-queue mode (``--vocab-parallel-one-queue``, automatic when
+        ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set), which runs under it
+        (tests/runtime/test_vocab_runtime.py::test_vocab_parallel_under_one_hardware_queue)."""
+        if cfg is not None and cfg.one_queue:
+            return None
+        return ("its reduction channels' collectives queue behind this rank's stream waits for received tensors, "
+                "which other ranks send only after those collectives (--vocab-parallel-one-queue on runs under "
+                "one queue)")
 
     def add_arguments(self, parser) -> None:
         add_vocab_arguments(parser)
@@ -94,9 +101,12 @@ class VocabTrainFeature:
         shards = ctx.pp * ctx.cfg.tp
         note = (f"vocabulary parallelism (algorithm {cfg.algorithm}, {cfg.barriers} barrier(s) per microbatch): "
                 f"output layer{'' if not cfg.input_embedding else ' and input embedding'} split into {shards} shards "
-                f"of {-(-ctx.cfg.vocab // shards)} rows over every pipeline x tensor rank")
+                f"of {-(-ctx.cfg.vocab // shards)} rows over every pipeline x tensor rank"
+                + (f"; one-queue mode (collectives issued by the main thread at proved points of the schedule, "
+                   f"{cfg.one_queue_comms} communicator(s) per channel)" if cfg.one_queue else ""))
         return FeaturePlan(built=(sched, cost), notes=(note,), flag="--enable-vocab-parallel",
                            summary={"algorithm": cfg.algorithm, "input_embedding": cfg.input_embedding,
+                                    "one_queue": cfg.one_queue,
                                     "label_smoothing": cfg.label_smoothing, "shards": shards})
 
     def megatron_lm(self, cfg: VocabParallelConfig):
