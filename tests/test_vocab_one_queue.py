@@ -138,6 +138,11 @@ def test_one_queue_mode_follows_the_hardware_queues(monkeypatch):
     assert not cfg("--vocab-parallel-one-queue", "off").one_queue
     with pytest.raises(VocabFlagError, match="--vocab-parallel-one-queue-comms 2 needs the one-queue mode"):
         cfg("--vocab-parallel-one-queue", "off", "--vocab-parallel-one-queue-comms", "2")
+    for bad in ("0", "-1"):
+        with pytest.raises(VocabFlagError, match=f"^--vocab-parallel-one-queue-comms {bad}: must be >= 1"):
+            cfg("--vocab-parallel-one-queue-comms", bad)
+    with pytest.raises(VocabFlagError, match="^--vocab-parallel-label-smoothing nan: must be in"):
+        cfg("--vocab-parallel-label-smoothing", "nan")
     with pytest.raises(VocabFlagError, match="--vocab-parallel-one-queue needs --enable-vocab-parallel"):
         vocab_config_from_args(parser.parse_args(["--vocab-parallel-one-queue", "on"]))
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -10,13 +10,11 @@ from dataclasses import dataclass, field, replace
 from .memory import RECOMPUTE_MODES, StagePart, StaticMemory
 from .presets import ClusterSpec, ModelSpec, PlannerError
 from .simcache import PipeResult
-from .timing import Efficiency, default_efficiency
+from .timing import FLEX_BACKENDS, TOKEN_DISPATCHERS, Efficiency, default_efficiency
 
 
 #: Megatron-Core's own schedules: they run on an unmodified Megatron-LM without features
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
-#: the flex dispatcher's backends the planner times (--moe-flex-dispatcher-backend)
-FLEX_BACKENDS = ("deepep", "hybridep")
 
 
 @dataclass(frozen=True)
@@ -240,8 +238,9 @@ class PlanRequest:
         the experts, etp the expert FFN, and ep*etp the GPUs of a pipeline stage (tp*dp), hence
         the GPU count."""
         model, n = self.model, self.cluster.num_gpus
-        if self.moe_dispatcher not in ("alltoall", "flex"):
-            raise PlannerError(f"--moe-token-dispatcher-type {self.moe_dispatcher!r}: one of alltoall, flex")
+        if self.moe_dispatcher not in TOKEN_DISPATCHERS:
+            raise PlannerError(f"--moe-token-dispatcher-type {self.moe_dispatcher!r}: one of "
+                               f"{', '.join(TOKEN_DISPATCHERS)}")
         if self.moe_flex_backend not in FLEX_BACKENDS:
             raise PlannerError(f"--moe-flex-dispatcher-backend {self.moe_flex_backend!r}: one of {', '.join(FLEX_BACKENDS)}")
         if self.moe_dispatcher != "alltoall":
@@ -295,7 +294,8 @@ class PlanRequest:
 
     @property
     def dispatcher(self) -> str:
-        """The token dispatcher as the time model tells them apart (timing.MOE_DISPATCHERS)."""
+        """The token dispatcher as the time model tells them apart: "alltoall" (timing.alltoall_time),
+        or the flex dispatcher's backend, "deepep" or "hybridep" (timing.flex_dispatch_time)."""
         return self.moe_flex_backend if self.moe_dispatcher == "flex" else "alltoall"
 
     @property

@@ -289,10 +289,12 @@ class Planner:
                             for cand in self._schedules(tp, pp, dp, mbs, m, rc, uneven, cp=cp):
                                 cand = replace(cand, ep=ep, etp=etp)
                                 yield cand
-                                why = self._no_pairs(cand) if req.overlap and model.is_moe else "-"
+                                if not (req.overlap and model.is_moe):
+                                    continue
+                                why = self._no_pairs(cand)
                                 if why is None:
                                     yield replace(cand, overlap=True)
-                                elif why != "-":   # (--overlap-moe-expert-parallel-comm asked: say why not)
+                                else:   # (--overlap-moe-expert-parallel-comm asked: say why not)
                                     self.rej.add("pairs", f"{_describe(cand)}+pairs", why)
 
     def _no_pairs(self, cand: Candidate) -> str | None:

@@ -479,10 +479,10 @@ def alltoall_time(nbytes: float, cluster: ClusterSpec, ep: int, etp: int) -> flo
     return max(t_near, t_far) + lat
 
 
-#: Megatron-Core's token dispatchers the planner times: ``alltoall`` (:func:`alltoall_time`), and the
-#: flex dispatcher on DeepEP's or on HybridEP's kernels (``deepep``, ``hybridep``:
-#: :func:`flex_dispatch_time`)
-MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+#: Megatron-LM's --moe-token-dispatcher-type values the planner plans, and the flex dispatcher's
+#: --moe-flex-dispatcher-backend values
+TOKEN_DISPATCHERS = ("alltoall", "flex")
+FLEX_BACKENDS = ("deepep", "hybridep")
 #: the dispatchers that copy the token counts to the host in every MoE layer's forward (a device
 #: synchronise: ``Efficiency.moe_layer_overhead_us``): the alltoall dispatcher (its split sizes),
 #: DeepEP (its received counts come back as a host list, and Megatron-Core sums them with ``.item()``);
@@ -512,15 +512,16 @@ def flex_dispatch_time(nbytes: float, model: ModelSpec, cluster: ClusterSpec, ep
     HybridEP's, which move tokens the same way): ``nbytes`` is this rank's tokens before routing
     (b*s/tp of them, h wide). It sends a token once to every other node holding one of its experts
     (over the network, to the GPU of the same index there), and every copy on to its expert's GPU
-    inside the node over NVLink; the two run concurrently (the slower counts). Against :func:`alltoall_time`, whose k copies of a token each
-    cross to their expert's rank, the network carries expected_nodes x (nodes-1)/nodes copies of
-    it instead of k x (nodes-1)/nodes (DeepSeek-V3 at ep 64 over 8 nodes, 4 of 8 groups: 3.5 for 7).
-    The expert-parallel group is etp x ep consecutive ranks (Megatron-Core's tp-ep-dp-pp order)."""
+    inside the node over NVLink; the two run concurrently (the slower counts). Against
+    :func:`alltoall_time`, whose k copies of a token each cross to their expert's rank, the network
+    carries expected_nodes x (nodes-1)/nodes copies of it instead of k x (nodes-1)/nodes (DeepSeek-V3
+    at ep 64 over 8 nodes, 4 of 8 groups: 3.5 for 7). The group is etp x ep consecutive ranks
+    (Megatron-Core's tp-ep-dp-pp order: :func:`expert_link` of ep*etp ranks one apart)."""
     group = ep * etp
     if group <= 1:
         return 0.0
     g = cluster.gpu
-    in_node = max(1, min(group, cluster.nvlink_size))
+    in_node, _ = expert_link(cluster, group, 1)
     nodes = -(-group // in_node)
     k = model.moe_topk * etp
     t_near = nbytes * k * (in_node - 1) / in_node / (g.nvlink_gbps * 1e9)

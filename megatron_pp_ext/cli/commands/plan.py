@@ -140,11 +140,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="whose memory to predict: gpu (Megatron-LM on GPUs: the fused softmax kernel, apex's fused "
                         "weight-gradient accumulation; default) or cpu (mppx train on CPU processes: torch's "
                         "softmax, weight gradients delivered through autograd; to check a plan there)")
-    s.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "flex"), default="alltoall",
+    from ...planner.timing import FLEX_BACKENDS, TOKEN_DISPATCHERS
+    s.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHERS, default="alltoall",
                    help="Megatron-Core's token dispatcher the plan runs (MoE): alltoall (NCCL's all-to-all; default) "
                         "or flex (DeepEP's kernels: one copy of a token per remote node over the network, forwarded "
                         "to its experts over NVLink)")
-    s.add_argument("--moe-flex-dispatcher-backend", choices=("deepep", "hybridep"), default=None,
+    s.add_argument("--moe-flex-dispatcher-backend", choices=FLEX_BACKENDS, default=None,
                    help="the flex dispatcher's kernels (with --moe-token-dispatcher-type flex): deepep (default) or "
                         "hybridep (keeps the token counts on the device: no host synchronise per MoE layer)")
     s.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",

@@ -53,9 +53,11 @@ class VocabParallelConfig:
             raise VocabConfigError(f"--vocab-parallel-algorithm {self.algorithm!r}: choose 1 (two barriers, "
                                    "the reference's --disable-backward-fusion) or 2 (one barrier)")
         if not 0.0 <= float(self.label_smoothing) < 1.0:
-            raise VocabConfigError(f"label smoothing {self.label_smoothing!r} must be in [0, 1)")
+            raise VocabConfigError(f"--vocab-parallel-label-smoothing {self.label_smoothing!r}: must be in [0, 1), "
+                                   "e.g. 0.1 (0: none)")
         if int(self.one_queue_comms) < 1:
-            raise VocabConfigError(f"one_queue_comms {self.one_queue_comms!r} must be >= 1")
+            raise VocabConfigError(f"--vocab-parallel-one-queue-comms {self.one_queue_comms!r}: must be >= 1 "
+                                   "(communicators per channel), e.g. 2")
         if self.extra_inflight is not None and self.extra_inflight < 0:
             raise VocabConfigError(f"extra_inflight {self.extra_inflight!r} must be >= 0")
 
