@@ -1,6 +1,6 @@
 """The planner's timing of overlapped pairs (--overlap-moe-expert-parallel-comm): the simulation
 cache never changes an answer, a paired plan's pipeline is the paired order simulated at the plan's
-own microbatch count (audit round 5, #2 and #4), and a paired plan's flags run what was timed (#3)."""
+own microbatch count, not extrapolated from 2p, and a paired plan's flags run what was timed."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_an_order_read_back_from_disk_equals_the_built_one_meta_included():
 def test_a_warm_disk_cache_gives_the_cold_answer_for_a_paired_schedule(tmp_path):
     """The unpaired run writes the order; the paired run of a fresh process reads it back: the
     pairing pass must see DualPipeV's published pairs as the cold run does (5.769 s warm against
-    5.667 s cold in the audit's mppx plan)."""
+    5.667 s cold, in mppx plan, before the cache kept them)."""
     cold = SimCache(disk=False).pipeline(*_DPV, a2a=_DPV_A2A)
     warm = SimCache(path=tmp_path)
     warm.pipeline(*_DPV)                       # fills the order cache (and its results)

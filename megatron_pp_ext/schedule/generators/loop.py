@@ -18,7 +18,7 @@ from ..catalog import ScheduleRequest, register_schedule
 from .bounds import makespan_lower_bound, named_limits
 from .greedy import Policy, list_schedule
 from .patterns import interleaved_table, interleaved_zb_pattern, zb_h1_pattern, zb_h2_pattern
-from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates
+from .search import FULL_SEARCH_OPS, pattern_targets, search, standard_candidates, with_dearer
 
 
 def _one_f_one_b_peak(p: int, v: int) -> list[float]:
@@ -165,7 +165,8 @@ def _zb(req: ScheduleRequest, name: str) -> Schedule:
     lean = p * m * 3 > FULL_SEARCH_OPS
     cands = zb_candidates(name, p, cost, budget, lean=lean)
     sched = search(cands, m, cost, budget=budget, always=["1f1b-split"], keep=1 if lean else 2,
-                   lower_bound=lambda mm: makespan_lower_bound(loop_placement(p, 1), mm, cost, budget).makespan)
+                   lower_bound=lambda mm: makespan_lower_bound(loop_placement(p, 1), mm, cost, budget).makespan,
+                   fallbacks=None if lean else with_dearer(name, loop_placement(p, 1), cost, budget))
     sched.name = name
     sched.meta["budget_units"] = budget if isinstance(budget, (int, float)) else max(budget)
     return sched
@@ -218,6 +219,10 @@ def interleaved_zb(req: ScheduleRequest) -> Schedule:
     cands.append(("pattern-interleaved-zb", lambda mm: interleaved_zb_pattern(p, mm, v)))
     cands.append(("pattern-interleaved-zb-p", lambda mm: interleaved_zb_pattern(p, mm, v, group=p)))
     cands += _izb_edf(p, v, cost, budget)
+    # no search.with_dearer here: its candidates for F, B, W or the latency doubled (these deadline
+    # runs among them won most) took longer than its own search (2.1 times the CPU over v = 2..4,
+    # p = 4 and 8, m = 2p and 3p), and at m = 2p, the planner's, more of its orders were beaten by
+    # its own for dearer costs with them than without (docs/schedules.md, *Costs and slow links*)
     sched = search(cands, m, cost, budget=budget, always=["pattern-interleaved-zb", "pattern-interleaved-zb-p"], keep=1 if lean else 2,
                    lower_bound=lambda mm: makespan_lower_bound(placement, mm, cost, budget).makespan)
     sched.name = "interleaved-zb"

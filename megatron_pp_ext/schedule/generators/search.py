@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 from ..costs import CostModel
 from ..ir import Schedule, ScheduleError
 from ..progress import report
-from .block import block_order, fit_blocks
+from .block import block_order, fit_blocks, order_key
 from .evaluate import evaluate
 from .greedy import Policy, list_schedule
 
@@ -143,6 +143,81 @@ def standard_candidates(name: str, placement: tuple[int, ...], cost: CostModel, 
     return cands
 
 
+#: how much dearer :func:`dearer_models` makes each part of the work
+DEARER = 2.0
+
+
+def dearer_models(cost: CostModel) -> list[tuple[str, CostModel]]:
+    """The request's costs with one part :data:`DEARER` times dearer: F, B or W of every stage,
+    or the p2p latency (from zero: from half the largest F). Same activations, so the same memory.
+    A part that is zero everywhere (W of an unsplit backward) gives no dearer costs."""
+    k = DEARER
+    models = [(f"F{k:g}", cost.with_(t_f=tuple(x * k for x in cost.t_f))),
+              (f"B{k:g}", cost.with_(t_b=tuple(x * k for x in cost.t_b))),
+              (f"W{k:g}", cost.with_(t_w=tuple(x * k for x in cost.t_w))),
+              (f"C{k:g}", cost.with_(comm=(cost.comm or 0.5 * max(cost.t_f)) * k))]
+    return [(tag, c) for tag, c in models if c != cost]
+
+
+def dearer_candidates(name: str, placement: tuple[int, ...], cost: CostModel, budget: float | Sequence[float], *,
+                      deadlines: bool = True, seen: set | None = None) -> list[tuple[str, Builder]]:
+    """The cost-aware candidates worth building for dearer costs (:func:`with_dearer`): the tight
+    building blocks that fit ``budget`` in block order and as deadlines (W's late), and the list
+    scheduler by template priority. Over p = 3..8, m = p+2..3p and 26 costs (1,872 requests of
+    zb-h1, zb-h2, interleaved-zb, zbv, v-half, v-min) these were 178 of the 184 orders built for
+    dearer costs that beat the request's own; the rest of :func:`standard_candidates` (the rule
+    policies, the half-spaced blocks) won 6 and took 40% of the time spent building them.
+    ``deadlines=False`` leaves out the blocks as deadlines: on the V (p = 2..6, m = p+2, 2p, 3p,
+    24 costs) they never won where the other fallbacks did not, and they took a third of the V's
+    fallback time. ``seen``: :func:`.block.order_key` of the blocks already run in block order; a
+    block with one of those orders is not run in order again (as deadlines it is: the costs
+    differ), and the set takes the new ones."""
+    p = max(placement) + 1
+    limits = [budget] * p if isinstance(budget, (int, float)) else list(budget)
+    pol = Policy(priority="template", w_delay=1.0, f_slack=0.0)
+    edf = Policy(priority="template", w_delay=math.inf)
+    cands: list[tuple[str, Builder]] = [
+        (pol.label(), lambda mm: list_schedule(name, placement, mm, cost, limits, pol))]
+    for label, blk in fit_blocks(placement, cost, budget, spacings=("tight",)):
+        key = order_key(blk, placement) if seen is not None else None
+        if key is None or key not in seen:
+            cands.append((label, lambda mm, blk=blk: Schedule(name, mm, placement, block_order(blk, placement, mm))))
+            if seen is not None:
+                seen.add(key)
+        if deadlines:
+            cands.append((f"{label}-edf-{edf.label()}",
+                          lambda mm, blk=blk: list_schedule(name, placement, mm, cost, limits, edf,
+                                                            template=blk.template())))
+    return cands
+
+
+def with_dearer(name: str, placement: tuple[int, ...], cost: CostModel, budget: float | Sequence[float], *,
+                deadlines: bool = True) -> Callable[[], list[tuple[str, Builder]]]:
+    """Fallbacks for :func:`search`: :func:`dearer_candidates` (with ``deadlines``) for each
+    ``c`` of :func:`dearer_models`, labelled ``label@tag`` and scored under ``cost``. The cost-aware
+    builders (blocks, deadlines, the list scheduler's timing) would otherwise give the cheaper
+    request a slower order than one they build for more work (zb-h1, p=6, m=8, costs 1,2,2,0: 52,
+    where the order built for 2,2,2,0 takes 50; now 50). A block whose order is already among the
+    candidates (one of the request's own blocks, or one for other dearer costs: over a third of
+    those laid out at p = 2 to 8 for the costs of docs/schedules.md's grid) is not run in order
+    again. The generators skip the fallbacks above the lean size (the planner's builds, at m = 2p
+    and 3p, are below it up to p = 25 with two chunks a rank)."""
+    def build() -> list[tuple[str, Builder]]:
+        seen = {order_key(blk, placement) for _, blk in fit_blocks(placement, cost, budget)}
+        out = []
+        for tag, dear in dearer_models(cost):
+            for label, make in dearer_candidates(name, placement, dear, budget, deadlines=deadlines, seen=seen):
+                out.append((f"{label}@{tag}", lambda mm, b=make: _unrated(b(mm))))
+        return out
+    return build
+
+
+def _unrated(sched: Schedule) -> Schedule:
+    """The list scheduler's own figures are for the costs it was built with: drop them."""
+    sched.meta.pop("est", None)
+    return sched
+
+
 def _over_budget(sched: Schedule, cost: CostModel, peak: float, budget) -> str | None:
     """What ``sched`` needs beyond ``budget`` (one number for every rank, or one per rank), or None."""
     if budget is None:
@@ -177,7 +252,9 @@ def likely_first(candidates: Sequence[tuple[str, Builder]]) -> list[tuple[str, B
 def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *,
            budget: float | Sequence[float] | None = None, always: Iterable[str] = (), keep: int = 2,
            num_stages: int | None = None, full_ops: int = FULL_SEARCH_OPS,
-           lower_bound: Callable[[int], float] | None = None) -> Schedule:
+           lower_bound: Callable[[int], float] | None = None,
+           fallbacks: Callable[[], Sequence[tuple[str, Builder]]] | None = None,
+           own_best: bool = False) -> Schedule:
     """Best candidate for ``m`` microbatches (least makespan, then least peak memory).
 
     ``candidates``: ``(label, build)`` with ``build(m) -> Schedule``. Candidates over
@@ -186,7 +263,12 @@ def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *
     and only the best ``keep`` (and those labelled in ``always``) are built at ``m``. The winner's
     ``meta`` records its label (``candidate``) and how many candidates were tried.
     ``lower_bound(m)``: a makespan no schedule can beat (:mod:`.bounds`); the search stops as
-    soon as a candidate reaches it.
+    soon as a candidate reaches it. ``fallbacks()``: more candidates (:func:`with_dearer`), tried
+    after the others when none of those reached the lower bound; the best ``keep`` of the others
+    are then built at ``m`` too, so the result is never slower than without them. With
+    ``own_best``, when one of the fallbacks wins, ``meta["own_best"]`` holds the best of
+    ``candidates`` (what the search would have returned without them: :mod:`.vshape` polishes
+    it first).
     """
     S = num_stages or cost.num_stages
     always = set(always)
@@ -213,28 +295,43 @@ def search(candidates: Sequence[tuple[str, Builder]], m: int, cost: CostModel, *
         m_sel = min(m, max(m_sel, 2 * (S // 2) + 4))
         if 2 * m_sel > m:
             m_sel = m  # hardly smaller, and close rankings can flip between the sizes: rank at m
-    ranked = []
+    ranked = []   # (key, label, build, schedule, one of ``candidates``)
     floor = lower_bound(m_sel) if lower_bound is not None else -1.0
     tried = 0
-    for label, build in likely_first(candidates):
-        tried += 1
-        got = run(label, build, m_sel)
-        if got is not None:
-            ranked.append((got[0], label, build, got[1]))
-            if got[0][0] <= floor + 1e-6:
-                break  # optimal: nothing can be faster
+
+    def rank_all(pool, own: bool) -> bool:
+        nonlocal tried
+        for label, build in pool:
+            tried += 1
+            got = run(label, build, m_sel)
+            if got is not None:
+                ranked.append((got[0], label, build, got[1], own))
+                if got[0][0] <= floor + 1e-6:
+                    return True  # optimal: nothing can be faster
+        return False
+
+    if not rank_all(likely_first(candidates), True) and fallbacks is not None:
+        rank_all(likely_first(fallbacks()), False)
     ranked.sort(key=lambda x: x[0])
     if m_sel < m:
-        finalists = [x for i, x in enumerate(ranked) if i < keep or x[1] in always]
+        own_top = [x for x in ranked if x[4]][:keep]
+        finalists = [x for i, x in enumerate(ranked) if i < keep or x[1] in always or any(x is o for o in own_top)]
         ranked = []
-        for _, label, build, _ in finalists:
+        for _, label, build, _, own in finalists:
             got = run(label, build, m)
             if got is not None:
-                ranked.append((got[0], label, build, got[1]))
+                ranked.append((got[0], label, build, got[1], own))
         ranked.sort(key=lambda x: x[0])
     if not ranked:
         raise (errors[0] if errors else ScheduleError("no candidate schedule could be built"))
-    _, label, _, sched = ranked[0]
+    _, label, _, sched, own = ranked[0]
+    if own_best and not own:
+        best_own = next((x for x in ranked if x[4]), None)
+        if best_own is not None and best_own[3] is not sched:
+            best_own[3].meta.pop("est", None)
+            best_own[3].meta["candidate"] = best_own[1]
+            best_own[3].meta["candidates_tried"] = tried
+            sched.meta["own_best"] = best_own[3]
     sched.meta.pop("est", None)
     sched.meta["candidate"] = label
     sched.meta["candidates_tried"] = tried
