@@ -15,9 +15,10 @@ of seconds at p=16), while evaluating a given order is cheap. So this module
   Schedules that keep fewer than p microbatches in flight may have a slower steady state
   (V-Min, V-Half, budgets), and so may any schedule whose round trip (every stage's F and B
   and a message per hop) is longer than the microbatches a rank holds take to compute (a slow
-  link sets the pace): for them a second run at 3p measures the slope, used when it is
-  slower (by > 2 %). Peak memory is the larger of the two runs' on each rank (saturated by 2p;
-  on a slow link the orders built for 2p and 3p may hold differently);
+  link sets the pace): for them a second run at 3p (and, link-bound, a third at 4p, where such
+  a pace has settled) measures the slope, used when it is slower (by > 2 %). Peak memory is
+  the largest of the runs' on each rank (saturated by 2p; on a slow link the orders built for
+  2p, 3p and 4p may hold differently);
 * paired orders (overlapped pairs hide the all-to-all, so no rank's busy time gives the slope,
   and the pairing pass's choice depends on m) are simulated at m itself up to
   ``PAIRED_DIRECT`` stage-microbatches (m x stages; about half a second of pairing), beyond
@@ -378,24 +379,25 @@ class SimCache:
         per_mb = [0.0] * pp
         for s, a in enumerate(fine.act):
             per_mb[_rank_of(s, pp, chunks, name)] += a
-        runs, last = (m1,), r1
+        runs, done = (m1,), [r1]
         slope = busy_slope
         held = [pk / u for pk, u in zip(r1["peak"], per_mb) if u > 0]
         link_bound = _round_trip(fine, pp, chunks, name) / max(held) > _SLOWER * busy_slope
         if megatron or link_bound or max(held) < pp - 1e-6:
             # fewer than p microbatches in flight somewhere, or a round trip longer than the
-            # microbatches a rank holds take to compute: the steady state may be slower
-            m2 = 3 * pp
-            r2 = run(m2)
-            two_point = (r2["makespan"] - r1["makespan"]) / (m2 - m1)
+            # microbatches a rank holds take to compute: the steady state may be slower. A
+            # link-bound pace settles later: its slope is measured up to 4p (3p also run, for
+            # the memory its order holds)
+            runs = (m1, 3 * pp, 4 * pp) if link_bound and not megatron else (m1, 3 * pp)
+            done += [run(mm) for mm in runs[1:]]
+            two_point = (done[-1]["makespan"] - r1["makespan"]) / (runs[-1] - m1)
             if megatron or two_point > _SLOWER * busy_slope:
                 slope = two_point
-            runs, last = (m1, m2), r2
-        m_last = runs[-1]
+        last, m_last = done[-1], runs[-1]
         makespan = last["makespan"] + (m - m_last) * slope
         busy = tuple(b / m_last * m * ref for b in last["busy"])
-        # (the orders built for 2p and 3p may hold differently on a rank: the larger)
-        peak = tuple(max(a, b) for a, b in zip(r1["peak"], last["peak"]))
+        # (the orders built for each count may hold differently on a rank: the largest)
+        peak = tuple(max(r["peak"][k] for r in done) for k in range(len(r1["peak"])))
         return PipeResult(makespan * ref, busy, peak, runs, True)
 
 
