@@ -14,8 +14,9 @@ emulated rules are put on again, for it and after it, when the variable changes 
 rule), then resets Megatron-LM's global state for the next one. The last rank writes ``out``: per
 run, the training losses per iteration and the validation/test losses as exact floats
 (``float.hex``), the gradient norms, the wall time, the emulated NCCL rules it ran under
-(``emulated_nccl``: None, or whether with one queue), and the error if the run failed (a failed
-run ends the launch: ranks may be out of step).
+(``emulated_nccl``: None, or whether with one queue), the writing rank's thread count once the
+run's state and process groups are gone (``threads_after``), and the error if the run failed (a
+failed run ends the launch: ranks may be out of step).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             entry["feature_metrics"] = every          # per global rank
             results.append(entry)
             _reset()
+            entry["threads_after"] = _thread_count()   # (this rank's, once the run's groups are gone)
             _set_env(saved_env)      # (after the barrier: every rank has ended the run)
         _write(spec, results)
     finally:
@@ -152,6 +154,7 @@ def _reset() -> None:
     from . import integration
     torch.distributed.barrier()
     destroy_global_state()
+    _destroy_subgroups()
     from .. import compat
     compat.reset_moe_metrics()   # (sized by the last model's layers: MTP adds some)
     st = integration._STATE
@@ -166,6 +169,30 @@ def _reset() -> None:
         for f in st.model_features:
             f.close()
         st.model_features = []
+
+
+def _thread_count() -> int | None:
+    """This process's threads, native ones included (Linux; None elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def _destroy_subgroups() -> int:
+    """Destroy every process group but the default one. Megatron-LM's ``destroy_model_parallel``
+    forgets its groups without destroying them, and so do the runs' executors and features: each
+    run of a launch left its gloo groups' threads behind (dense4: about 1,300 threads per rank
+    after its runs, and a 1-minute load of 150 on 2 cores). Every rank calls it at the same point
+    (after the barrier of :func:`_reset`); the next run makes its own groups."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world   # (torch keeps no public list of groups)
+
+    world = dist.group.WORLD
+    gone = [pg for pg in list(_world.pg_map) if pg is not world]
+    for pg in gone:
+        dist.destroy_process_group(pg)
+    return len(gone)
 
 
 def _write(spec: dict, results: list) -> None:
