@@ -215,10 +215,14 @@ def _exchange_sync(run: dict, path: str) -> tuple[float | None, str]:
     """The measured ``exchange_sync_us`` to write (None: none) and the ``measured`` note on it."""
     value, detail = run["sync"]
     detail = detail if isinstance(detail, dict) else {}
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not 0 <= value <= 1e6:
-            raise CalibrateError(f"{path}: exchange_sync_us={value!r}: expected microseconds from 0 to 1e6 (or null)")
+    if value is not None:   # (Efficiency's own bounds, the ones the plan holds the file to)
+        from .presets import PlannerError
+        from .timing import Efficiency
+        try:
+            Efficiency().with_(exchange_sync_us=value)
+        except (PlannerError, TypeError) as e:
+            raise CalibrateError(f"{path}: exchange_sync_us={value!r}: expected microseconds "
+                                 f"({str(e).split(': ', 1)[-1].split(' (')[0]}, or null)") from None
     if run["device"] == "cpu":
         return None, ("exchange_sync_us: a run on CPU processes, where the host runs every op to its end: no device "
                       "idles while the host relaunches, so nothing was measured; the plan keeps the GPU preset's value")

@@ -129,14 +129,9 @@ class SyncSampler:
     # -- attach / detach (LIFO with the other hooks of the window: attached last, detached first) --
     def attach(self, executor) -> "SyncSampler":
         if self._executor is None:
+            from ..runtime.executor import attach_op_hook
             self._executor, self._prev_hook = executor, executor.op_hook
-            prev = self._prev_hook
-
-            def hook(op, phase: str, _prev=prev) -> None:
-                self.op_hook(op, phase)
-                if _prev is not None:
-                    _prev(op, phase)
-            executor.op_hook = hook
+            attach_op_hook(executor, self.op_hook)
         return self
 
     def detach(self) -> None:

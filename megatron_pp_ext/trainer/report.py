@@ -347,7 +347,7 @@ def _uncounted_work(plan) -> str:
     """What the first schedule's costs, the same on every stage, leave out: the MTP layers of the
     last stage and uneven layers per stage (and when measured costs replace them)."""
     c, lps = plan.cfg, plan.layers_per_stage
-    left = ([f"the last stage's {c.mtp_num_layers} MTP layer(s)"] if getattr(c, "mtp_num_layers", None) else []) \
+    left = ([f"the last stage's {c.mtp_num_layers} MTP layer(s)"] if c.mtp_num_layers else []) \
         + ([f"layers per stage {','.join(map(str, lps))}"] if len(set(lps)) > 1 else [])
     if not left:
         return ""
